@@ -1,0 +1,1 @@
+"""The per-VM daemon: notice watchers, Unix-socket fan-out, metrics, sd_notify."""
