@@ -1,0 +1,1 @@
+"""Performance targets, measured as ratios/percentiles against baselines in the same run (`make bench`)."""
