@@ -26,27 +26,28 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 EXIT_USAGE = 2
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
+    """Only the chosen subcommand's module is imported: one broken module cannot break the others."""
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="spotguard", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="spotguard", description="Turn spot/preemptible VM termination notices into a committed checkpoint and a clean exit.")
     parser.add_argument("--version", action="version", version=f"spotguard {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        mod = importlib.import_module(module)
-        adder = getattr(mod, f"add_{name}_arguments", None) or mod.add_arguments
-        adder(p)
         p.set_defaults(_module=module, _name=name)
+        if name == command:
+            mod = importlib.import_module(module)
+            adder = getattr(mod, f"add_{name}_arguments", None) or mod.add_arguments
+            adder(p)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # Build only the chosen subcommand's parser eagerly-enough: importing every
-    # module for --help is fine (none of them imports torch at module level).
-    parser = build_parser()
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in SUBCOMMANDS else None)
     args = parser.parse_args(argv)
     mod = importlib.import_module(args._module)
     runner = getattr(mod, f"{args._name}_main", None) or mod.main

@@ -23,6 +23,7 @@ def configure_logging(fmt: str = "json", level: str = "info", stream: TextIO | N
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _logger_key,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
@@ -34,5 +35,14 @@ def configure_logging(fmt: str = "json", level: str = "info", stream: TextIO | N
     )
 
 
+def _logger_key(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    """Render ``logger_name`` as ``logger`` (see ``get_logger``)."""
+    if "logger_name" in event_dict and "logger" not in event_dict:
+        event_dict["logger"] = event_dict.pop("logger_name")
+    return event_dict
+
+
 def get_logger(name: str, **bound: Any) -> Any:
-    return structlog.get_logger(logger=name, **bound)
+    # structlog.get_logger's own first parameter is called ``logger``, so the
+    # name travels as ``logger_name`` and is rendered as ``logger``.
+    return structlog.get_logger(logger_name=name, **bound)

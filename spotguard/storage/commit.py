@@ -1,0 +1,446 @@
+"""The commit protocol: a checkpoint counts only once its commit record exists and checks out.
+
+Layout under the storage root::
+
+    step-00000042/            one folder per checkpoint (DCP shards, .metadata, extras)
+    step-00000042/COMMIT.json the commit record, written LAST, atomically
+    latest                    a hint ("step-00000042"), written after the commit
+
+Why a record listing every file with its size: on an object store or NFS a
+crashed rank can leave a folder that *looks* complete; resume must be able to
+prove the bytes are all there without trusting ``latest`` or file presence.
+One record type is shared by the hook, the CLI and every backend.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..logs import get_logger
+from ..timefmt import parse_rfc3339, to_rfc3339, utcnow
+from .base import ObjectInfo, Storage, StorageError, check_key, join_key
+
+__all__ = [
+    "FORMAT",
+    "COMMIT_NAME",
+    "LATEST_NAME",
+    "REASONS",
+    "AlreadyCommitted",
+    "CommitRecord",
+    "CheckpointInfo",
+    "step_dir",
+    "parse_step_dir",
+    "read_latest",
+    "prepare_attempt",
+    "commit",
+    "scan",
+    "newest_committed",
+    "apply_retention",
+]
+
+FORMAT = 1
+COMMIT_NAME = "COMMIT.json"
+LATEST_NAME = "latest"
+REASONS: tuple[str, ...] = ("emergency", "periodic", "final", "manual")
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+
+log = get_logger("spotguard.storage")
+
+
+class AlreadyCommitted(StorageError):
+    """The step's folder already holds a commit record: it is never overwritten or cleared."""
+
+    def __init__(self, step: int, key: str) -> None:
+        super().__init__(f"checkpoint {key} (step {step}) is already committed; it is never overwritten")
+        self.step = step
+        self.key = key
+
+
+def step_dir(step: int) -> str:
+    """The folder key of a step's checkpoint: ``step-%08d``."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    return "step-%08d" % step
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a ``step-NNNNNNNN`` folder name, or None if the name is not one."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+# --- the record -------------------------------------------------------------
+
+
+def _int(data: Mapping[str, Any], name: str, minimum: int = 0) -> int:
+    v = data[name]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"commit record field {name!r} must be an integer, got {type(v).__name__}")
+    if v < minimum:
+        raise ValueError(f"commit record field {name!r} must be >= {minimum}, got {v}")
+    return v
+
+
+def _str(data: Mapping[str, Any], name: str) -> str:
+    v = data[name]
+    if not isinstance(v, str):
+        raise ValueError(f"commit record field {name!r} must be a string, got {type(v).__name__}")
+    return v
+
+
+def _check_file_name(name: Any) -> str:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"commit record file name must be a non-empty string, got {name!r}")
+    try:
+        check_key(name)
+    except StorageError as exc:
+        raise ValueError(f"commit record file name {name!r} is not a safe relative path: {exc}") from None
+    if name == COMMIT_NAME:
+        raise ValueError(f"commit record lists itself ({COMMIT_NAME}) as a file")
+    return name
+
+
+@dataclass
+class CommitRecord:
+    """The manifest of one checkpoint; its presence (valid) is what makes the checkpoint count."""
+
+    step: int
+    world_size: int = 1
+    reason: str = "manual"
+    notice_id: str | None = None
+    files: dict[str, int] = field(default_factory=dict)
+    bytes: int = 0
+    seconds: float = 0.0
+    created_at: str = field(default_factory=lambda: to_rfc3339(utcnow()))
+    spotguard_version: str = field(default_factory=lambda: _version())
+    extra: dict[str, Any] = field(default_factory=dict)
+    format: int = FORMAT
+
+    def validate(self) -> "CommitRecord":
+        """Raise ValueError naming the first problem; returns self."""
+        self.from_dict(self.to_dict())
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "step": self.step,
+            "created_at": self.created_at,
+            "world_size": self.world_size,
+            "reason": self.reason,
+            "notice_id": self.notice_id,
+            "files": dict(sorted(self.files.items())),
+            "bytes": self.bytes,
+            "seconds": self.seconds,
+            "spotguard_version": self.spotguard_version,
+            "extra": self.extra,
+        }
+
+    def to_json(self) -> str:
+        """Stable, human-readable JSON; validates first so a bad record is never written."""
+        self.validate()
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False, allow_nan=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "CommitRecord":
+        """Parse and strictly validate; any problem is a ValueError naming it."""
+        if isinstance(text, (bytes, bytearray)):
+            try:
+                text = bytes(text).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"commit record is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+        if not isinstance(text, str):
+            raise ValueError(f"commit record must be text, got {type(text).__name__}")
+        if not text.strip():
+            raise ValueError("commit record is empty")
+        try:
+            data = json.loads(text, parse_constant=_reject_constant)
+        except RecursionError:
+            raise ValueError("commit record is nested too deeply") from None
+        except ValueError as exc:  # JSONDecodeError and our NaN/Infinity rejection
+            raise ValueError(f"commit record is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "CommitRecord":
+        if not isinstance(data, dict):
+            raise ValueError(f"commit record must be a JSON object, got {type(data).__name__}")
+        required = ("format", "step", "created_at", "world_size", "reason", "files", "bytes")
+        for name in required:
+            if name not in data:
+                raise ValueError(f"commit record is missing field {name!r}")
+        fmt = _int(data, "format", 1)
+        if fmt > FORMAT:
+            raise ValueError(f"commit record format {fmt} is newer than this spotguard understands ({FORMAT})")
+        step = _int(data, "step", 0)
+        created_at = _str(data, "created_at")
+        try:
+            parse_rfc3339(created_at)
+        except (ValueError, TypeError, OverflowError):
+            raise ValueError(f"commit record created_at {created_at!r} is not an RFC 3339 time") from None
+        world_size = _int(data, "world_size", 1)
+        reason = _str(data, "reason")
+        if reason not in REASONS:
+            raise ValueError(f"commit record reason {reason!r} is not one of {', '.join(REASONS)}")
+        notice_id = data.get("notice_id")
+        if notice_id is not None and not isinstance(notice_id, str):
+            raise ValueError(f"commit record notice_id must be a string or null, got {type(notice_id).__name__}")
+        files_raw = data["files"]
+        if not isinstance(files_raw, dict):
+            raise ValueError(f"commit record 'files' must be an object, got {type(files_raw).__name__}")
+        files: dict[str, int] = {}
+        for name, size in files_raw.items():
+            _check_file_name(name)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise ValueError(f"commit record size of file {name!r} must be a non-negative integer, got {size!r}")
+            files[name] = size
+        total = _int(data, "bytes", 0)
+        if files and total != sum(files.values()):
+            raise ValueError(f"commit record bytes={total} does not equal the sum of file sizes {sum(files.values())}")
+        seconds = data.get("seconds", 0.0)
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"commit record seconds must be a finite non-negative number, got {seconds!r}")
+        version = data.get("spotguard_version", "")
+        if not isinstance(version, str):
+            raise ValueError("commit record spotguard_version must be a string")
+        extra = data.get("extra", {})
+        if not isinstance(extra, dict):
+            raise ValueError(f"commit record 'extra' must be an object, got {type(extra).__name__}")
+        return cls(
+            format=fmt, step=step, created_at=created_at, world_size=world_size, reason=reason,
+            notice_id=notice_id, files=files, bytes=total, seconds=float(seconds),
+            spotguard_version=version, extra=extra,
+        )
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+# --- folder states ------------------------------------------------------------
+
+
+@dataclass
+class CheckpointInfo:
+    """One ``step-*`` folder as found in storage; ``committed`` means loadable (record checks out)."""
+
+    step: int
+    dir: str
+    committed: bool
+    latest: bool
+    record: CommitRecord | None
+    problem: str | None
+    bytes: int
+    mtime: float
+
+    @property
+    def state(self) -> str:
+        """``committed`` or ``incomplete`` (a record that fails its checks is not loadable either)."""
+        return "committed" if self.committed else "incomplete"
+
+    @property
+    def has_record(self) -> bool:
+        """A commit record file is present (it may still be garbage or contradict the files)."""
+        return self.record is not None or (self.problem is not None and not self.problem.startswith("no commit"))
+
+
+NO_RECORD = "no commit record (save interrupted or still in progress)"
+
+
+def _check_folder(storage: Storage, step: int, key: str, objects: Mapping[str, ObjectInfo]) -> tuple[CommitRecord | None, str | None]:
+    """Validate one folder; returns (record, problem) with problem None when it is loadable."""
+    if COMMIT_NAME not in objects:
+        return None, NO_RECORD
+    try:
+        raw = storage.read_bytes(join_key(key, COMMIT_NAME))
+    except FileNotFoundError:
+        return None, NO_RECORD
+    try:
+        record = CommitRecord.from_json(raw)
+    except ValueError as exc:
+        return None, f"garbage commit record: {exc}"
+    if record.step != step:
+        return record, f"step mismatch: folder {key} but its commit record says step {record.step}"
+    for name, size in sorted(record.files.items()):
+        info = objects.get(name)
+        if info is None:
+            return record, f"missing file {name} (commit record lists {size} bytes)"
+        if info.size < size:
+            return record, f"truncated shard {name}: {info.size} of {size} bytes"
+        if info.size != size:
+            return record, f"size mismatch for {name}: {info.size} bytes, commit record says {size}"
+    return record, None
+
+
+def read_latest(storage: Storage) -> str | None:
+    """The ``latest`` hint's folder name, or None. Only a hint: never load without the record."""
+    try:
+        text = storage.read_bytes(LATEST_NAME).decode("utf-8", "replace").strip()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    return text if parse_step_dir(text) is not None else None
+
+
+def _group(objects: list[ObjectInfo]) -> dict[str, dict[str, ObjectInfo]]:
+    """Objects by top-level ``step-*`` folder, keyed by their name inside it."""
+    folders: dict[str, dict[str, ObjectInfo]] = {}
+    for obj in objects:
+        head, sep, rest = obj.key.partition("/")
+        if sep and parse_step_dir(head) is not None:
+            folders.setdefault(head, {})[rest] = obj
+    return folders
+
+
+def _info(storage: Storage, name: str, objects: dict[str, ObjectInfo], latest: str | None) -> CheckpointInfo:
+    step = parse_step_dir(name)
+    assert step is not None
+    record, problem = _check_folder(storage, step, name, objects)
+    return CheckpointInfo(
+        step=step,
+        dir=name,
+        committed=problem is None,
+        latest=(name == latest),
+        record=record,
+        problem=problem,
+        bytes=sum(o.size for n, o in objects.items() if n != COMMIT_NAME),
+        mtime=max((o.mtime for o in objects.values()), default=0.0),
+    )
+
+
+def scan(storage: Storage) -> list[CheckpointInfo]:
+    """Every ``step-*`` folder, oldest step first, each with its state and why it is not loadable."""
+    folders = _group(storage.list("step-"))
+    latest = read_latest(storage)
+    return [_info(storage, name, folders[name], latest) for name in sorted(folders, key=lambda n: parse_step_dir(n) or 0)]
+
+
+def newest_committed(storage: Storage) -> CheckpointInfo | None:
+    """The newest checkpoint whose commit record checks out; newer bad ones are logged once each and skipped.
+
+    Never trusts ``latest``: it only tells us whether to mention that the hint was wrong.
+    """
+    folders = _group(storage.list("step-"))
+    latest = read_latest(storage)
+    for name in sorted(folders, key=lambda n: parse_step_dir(n) or 0, reverse=True):
+        info = _info(storage, name, folders[name], latest)
+        if info.committed:
+            if latest is not None and latest != name:
+                log.info("latest hint ignored", storage=storage.uri, latest=latest, chosen=name)
+            return info
+        log.warning(
+            "skipping checkpoint that cannot be loaded",
+            storage=storage.uri, dir=name, step=info.step, reason=info.problem,
+            latest_hint=bool(info.latest),
+        )
+    return None
+
+
+# --- writing ------------------------------------------------------------------
+
+
+def prepare_attempt(storage: Storage, step: int) -> str:
+    """Make ``step``'s folder ready for a fresh save and return its key.
+
+    Clears what an earlier, uncommitted attempt left there (DCP must not mix old
+    shards with new ones). Raises ``AlreadyCommitted`` if the folder holds a
+    commit record: a committed checkpoint is never touched. Call on one rank
+    (rank 0), then barrier, before any rank writes.
+    """
+    key = step_dir(step)
+    if storage.exists(join_key(key, COMMIT_NAME)):
+        raise AlreadyCommitted(step, key)
+    leftovers = storage.list(key + "/")
+    if leftovers:
+        log.info("clearing uncommitted leftovers", storage=storage.uri, dir=key, files=len(leftovers))
+        storage.delete_prefix(key + "/")
+    return key
+
+
+def commit(storage: Storage, step: int, record: CommitRecord) -> CommitRecord:
+    """Commit ``step``'s checkpoint: verify the files, write the record LAST, then the ``latest`` hint.
+
+    If ``record.files`` is empty it is filled (in place) from the files actually
+    present; otherwise every listed file must be present with its size. Every
+    rank's bytes must already be written (call after the save's final barrier).
+    Returns the record as written.
+    """
+    key = step_dir(step)
+    if record.step != step:
+        raise ValueError(f"commit record says step {record.step} but commit() was called for step {step}")
+    if storage.exists(join_key(key, COMMIT_NAME)):
+        raise AlreadyCommitted(step, key)
+    present = {o.key[len(key) + 1:]: o for o in storage.list(key + "/")}
+    present.pop(COMMIT_NAME, None)
+    if not record.files:
+        if not present:
+            raise StorageError(f"nothing to commit: {storage.uri}/{key}/ holds no files")
+        record.files = {name: o.size for name, o in present.items()}
+    else:
+        for name, size in record.files.items():
+            o = present.get(name)
+            if o is None:
+                raise StorageError(f"cannot commit {key}: file {name} is missing")
+            if o.size != size:
+                raise StorageError(f"cannot commit {key}: {name} has {o.size} bytes, expected {size}")
+    record.bytes = sum(record.files.values())
+    data = record.to_json().encode("utf-8")  # validates
+    storage.make_durable(key)  # every shard durable before the record exists
+    storage.write_bytes(join_key(key, COMMIT_NAME), data)
+    _write_latest(storage, step)
+    log.info("checkpoint committed", storage=storage.uri, dir=key, step=step, bytes=record.bytes,
+             files=len(record.files), reason=record.reason, notice_id=record.notice_id)
+    return record
+
+
+def _write_latest(storage: Storage, step: int) -> None:
+    """Point ``latest`` at ``step`` unless it already names a newer committed checkpoint."""
+    current = read_latest(storage)
+    cur_step = parse_step_dir(current) if current else None
+    if cur_step is not None and cur_step > step and storage.exists(join_key(current or "", COMMIT_NAME)):
+        return
+    try:
+        storage.write_bytes(LATEST_NAME, (step_dir(step) + "\n").encode())
+    except OSError as exc:  # only a hint: the commit already stands
+        log.warning("could not write latest hint", storage=storage.uri, step=step, error=str(exc))
+
+
+def apply_retention(storage: Storage, keep: int | None) -> list[str]:
+    """Delete committed checkpoints beyond the newest ``keep`` and unloadable folders older than the newest committed.
+
+    ``keep=None`` keeps every committed checkpoint (still clears stale
+    incomplete ones). Folders newer than the newest committed one are left alone
+    (a save may be in progress). The newest committed checkpoint is never
+    deleted. Returns the deleted folder keys. Call on one rank.
+    """
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be a positive integer or None, got {keep!r}")
+    infos = scan(storage)
+    committed = [i for i in infos if i.committed]
+    if not committed:
+        return []
+    newest = committed[-1]
+    doomed: list[CheckpointInfo] = [i for i in infos if not i.committed and i.step < newest.step]
+    if keep is not None:
+        doomed += committed[:-keep] if len(committed) > keep else []
+    deleted: list[str] = []
+    for info in sorted(doomed, key=lambda i: i.step):
+        if info.dir == newest.dir:  # belt and braces
+            continue
+        # Remove the record first so a half-deleted folder can never look committed.
+        if info.committed:
+            storage.delete_prefix(join_key(info.dir, COMMIT_NAME))
+        storage.delete_prefix(info.dir + "/")
+        deleted.append(info.dir)
+    if deleted:
+        log.info("retention deleted checkpoints", storage=storage.uri, deleted=deleted, keep=keep, newest=newest.dir)
+    return deleted
