@@ -1,0 +1,568 @@
+"""In-memory state of the metadata emulator: notices, tokens, faults, counters.
+
+Everything the three cloud front-ends render is derived from one list of
+``NoticeRecord``s, so the control API, the cloud views and ``/_emulator/state``
+can never disagree. All methods are synchronous and must run on the event loop
+thread; waiters (GCP hanging GETs, hung requests) are woken through
+``asyncio.Event``s, never by polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Deque, Optional
+
+from aiohttp import web
+
+from ..timefmt import to_rfc3339, utcnow
+
+__all__ = [
+    "EmulatorConfig",
+    "EmulatorState",
+    "Fault",
+    "NoticeRecord",
+    "ControlError",
+    "STATE_KEY",
+    "CLOUDS",
+    "FAULT_MODES",
+    "cloud_of_path",
+]
+
+CLOUDS: tuple[str, ...] = ("aws", "gcp", "azure")
+KINDS: tuple[str, ...] = ("preemption", "rebalance", "maintenance", "termination")
+FAULT_MODES: tuple[str, ...] = ("status", "hang", "slow", "malformed", "content_type", "reset")
+
+AWS_SPOT_ACTIONS: tuple[str, ...] = ("terminate", "stop", "hibernate")
+AWS_EVENT_CODES: tuple[str, ...] = (
+    "system-reboot",
+    "instance-reboot",
+    "system-maintenance",
+    "instance-retirement",
+    "instance-stop",
+)
+AWS_CODE_DESCRIPTIONS: dict[str, str] = {
+    "system-reboot": "scheduled reboot",
+    "instance-reboot": "scheduled reboot",
+    "system-maintenance": "scheduled maintenance",
+    "instance-retirement": "The instance is running on degraded hardware",
+    "instance-stop": "The instance is running on degraded hardware",
+}
+AZURE_EVENT_TYPES: tuple[str, ...] = ("Reboot", "Redeploy", "Freeze", "Preempt", "Terminate")
+AZURE_MIN_NOTICE: dict[str, float] = {
+    "Preempt": 30.0,
+    "Terminate": 300.0,
+    "Reboot": 900.0,
+    "Freeze": 900.0,
+    "Redeploy": 600.0,
+}
+# Default notice length per (cloud, kind) when the control call gives no in_seconds.
+DEFAULT_IN_SECONDS: dict[tuple[str, str], float] = {
+    ("aws", "preemption"): 120.0,
+    ("aws", "rebalance"): 120.0,
+    ("aws", "maintenance"): 3600.0,
+    ("aws", "termination"): 120.0,
+    ("gcp", "preemption"): 30.0,
+    ("gcp", "maintenance"): 60.0,
+    ("gcp", "termination"): 60.0,
+}
+
+
+class ControlError(ValueError):
+    """A bad control-API request: becomes a 400 with the message."""
+
+
+def cloud_of_path(path: str) -> Optional[str]:
+    """Which cloud a request path belongs to (``None`` for control and unknown paths)."""
+    if path.startswith("/latest/") or path == "/latest":
+        return "aws"
+    if path.startswith("/computeMetadata/"):
+        return "gcp"
+    if path.startswith("/metadata/"):
+        return "azure"
+    return None
+
+
+@dataclass
+class EmulatorConfig:
+    """Switches for faithful failure behaviour; settable at start and via ``POST /_emulator/config``."""
+
+    azure_vm_name: str = "vm-0"
+    aws_token_put_hang: bool = False
+    aws_imdsv1: bool = False
+    aws_token_max_ttl: Optional[float] = None
+    aws_recompute_time: bool = False
+    aws_disabled: bool = False
+    gcp_ignore_wait: bool = False
+    asg: bool = False
+    azure_rate_limit: int = 5
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def update(self, values: dict[str, Any]) -> None:
+        """Apply a partial update, type-checked so a typo in a test fails loudly."""
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        for key, value in values.items():
+            if key not in fields:
+                raise ControlError(f"unknown config key {key!r} (known: {', '.join(sorted(fields))})")
+            if key == "azure_vm_name":
+                if not isinstance(value, str) or not value:
+                    raise ControlError("azure_vm_name must be a non-empty string")
+            elif key == "aws_token_max_ttl":
+                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                    raise ControlError("aws_token_max_ttl must be a positive number or null")
+            elif key == "azure_rate_limit":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ControlError("azure_rate_limit must be an integer >= 0 (0 = off)")
+            elif not isinstance(value, bool):
+                raise ControlError(f"{key} must be a boolean")
+        for key, value in values.items():
+            setattr(self, key, value)
+
+
+@dataclass
+class NoticeRecord:
+    """One scheduled notice; ``status`` is active|canceled|completed|started."""
+
+    id: str
+    cloud: str
+    kind: str
+    created: datetime
+    deadline: datetime
+    status: str = "active"
+    action: str = ""  # AWS spot action
+    code: str = ""  # AWS scheduled-event code
+    description: str = ""
+    event_type: str = ""  # Azure
+    resources: list[str] = field(default_factory=list)  # Azure
+    event_source: str = "Platform"  # Azure
+    duration: int = -1  # Azure DurationInSeconds
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "cloud": self.cloud,
+            "kind": self.kind,
+            "created": to_rfc3339(self.created),
+            "deadline": to_rfc3339(self.deadline),
+            "status": self.status,
+        }
+        for name in ("action", "code", "description", "event_type"):
+            if getattr(self, name):
+                out[name] = getattr(self, name)
+        if self.cloud == "azure":
+            out["resources"] = list(self.resources)
+        return out
+
+
+@dataclass
+class Fault:
+    """An injected failure; ``remaining`` None = until cleared."""
+
+    id: str
+    cloud: str
+    mode: str
+    path: str = ""
+    status: int = 503
+    delay: float = 2.0
+    retry_after: Optional[int] = None
+    remaining: Optional[int] = None
+    hits: int = 0
+
+    def matches(self, cloud: Optional[str], path: str) -> bool:
+        if self.remaining is not None and self.remaining <= 0:
+            return False
+        if self.cloud != "*" and self.cloud != cloud:
+            return False
+        return path.startswith(self.path) if self.path else True
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class EmulatorState:
+    """All mutable emulator state; one instance per server."""
+
+    def __init__(self, config: Optional[EmulatorConfig] = None) -> None:
+        self.base_config = dataclasses.replace(config) if config else EmulatorConfig()
+        self.config = dataclasses.replace(self.base_config)
+        self.notices: list[NoticeRecord] = []
+        self.faults: list[Fault] = []
+        self.tokens: dict[str, float] = {}  # token -> monotonic expiry
+        self.requests: collections.Counter[str] = collections.Counter()
+        self.request_log: Deque[dict[str, Any]] = collections.deque(maxlen=100)
+        self.azure_incarnation = 0
+        self.azure_approved: list[str] = []
+        self.azure_approved_unknown: list[str] = []
+        self.azure_throttled = 0
+        self._azure_window: Deque[float] = collections.deque()
+        self._ids = itertools.count(1)
+        self._recompute = itertools.count(0)
+        self._gcp_changed = asyncio.Event()
+        self._request_seen = asyncio.Event()
+        self.closing = asyncio.Event()
+
+    # ----- notices -------------------------------------------------------------
+    def add_notice(
+        self,
+        cloud: str,
+        kind: str,
+        in_seconds: Optional[float] = None,
+        *,
+        action: Optional[str] = None,
+        code: Optional[str] = None,
+        description: Optional[str] = None,
+        event_type: Optional[str] = None,
+        resources: Optional[list[str]] = None,
+        event_source: Optional[str] = None,
+        duration: Optional[int] = None,
+    ) -> NoticeRecord:
+        """Schedule a notice the way the provider would publish it (see docs/emulator.md)."""
+        if cloud not in CLOUDS:
+            raise ControlError(f"cloud must be one of {', '.join(CLOUDS)}, got {cloud!r}")
+        if kind not in KINDS:
+            raise ControlError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        if in_seconds is not None and (isinstance(in_seconds, bool) or not isinstance(in_seconds, (int, float))):
+            raise ControlError("in_seconds must be a number")
+        now = utcnow()
+        rec = NoticeRecord(id="", cloud=cloud, kind=kind, created=now, deadline=now)
+        if cloud == "aws":
+            self._fill_aws(rec, kind, action, code, description)
+        elif cloud == "gcp":
+            if kind == "rebalance":
+                raise ControlError("gcp has no rebalance notice")
+            rec.id = f"gcp-{next(self._ids)}"
+        else:
+            self._fill_azure(rec, kind, event_type, resources, event_source, duration, description)
+        if in_seconds is None:
+            in_seconds = DEFAULT_IN_SECONDS.get((cloud, kind), AZURE_MIN_NOTICE.get(rec.event_type, 60.0))
+        rec.deadline = now + timedelta(seconds=float(in_seconds))
+        if cloud == "aws" and kind == "preemption":
+            for old in self._active("aws", "preemption"):
+                old.status = "canceled"  # one spot notice at a time, the newest wins
+        if cloud == "aws" and kind == "rebalance":
+            for old in self._active("aws", "rebalance"):
+                old.status = "canceled"
+        self.notices.append(rec)
+        if cloud == "gcp":
+            self._gcp_notify()
+        elif cloud == "azure":
+            self.azure_incarnation += 1
+        return rec
+
+    def _fill_aws(
+        self, rec: NoticeRecord, kind: str, action: Optional[str], code: Optional[str], description: Optional[str]
+    ) -> None:
+        if kind == "preemption":
+            rec.action = action or "terminate"
+            if rec.action not in AWS_SPOT_ACTIONS:
+                raise ControlError(f"action must be one of {', '.join(AWS_SPOT_ACTIONS)}")
+            rec.id = f"aws-spot-{next(self._ids)}"
+        elif kind == "rebalance":
+            rec.id = f"aws-rebalance-{next(self._ids)}"
+        elif kind == "maintenance":
+            rec.code = code or "system-maintenance"
+            if rec.code not in AWS_EVENT_CODES:
+                raise ControlError(f"code must be one of {', '.join(AWS_EVENT_CODES)}")
+            rec.description = description or AWS_CODE_DESCRIPTIONS[rec.code]
+            rec.id = "instance-event-" + secrets.token_hex(9)[:17]
+        else:
+            rec.id = f"aws-asg-{next(self._ids)}"
+
+    def _fill_azure(
+        self,
+        rec: NoticeRecord,
+        kind: str,
+        event_type: Optional[str],
+        resources: Optional[list[str]],
+        event_source: Optional[str],
+        duration: Optional[int],
+        description: Optional[str],
+    ) -> None:
+        default = {"preemption": "Preempt", "termination": "Terminate", "maintenance": "Freeze"}
+        if event_type is None:
+            if kind not in default:
+                raise ControlError("azure has no rebalance notice (give event_type to force one)")
+            event_type = default[kind]
+        if event_type not in AZURE_EVENT_TYPES:
+            raise ControlError(f"event_type must be one of {', '.join(AZURE_EVENT_TYPES)}")
+        if resources is not None and (
+            not isinstance(resources, list) or not all(isinstance(r, str) and r for r in resources)
+        ):
+            raise ControlError("resources must be a list of VM names")
+        rec.event_type = event_type
+        rec.resources = list(resources) if resources is not None else [self.config.azure_vm_name]
+        rec.event_source = event_source or ("User" if event_type == "Redeploy" else "Platform")
+        rec.duration = duration if duration is not None else (9 if event_type == "Freeze" else -1)
+        rec.description = description or {
+            "Preempt": "Virtual machine is being preempted.",
+            "Terminate": "Virtual machine is being deleted.",
+            "Freeze": "Host server is undergoing maintenance.",
+            "Reboot": "Virtual machine is going to be restarted as requested by authorized user.",
+            "Redeploy": "Virtual machine is being moved to another node.",
+        }[event_type]
+        rec.id = str(uuid.uuid4()).upper()
+
+    def cancel(self, cloud: Optional[str] = None, notice_id: Optional[str] = None, state: str = "canceled") -> list[str]:
+        """Withdraw notices; AWS scheduled events stay listed as canceled/completed, others vanish."""
+        if cloud is not None and cloud not in CLOUDS:
+            raise ControlError(f"cloud must be one of {', '.join(CLOUDS)}, got {cloud!r}")
+        if cloud is None and notice_id is None:
+            raise ControlError("cancel needs a cloud or an id")
+        if state not in ("canceled", "completed"):
+            raise ControlError("state must be canceled or completed")
+        hit: list[NoticeRecord] = [
+            r
+            for r in self.notices
+            if r.status in ("active", "started")
+            and (cloud is None or r.cloud == cloud)
+            and (notice_id is None or r.id == notice_id)
+        ]
+        if notice_id is not None and not hit:
+            raise ControlError(f"no active notice with id {notice_id!r}")
+        for rec in hit:
+            rec.status = state if (rec.cloud == "aws" and rec.kind == "maintenance") else "canceled"
+        if any(r.cloud == "gcp" for r in hit):
+            self._gcp_notify()
+        if any(r.cloud == "azure" for r in hit):
+            self.azure_incarnation += 1
+        return [r.id for r in hit]
+
+    def _active(self, cloud: str, kind: Optional[str] = None) -> list[NoticeRecord]:
+        return [r for r in self.notices if r.cloud == cloud and r.status == "active" and (kind is None or r.kind == kind)]
+
+    # ----- AWS views -------------------------------------------------------------
+    def issue_token(self, ttl: int) -> str:
+        """A fresh IMDSv2 token; ``aws_token_max_ttl`` silently shortens its real life."""
+        life = float(ttl)
+        if self.config.aws_token_max_ttl is not None:
+            life = min(life, float(self.config.aws_token_max_ttl))
+        token = secrets.token_urlsafe(42)
+        self.tokens[token] = time.monotonic() + life
+        return token
+
+    def token_valid(self, token: Optional[str]) -> bool:
+        if not token:
+            return False
+        expiry = self.tokens.get(token)
+        if expiry is None:
+            return False
+        if time.monotonic() >= expiry:
+            del self.tokens[token]
+            return False
+        return True
+
+    def aws_spot(self) -> Optional[NoticeRecord]:
+        active = self._active("aws", "preemption")
+        return active[-1] if active else None
+
+    def aws_spot_time(self, rec: NoticeRecord) -> str:
+        """The spot ``time``; with ``aws_recompute_time`` it shifts a few ms on every request."""
+        if not self.config.aws_recompute_time:
+            return rec.deadline.strftime("%Y-%m-%dT%H:%M:%SZ")
+        shifted = rec.deadline + timedelta(milliseconds=1 + next(self._recompute) % 9)
+        return to_rfc3339(shifted)
+
+    def aws_rebalance(self) -> Optional[NoticeRecord]:
+        active = self._active("aws", "rebalance")
+        return active[-1] if active else None
+
+    def aws_scheduled(self) -> list[NoticeRecord]:
+        return [r for r in self.notices if r.cloud == "aws" and r.kind == "maintenance"]
+
+    def aws_lifecycle(self) -> Optional[str]:
+        if self._active("aws", "termination"):
+            return "Terminated"
+        return "InService" if self.config.asg else None
+
+    # ----- GCP views -------------------------------------------------------------
+    def gcp_values(self) -> dict[str, str]:
+        preempted = bool(self._active("gcp", "preemption"))
+        event = "NONE"
+        for rec in self._active("gcp"):
+            if rec.kind == "termination":
+                event = "TERMINATE_ON_HOST_MAINTENANCE"
+            elif rec.kind == "maintenance":
+                event = "MIGRATE_ON_HOST_MAINTENANCE"
+        return {"preempted": "TRUE" if preempted else "FALSE", "maintenance-event": event}
+
+    def _gcp_notify(self) -> None:
+        """Wake every hanging GET; each re-renders and decides whether its value changed."""
+        event, self._gcp_changed = self._gcp_changed, asyncio.Event()
+        event.set()
+
+    def gcp_change_event(self) -> asyncio.Event:
+        """The event that fires on the next GCP change (take it *before* rendering)."""
+        return self._gcp_changed
+
+    # ----- Azure views -----------------------------------------------------------
+    def azure_allow(self) -> bool:
+        """Sliding 1 s window over every Azure request (throttled ones count too)."""
+        limit = self.config.azure_rate_limit
+        now = time.monotonic()
+        window = self._azure_window
+        window.append(now)
+        while window and window[0] <= now - 1.0:
+            window.popleft()
+        if limit <= 0 or len(window) <= limit:
+            return True
+        self.azure_throttled += 1
+        return False
+
+    def azure_events(self) -> list[NoticeRecord]:
+        """Events in the document; a scheduled event whose NotBefore passed starts by itself."""
+        now = utcnow()
+        changed = False
+        for rec in self.notices:
+            if rec.cloud == "azure" and rec.status == "active" and rec.deadline <= now:
+                rec.status = "started"
+                changed = True
+        if changed:
+            self.azure_incarnation += 1
+        return [r for r in self.notices if r.cloud == "azure" and r.status in ("active", "started")]
+
+    def azure_approve(self, event_ids: list[str]) -> list[str]:
+        """StartRequests: the event starts (for every VM it names) and NotBefore empties."""
+        started: list[str] = []
+        by_id = {r.id.lower(): r for r in self.notices if r.cloud == "azure" and r.status in ("active", "started")}
+        for event_id in event_ids:
+            rec = by_id.get(event_id.lower())
+            if rec is None:
+                self.azure_approved_unknown.append(event_id)
+                continue
+            self.azure_approved.append(rec.id)
+            if rec.status == "active":
+                rec.status = "started"
+                started.append(rec.id)
+        if started:
+            self.azure_incarnation += 1
+        return started
+
+    # ----- faults ----------------------------------------------------------------
+    def add_fault(
+        self,
+        mode: str,
+        cloud: str = "*",
+        path: str = "",
+        status: int = 503,
+        delay: float = 2.0,
+        count: Optional[int] = None,
+        retry_after: Optional[int] = None,
+    ) -> Fault:
+        """Inject a failure for matching requests (checked before any cloud logic)."""
+        if mode not in FAULT_MODES:
+            raise ControlError(f"mode must be one of {', '.join(FAULT_MODES)}, got {mode!r}")
+        if cloud not in (*CLOUDS, "*"):
+            raise ControlError(f"cloud must be aws, gcp, azure or *, got {cloud!r}")
+        if not isinstance(path, str) or (path and not path.startswith("/")):
+            raise ControlError("path must be a path prefix starting with /")
+        if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
+            raise ControlError("status must be an HTTP status code")
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay < 0:
+            raise ControlError("delay must be a number of seconds >= 0")
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+            raise ControlError("count must be a positive integer or null")
+        if retry_after is not None and (isinstance(retry_after, bool) or not isinstance(retry_after, int)):
+            raise ControlError("retry_after must be an integer")
+        fault = Fault(
+            id=f"fault-{next(self._ids)}",
+            cloud=cloud,
+            mode=mode,
+            path=path,
+            status=status,
+            delay=float(delay),
+            retry_after=retry_after,
+            remaining=count,
+        )
+        self.faults.append(fault)
+        return fault
+
+    def take_fault(self, cloud: Optional[str], path: str) -> Optional[Fault]:
+        """The first matching fault, its count consumed; exhausted faults are dropped."""
+        for fault in self.faults:
+            if fault.matches(cloud, path):
+                fault.hits += 1
+                if fault.remaining is not None:
+                    fault.remaining -= 1
+                    if fault.remaining <= 0:
+                        self.faults.remove(fault)
+                return fault
+        return None
+
+    def clear_faults(self, fault_id: Optional[str] = None) -> int:
+        before = len(self.faults)
+        self.faults = [f for f in self.faults if fault_id is not None and f.id != fault_id]
+        return before - len(self.faults)
+
+    # ----- bookkeeping -----------------------------------------------------------
+    def count_request(self, method: str, path: str, query: str) -> dict[str, Any]:
+        """Count ``METHOD path`` (tests assert no busy loops with it); returns the log entry."""
+        self.requests[f"{method} {path}"] += 1
+        entry: dict[str, Any] = {"time": to_rfc3339(utcnow()), "method": method, "path": path, "query": query, "status": None}
+        self.request_log.append(entry)
+        seen, self._request_seen = self._request_seen, asyncio.Event()
+        seen.set()
+        return entry
+
+    async def wait_requests(self, method: str, path: str, n: int = 1, timeout: float = 5.0) -> int:
+        """Wait until ``METHOD path`` was requested ``n`` times (tests: "the watcher is now waiting")."""
+
+        async def _wait() -> int:
+            while self.request_count(method, path) < n:
+                await self._request_seen.wait()
+            return self.request_count(method, path)
+
+        return await asyncio.wait_for(_wait(), timeout)
+
+    def request_count(self, method: str, path: str) -> int:
+        return self.requests.get(f"{method} {path}", 0)
+
+    def reset(self) -> None:
+        """Back to start-up state; Azure's incarnation moves on (the document changed)."""
+        had_gcp = any(r.cloud == "gcp" and r.status == "active" for r in self.notices)
+        self.notices.clear()
+        self.faults.clear()
+        self.tokens.clear()
+        self.requests.clear()
+        self.request_log.clear()
+        self._azure_window.clear()
+        self.azure_approved.clear()
+        self.azure_approved_unknown.clear()
+        self.azure_throttled = 0
+        self.azure_incarnation += 1
+        self.config = dataclasses.replace(self.base_config)
+        if had_gcp:
+            self._gcp_notify()
+
+    def close(self) -> None:
+        """Server shutdown: release every hanging request."""
+        self.closing.set()
+        self._gcp_notify()
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "config": self.config.to_dict(),
+            "notices": [r.to_dict() for r in self.notices],
+            "faults": [f.to_dict() for f in self.faults],
+            "aws": {"tokens": len(self.tokens)},
+            "gcp": self.gcp_values(),
+            "azure": {
+                "incarnation": self.azure_incarnation,
+                "approved": list(self.azure_approved),
+                "approved_unknown": list(self.azure_approved_unknown),
+                "throttled": self.azure_throttled,
+            },
+            "requests": dict(self.requests),
+            "request_log_tail": list(self.request_log),
+        }
+
+
+STATE_KEY: web.AppKey[EmulatorState] = web.AppKey("spotguard_emulator_state", EmulatorState)
