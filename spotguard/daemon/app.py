@@ -1,0 +1,610 @@
+"""``spotguard daemon``: watchers -> notice book -> Unix-socket fan-out, plus operations.
+
+The daemon must outlive everything that can go wrong around it: a watcher that
+raises is logged and restarted with backoff; a bad client is dropped alone.
+Its own SIGTERM (kubelet, shutdown scripts, SLURM) becomes a ``termination``
+notice, and it keeps serving until every subscriber reported its checkpoint
+(or left) or the grace deadline passed, then exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import inspect
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from datetime import timedelta
+from typing import Any, Optional, Sequence
+
+from .. import __version__
+from ..logs import configure_logging, get_logger
+from ..notice import KINDS, Cancel, Notice
+from ..protocol import (
+    VERSION,
+    CancelMsg,
+    CheckpointDone,
+    CheckpointFailed,
+    CheckpointStarted,
+    Drill,
+    DrillOk,
+    ErrorReply,
+    Hello,
+    Message,
+    NoticeMsg,
+    ProtocolError,
+    StatusReply,
+    encode,
+)
+from ..timefmt import to_rfc3339, utcnow
+from .book import Entry, NoticeBook
+from .config import ConfigError, DaemonConfig, add_arguments as _add_config_arguments
+from .metrics import Metrics, MetricsServer
+from .sdnotify import SdNotifier
+from .server import Client, Server, ServerStartError, drill_allowed
+from .watchers.base import Backoff, Watcher
+from .watchers.signal import SignalWatcher
+
+__all__ = ["Daemon", "StartupError", "add_arguments", "main"]
+
+log = get_logger("spotguard.daemon")
+
+MAX_DRILL_DEADLINE = 24 * 3600.0
+
+
+def _fits(msg: Message) -> bool:
+    try:
+        encode(msg)
+    except ProtocolError:
+        return False
+    return True
+
+
+def _fit_line(notice: Notice) -> Notice:
+    """A provider's raw ``detail`` may be huge: cut it so the notice fits one protocol line."""
+    if _fits(NoticeMsg(notice=notice)):
+        return notice
+    return dataclasses.replace(notice, detail=notice.detail[:4096] + " [truncated]")
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start; ``str()`` is one line naming the fix (exit 2)."""
+
+
+def _disconnect_label(reason: str) -> str:
+    """Low-cardinality label for the disconnect counter."""
+    r = reason.lower()
+    for key, label in (("overflow", "slow_reader"), ("stalled", "slow_reader"), ("malformed", "malformed"),
+                       ("too many", "limit"), ("shutting down", "shutdown")):
+        if key in r:
+            return label
+    return "closed"
+
+
+class Daemon:
+    """One per VM. ``await Daemon(cfg).run()`` returns the exit code."""
+
+    def __init__(self, config: DaemonConfig, *, watchers: Optional[Sequence[Watcher]] = None,
+                 metrics: Optional[Metrics] = None, notifier: Optional[SdNotifier] = None,
+                 install_signals: bool = True, restart_backoff: tuple[float, float] = (0.5, 30.0),
+                 expire_margin: float = 60.0, housekeeping_interval: float = 1.0,
+                 write_timeout: float = 10.0) -> None:
+        self.config = config
+        self.book = NoticeBook(expire_margin=expire_margin)
+        self.metrics = metrics or Metrics()
+        self.sd = notifier if notifier is not None else SdNotifier()
+        self.signal_watcher = SignalWatcher()
+        self.cloud = config.cloud
+        self.watchers: list[Watcher] = []
+        self._given_watchers = None if watchers is None else list(watchers)
+        self.install_signals = install_signals
+        self.restart_backoff = restart_backoff
+        self.housekeeping_interval = housekeeping_interval
+        self.write_timeout = write_timeout
+        self.server: Optional[Server] = None
+        self.metrics_server: Optional[MetricsServer] = None
+        self.uid = os.getuid()
+        self.started_monotonic = time.monotonic()
+        self.shutting_down: Optional[str] = None
+        self.exit_code = 0
+        self.ready = asyncio.Event()
+        self.stopped = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._progress = asyncio.Event()  # a subscriber reported or left: re-check the shutdown condition
+        self._watcher_tasks: dict[int, asyncio.Task[None]] = {}
+        self._restarts: dict[str, int] = {}
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._termination_task: Optional[asyncio.Task[None]] = None
+        self._side_tasks: set[asyncio.Task[Any]] = set()
+        self._signals: list[int] = []
+        self._shut = False
+
+    # --- lifecycle -------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Start, serve until stopped, shut down; ``StartupError`` if it cannot start."""
+        try:
+            await self.start()
+        except BaseException:
+            await self.shutdown()
+            raise
+        try:
+            await self._stop.wait()
+        finally:
+            await self.shutdown()
+        return self.exit_code
+
+    def request_stop(self, code: int = 0) -> None:
+        self.exit_code = code
+        self._stop.set()
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.cloud = await self._resolve_cloud()
+        built = self._given_watchers if self._given_watchers is not None else await self._build_watchers(self.cloud)
+        self.watchers = [*built, self.signal_watcher]
+        self.metrics.set_watchers(self.watchers)
+        self.server = Server(cfg.socket, self, max_subscribers=cfg.max_subscribers, queue_size=cfg.send_queue,
+                             ping_interval=cfg.ping_interval, write_timeout=self.write_timeout,
+                             socket_gid=cfg.socket_gid)
+        try:
+            await self.server.start()
+        except ServerStartError as exc:
+            self.server = None
+            raise StartupError(str(exc)) from None
+        if cfg.metrics_port:
+            self.metrics_server = MetricsServer(self.metrics, cfg.metrics_port, self._health)
+            try:
+                await self.metrics_server.start()
+            except OSError as exc:
+                self.metrics_server = None
+                raise StartupError(f"cannot serve metrics on 127.0.0.1:{cfg.metrics_port} ({exc.strerror}): choose "
+                                   "another --metrics-port, or 0 to turn metrics off") from None
+        if self.install_signals:
+            loop = asyncio.get_running_loop()
+            loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
+            loop.add_signal_handler(signal.SIGINT, self._on_sigint)
+            self._signals = [signal.SIGTERM, signal.SIGINT]
+        for w in self.watchers:
+            self._watcher_tasks[id(w)] = asyncio.create_task(self._supervise(w), name=f"watcher-{w.source}")
+        self._tasks.append(asyncio.create_task(self._housekeeping(), name="spotguard-housekeeping"))
+        if self.sd.watchdog_interval:
+            self._tasks.append(asyncio.create_task(self._watchdog(self.sd.watchdog_interval), name="sd-watchdog"))
+        log.info("daemon.ready", socket=cfg.socket, cloud=self.cloud, sources=self.sources(), node=self.node(),
+                 pid=os.getpid(), uid=self.uid, metrics_port=cfg.metrics_port or None, version=__version__)
+        self.sd.ready(self._sd_status())
+        self.ready.set()
+
+    async def shutdown(self) -> None:
+        """Idempotent: stop serving, stop watchers, remove the socket."""
+        if self._shut:
+            return
+        self._shut = True
+        self.sd.stopping(f"stopping ({self.shutting_down or 'requested'})")
+        if self._signals:
+            loop = asyncio.get_running_loop()
+            for sig in self._signals:
+                loop.remove_signal_handler(sig)
+        tasks = [*self._watcher_tasks.values(), *self._tasks, *self._side_tasks]
+        if self._termination_task is not None and self._termination_task is not asyncio.current_task():
+            tasks.append(self._termination_task)
+        for t in tasks:
+            t.cancel()
+        if self.server is not None:
+            await self.server.close()
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)
+        closes = [asyncio.ensure_future(self._close_watcher(w)) for w in self.watchers]
+        if closes:
+            await asyncio.wait(closes, timeout=2.0)
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
+        self.sd.close()
+        if self.ready.is_set():  # a failed start is reported by main's one error line only
+            log.info("daemon.stopped", exit_code=self.exit_code, reason=self.shutting_down or "requested")
+        self.stopped.set()
+
+    @staticmethod
+    async def _close_watcher(w: Watcher) -> None:
+        try:
+            await w.close()
+        except Exception as exc:  # a watcher's close must not block shutdown
+            log.warning("watcher.close_failed", source=w.source, error=repr(exc))
+
+    async def _resolve_cloud(self) -> str:
+        cfg = self.config
+        if cfg.cloud != "auto":
+            return cfg.cloud
+        try:
+            from .watchers.detect import detect_cloud
+
+            kwargs = {"dmi_root": cfg.dmi_root, "probe_base_url": cfg.metadata_url}
+            if inspect.iscoroutinefunction(detect_cloud):
+                cloud = await detect_cloud(**kwargs)
+            else:
+                cloud = await asyncio.to_thread(detect_cloud, **kwargs)
+        except Exception as exc:
+            log.warning("cloud.detect_failed", error=repr(exc), fallback="none",
+                        fix="pass --cloud aws|gcp|azure explicitly")
+            return "none"
+        cloud = str(cloud or "none")
+        log.info("cloud.detected", cloud=cloud, dmi_root=cfg.dmi_root)
+        if cloud == "none":
+            log.warning("cloud.none", detail="no cloud detected: watching SIGTERM and drills only",
+                        fix="pass --cloud aws|gcp|azure if this is a cloud VM")
+        return cloud
+
+    async def _build_watchers(self, cloud: str) -> list[Watcher]:
+        if cloud == "none":
+            return []
+        try:
+            from .watchers.registry import build_watchers
+
+            result = build_watchers(cloud, self.config.metadata_url, self.config.poll_interval)
+            if inspect.isawaitable(result):
+                result = await result
+        except Exception as exc:
+            raise StartupError(f"cannot build the {cloud} watchers ({type(exc).__name__}: {exc}); check --cloud "
+                               "and --metadata-url") from None
+        return list(result)
+
+    # --- watchers --------------------------------------------------------------
+
+    async def _supervise(self, w: Watcher) -> None:
+        """Run one watcher forever; a crash is logged, counted and restarted with backoff."""
+        base, cap = self.restart_backoff
+        backoff = Backoff(base=base, cap=cap)
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                async for event in w.events():
+                    try:
+                        self.ingest(event, w)
+                    except Exception as exc:
+                        log.error("notice.ingest_failed", source=w.source, error=repr(exc), exc_info=True)
+                if self._stop.is_set():
+                    return
+                log.warning("watcher.ended", source=w.source, detail="events() returned; restarting")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.error("watcher.crashed", source=w.source, error=f"{type(exc).__name__}: {exc}", exc_info=True)
+                try:
+                    w.health.error("crash", f"{type(exc).__name__}: {exc}")
+                except Exception:
+                    pass
+            self._restarts[w.source] = self._restarts.get(w.source, 0) + 1
+            self.metrics.watcher_restarts.labels(w.source).inc()
+            if loop.time() - started > 60:
+                backoff.reset()
+            delay = backoff.next_delay()
+            log.info("watcher.restarting", source=w.source, in_seconds=round(delay, 3),
+                     restarts=self._restarts[w.source])
+            await asyncio.sleep(delay)
+
+    def ingest(self, event: Any, watcher: Optional[Watcher] = None) -> Optional[Entry]:
+        """One event from a source: de-dup, record, fan out. Returns the new entry, if any."""
+        assert self.server is not None
+        if isinstance(event, Cancel):
+            entry = self.book.cancel(event.id)
+            if entry is None:
+                return None
+            log.info("notice.cancelled", notice_id=event.id, source=event.source, detail=event.detail[:500])
+            self.metrics.cancels.labels(event.source).inc()
+            self.server.broadcast(CancelMsg(id=event.id))
+            self._progress.set()
+            return None
+        if not isinstance(event, Notice):
+            log.warning("watcher.bad_event", source=getattr(watcher, "source", None), event_type=type(event).__name__)
+            return None
+        notice = _fit_line(event)
+        entry = self.book.add(notice, watcher)
+        if entry is None:
+            return None
+        self.metrics.notices.labels(notice.source, notice.kind).inc()
+        log.info("notice.seen", notice_id=notice.id, source=notice.source, kind=notice.kind,
+                 deadline=to_rfc3339(notice.deadline), received_at=to_rfc3339(notice.received_at),
+                 seconds_left=round(notice.seconds_left(), 3), detail=notice.detail[:500])
+        sent = self.server.broadcast(NoticeMsg(notice=notice), notice.id, notice.received_at.timestamp())
+        for c in sent:
+            self.book.queued(notice.id, c.id, live=True)
+        entry.broadcast_to = len(sent)
+        if not sent:
+            log.info("notice.delivered", notice_id=notice.id, subscribers=0,
+                     detail="no subscriber yet; replayed to each one that subscribes before it expires")
+        self.sd.status(self._sd_status())
+        if notice.source == "signal" and notice.kind == "termination" and self._termination_task is None:
+            self._termination_task = asyncio.create_task(self._terminate(notice), name="spotguard-termination")
+        return entry
+
+    # --- shutdown on SIGTERM --------------------------------------------------
+
+    def _on_sigterm(self) -> None:
+        if self._stop.is_set():
+            return
+        notice = self.signal_watcher.trigger(self.config.sigterm_grace)
+        if notice is None:
+            log.info("signal.repeated", signal="SIGTERM", detail="already shutting down")
+            return
+        self.shutting_down = "SIGTERM"
+        log.info("signal.received", signal="SIGTERM", notice_id=notice.id, grace_seconds=self.config.sigterm_grace)
+
+    def _on_sigint(self) -> None:
+        log.info("signal.received", signal="SIGINT", detail="plain shutdown")
+        self.shutting_down = self.shutting_down or "SIGINT"
+        self.request_stop(0)
+
+    def _unfinished(self) -> list[Client]:
+        assert self.server is not None
+        return [c for c in self.server.subscribers() if not self.book.client_finished(c.id)]
+
+    async def _terminate(self, notice: Notice) -> None:
+        """Serve until every subscriber reported checkpoint_done/failed (or left), or the deadline."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + max(0.0, notice.seconds_left())
+        log.info("shutdown.waiting", notice_id=notice.id, subscribers=len(self._unfinished()),
+                 deadline=to_rfc3339(notice.deadline))
+        while True:
+            pending = self._unfinished()
+            if not pending:
+                reason = "every subscriber reported its checkpoint or left"
+                break
+            left = end - loop.time()
+            if left <= 0:
+                reason = "grace deadline reached"
+                break
+            self._progress.clear()
+            try:
+                await asyncio.wait_for(self._progress.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        log.info("shutdown.ready", notice_id=notice.id, reason=reason,
+                 still_waiting_for=[c.describe() for c in pending])
+        self.request_stop(0)
+
+    # --- server handler ---------------------------------------------------------
+
+    def node(self) -> str:
+        if self.config.node:
+            return self.config.node
+        for w in self.watchers:
+            name = getattr(w, "node", None)
+            if isinstance(name, str) and name:
+                return name
+        return socket.gethostname()
+
+    def sources(self) -> list[str]:
+        out: list[str] = []
+        for s in [*(w.source for w in self.watchers), "signal", "drill"]:
+            if s not in out:
+                out.append(s)
+        return out
+
+    def hello(self) -> Hello:
+        return Hello(version=VERSION, node=self.node(), cloud=self.cloud, sources=self.sources())
+
+    def on_connect(self, client: Client) -> None:
+        pass
+
+    def on_subscribe(self, client: Client) -> None:
+        assert self.server is not None
+        self.metrics.subscribers.set(len(self.server.subscribers()))
+        for entry in list(self.book.active.values()):
+            if entry.id in client.sent_ids:
+                continue
+            if self.server.send(client, NoticeMsg(notice=entry.notice), entry.id, None):
+                self.book.queued(entry.id, client.id, live=False)
+                log.info("notice.replayed", notice_id=entry.id, **client.log_fields())
+        self._progress.set()
+        self.sd.status(self._sd_status())
+
+    def on_report(self, client: Client, msg: Message) -> None:
+        entry, changed = self.book.record(client.id, msg)
+        nid = getattr(msg, "id", "")
+        if entry is None:
+            log.info("report.unknown_notice", notice_id=nid, message_type=msg.type, **client.log_fields())
+            return
+        if not changed:
+            return
+        fields: dict[str, Any] = {}
+        if isinstance(msg, CheckpointStarted):
+            fields = {"step": msg.step}
+        elif isinstance(msg, CheckpointDone):
+            fields = {"step": msg.step, "uri": msg.uri, "bytes": msg.bytes, "seconds": msg.seconds}
+            if msg.seconds >= 0:
+                self.metrics.checkpoint_seconds.observe(msg.seconds)
+            if msg.bytes >= 0:
+                self.metrics.checkpoint_bytes.observe(msg.bytes)
+        elif isinstance(msg, CheckpointFailed):
+            fields = {"error": msg.error[:500]}
+            self.metrics.checkpoint_failures.inc()
+        event = "notice.acked" if msg.type == "ack" else f"notice.{msg.type}"
+        log.info(event, notice_id=nid, seconds_left=round(entry.notice.seconds_left(), 3), **fields,
+                 **client.log_fields())
+        if self.config.azure_ack_after_checkpoint and self.book.ready_for_approval(entry):
+            entry.approved = True
+            self._spawn(self._approve(entry))
+        self._progress.set()
+
+    async def _approve(self, entry: Entry) -> None:
+        w = entry.watcher
+        if w is None or type(w).approve is Watcher.approve:
+            return  # only sources with an approval step (Azure StartRequests)
+        log.info("notice.approving", notice_id=entry.id, source=entry.notice.source,
+                 subscribers=len(entry.reports))
+        try:
+            await w.approve(entry.notice)
+        except Exception as exc:
+            log.error("notice.approve_failed", notice_id=entry.id, source=entry.notice.source, error=repr(exc))
+            entry.approved = False
+            return
+        log.info("notice.approved", notice_id=entry.id, source=entry.notice.source)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
+    def on_status(self, client: Client) -> Message:
+        reply = StatusReply(state=self.status())
+        if _fits(reply):
+            return reply
+        # Hundreds of subscribers x notices can outgrow one 64 KiB line: summarise.
+        reply = StatusReply(state=self.status(compact=True))
+        return reply if _fits(reply) else ErrorReply(error="status too large for one line")
+
+    def on_drill(self, client: Client, msg: Drill) -> Message:
+        if not drill_allowed(client.peer, self.uid):
+            uid = None if client.peer is None else client.peer.uid
+            log.warning("drill.refused", peer_uid_allowed=False, daemon_uid=self.uid, **client.log_fields())
+            return ErrorReply(error=f"drill refused: peer uid {uid} is neither root nor the daemon's uid "
+                                    f"{self.uid}; run `spotguard drill` as root or as uid {self.uid}")
+        if msg.kind not in KINDS:
+            return ErrorReply(error=f"drill refused: unknown kind {msg.kind!r} (one of {', '.join(KINDS)})")
+        if not 0 < msg.deadline_in <= MAX_DRILL_DEADLINE:
+            return ErrorReply(error=f"drill refused: deadline_in must be in (0, {MAX_DRILL_DEADLINE:g}] seconds")
+        now = utcnow()
+        peer = client.peer
+        notice = Notice(
+            id=f"drill-{uuid.uuid4().hex[:16]}", source="drill", kind=msg.kind,
+            deadline=now + timedelta(seconds=msg.deadline_in), received_at=now,
+            detail=f"drill requested by pid {peer.pid if peer else '?'} uid {peer.uid if peer else '?'}",
+        )
+        log.info("drill.accepted", notice_id=notice.id, kind=msg.kind, deadline_in=msg.deadline_in,
+                 **client.log_fields())
+        self.ingest(notice, None)
+        return DrillOk(id=notice.id, deadline=to_rfc3339(notice.deadline))
+
+    def on_delivered(self, client: Client, notice_id: str, latency: Optional[float]) -> None:
+        entry = self.book.get(notice_id)
+        live = entry is not None and client.id in entry.pending
+        finished = self.book.delivered(notice_id, client.id, latency)
+        if live and latency is not None:
+            self.metrics.delivery_latency.observe(latency)
+            log.debug("notice.delivered_to", notice_id=notice_id, latency_ms=round(latency * 1e3, 3),
+                      **client.log_fields())
+        if finished is not None:
+            self._log_delivered(finished)
+
+    def on_disconnect(self, client: Client, reason: str) -> None:
+        assert self.server is not None
+        self.metrics.subscribers.set(len(self.server.subscribers()))
+        self.metrics.disconnects.labels(_disconnect_label(reason)).inc()
+        for entry in self.book.client_gone(client.id):
+            self._log_delivered(entry)
+        self._progress.set()
+        if client.subscribed:
+            self.sd.status(self._sd_status())
+
+    def _log_delivered(self, entry: Entry) -> None:
+        lat = sorted(entry.latencies)
+        fields: dict[str, Any] = {"subscribers": len(lat), "of": entry.broadcast_to}
+        if lat:
+            fields.update(latency_ms_p50=round(lat[len(lat) // 2] * 1e3, 3), latency_ms_max=round(lat[-1] * 1e3, 3))
+        log.info("notice.delivered", notice_id=entry.id, source=entry.notice.source, kind=entry.notice.kind, **fields)
+
+    # --- operations --------------------------------------------------------------
+
+    def status(self, compact: bool = False) -> dict[str, Any]:
+        """The ``status`` reply; ``compact`` lists at most 32 subscribers and counts states per notice."""
+        server = self.server
+        watchers = []
+        for w in self.watchers:
+            d = dict(w.health.to_dict())
+            task = self._watcher_tasks.get(id(w))
+            d["running"] = task is not None and not task.done()
+            d["restarts"] = self._restarts.get(w.source, 0)
+            watchers.append(d)
+        last = self.book.last
+        subscribers = [] if server is None else [c.describe() for c in server.subscribers()]
+        return {
+            "daemon_version": __version__,
+            "protocol_version": VERSION,
+            "node": self.node(),
+            "cloud": self.cloud,
+            "sources": self.sources(),
+            "pid": os.getpid(),
+            "uid": self.uid,
+            "uptime_seconds": round(time.monotonic() - self.started_monotonic, 3),
+            "socket": self.config.socket,
+            "watchers": watchers,
+            "subscribers": subscribers[:32] if compact else subscribers,
+            "subscribers_total": len(subscribers),
+            "clients": 0 if server is None else len(server.clients),
+            "active_notices": self.book.snapshot(compact=compact),
+            "last_notice": None if last is None else last.to_wire(),
+            "notices_total": self.book.total,
+            "azure_ack_after_checkpoint": self.config.azure_ack_after_checkpoint,
+            "shutting_down": self.shutting_down,
+        }
+
+    def _health(self) -> tuple[bool, dict[str, Any]]:
+        serving = self.server is not None and self.server.serving and not self._stop.is_set()
+        return serving, {
+            "socket": self.config.socket,
+            "serving": serving,
+            "cloud": self.cloud,
+            "watchers": {w.source: w.health.healthy for w in self.watchers},
+            "subscribers": 0 if self.server is None else len(self.server.subscribers()),
+        }
+
+    def _sd_status(self) -> str:
+        subs = 0 if self.server is None else len(self.server.subscribers())
+        return (f"cloud={self.cloud} subscribers={subs} active_notices={len(self.book.active)} "
+                f"socket={self.config.socket}")
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(self.housekeeping_interval)
+            for entry in self.book.expire():
+                log.info("notice.expired", notice_id=entry.id, source=entry.notice.source,
+                         deadline=to_rfc3339(entry.notice.deadline),
+                         detail="deadline passed and the VM is still here; no longer replayed")
+
+    async def _watchdog(self, interval: float) -> None:
+        while True:
+            self.sd.watchdog()
+            await asyncio.sleep(interval)
+
+
+# --- CLI -------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_config_arguments(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    """``spotguard daemon``: 0 on a clean stop, 2 on bad configuration."""
+    try:
+        cfg = DaemonConfig.from_args(args)
+    except ConfigError as exc:
+        print(f"spotguard daemon: error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(cfg.log_format, cfg.log_level)
+
+    async def _run() -> int:
+        return await Daemon(cfg).run()
+
+    try:
+        return asyncio.run(_run())
+    except StartupError as exc:
+        print(f"spotguard daemon: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _standalone(argv: Optional[list[str]] = None) -> int:
+    """``python -m spotguard.daemon.app`` (same flags as ``spotguard daemon``)."""
+    parser = argparse.ArgumentParser(prog="spotguard daemon")
+    add_arguments(parser)
+    return main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(_standalone())

@@ -1,0 +1,98 @@
+"""Flags > SPOTGUARD_<NAME> env > defaults; any bad value is one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+
+import pytest
+
+from spotguard.daemon.config import ConfigError, DaemonConfig, add_arguments
+from spotguard.protocol import DEFAULT_SOCKET
+
+from .conftest import REPO, daemon_cmd
+
+
+def parse(argv: list[str], env: dict[str, str] | None = None, create: bool = False) -> DaemonConfig:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return DaemonConfig.from_args(p.parse_args(argv), env or {}, create_socket_dir=create)
+
+
+def test_defaults() -> None:
+    c = parse([])
+    assert (c.cloud, c.socket, c.poll_interval, c.metrics_port, c.log_format) == ("auto", DEFAULT_SOCKET, None, 0,
+                                                                                   "json")
+    assert c.sigterm_grace == 25.0 and c.azure_ack_after_checkpoint is False
+    assert c.dmi_root == "/sys/class/dmi/id" and c.max_subscribers == 256 and c.socket_group is None
+
+
+def test_env_then_flags_win() -> None:
+    env = {"SPOTGUARD_CLOUD": "gcp", "SPOTGUARD_SOCKET": "/tmp/x/e.sock", "SPOTGUARD_POLL_INTERVAL": "2",
+           "SPOTGUARD_METRICS_PORT": "9100", "SPOTGUARD_AZURE_ACK_AFTER_CHECKPOINT": "true",
+           "SPOTGUARD_SIGTERM_GRACE": "10", "SPOTGUARD_METADATA_URL": "http://127.0.0.1:8999/",
+           "SPOTGUARD_LOG_FORMAT": "console"}
+    c = parse([], env)
+    assert (c.cloud, c.socket, c.poll_interval, c.metrics_port) == ("gcp", "/tmp/x/e.sock", 2.0, 9100)
+    assert c.azure_ack_after_checkpoint and c.sigterm_grace == 10 and c.log_format == "console"
+    assert c.metadata_url == "http://127.0.0.1:8999"
+    c = parse(["--cloud", "aws", "--socket", "/tmp/x/f.sock", "--poll-interval", "0.25", "--metrics-port", "0"], env)
+    assert (c.cloud, c.socket, c.poll_interval, c.metrics_port) == ("aws", "/tmp/x/f.sock", 0.25, 0)
+
+
+def test_empty_env_is_unset() -> None:
+    assert parse([], {"SPOTGUARD_METRICS_PORT": "", "SPOTGUARD_SOCKET": " "}).metrics_port == 0
+
+
+def test_bool_env_false() -> None:
+    assert parse([], {"SPOTGUARD_AZURE_ACK_AFTER_CHECKPOINT": "0"}).azure_ack_after_checkpoint is False
+
+
+@pytest.mark.parametrize("argv, env, needle", [
+    (["--cloud", "oracle"], {}, "--cloud: must be one of auto, aws, gcp, azure, none"),
+    (["--poll-interval", "-1"], {}, "--poll-interval: must be greater than 0"),
+    (["--poll-interval", "abc"], {}, "--poll-interval: expected a number of seconds"),
+    ([], {"SPOTGUARD_POLL_INTERVAL": "fast"}, "SPOTGUARD_POLL_INTERVAL='fast' (env): expected a number"),
+    (["--metrics-port", "70000"], {}, "--metrics-port: must be at most 65535"),
+    (["--metrics-port", "-5"], {}, "--metrics-port: must be at least 0"),
+    ([], {"SPOTGUARD_METRICS_PORT": "80.5"}, "expected an integer"),
+    (["--sigterm-grace", "nan"], {}, "finite"),
+    (["--log-format", "xml"], {}, "--log-format: must be one of json, console"),
+    (["--metadata-url", "169.254.169.254"], {}, "expected a base URL"),
+    ([], {"SPOTGUARD_AZURE_ACK_AFTER_CHECKPOINT": "maybe"}, "expected a boolean"),
+    (["--socket-group", "no-such-group-xyz"], {}, "no such group"),
+    (["--socket", "/tmp/" + "x" * 120], {}, "AF_UNIX"),
+    (["--max-subscribers", "0"], {}, "at least 1"),
+])
+def test_invalid(argv: list[str], env: dict[str, str], needle: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        parse(argv, env)
+    assert needle in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_socket_dir_created_or_clear_error(sockdir: str) -> None:
+    c = parse(["--socket", os.path.join(sockdir, "run", "spotguard", "s.sock")], create=True)
+    assert os.path.isdir(os.path.dirname(c.socket))
+    blocker = os.path.join(sockdir, "file")
+    open(blocker, "w").close()
+    with pytest.raises(ConfigError, match="cannot create socket directory"):
+        parse(["--socket", os.path.join(blocker, "sub", "s.sock")], create=True)
+
+
+@pytest.mark.parametrize("argv, env", [
+    (["--cloud", "nope"], {}),
+    ([], {"SPOTGUARD_POLL_INTERVAL": "-3"}),
+    (["--metrics-port", "99999"], {}),
+    (["--socket", "/proc/1/nope/s.sock"], {}),
+])
+def test_daemon_exits_2_with_one_line(argv: list[str], env: dict[str, str]) -> None:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
+    full_env.update(env)
+    proc = subprocess.run(daemon_cmd(*argv), env=full_env, capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("spotguard daemon: error: ")
+    assert proc.stdout == ""
