@@ -1,0 +1,816 @@
+"""The plain-PyTorch hook: notice -> agreed step -> committed DCP checkpoint -> clean exit.
+
+Shape of one iteration with no loop change (see SPEC.md "Python API")::
+
+    fwd/bwd ... [pre-hook: BOUNDARY] opt.step() [post-hook: DECIDE] sched.step() ...
+
+- DECIDE (post-hook of the clock optimizer, or ``GradScaler.update()`` when a
+  scaler is in the dict, because the scaler skips ``step()`` on inf/nan): count
+  the iteration, snapshot RNG / loader / running-stat buffers (they move on
+  before the next step), launch a non-blocking MAX all-reduce of the local
+  flag on the hook's own gloo group.
+- BOUNDARY (pre-hook of the clock's next step): wait that reduction (finished
+  long ago) and, if any rank asked, write the checkpoint standing for the end
+  of the deciding iteration: model/optimizer/scheduler as they are now (the
+  scheduler has stepped), RNG/loader/buffers from the snapshot.
+
+The clock is the first optimizer that steps (learned at run time), so a GAN's
+two optimizers work whatever their order in the dict. ``hook.range(total)`` and
+``hook.step()`` replace the optimizer hooks by an explicit boundary.
+
+Levels carried by the flag (MAX wins): 0 nothing, 1 ordinary checkpoint
+(rebalance/maintenance notice), 2 emergency (preemption/termination, SIGTERM,
+SIGUSR1), 3 a notice whose id is already in the newest committed checkpoint
+(a daemon replay after restart: exit without training or saving again).
+
+After ``dist.destroy_process_group()`` no collective is possible: a notice that
+arrives then (or after the last step) is logged as ``notice_after_last_step``
+and the process keeps its own exit code (0 for a finished job).
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import gc
+import os
+import random
+import signal
+import socket as _socket
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Mapping, NoReturn, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import __version__
+from ..logs import get_logger
+from ..notice import Notice
+from ..protocol import CheckpointDone, CheckpointFailed, CheckpointStarted
+from ..storage import Storage, open_storage
+from ..storage.commit import (
+    AlreadyCommitted,
+    CommitRecord,
+    apply_retention,
+    commit,
+    newest_committed,
+    prepare_attempt,
+    step_dir,
+)
+from ..timefmt import to_rfc3339, utcnow
+from . import events as ev
+from .dist import (
+    NO_DEADLINE_MS,
+    Agreement,
+    group_alive,
+    is_dist,
+    make_group,
+    run_bounded,
+    set_group_timeout,
+    teardown,
+)
+from .state import RESERVED_PREFIX, Objects, Snapshot, classify, pack, restore_rng, tracked_buffers, unpack
+
+__all__ = ["Hook", "Preempted", "SIGNAL_GRACE"]
+
+SIGNAL_GRACE = 30.0  # torchrun's default --shutdown-timeout: what a SIGTERM leaves us
+LEVEL_NONE, LEVEL_CHECKPOINT, LEVEL_EMERGENCY, LEVEL_REPLAY = 0, 1, 2, 3
+_ACTIONS = {0: "none", 1: "checkpoint", 2: "emergency", 3: "exit"}
+
+
+class Preempted(SystemExit):
+    """Raised after the emergency checkpoint (or its failure): the process should exit so the launcher restarts it."""
+
+    def __init__(self, code: int = 143, *, notice_id: str | None = None, step: int | None = None,
+                 uri: str | None = None, committed: bool = False) -> None:
+        super().__init__(code)
+        self.notice_id = notice_id
+        self.step = step
+        self.uri = uri
+        self.committed = committed
+
+
+@dataclass
+class _Result:
+    committed: bool
+    peers_ok: bool = True
+    uri: str = ""
+    bytes: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+
+def _ms(dt: Any) -> int:
+    return int(dt.timestamp() * 1000)
+
+
+def _env_float(name: str) -> Optional[float]:
+    raw = os.environ.get(name)
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        return None
+
+
+class Hook:
+    """Emergency checkpointing for a dict of stateful objects (see the module docstring)."""
+
+    def __init__(
+        self,
+        state: Mapping[str, Any],
+        storage: str | Storage | None = None,
+        *,
+        socket: str | None = None,
+        keep: int | None = None,
+        exit_code: int = 143,
+        on_notice: Callable[[Notice], Any] | None = None,
+        signals: bool = True,
+        intake: bool = True,
+    ) -> None:
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"keep must be a positive integer or None, got {keep!r}")
+        if isinstance(exit_code, bool) or not isinstance(exit_code, int) or not 0 <= exit_code <= 255:
+            raise ValueError(f"exit_code must be an integer in 0..255, got {exit_code!r}")
+        self._objs: Objects = classify(state)
+        self._storage: Storage = storage if isinstance(storage, Storage) else open_storage(storage)
+        self._keep = keep
+        self._exit_code = exit_code
+        self._on_notice_cb = on_notice
+        self._dist = is_dist()
+        self._rank = dist.get_rank() if self._dist else 0
+        self._world = dist.get_world_size() if self._dist else 1
+        self._local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+        self._group = make_group() if self._dist else None
+        self._agree = Agreement(self._group)
+        self._log = get_logger("spotguard.hook", component="hook", rank=self._rank)
+
+        self._count = 0
+        self._resumed = False
+        self._resumed_step = 0
+        self._explicit = False
+        self._implicit_counted = False
+        self._internal = False
+        self._closed = False
+        self._exiting = False
+        self._snap: Optional[Snapshot] = None
+        self._clock: Optional[torch.optim.Optimizer] = None
+        self._buffers = {k: tracked_buffers(m) for k, m in self._objs.models.items()}
+        self._buffers = {k: b for k, b in self._buffers.items() if b}
+        self._scaler = next(iter(self._objs.scalers.values()), None)
+        self._many_opts = len(self._objs.optimizers) > 1
+
+        self._lock = threading.Lock()
+        self._pending: dict[str, Notice] = {}
+        self._seen: set[str] = set()
+        self._committed_ids: set[str] = set()
+
+        self._test_delay = _env_float("SPOTGUARD_TEST_SAVE_DELAY")
+        delay_rank = os.environ.get("SPOTGUARD_TEST_SAVE_DELAY_RANK")
+        if delay_rank not in (None, "") and int(delay_rank) != self._rank:
+            self._test_delay = None
+
+        self._handles: list[Any] = []
+        self._scaler_orig: Optional[tuple[Any, Any]] = None
+        self._install_step_hooks()
+        self._prev_handlers: dict[int, Any] = {}
+        if signals:
+            self._install_signals()
+        self._intake: Any = None
+        self._socket = socket
+        if intake:
+            self._start_intake(socket)
+        atexit.register(self._at_exit)
+        self._log.info(
+            ev.HOOK_INSTALLED, world_size=self._world, storage=self._storage.uri, pid=os.getpid(),
+            objects=self._objs.roles(), socket=getattr(self._intake, "socket_path", None),
+        )
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def storage(self) -> Storage:
+        return self._storage
+
+    @property
+    def iteration(self) -> int:
+        """Completed iterations (the step a checkpoint taken now would resume from)."""
+        return self._count
+
+    def resume(self) -> int:
+        """Load the newest committed checkpoint (all ranks call this); the step to continue from, 0 if none.
+
+        Also the one place where ranks agree before training: if a notice is
+        already active (e.g. the daemon replayed the one this checkpoint was
+        written for), every rank exits at once with ``Preempted``.
+        """
+        if self._resumed:
+            return self._resumed_step
+        self._internal = True
+        try:
+            found: Any = None
+            if self._rank == 0:
+                try:
+                    info = newest_committed(self._storage)
+                    found = None if info is None else (info.dir, info.step, info.record.notice_id if info.record else None)
+                except Exception as exc:  # noqa: BLE001 - shared with peers, then raised
+                    found = ("error", f"{type(exc).__name__}: {exc}")
+            found = self._bcast0(found)
+            if isinstance(found, tuple) and found and found[0] == "error":
+                raise RuntimeError(f"spotguard: cannot list checkpoints in {self._storage.uri}: {found[1]}")
+            step, from_notice = 0, None
+            if found is not None:
+                dirkey, step, from_notice = found
+                t0 = time.monotonic()
+                self._load(dirkey)
+                if from_notice:
+                    self._committed_ids.add(from_notice)
+                self._log.info(ev.RESUMED, step=step, uri=f"{self._storage.uri}/{dirkey}",
+                               from_notice_id=from_notice, seconds=round(time.monotonic() - t0, 3))
+            else:
+                self._log.info(ev.RESUMED, step=0, uri=None, from_notice_id=None, seconds=0.0)
+        finally:
+            self._internal = False
+        self._count = self._resumed_step = step
+        self._resumed = True
+        self._agree_at_start()
+        return step
+
+    def range(self, total: int) -> Iterator[int]:
+        """``for step in hook.range(total):`` resumes, then yields steps; each iteration's end is a boundary."""
+        if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+            raise ValueError(f"total must be a non-negative integer, got {total!r}")
+        if not self._resumed:
+            self.resume()
+        self._enter_explicit()
+        for i in builtins.range(self._count, total):
+            yield i
+            self._count += 1
+            self._explicit_boundary(final=(i == total - 1))
+
+    def step(self) -> int:
+        """An explicit iteration boundary (call once at the end of each iteration); returns completed iterations."""
+        skip = False
+        if not self._explicit:
+            skip = self._implicit_counted  # this iteration was already counted by the optimizer post-hook
+            self._enter_explicit()
+        if not skip:
+            self._count += 1
+        self._explicit_boundary(final=False)
+        return self._count
+
+    def latest(self) -> Optional[str]:
+        """Local path of the newest committed checkpoint folder, or None."""
+        info = newest_committed(self._storage)
+        if info is None:
+            return None
+        path = self._storage.local_path(info.dir)
+        if path is None:
+            raise NotImplementedError("latest() for object stores (download first) comes with the object-store backends")
+        return str(path)
+
+    def notify(self, notice: Notice) -> None:
+        """Hand the hook a notice yourself (tests, custom sources); same path as the daemon's."""
+        self._receive(notice, via="api")
+
+    def close(self) -> None:
+        """Remove the optimizer hooks, restore signal handlers, stop the intake (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._remove_step_hooks()
+        for sig, prev in self._prev_handlers.items():
+            try:
+                if signal.getsignal(sig) == self._on_signal:
+                    signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+            except (ValueError, OSError):
+                pass
+        self._prev_handlers.clear()
+        if self._intake is not None:
+            self._intake.close()
+        try:
+            atexit.unregister(self._at_exit)
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------- step hooks
+
+    def _install_step_hooks(self) -> None:
+        for opt in self._objs.optimizers.values():
+            self._handles.append(opt.register_step_pre_hook(self._pre_hook))
+            self._handles.append(opt.register_step_post_hook(self._post_hook))
+        sc = self._scaler
+        if sc is not None:
+            orig_step, orig_update = sc.step, sc.update
+            hook = self
+
+            def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+                if not (hook._internal or hook._explicit or hook._closed) and hook._agree.pending:
+                    hook._boundary()
+                return orig_step(optimizer, *args, **kwargs)
+
+            def update(*args: Any, **kwargs: Any) -> Any:
+                out = orig_update(*args, **kwargs)
+                if not (hook._internal or hook._explicit or hook._closed):
+                    hook._decide()
+                return out
+
+            sc.step, sc.update = step, update
+            self._scaler_orig = (orig_step, orig_update)
+
+    def _remove_step_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self._scaler is not None and self._scaler_orig is not None:
+            for name in ("step", "update"):
+                try:
+                    delattr(self._scaler, name)  # the instance attribute shadowing the method
+                except AttributeError:
+                    pass
+            self._scaler_orig = None
+
+    def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._internal or self._explicit or self._closed:
+            return  # DCP's fake step() on a fresh optimizer lands here: never count it
+        if self._clock is None:
+            self._clock = optimizer
+        if optimizer is self._clock and self._agree.pending:
+            self._boundary()
+
+    def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._internal or self._explicit or self._closed:
+            return
+        if self._scaler is not None:
+            return  # GradScaler.update() is the clock
+        if optimizer is self._clock:
+            self._decide()
+        elif self._many_opts:
+            self._snap = Snapshot.take(self._objs.loaders, self._buffers)
+
+    def _decide(self) -> None:
+        """End of an iteration as the hook sees it: count, snapshot, launch the flag reduction."""
+        if self._agree.pending:  # a decision no boundary consumed (unusual loop): settle it here, consistently
+            res = self._agree.collect()
+            if res is not None and res[0] > 0:
+                self._act(res[0], res[1], snap=None, final=False)
+        self._count += 1
+        self._implicit_counted = True
+        self._snap = Snapshot.take(self._objs.loaders, self._buffers)
+        level, deadline_ms = self._local_level()
+        self._agree.launch(level, deadline_ms)
+
+    def _boundary(self) -> None:
+        res = self._agree.collect()
+        self._implicit_counted = False
+        if res is not None and res[0] > 0:
+            self._act(res[0], res[1], snap=self._snap, final=False)
+
+    def _enter_explicit(self) -> None:
+        if self._explicit:
+            return
+        self._explicit = True
+        self._remove_step_hooks()
+
+    def _explicit_boundary(self, *, final: bool) -> None:
+        res = self._agree.collect()
+        self._implicit_counted = False
+        if res is not None and res[0] > 0:
+            self._act(res[0], res[1], snap=None, final=final)
+        if not final:
+            level, deadline_ms = self._local_level()
+            self._agree.launch(level, deadline_ms)
+
+    # ---------------------------------------------------------------- notices
+
+    def _start_intake(self, socket_path: str | None) -> None:
+        try:
+            from .intake import NoticeIntake  # noqa: PLC0415
+        except ImportError as exc:  # pragma: no cover - intake ships with the package
+            self._log.warning("notice intake unavailable: acting on SIGTERM/SIGUSR1 only", error=str(exc))
+            return
+        from . import intake as _intake_mod  # noqa: PLC0415
+
+        if getattr(_intake_mod, "random", None) is random:
+            # Guard: the intake's reconnect jitter must never draw from the user's global
+            # Python RNG (that would break bitwise-identical resume).
+            _intake_mod.random = random.Random()  # type: ignore[attr-defined]
+        job = os.environ.get("SPOTGUARD_JOB") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+        self._intake = NoticeIntake(
+            socket_path, rank=self._rank, local_rank=self._local_rank, world_size=self._world, job=job,
+            on_notice=lambda n: self._receive(n, via="daemon"), on_cancel=self._on_cancel,
+        )
+        self._intake.start()
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            self._log.warning("hook installed off the main thread: SIGTERM/SIGUSR1 handlers not installed")
+            return
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                self._prev_handlers[sig] = signal.getsignal(sig)
+                signal.signal(sig, self._on_signal)
+            except (ValueError, OSError) as exc:
+                self._log.warning("cannot install signal handler", signal=int(sig), error=str(exc))
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        """Runs in the main thread between bytecodes: only hand off (no locks, no I/O here)."""
+        if not self._exiting and not self._closed:
+            name = signal.Signals(signum).name
+            now = utcnow()
+            notice = Notice(
+                id=f"signal-{name.lower()}-{_socket.gethostname()}-{os.getpid()}-{int(now.timestamp() * 1000)}",
+                source="signal",
+                kind="termination" if signum == signal.SIGTERM else "preemption",
+                deadline=now + timedelta(seconds=SIGNAL_GRACE),
+                received_at=now,
+                detail=f"{name} received by pid {os.getpid()}",
+            )
+            threading.Thread(target=self._receive, args=(notice, "signal"), name="spotguard-signal",
+                             daemon=True).start()
+        prev = self._prev_handlers.get(signum)
+        if callable(prev):
+            prev(signum, frame)
+
+    def _receive(self, notice: Notice, via: str) -> None:
+        with self._lock:
+            if notice.id in self._seen:
+                return
+            self._seen.add(notice.id)
+        self._log.info(ev.NOTICE_SEEN, notice_id=notice.id, kind=notice.kind, source=notice.source, via=via,
+                       deadline=to_rfc3339(notice.deadline), seconds_left=round(notice.seconds_left(), 3))
+        if self._on_notice_cb is not None:
+            try:
+                verdict = self._on_notice_cb(notice)
+            except Exception as exc:  # noqa: BLE001 - a user callback must not break the emergency path
+                self._log.warning("on_notice callback raised", notice_id=notice.id, error=repr(exc))
+                verdict = None
+            if verdict is False:
+                self._log.info(ev.NOTICE_IGNORED, notice_id=notice.id, reason="on_notice returned False")
+                return
+        with self._lock:
+            self._pending[notice.id] = notice
+
+    def _on_cancel(self, notice_id: str) -> None:
+        with self._lock:
+            gone = self._pending.pop(notice_id, None)
+            self._seen.discard(notice_id)
+        if gone is not None:
+            self._log.info(ev.NOTICE_CANCELLED, notice_id=notice_id)
+
+    def _level_of(self, n: Notice) -> int:
+        if n.id in self._committed_ids:
+            return LEVEL_REPLAY
+        return LEVEL_EMERGENCY if n.emergency else LEVEL_CHECKPOINT
+
+    def _local_level(self) -> tuple[int, int]:
+        if not self._pending:  # fast path: a dict truth test, no lock
+            return LEVEL_NONE, NO_DEADLINE_MS
+        with self._lock:
+            notices = list(self._pending.values())
+        level, deadline = LEVEL_NONE, NO_DEADLINE_MS
+        for n in notices:
+            level = max(level, self._level_of(n))
+            deadline = min(deadline, _ms(n.deadline))
+        return level, deadline
+
+    def _best_local(self) -> Optional[tuple[int, int, dict[str, Any]]]:
+        with self._lock:
+            notices = list(self._pending.values())
+        if not notices:
+            return None
+        n = max(notices, key=lambda x: (self._level_of(x), -_ms(x.deadline)))
+        return self._level_of(n), _ms(n.deadline), n.to_wire()
+
+    def _gather_notice(self, level: int, deadline_ms: int) -> tuple[Notice, list[str]]:
+        """After agreement every rank enters this: the notice to act on (from whichever rank has it)."""
+        mine = self._best_local()
+        if self._dist and group_alive(self._group):
+            allv: list[Any] = [None] * self._world
+            dist.all_gather_object(allv, mine, group=self._group)
+        else:
+            allv = [mine]
+        cands = [c for c in allv if c is not None]
+        ids = [c[2]["id"] for c in cands]
+        if cands:
+            best = max(cands, key=lambda c: (c[0], -c[1]))
+            return Notice.from_wire(best[2]), ids
+        now = utcnow()
+        deadline = (now + timedelta(seconds=SIGNAL_GRACE) if deadline_ms >= NO_DEADLINE_MS
+                    else now + timedelta(milliseconds=deadline_ms - _ms(now)))
+        return Notice(id=f"agreed-{self._count}", source="signal", kind="termination", deadline=deadline,
+                      received_at=now, detail="notice withdrawn after agreement"), ids
+
+    # ------------------------------------------------------------- the action
+
+    def _timing(self, notice: Notice) -> dict[str, float]:
+        now = utcnow()
+        return {
+            "seconds_since_notice": round((now - notice.received_at).total_seconds(), 3),
+            "seconds_left": round((notice.deadline - now).total_seconds(), 3),
+        }
+
+    def _act(self, level: int, deadline_ms: int, *, snap: Optional[Snapshot], final: bool) -> None:
+        self._internal = True
+        try:
+            try:
+                notice, ids = self._gather_notice(level, deadline_ms)
+            except Exception as exc:  # noqa: BLE001 - a peer vanished right after agreeing
+                notice = Notice(id=f"agreed-{self._count}", source="signal", kind="termination",
+                                deadline=utcnow() + timedelta(seconds=SIGNAL_GRACE))
+                ids = []
+                if level >= LEVEL_EMERGENCY:
+                    self._log.warning("peers lost while sharing the notice", error=repr(exc))
+                    self._exit(notice, _Result(committed=False, peers_ok=False, error=repr(exc)))
+                return
+            action = _ACTIONS[level]
+            if level == LEVEL_REPLAY and self._count != self._resumed_step:
+                action = "emergency"  # we trained past the committed step before learning of the replay
+            self._log.info(ev.AGREED, notice_id=notice.id, step=self._count, flag=level, action=action,
+                           kind=notice.kind, **self._timing(notice))
+            if final:
+                self._log.info(ev.NOTICE_AFTER_LAST_STEP, notice_id=notice.id, step=self._count)
+                self._forget(ids)
+                return
+            if action == "exit":
+                self._exit(notice, None)
+            if action == "emergency":
+                self._exit(notice, self._save(notice, "emergency", snap))
+            self._save(notice, "manual", snap)  # ordinary checkpoint, keep training
+            self._forget(ids)
+            set_group_timeout(self._group, 1800.0)
+        finally:
+            self._internal = False
+
+    def _forget(self, ids: list[str]) -> None:
+        with self._lock:
+            for i in ids:
+                self._pending.pop(i, None)
+                self._seen.add(i)
+
+    def _report(self, msg: Any) -> None:
+        if self._intake is not None:
+            try:
+                self._intake.report(msg)
+            except Exception:  # noqa: BLE001 - reporting is best effort
+                pass
+
+    def _bcast0(self, obj: Any) -> Any:
+        if not self._dist:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+    def _all_ok(self, ok: bool) -> bool:
+        if not self._dist:
+            return ok
+        t = torch.tensor([0 if ok else 1], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        return int(t[0]) == 0
+
+    def _save(self, notice: Notice, reason: str, snap: Optional[Snapshot]) -> _Result:
+        """Every rank: DCP save -> all bytes durable -> rank 0 commits -> barrier. Never raises."""
+        t0 = time.monotonic()
+        step = self._count
+        key = step_dir(step)
+        uri = f"{self._storage.uri}/{key}"
+        set_group_timeout(self._group, min(600.0, max(5.0, notice.seconds_left() - 0.5)))
+        self._log.info(ev.CHECKPOINT_STARTED, notice_id=notice.id, step=step, uri=uri, reason=reason)
+        self._report(CheckpointStarted(id=notice.id, step=step))
+        stage = "prepare"
+        try:
+            status: Any = ("ok", None)
+            if self._rank == 0:
+                try:
+                    prepare_attempt(self._storage, step)
+                except AlreadyCommitted:
+                    status = ("already", None)
+                except Exception as exc:  # noqa: BLE001
+                    status = ("error", f"{type(exc).__name__}: {exc}")
+            status = self._bcast0(status)
+            if status[0] == "already":
+                return self._finish_ok(notice, step, uri, 0, t0, already=True)
+            if status[0] == "error":
+                return self._fail(notice, step, f"prepare failed on rank 0: {status[1]}", t0, peers_ok=True)
+            stage = "write"
+            import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+            err = None
+            try:
+                sd = self._save_state_dict(snap)
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                    dcp.save(sd, storage_writer=self._storage.dcp_writer(key), process_group=self._group)
+                if self._test_delay:
+                    time.sleep(self._test_delay)  # test-only: widen the window for a SIGKILL during the save
+            except Exception as exc:  # noqa: BLE001 - DCP raises on every rank when one fails
+                err = f"{type(exc).__name__}: {exc}"
+            stage = "durable-barrier"
+            if not self._all_ok(err is None):
+                return self._fail(notice, step, err or "another rank failed to write its shards", t0, peers_ok=True)
+            stage = "commit"
+            outcome: Any = None
+            if self._rank == 0:
+                try:
+                    rec = commit(self._storage, step, CommitRecord(
+                        step=step, world_size=self._world, reason=reason, notice_id=notice.id,
+                        seconds=round(time.monotonic() - t0, 3),
+                        extra={"notice_kind": notice.kind, "notice_source": notice.source,
+                               "deadline": to_rfc3339(notice.deadline), "spotguard": __version__},
+                    ))
+                    outcome = ("ok", rec.bytes)
+                    try:
+                        apply_retention(self._storage, self._keep)
+                    except Exception as exc:  # noqa: BLE001 - the commit stands
+                        self._log.warning("retention failed", error=repr(exc))
+                except AlreadyCommitted:
+                    outcome = ("ok", 0)
+                except Exception as exc:  # noqa: BLE001
+                    outcome = ("error", f"{type(exc).__name__}: {exc}")
+            stage = "commit-barrier"
+            # Every rank passes this only after the record is durable: no rank may exit before it.
+            outcome = self._bcast0(outcome)
+            if outcome[0] != "ok":
+                return self._fail(notice, step, f"commit failed on rank 0: {outcome[1]}", t0, peers_ok=True)
+            return self._finish_ok(notice, step, uri, int(outcome[1]), t0)
+        except Exception as exc:  # noqa: BLE001 - a collective failed: a peer died or timed out
+            return self._fail(notice, step, f"{stage}: {type(exc).__name__}: {exc}", t0, peers_ok=False)
+
+    def _finish_ok(self, notice: Notice, step: int, uri: str, nbytes: int, t0: float, already: bool = False) -> _Result:
+        secs = round(time.monotonic() - t0, 3)
+        self._committed_ids.add(notice.id)
+        self._log.info(ev.CHECKPOINT_COMMITTED, notice_id=notice.id, step=step, uri=uri, bytes=nbytes,
+                       seconds=secs, already_committed=already, **self._timing(notice))
+        self._report(CheckpointDone(id=notice.id, step=step, uri=uri, bytes=nbytes, seconds=secs))
+        return _Result(committed=True, uri=uri, bytes=nbytes, seconds=secs)
+
+    def _fail(self, notice: Notice, step: int, error: str, t0: float, *, peers_ok: bool) -> _Result:
+        secs = round(time.monotonic() - t0, 3)
+        self._log.error(ev.CHECKPOINT_FAILED, notice_id=notice.id, step=step, error=error, seconds=secs,
+                        peers_ok=peers_ok)
+        self._report(CheckpointFailed(id=notice.id, error=error))
+        return _Result(committed=False, peers_ok=peers_ok, error=error, seconds=secs)
+
+    def _exit(self, notice: Notice, result: Optional[_Result]) -> NoReturn:
+        """Teardown without hanging, then raise Preempted (os._exit if teardown itself hung)."""
+        self._exiting = True
+        code = self._exit_code
+        peers_ok = result.peers_ok if result is not None else True
+        method, secs = teardown(self._group, peers_ok=peers_ok)
+        self._log.info(ev.TEARDOWN, notice_id=notice.id, method=method, seconds=round(secs, 3))
+        committed = bool(result.committed) if result is not None else True
+        self._flush_intake()
+        # From here the process is leaving: a late SIGTERM (torchrun tells the others
+        # once one rank exits) must not turn our code into -15 during interpreter exit.
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                signal.signal(sig, signal.SIG_IGN)
+            except (ValueError, OSError):
+                pass
+        self._prev_handlers.clear()
+        self._log.info(ev.EXIT, notice_id=notice.id, code=code, step=self._count, committed=committed,
+                       **self._timing(notice))
+        self.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if method == "timeout":
+            os._exit(code)
+        gc.collect()
+        gc.freeze()  # interpreter teardown with torch's heap: ~1 s -> ~0.1 s
+        raise Preempted(code, notice_id=notice.id, step=self._count,
+                        uri=result.uri if result is not None else None, committed=committed)
+
+    def _flush_intake(self, timeout: float = 0.5) -> None:
+        """Give queued reports a moment to reach the daemon before the process goes."""
+        it = self._intake
+        if it is None or not it.connected.is_set():
+            return
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and getattr(it, "_queue", None):
+            time.sleep(0.01)
+        time.sleep(0.02)
+
+    # --------------------------------------------------------- state <-> DCP
+
+    def _rank_key(self, rank: int) -> str:
+        return f"{RESERVED_PREFIX}rank{rank}"
+
+    def _save_state_dict(self, snap: Optional[Snapshot]) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict  # noqa: PLC0415
+
+        o = self._objs
+        if snap is None:
+            snap = Snapshot.take(o.loaders, self._buffers)
+        sd: dict[str, Any] = {}
+        for k, m in o.models.items():
+            sd[k] = get_model_state_dict(m)
+        for k, opt in o.optimizers.items():
+            sd[k] = get_optimizer_state_dict(o.models[o.owner[k]], opt)
+        per = {
+            "step": self._count,
+            "world_size": self._world,
+            "rng": snap.rng,
+            "loaders": snap.loaders,
+            "buffers": snap.buffers,
+            "schedulers": {k: s.state_dict() for k, s in o.schedulers.items()},
+            "scalers": {k: s.state_dict() for k, s in o.scalers.items()},
+            "stateful": {k: s.state_dict() for k, s in o.stateful.items()},
+        }
+        sd[self._rank_key(self._rank)] = pack(per)
+        return sd
+
+    def _load(self, dirkey: str) -> None:
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        o = self._objs
+        meta = self._storage.dcp_reader(dirkey).read_metadata()
+        rkey = self._rank_key(self._rank)
+        has_rank = rkey in meta.state_dict_metadata
+        sd: dict[str, Any] = {}
+        for k, m in o.models.items():
+            sd[k] = get_model_state_dict(m)
+        for k, opt in o.optimizers.items():
+            sd[k] = get_optimizer_state_dict(o.models[o.owner[k]], opt)  # fake step() on a fresh optimizer
+        if has_rank:
+            sd[rkey] = b""
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                dcp.load(sd, storage_reader=self._storage.dcp_reader(dirkey), process_group=self._group)
+        except Exception as exc:
+            raise RuntimeError(
+                f"spotguard: checkpoint {self._storage.uri}/{dirkey} does not fit this state dict "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+        for k, m in o.models.items():
+            set_model_state_dict(m, sd[k])
+        for k, opt in o.optimizers.items():
+            set_optimizer_state_dict(o.models[o.owner[k]], opt, sd[k])
+        if not has_rank:
+            self._log.warning("checkpoint has no per-rank state for this rank (world size changed?): "
+                              "RNG, loader and scheduler states not restored", dir=dirkey)
+            return
+        per = unpack(sd[rkey])
+        for group_name, objs in (("schedulers", o.schedulers), ("scalers", o.scalers), ("stateful", o.stateful),
+                                 ("loaders", o.loaders)):
+            saved = per.get(group_name, {})
+            for k, obj in objs.items():
+                if k in saved:
+                    obj.load_state_dict(saved[k])
+                else:
+                    self._log.warning("checkpoint has no state for object", key=k, role=group_name, dir=dirkey)
+        for mk, bufs in per.get("buffers", {}).items():
+            live = self._buffers.get(mk, {})
+            with torch.no_grad():
+                for name, val in bufs.items():
+                    if name in live:
+                        live[name].copy_(val)
+        restore_rng(per.get("rng", {}))  # last: nothing after this may draw random numbers
+
+    # ----------------------------------------------------------- start / exit
+
+    def _agree_at_start(self) -> None:
+        """Wait briefly for the daemon's replay, then one blocking agreement: exit at once if a notice is active."""
+        it = self._intake
+        if it is not None and os.path.exists(it.socket_path):
+            if it.wait_connected(1.0):
+                time.sleep(0.1)  # active notices follow the subscribe immediately
+        level, deadline_ms = self._local_level()
+        if self._dist:
+            level, deadline_ms = self._agree.blocking(level, deadline_ms)
+        if level >= LEVEL_EMERGENCY:
+            notice, _ = self._gather_notice(level, deadline_ms)
+            self._log.info(ev.AGREED, notice_id=notice.id, step=self._count, flag=level, action="exit",
+                           kind=notice.kind, **self._timing(notice))
+            self._exit(notice, None)
+
+    def _at_exit(self) -> None:
+        """Process exit is the last boundary: a notice seen now came after the last step; keep the exit code."""
+        if self._closed or self._exiting:
+            return
+        res = None
+        if self._agree.pending:
+            if self._group is None:
+                res = self._agree.collect()
+            elif group_alive(self._group):
+                box: dict[str, Any] = {}
+                ok, _ = run_bounded(lambda: box.setdefault("r", self._agree.collect()), 3.0, "spotguard-atexit")
+                res = box.get("r") if ok else None
+            else:
+                self._agree.drop(0.0)
+        local = self._best_local()
+        if (res is not None and res[0] > 0) or local is not None:
+            nid = local[2]["id"] if local is not None else None
+            self._log.info(ev.NOTICE_AFTER_LAST_STEP, notice_id=nid, step=self._count)
+        self.close()

@@ -1,0 +1,221 @@
+"""What each object in the user's state dict is, and how its state is captured.
+
+Classification rule (by type and protocol, never by key name), first match wins:
+
+1. ``torch.nn.Module`` (plain, DDP- or otherwise wrapped) -> **model**: saved through
+   ``torch.distributed.checkpoint.state_dict`` so replicated DDP state is written
+   once. Buffers of normalisation layers that track running statistics
+   (BatchNorm & co.) change during ``forward``, so they are also snapshotted
+   after each optimizer step and restored per rank.
+2. ``torch.optim.Optimizer`` -> **optimizer**: saved by parameter FQN against the
+   model that owns its parameters (that model must be in the dict too).
+3. ``torch.optim.lr_scheduler.LRScheduler`` / ``ReduceLROnPlateau`` -> **scheduler**.
+4. ``torch.amp.GradScaler`` (and ``torch.cuda.amp.GradScaler``) -> **scaler**; it is
+   also the iteration clock, because it skips ``optimizer.step()`` on inf/nan.
+5. Anything with ``state_dict``/``load_state_dict`` that is also iterable
+   (``__iter__`` or ``__next__``: data loaders, samplers, iterable datasets) ->
+   **loader**. Its state advances *before* the next optimizer step (the next
+   batch is fetched), so it is taken from the snapshot made right after the
+   deciding step, per rank.
+6. Anything else with ``state_dict``/``load_state_dict`` -> **stateful** (EMA,
+   metrics, counters): read at the boundary like schedulers, saved per rank.
+
+Schedulers, scalers, loaders, stateful objects and RNG states are small and are
+saved per rank (rank-unique key), so no rank's copy is ever deduplicated away.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+__all__ = [
+    "RESERVED_PREFIX",
+    "Objects",
+    "classify",
+    "capture_rng",
+    "restore_rng",
+    "Snapshot",
+    "tracked_buffers",
+    "pack",
+    "unpack",
+]
+
+RESERVED_PREFIX = "__spotguard__"
+
+
+@dataclass
+class Objects:
+    """The user's dict, split by role; dict order is kept (the first optimizer is the clock)."""
+
+    models: dict[str, torch.nn.Module] = field(default_factory=dict)
+    optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
+    schedulers: dict[str, Any] = field(default_factory=dict)
+    scalers: dict[str, Any] = field(default_factory=dict)
+    loaders: dict[str, Any] = field(default_factory=dict)
+    stateful: dict[str, Any] = field(default_factory=dict)
+    owner: dict[str, str] = field(default_factory=dict)  # optimizer key -> model key
+
+    def roles(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for role in ("models", "optimizers", "schedulers", "scalers", "loaders", "stateful"):
+            for key in getattr(self, role):
+                out[key] = role.rstrip("s") if role != "stateful" else "stateful"
+        return out
+
+
+def _is_scheduler(obj: Any) -> bool:
+    lrs = torch.optim.lr_scheduler
+    kinds = tuple(t for t in (getattr(lrs, "LRScheduler", None), getattr(lrs, "_LRScheduler", None),
+                              getattr(lrs, "ReduceLROnPlateau", None)) if isinstance(t, type))
+    return isinstance(obj, kinds)
+
+
+def _is_scaler(obj: Any) -> bool:
+    kinds: list[type] = []
+    amp = getattr(torch, "amp", None)
+    if amp is not None and isinstance(getattr(amp, "GradScaler", None), type):
+        kinds.append(amp.GradScaler)
+    try:
+        from torch.cuda.amp import GradScaler as CudaScaler  # noqa: PLC0415
+
+        kinds.append(CudaScaler)
+    except Exception:  # pragma: no cover - very old or stripped builds
+        pass
+    return isinstance(obj, tuple(kinds))
+
+
+def _stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _params_of(model: torch.nn.Module) -> set[int]:
+    return {id(p) for p in model.parameters()}
+
+
+def classify(state: Mapping[str, Any]) -> Objects:
+    """Split the user's dict by role (see the module docstring); TypeError names any key it cannot use."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"expected a dict of stateful objects, got {type(state).__name__}")
+    objs = Objects()
+    for key, obj in state.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"state keys must be non-empty strings, got {key!r}")
+        if key.startswith(RESERVED_PREFIX) or "." in key:
+            raise TypeError(f"state key {key!r} is not allowed (no '.', no {RESERVED_PREFIX!r} prefix)")
+        if isinstance(obj, torch.nn.Module):
+            objs.models[key] = obj
+        elif isinstance(obj, torch.optim.Optimizer):
+            objs.optimizers[key] = obj
+        elif _is_scheduler(obj):
+            objs.schedulers[key] = obj
+        elif _is_scaler(obj):
+            objs.scalers[key] = obj
+        elif _stateful(obj) and (hasattr(obj, "__iter__") or hasattr(obj, "__next__")):
+            objs.loaders[key] = obj
+        elif _stateful(obj):
+            objs.stateful[key] = obj
+        else:
+            raise TypeError(
+                f"state[{key!r}] is a {type(obj).__module__}.{type(obj).__qualname__} without "
+                "state_dict()/load_state_dict(): spotguard cannot save or restore it. Pass only "
+                "stateful objects (model, optimizer, scheduler, GradScaler, a stateful data loader "
+                "such as torchdata's StatefulDataLoader, or your own object with those two methods)."
+            )
+    if len(objs.scalers) > 1:
+        raise TypeError(f"at most one GradScaler is supported, got {list(objs.scalers)}")
+    params = {k: _params_of(m) for k, m in objs.models.items()}
+    for okey, opt in objs.optimizers.items():
+        ids = {id(p) for g in opt.param_groups for p in g["params"]}
+        owners = [mk for mk, ps in params.items() if ids and ids <= ps]
+        if not owners:
+            raise TypeError(
+                f"optimizer {okey!r} updates parameters that belong to no single nn.Module in the dict: "
+                "add the model (plain or DDP-wrapped) to the state dict"
+            )
+        objs.owner[okey] = owners[0]
+    return objs
+
+
+# --- RNG ---------------------------------------------------------------------
+
+
+def capture_rng() -> dict[str, Any]:
+    """Python, numpy (if imported), torch CPU and CUDA (if initialised) generator states."""
+    st: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        st["numpy"] = np.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def restore_rng(st: Mapping[str, Any]) -> None:
+    if "python" in st:
+        random.setstate(st["python"])
+    if "torch" in st:
+        torch.set_rng_state(st["torch"])
+    if "numpy" in st:
+        import numpy as np  # noqa: PLC0415
+
+        np.random.set_state(st["numpy"])
+    if "cuda" in st and torch.cuda.is_available():
+        states = st["cuda"]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+        else:  # device count changed: restore what maps
+            for i, s in enumerate(states[: torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(s, i)
+
+
+# --- per-iteration snapshot --------------------------------------------------
+
+
+def tracked_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers that ``forward`` mutates: running stats of normalisation layers in training mode."""
+    from torch.nn.modules.batchnorm import _NormBase  # noqa: PLC0415
+
+    out: dict[str, torch.Tensor] = {}
+    for mname, mod in model.named_modules():
+        if isinstance(mod, _NormBase) and mod.track_running_stats:
+            for bname, buf in mod.named_buffers(recurse=False):
+                if buf is not None:
+                    out[f"{mname}.{bname}" if mname else bname] = buf
+    return out
+
+
+@dataclass
+class Snapshot:
+    """State that moves on before the next optimizer step, taken right after the deciding step."""
+
+    rng: dict[str, Any]
+    loaders: dict[str, Any]
+    buffers: dict[str, dict[str, torch.Tensor]]
+
+    @classmethod
+    def take(cls, loaders: Mapping[str, Any], buffers: Mapping[str, Mapping[str, torch.Tensor]]) -> "Snapshot":
+        return cls(
+            rng=capture_rng(),
+            loaders={k: copy.deepcopy(v.state_dict()) for k, v in loaders.items()},
+            buffers={mk: {n: b.detach().clone() for n, b in bufs.items()} for mk, bufs in buffers.items() if bufs},
+        )
+
+
+def pack(obj: Any) -> bytes:
+    """Per-rank state as one opaque blob (torch.save handles tensors, tuples, numpy arrays)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def unpack(data: bytes) -> Any:
+    # weights_only=False: the blob holds numpy RNG state and user loader state; it
+    # is our own checkpoint, read only from the configured storage.
+    return torch.load(io.BytesIO(data), weights_only=False)

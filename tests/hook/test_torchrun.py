@@ -1,0 +1,135 @@
+"""End to end with real ``torchrun`` (2 ranks, gloo, CPU): preempt, commit, exit 143, resume bitwise."""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from spotguard.storage import open_storage
+from spotguard.storage.commit import COMMIT_NAME, scan, step_dir
+
+from ._torchrun import TorchRun, first_difference, load_out
+
+STEPS = 30
+STEP_TIME = "0.05"
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run, same code path without spotguard."""
+    d = tmp_path_factory.mktemp("reference")
+    out = d / "ref.pt"
+    run = TorchRun(d / "ref.log", ["--steps", str(STEPS), "--no-hook", "--out", str(out)])
+    assert run.wait() == 0, run.tail()
+    return out
+
+
+def committed(store: Path) -> list[int]:
+    return [c.step for c in scan(open_storage(str(store))) if c.committed]
+
+
+def preempt(tmp: Path, store: Path, name: str, at: int, rank: int, sig: int,
+            env: dict[str, str] | None = None) -> TorchRun:
+    run = TorchRun(tmp / f"{name}.log", ["--steps", str(STEPS), "--step-time", STEP_TIME, "--storage", str(store)],
+                   env=env)
+    try:
+        run.wait_step(at)
+        run.signal_rank(rank, sig)
+    except BaseException:
+        run.kill()
+        raise
+    return run
+
+
+def assert_agreed_exit(run: TorchRun, launcher_summary: bool = True) -> int:
+    """Both ranks agreed on one step, committed, and exited 143; returns the step."""
+    agreed = {e["rank"]: e["step"] for e in run.events("agreed")}
+    assert set(agreed) == {0, 1}, run.tail()
+    assert len(set(agreed.values())) == 1, f"ranks stopped at different steps: {agreed}"
+    exits = {e["rank"]: e for e in run.events("exit")}
+    assert set(exits) == {0, 1} and all(e["code"] == 143 and e["committed"] for e in exits.values()), exits
+    notice_ids = {e["notice_id"] for e in run.events("checkpoint_committed")}
+    assert len(notice_ids) == 1, notice_ids  # every rank names the same notice, wherever it arrived
+    if launcher_summary:  # torchrun's failure summary (absent when torchrun itself was signalled)
+        assert "exitcode  : 143" in run.log.read_text()
+    return next(iter(agreed.values()))
+
+
+def resume_to_end(tmp: Path, store: Path, name: str, expect_step: int, reference: Path) -> None:
+    out = tmp / f"{name}.pt"
+    run = TorchRun(tmp / f"{name}.log", ["--steps", str(STEPS), "--storage", str(store), "--out", str(out)])
+    assert run.wait() == 0, run.tail()
+    resumed = {e["rank"]: e["step"] for e in run.events("resumed")}
+    assert resumed == {0: expect_step, 1: expect_step}, resumed
+    assert run.steps()[0] == expect_step
+    diff = first_difference(load_out(reference), load_out(out))
+    assert diff is None, f"resumed run differs from the uninterrupted one at {diff}"
+
+
+@pytest.mark.parametrize(
+    "seed,rank,sig",
+    [(11, 1, signal.SIGUSR1), (12, 0, signal.SIGTERM), (13, 1, signal.SIGTERM)],
+    ids=["usr1-to-rank1-only", "term-to-rank0-only", "term-to-rank1-only"],
+)
+def test_preemption_at_random_step_resumes_bitwise(reference: Path, tmp_path: Path, seed: int, rank: int,
+                                                   sig: int) -> None:
+    at = random.Random(seed).randint(2, STEPS - 10)
+    store = tmp_path / "ckpt"
+    run = preempt(tmp_path, store, "preempted", at, rank, sig)
+    assert run.wait() != 0  # torchrun itself exits 1 once a worker failed
+    stop = assert_agreed_exit(run)
+    assert at < stop <= STEPS
+    assert committed(store) == [stop]
+    resume_to_end(tmp_path, store, "resumed", stop, reference)
+
+
+def test_sigterm_to_torchrun_without_daemon(reference: Path, tmp_path: Path) -> None:
+    """Kubernetes/SLURM style: SIGTERM to the launcher, which forwards it to every worker."""
+    store = tmp_path / "ckpt"
+    run = TorchRun(tmp_path / "term.log", ["--steps", str(STEPS), "--step-time", STEP_TIME, "--storage", str(store)])
+    run.wait_step(5)
+    run.proc.send_signal(signal.SIGTERM)
+    run.wait()
+    stop = assert_agreed_exit(run, launcher_summary=False)
+    assert committed(store) == [stop]
+    assert all(e["source"] == "signal" for e in run.events("notice_seen"))
+    resume_to_end(tmp_path, store, "resumed", stop, reference)
+
+
+def test_rank_sigkilled_during_save(reference: Path, tmp_path: Path) -> None:
+    """No commit record; the survivor fails the save and exits in bounded time; resume uses the older one."""
+    store = tmp_path / "ckpt"
+    first = preempt(tmp_path, store, "first", 3, 0, signal.SIGUSR1)
+    first.wait()
+    k1 = assert_agreed_exit(first)
+
+    # Rank 1 lingers 30 s after writing its shards: the kill lands inside the save.
+    run = TorchRun(tmp_path / "second.log", ["--steps", str(STEPS), "--step-time", STEP_TIME, "--storage", str(store)],
+                   env={"SPOTGUARD_TEST_SAVE_DELAY": "30", "SPOTGUARD_TEST_SAVE_DELAY_RANK": "1"})
+    try:
+        run.wait_step(k1 + 3)
+        run.signal_rank(0, signal.SIGUSR1)
+        run.wait_for(lambda: bool(run.events("checkpoint_started", 1)), 30, "rank 1 checkpoint_started")
+        k2 = run.events("checkpoint_started", 1)[0]["step"]
+        time.sleep(0.5)  # rank 1's shards are written; it now sits in the test delay
+        killed_at = time.monotonic()
+        run.signal_rank(1, signal.SIGKILL)
+        run.wait_for(lambda: bool(run.events("exit", 0)), 25, "the survivor's exit")
+        survivor_seconds = time.monotonic() - killed_at
+        assert run.wait(40) != 0
+    finally:
+        run.kill()
+    assert survivor_seconds < 15, survivor_seconds
+    failed = run.events("checkpoint_failed", 0)
+    assert failed, run.tail()
+    exit0 = run.events("exit", 0)[0]
+    assert exit0["code"] == 143 and exit0["committed"] is False
+    assert not (store / step_dir(k2) / COMMIT_NAME).exists()
+    assert committed(store) == [k1]
+    resume_to_end(tmp_path, store, "resumed", k1, reference)
