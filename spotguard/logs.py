@@ -30,7 +30,9 @@ def configure_logging(fmt: str = "json", level: str = "info", stream: TextIO | N
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stderr),
+        # WriteLogger writes message and newline in one call: lines from processes
+        # sharing one stderr (torchrun workers) never run together.
+        logger_factory=structlog.WriteLoggerFactory(file=stream or sys.stderr),
         cache_logger_on_first_use=False,
     )
 

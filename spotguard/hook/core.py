@@ -34,7 +34,6 @@ import atexit
 import builtins
 import gc
 import os
-import random
 import signal
 import socket as _socket
 import sys
@@ -393,12 +392,6 @@ class Hook:
         except ImportError as exc:  # pragma: no cover - intake ships with the package
             self._log.warning("notice intake unavailable: acting on SIGTERM/SIGUSR1 only", error=str(exc))
             return
-        from . import intake as _intake_mod  # noqa: PLC0415
-
-        if getattr(_intake_mod, "random", None) is random:
-            # Guard: the intake's reconnect jitter must never draw from the user's global
-            # Python RNG (that would break bitwise-identical resume).
-            _intake_mod.random = random.Random()  # type: ignore[attr-defined]
         job = os.environ.get("SPOTGUARD_JOB") or os.environ.get("TORCHELASTIC_RUN_ID", "")
         self._intake = NoticeIntake(
             socket_path, rank=self._rank, local_rank=self._local_rank, world_size=self._world, job=job,
@@ -690,10 +683,7 @@ class Hook:
         it = self._intake
         if it is None or not it.connected.is_set():
             return
-        end = time.monotonic() + timeout
-        while time.monotonic() < end and getattr(it, "_queue", None):
-            time.sleep(0.01)
-        time.sleep(0.02)
+        it.flush(timeout)
 
     # --------------------------------------------------------- state <-> DCP
 

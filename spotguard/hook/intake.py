@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import os
-import random
+import random as _random_mod
 import select
 import socket
 import threading
@@ -77,6 +77,11 @@ class NoticeIntake:
         self._stop = threading.Event()
         self._queue: Deque[bytes] = collections.deque()
         self._qlock = threading.Lock()
+        self._idle = threading.Event()  # set while no report is queued or unsent
+        self._idle.set()
+        # A private generator: drawing jitter from the global ``random`` would change the
+        # user's RNG stream and break bitwise-identical resume.
+        self._rng = _random_mod.Random()
         self._seen: set[str] = set()
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = os.pipe()
@@ -116,8 +121,19 @@ class NoticeIntake:
             if len(self._queue) >= QUEUE_MAX:
                 self._log.debug("report dropped: queue full", type=msg.type)
                 return
+            self._idle.clear()
             self._queue.append(line)
         self._wake()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until every queued report was written to the socket.
+
+        Called right before the process exits, so that ``checkpoint_done`` reaches
+        the daemon. True when nothing is left to send.
+        """
+        if not self.connected.is_set():
+            return self._idle.is_set()
+        return self._idle.wait(timeout)
 
     def close(self) -> None:
         """Stop the thread and close the socket (idempotent, bounded to ~2 s)."""
@@ -171,7 +187,7 @@ class NoticeIntake:
                     )
                 else:
                     self._log.debug("daemon connect failed", error=str(exc), retry_in=delay)
-                self._stop.wait(delay * random.uniform(0.5, 1.0))
+                self._stop.wait(delay * self._rng.uniform(0.5, 1.0))
                 delay = min(delay * 2, self.backoff_max)
                 continue
             subscribed = False
@@ -202,7 +218,7 @@ class NoticeIntake:
                 self._log.warning("lost connection to spotguard daemon; reconnecting", reason=reason)
             else:
                 self._log.debug("daemon session ended before subscribe", reason=reason)
-            self._stop.wait(delay * random.uniform(0.5, 1.0))
+            self._stop.wait(delay * self._rng.uniform(0.5, 1.0))
             delay = min(delay * 2, self.backoff_max)
 
     def _connect(self) -> socket.socket:
@@ -251,6 +267,10 @@ class NoticeIntake:
                     del out[:sent]
                 except BlockingIOError:
                     pass
+            if subscribed and not out:
+                with self._qlock:
+                    if not self._queue:
+                        self._idle.set()
             if events.get(sock.fileno(), 0) & _IN:
                 try:
                     data = sock.recv(65536)
