@@ -1,0 +1,629 @@
+"""AWS EC2 instance metadata (IMDS) watcher.
+
+Polls the spot interruption notice, the rebalance recommendation, scheduled
+events and the Auto Scaling target lifecycle state, all four concurrently so a
+poll cycle costs one round trip. Speaks IMDSv2 (session token, refreshed well
+before it expires, re-fetched on 401) and detects the container hop-limit trap:
+a token PUT that times out gets one clear warning naming the fix, then IMDSv1
+is used only if the instance answers tokenless GETs.
+
+Notice ids (see ``stable_id``) are stable across polls of one notice and unique
+per occurrence (the daemon never re-sends an id it has seen):
+
+* spot ``instance-action``: ``action`` + the ``time`` of the first sighting + when
+  that was. Some mocks recompute ``time`` on every request, so the first sighting
+  (its id and deadline) is remembered for as long as the notice stays present; a
+  later notice with the same action and time (second precision) is still new.
+* rebalance: the first ``noticeTime`` + when it was first seen, remembered the same way.
+* scheduled events: the ``EventId`` (``EventId`` + ``termination`` once the
+  event escalates, see ``TERMINATION_THRESHOLD``).
+* ASG ``Terminated``: the time it was first seen, remembered while it lasts.
+
+Spot, rebalance and ASG notices vanishing yields no ``Cancel`` (AWS never
+withdraws them; a VM that outlives one simply gets a new id next time); only
+scheduled events that turn completed/canceled, or leave the list, are cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, AsyncIterator, Mapping, Optional
+
+import aiohttp
+
+from ...logs import get_logger
+from ...notice import Cancel, Notice, WatchEvent, stable_id
+from ...timefmt import parse_rfc1123, parse_rfc3339, to_rfc3339, utcnow
+from .base import Backoff, Watcher
+
+__all__ = ["AwsWatcher", "TERMINATION_THRESHOLD", "HOP_LIMIT_FIX"]
+
+
+log = get_logger("spotguard.watchers.aws")
+
+PATH_TOKEN = "/latest/api/token"
+PATH_SPOT = "/latest/meta-data/spot/instance-action"
+PATH_REBALANCE = "/latest/meta-data/events/recommendations/rebalance"
+PATH_SCHEDULED = "/latest/meta-data/events/maintenance/scheduled"
+PATH_ASG = "/latest/meta-data/autoscaling/target-lifecycle-state"
+PATH_IDENTITY = "/latest/dynamic/instance-identity/document"
+
+TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
+TOKEN_HEADER = "X-aws-ec2-metadata-token"
+
+HOP_LIMIT_FIX = "set the instance's metadata HttpPutResponseHopLimit to 2 or use host networking"
+
+# A scheduled stop/retirement/system-maintenance whose NotBefore is this close is
+# treated as a termination (emergency checkpoint), not a softer maintenance notice.
+TERMINATION_THRESHOLD = timedelta(minutes=5)
+TERMINATING_CODES = frozenset({"instance-stop", "instance-retirement", "system-maintenance"})
+# AWS gives spot interruptions two minutes; used when a notice's time is unreadable
+# and for rebalance / ASG notices, which carry no deadline of their own.
+SPOT_NOTICE = timedelta(seconds=120)
+
+_LIFECYCLE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz:")
+_IDENTITY_ATTEMPTS = 5
+
+
+class _Fault(Exception):
+    """One bad response: a metrics label, a message and, where there is one, the fix."""
+
+    def __init__(self, reason: str, message: str, fix: Optional[str] = None, retry_after: float = 0.0) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.fix = fix
+        self.retry_after = retry_after
+
+
+@dataclass
+class _Resp:
+    status: int
+    text: str
+    content_type: str
+    headers: Mapping[str, str]
+
+
+@dataclass
+class _Seen:
+    """A notice that is present now: its key (what identifies it across polls) and id."""
+
+    key: str
+    id: str
+
+
+@dataclass
+class _CycleResult:
+    events: list[WatchEvent] = field(default_factory=list)
+    ok: bool = True
+    retry_after: float = 0.0
+
+
+def _status_fault(resp: _Resp, path: str) -> _Fault:
+    status = resp.status
+    retry_after = _retry_after(resp.headers)
+    if status == 401:
+        return _Fault(
+            "http_401", f"IMDS rejected the session token twice on {path}", "check that nothing rewrites IMDS requests"
+        )
+    if status == 403:
+        return _Fault(
+            "http_403",
+            f"IMDS answered 403 on {path}",
+            "IMDS is disabled or the request was proxied: enable the endpoint "
+            "(aws ec2 modify-instance-metadata-options --http-endpoint enabled) and bypass proxies",
+        )
+    if status == 429:
+        return _Fault(
+            "http_429",
+            f"IMDS throttled {path}",
+            "link-local traffic is limited to ~1024 packets/s; backing off",
+            retry_after,
+        )
+    if status >= 500:
+        return _Fault(f"http_{status}", f"IMDS answered {status} on {path}", None, retry_after)
+    return _Fault(f"http_{status}", f"unexpected HTTP {status} on {path}")
+
+
+def _retry_after(headers: Mapping[str, str]) -> float:
+    value = headers.get("Retry-After")
+    if not value:
+        return 0.0
+    try:
+        return max(0.0, min(float(value), 60.0))
+    except ValueError:
+        return 0.0
+
+
+async def _request(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    *,
+    headers: Mapping[str, str],
+    timeout: float,
+) -> _Resp:
+    """One HTTP exchange; every transport failure becomes a labelled ``_Fault``."""
+    try:
+        async with session.request(
+            method, url, headers=dict(headers), timeout=aiohttp.ClientTimeout(total=timeout), allow_redirects=False
+        ) as resp:
+            body = await resp.read()
+            return _Resp(
+                resp.status, body.decode("utf-8", errors="replace"), resp.headers.get("Content-Type", ""), resp.headers
+            )
+    except asyncio.TimeoutError:
+        raise _Fault("timeout", f"no answer from {url} within {timeout:g}s") from None
+    except aiohttp.ClientConnectorError as exc:
+        raise _Fault(
+            "connection_refused",
+            f"cannot connect to {url}: {exc.os_error}",
+            "is this an EC2 instance? check --metadata-url",
+        ) from None
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        raise _Fault("connection_reset", f"connection to {url} dropped: {exc!r}") from None
+    except aiohttp.ClientPayloadError as exc:
+        raise _Fault("bad_body", f"truncated body from {url}: {exc}") from None
+    except aiohttp.ClientError as exc:
+        raise _Fault("http_error", f"{method} {url} failed: {exc!r}") from None
+
+
+def _check_type(resp: _Resp, path: str) -> None:
+    """IMDS answers text/plain (or JSON); an HTML page means a proxy or captive portal."""
+    if resp.content_type.lower().startswith("text/html"):
+        raise _Fault(
+            "content_type",
+            f"{path} answered {resp.content_type!r}, not IMDS data",
+            "bypass HTTP proxies for 169.254.169.254",
+        )
+
+
+def _json(resp: _Resp, path: str) -> Any:
+    _check_type(resp, path)
+    try:
+        return json.loads(resp.text)
+    except ValueError as exc:
+        raise _Fault("bad_json", f"{path} answered malformed JSON: {exc}") from None
+
+
+class AwsWatcher(Watcher):
+    """IMDS poller; ``node`` is the instance id (from the identity document, best effort)."""
+
+    source = "aws"
+
+    def __init__(
+        self,
+        base_url: str = "http://169.254.169.254",
+        poll_interval: float = 0.5,
+        *,
+        token_ttl: int = 21600,
+        put_timeout: float = 1.0,
+        request_timeout: float = 2.0,
+        backoff_cap: float = 5.0,
+    ) -> None:
+        super().__init__()
+        if not 1 <= token_ttl <= 21600:
+            raise ValueError(f"token_ttl must be within 1..21600 seconds, got {token_ttl}")
+        if poll_interval <= 0:
+            raise ValueError(f"poll_interval must be positive, got {poll_interval}")
+        self.base_url = base_url.rstrip("/")
+        self.poll_interval = poll_interval
+        self.token_ttl = token_ttl
+        self.put_timeout = put_timeout
+        self.request_timeout = request_timeout
+        self.node: Optional[str] = None
+        self.identity: dict[str, Any] = {}
+        self.imdsv1 = False  # True once fallen back to tokenless requests
+        self._backoff = Backoff(base=min(0.2, poll_interval), cap=backoff_cap)
+        self._token_backoff = Backoff(base=0.2, cap=backoff_cap)
+        self._session: Optional[aiohttp.ClientSession] = None
+        self._closed = asyncio.Event()
+        self._token: Optional[str] = None
+        self._token_expires = 0.0  # monotonic
+        self._token_refresh_at = 0.0  # monotonic
+        self._next_refresh_try = 0.0
+        self._hop_warned = False
+        self._identity_attempts = 0
+        self._spot: Optional[_Seen] = None
+        self._rebalance: Optional[_Seen] = None
+        self._asg: Optional[_Seen] = None
+        self._scheduled: dict[str, dict[str, str]] = {}  # EventId -> {kind: notice id}
+        self._yielded: set[str] = set()
+        self._cycle_faults = 0
+
+    # ------------------------------------------------------------------ plumbing
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # trust_env=False: an HTTP(S)_PROXY meant for the internet must never see IMDS traffic.
+            self._session = aiohttp.ClientSession(trust_env=False)
+        return self._session
+
+    async def close(self) -> None:
+        self._closed.set()
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep that ``close`` interrupts."""
+        if seconds <= 0:
+            return
+        try:
+            await asyncio.wait_for(self._closed.wait(), timeout=seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    def _error(self, fault: _Fault, **extra: Any) -> None:
+        self._cycle_faults += 1
+        self.health.error(fault.reason, fault.message)
+        fields: dict[str, Any] = {"reason": fault.reason, "error": fault.message, **extra}
+        if fault.fix:
+            fields["fix"] = fault.fix
+        log.warning("aws_poll_error", **fields)
+
+    # ------------------------------------------------------------------ session
+    async def _acquire_token(self) -> bool:
+        """Make sure requests can be authenticated (token or IMDSv1); False if not this cycle."""
+        if self.imdsv1:
+            return True
+        now = time.monotonic()
+        have_valid = self._token is not None and now < self._token_expires
+        if have_valid and (now < self._token_refresh_at or now < self._next_refresh_try):
+            return True
+        if not have_valid and now < self._next_refresh_try:
+            return False
+        session = self._get_session()
+        try:
+            resp = await _request(
+                session,
+                "PUT",
+                self.base_url + PATH_TOKEN,
+                headers={TTL_HEADER: str(self.token_ttl)},
+                timeout=self.put_timeout,
+            )
+        except _Fault as fault:
+            if fault.reason == "timeout":
+                return await self._on_put_timeout(have_valid)
+            self._error(fault, path=PATH_TOKEN)
+            self._next_refresh_try = time.monotonic() + self._token_backoff.next_delay()
+            return have_valid
+        token = resp.text.strip()
+        if resp.status != 200 or not token:
+            bad = (
+                _status_fault(resp, PATH_TOKEN)
+                if resp.status != 200
+                else _Fault("bad_token", "IMDS returned an empty token")
+            )
+            self._error(bad, path=PATH_TOKEN)
+            self._next_refresh_try = time.monotonic() + self._token_backoff.next_delay()
+            return have_valid
+        ttl = float(self.token_ttl)
+        echoed = resp.headers.get(TTL_HEADER)
+        if echoed:
+            try:
+                ttl = max(1.0, min(ttl, float(echoed)))
+            except ValueError:
+                pass
+        got = time.monotonic()
+        self._token = token
+        self._token_expires = got + ttl
+        # Refresh half-way for short tokens, five minutes ahead for long ones.
+        self._token_refresh_at = got + ttl - min(ttl / 2.0, 300.0)
+        self._next_refresh_try = 0.0
+        self._token_backoff.reset()
+        log.debug("aws_token_acquired", ttl=ttl)
+        return True
+
+    async def _on_put_timeout(self, have_valid: bool) -> bool:
+        """Hop-limit case: the PUT reply never reaches a container behind one more hop."""
+        message = f"IMDSv2 token PUT got no answer within {self.put_timeout:g}s"
+        self.health.error("token_put_timeout", message)
+        if not self._hop_warned:
+            self._hop_warned = True
+            log.warning(
+                "aws_token_put_timeout",
+                reason="token_put_timeout",
+                error=message + " (usually the PUT response hop limit of 1, seen from a container)",
+                fix=HOP_LIMIT_FIX,
+            )
+        else:
+            log.debug("aws_token_put_timeout_again", error=message)
+        self._next_refresh_try = time.monotonic() + self._token_backoff.next_delay()
+        if have_valid:
+            return True
+        if await self._probe_imdsv1():
+            self.imdsv1 = True
+            log.warning(
+                "aws_imdsv1_fallback",
+                error="using IMDSv1 (tokenless) because the token PUT times out and the instance answers v1",
+                fix=HOP_LIMIT_FIX,
+            )
+            return True
+        return False
+
+    async def _probe_imdsv1(self) -> bool:
+        try:
+            resp = await _request(
+                self._get_session(), "GET", self.base_url + PATH_SPOT, headers={}, timeout=self.request_timeout
+            )
+        except _Fault as fault:
+            log.debug("aws_imdsv1_probe_failed", reason=fault.reason, error=fault.message)
+            return False
+        log.debug("aws_imdsv1_probe", status=resp.status)
+        return resp.status in (200, 404)
+
+    def _auth_headers(self) -> dict[str, str]:
+        if self.imdsv1 or self._token is None:
+            return {}
+        return {TOKEN_HEADER: self._token}
+
+    async def _get(self, path: str) -> _Resp:
+        return await _request(
+            self._get_session(), "GET", self.base_url + path, headers=self._auth_headers(), timeout=self.request_timeout
+        )
+
+    # ------------------------------------------------------------------ polling
+    async def events(self) -> AsyncIterator[WatchEvent]:
+        """Poll every ``poll_interval`` (backing off on errors) until ``close``."""
+        log.info("aws_watcher_started", base_url=self.base_url, poll_interval=self.poll_interval)
+        try:
+            while not self._closed.is_set():
+                started = time.monotonic()
+                try:
+                    result = await self._cycle()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # a bug must not take the daemon down
+                    self.health.error("internal", repr(exc))
+                    log.exception("aws_watcher_internal_error", error=repr(exc))
+                    result = _CycleResult(ok=False)
+                for event in result.events:
+                    if self._closed.is_set():
+                        return
+                    yield event
+                if result.ok:
+                    self._backoff.reset()
+                    delay = self.poll_interval - (time.monotonic() - started)
+                else:
+                    delay = max(self.poll_interval, self._backoff.next_delay(), result.retry_after)
+                await self._sleep(delay)
+        finally:
+            if self._session is not None and not self._session.closed:
+                await self._session.close()
+
+    async def _cycle(self) -> _CycleResult:
+        result = _CycleResult()
+        was_healthy = self.health.healthy
+        self._cycle_faults = 0
+        if not await self._acquire_token():
+            result.ok = False
+            return result
+        paths = [PATH_SPOT, PATH_REBALANCE, PATH_SCHEDULED, PATH_ASG]
+        if self.node is None and self._identity_attempts < _IDENTITY_ATTEMPTS:
+            self._identity_attempts += 1
+            paths.append(PATH_IDENTITY)
+        answers: dict[str, _Resp | BaseException] = dict(
+            zip(paths, await asyncio.gather(*(self._get(p) for p in paths), return_exceptions=True), strict=True)
+        )
+        unauthorized = [p for p, r in answers.items() if isinstance(r, _Resp) and r.status == 401]
+        if unauthorized:
+            # Expired or revoked token (or IMDSv1 switched off): one fresh session, one retry.
+            if self.imdsv1:
+                self.imdsv1 = False
+                log.warning("aws_imdsv1_refused", error="IMDS now requires a token; back to IMDSv2")
+            self._token = None
+            self._token_expires = self._token_refresh_at = self._next_refresh_try = 0.0
+            log.info("aws_token_rejected", paths=unauthorized)
+            if await self._acquire_token():
+                retried = await asyncio.gather(*(self._get(p) for p in unauthorized), return_exceptions=True)
+                answers.update(zip(unauthorized, retried, strict=True))
+        now = utcnow()
+        for path, answer in answers.items():
+            try:
+                if isinstance(answer, asyncio.CancelledError):
+                    raise answer
+                if isinstance(answer, _Fault):
+                    raise answer
+                if isinstance(answer, BaseException):
+                    raise _Fault("internal", f"{path}: {answer!r}")
+                if path == PATH_IDENTITY:
+                    self._handle_identity(answer)
+                    continue
+                if path == PATH_SPOT:
+                    result.events.extend(self._handle_spot(answer, now))
+                elif path == PATH_REBALANCE:
+                    result.events.extend(self._handle_rebalance(answer, now))
+                elif path == PATH_SCHEDULED:
+                    result.events.extend(self._handle_scheduled(answer, now))
+                elif path == PATH_ASG:
+                    result.events.extend(self._handle_asg(answer, now))
+            except _Fault as fault:
+                if path == PATH_IDENTITY:
+                    log.debug("aws_identity_unavailable", reason=fault.reason, error=fault.message)
+                    continue
+                result.retry_after = max(result.retry_after, fault.retry_after)
+                self._error(fault, path=path)
+        result.ok = self._cycle_faults == 0
+        if result.ok:
+            self.health.ok()
+            if not was_healthy:
+                log.info("aws_poll_recovered")
+        return result
+
+    def _emit(self, notice: Notice) -> list[WatchEvent]:
+        if notice.id in self._yielded:
+            return []
+        self._yielded.add(notice.id)
+        log.info(
+            "notice_seen",
+            notice_id=notice.id,
+            source="aws",
+            kind=notice.kind,
+            deadline=to_rfc3339(notice.deadline),
+            detail=notice.detail,
+        )
+        return [notice]
+
+    def _cancel(self, notice_id: str, detail: str) -> list[WatchEvent]:
+        self._yielded.discard(notice_id)
+        log.info("notice_cancelled", notice_id=notice_id, source="aws", detail=detail)
+        return [Cancel(id=notice_id, source="aws", detail=detail)]
+
+    def _deadline(self, text: Any, now: datetime, default: timedelta, what: str, notice_id: str) -> datetime:
+        """Parse an RFC 3339 time; an unreadable one costs a health error, not the notice."""
+        try:
+            return parse_rfc3339(text)
+        except (ValueError, TypeError):
+            self._error(
+                _Fault("bad_date", f"{what}: unreadable time {text!r}"),
+                notice_id=notice_id,
+                assumed=f"now+{default.total_seconds():g}s",
+            )
+            return now + default
+
+    def _handle_identity(self, resp: _Resp) -> None:
+        if resp.status != 200:
+            raise _status_fault(resp, PATH_IDENTITY)
+        doc = _json(resp, PATH_IDENTITY)
+        if isinstance(doc, dict) and isinstance(doc.get("instanceId"), str):
+            self.identity = doc
+            self.node = doc["instanceId"]
+            log.info("aws_identity", node=self.node, region=doc.get("region"), instance_type=doc.get("instanceType"))
+
+    def _handle_spot(self, resp: _Resp, now: datetime) -> list[WatchEvent]:
+        if resp.status == 404:
+            self._spot = None
+            return []
+        if resp.status != 200:
+            raise _status_fault(resp, PATH_SPOT)
+        doc = _json(resp, PATH_SPOT)
+        if not isinstance(doc, dict) or not isinstance(doc.get("action"), str):
+            raise _Fault("bad_json", f"{PATH_SPOT}: expected {{'action', 'time'}}, got {resp.text[:200]!r}")
+        action = doc["action"]
+        if self._spot is not None and self._spot.key == action:
+            return []  # same notice; a recomputed `time` must not make it new
+        notice_id = stable_id("aws", "spot", action, doc.get("time"), now.isoformat())
+        notice = Notice(
+            id=notice_id,
+            source="aws",
+            kind="preemption",
+            deadline=self._deadline(doc.get("time"), now, SPOT_NOTICE, PATH_SPOT, notice_id),
+            received_at=now,
+            detail=resp.text.strip(),
+        )
+        self._spot = _Seen(key=action, id=notice.id)
+        return self._emit(notice)
+
+    def _handle_rebalance(self, resp: _Resp, now: datetime) -> list[WatchEvent]:
+        if resp.status == 404:
+            self._rebalance = None
+            return []
+        if resp.status != 200:
+            raise _status_fault(resp, PATH_REBALANCE)
+        doc = _json(resp, PATH_REBALANCE)
+        if not isinstance(doc, dict) or "noticeTime" not in doc:
+            raise _Fault("bad_json", f"{PATH_REBALANCE}: expected {{'noticeTime'}}, got {resp.text[:200]!r}")
+        if self._rebalance is not None:
+            return []
+        # A rebalance recommendation has no deadline; an interruption, if one follows,
+        # comes with two more minutes, so the VM cannot vanish sooner than that.
+        notice = Notice(
+            id=stable_id("aws", "rebalance", doc["noticeTime"], now.isoformat()),
+            source="aws",
+            kind="rebalance",
+            deadline=now + SPOT_NOTICE,
+            received_at=now,
+            detail=resp.text.strip(),
+        )
+        self._rebalance = _Seen(key="rebalance", id=notice.id)
+        return self._emit(notice)
+
+    def _handle_asg(self, resp: _Resp, now: datetime) -> list[WatchEvent]:
+        if resp.status == 404:
+            self._asg = None
+            return []
+        if resp.status != 200:
+            raise _status_fault(resp, PATH_ASG)
+        _check_type(resp, PATH_ASG)
+        state = resp.text.strip()
+        if not state or not set(state) <= _LIFECYCLE_CHARS:
+            raise _Fault("bad_value", f"{PATH_ASG}: not a lifecycle state: {resp.text[:100]!r}")
+        if state != "Terminated":
+            self._asg = None
+            return []
+        if self._asg is not None:
+            return []
+        # Lifecycle state carries no time: the first sighting identifies this transition.
+        notice = Notice(
+            id=stable_id("aws", "asg", state, now.isoformat()),
+            source="aws",
+            kind="termination",
+            deadline=now + SPOT_NOTICE,
+            received_at=now,
+            detail=f"target-lifecycle-state={state}",
+        )
+        self._asg = _Seen(key=state, id=notice.id)
+        return self._emit(notice)
+
+    def _handle_scheduled(self, resp: _Resp, now: datetime) -> list[WatchEvent]:
+        if resp.status == 404:
+            doc: Any = []
+        elif resp.status != 200:
+            raise _status_fault(resp, PATH_SCHEDULED)
+        else:
+            doc = _json(resp, PATH_SCHEDULED)
+        if not isinstance(doc, list) or not all(isinstance(e, dict) and isinstance(e.get("EventId"), str) for e in doc):
+            raise _Fault(
+                "bad_json", f"{PATH_SCHEDULED}: expected a list of events with EventId, got {resp.text[:200]!r}"
+            )
+        out: list[WatchEvent] = []
+        listed: set[str] = set()
+        bad_dates: list[str] = []
+        for event in doc:
+            event_id: str = event["EventId"]
+            listed.add(event_id)
+            state = str(event.get("State", "active")).lower()
+            emitted = self._scheduled.setdefault(event_id, {})
+            if state in ("completed", "canceled", "cancelled"):
+                for notice_id in emitted.values():
+                    out.extend(self._cancel(notice_id, f"scheduled event {event_id} {state}"))
+                emitted.clear()
+                continue
+            try:
+                not_before = parse_rfc1123(event.get("NotBefore", ""))
+            except ValueError:
+                bad_dates.append(f"{event_id}: NotBefore={event.get('NotBefore')!r}")
+                continue
+            code = str(event.get("Code", ""))
+            near = code in TERMINATING_CODES and not_before - now <= TERMINATION_THRESHOLD
+            kind = "termination" if near else "maintenance"
+            if kind in emitted:
+                continue
+            if near and "maintenance" in emitted:
+                log.info("aws_scheduled_escalated", notice_id=emitted["maintenance"], event_id=event_id, code=code)
+            notice = Notice(
+                id=stable_id("aws", "scheduled", event_id)
+                if kind == "maintenance"
+                else stable_id("aws", "scheduled", event_id, "termination"),
+                source="aws",
+                kind=kind,
+                deadline=not_before,
+                received_at=now,
+                detail=json.dumps(event, sort_keys=True),
+            )
+            emitted[kind] = notice.id
+            out.extend(self._emit(notice))
+        for event_id in [e for e in self._scheduled if e not in listed]:
+            # An event gone from the list (after answering 200) is withdrawn too.
+            for notice_id in self._scheduled.pop(event_id).values():
+                out.extend(self._cancel(notice_id, f"scheduled event {event_id} no longer listed"))
+        if bad_dates:
+            # Deliver what parsed; the unreadable ones are retried next poll.
+            self._error(
+                _Fault("bad_date", f"{PATH_SCHEDULED}: unreadable NotBefore ({'; '.join(bad_dates)})"),
+                path=PATH_SCHEDULED,
+            )
+        return out

@@ -1,0 +1,371 @@
+"""GCP Compute Engine metadata watcher: hanging GETs, no polling.
+
+Two concurrent ``wait_for_change`` requests (``instance/preempted`` and
+``instance/maintenance-event``) each start from a plain GET's ETag and then hang
+with ``last_etag``, so a change is seen within milliseconds. Per-path token
+buckets mean that even a server that ignores ``wait_for_change`` and answers at
+once can never cause a busy loop (an unchanged-ETag answer: burst 5, then one
+request per ``min_interval``), while real changes are followed without delay.
+
+Notice ids: path + value + the ETag at which the value turned on + the time it was
+first seen (the ETag is content-derived, so it alone would repeat for a second
+occurrence); the notice is remembered while the value stays on, and a value
+going back yields ``Cancel``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, AsyncIterator, Mapping, Optional
+
+import aiohttp
+
+from ...logs import get_logger
+from ...notice import Cancel, Notice, WatchEvent, stable_id
+from ...timefmt import to_rfc3339, utcnow
+from .base import Backoff, Watcher
+
+__all__ = ["GcpWatcher", "PATH_PREFIX", "PREEMPTED", "MAINTENANCE"]
+
+
+log = get_logger("spotguard.watchers.gcp")
+
+PATH_PREFIX = "/computeMetadata/v1/"
+PREEMPTED = "instance/preempted"
+MAINTENANCE = "instance/maintenance-event"
+NAME = "instance/name"
+HEADERS = {"Metadata-Flavor": "Google"}
+
+# value -> (kind, notice length); values absent here (FALSE, NONE) mean "no notice".
+_ON_VALUES: dict[str, dict[str, tuple[str, timedelta]]] = {
+    PREEMPTED: {"TRUE": ("preemption", timedelta(seconds=30))},
+    MAINTENANCE: {
+        "TERMINATE_ON_HOST_MAINTENANCE": ("termination", timedelta(seconds=60)),
+        "MIGRATE_ON_HOST_MAINTENANCE": ("maintenance", timedelta(seconds=60)),
+    },
+}
+_OFF_VALUES: dict[str, frozenset[str]] = {PREEMPTED: frozenset({"FALSE"}), MAINTENANCE: frozenset({"NONE"})}
+_NAME_ATTEMPTS = 5
+
+
+class _Fault(Exception):
+    """One bad response: a metrics label, a message and, where there is one, the fix."""
+
+    def __init__(self, reason: str, message: str, fix: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.fix = fix
+
+
+@dataclass
+class _Resp:
+    status: int
+    text: str
+    content_type: str
+    headers: Mapping[str, str]
+
+
+@dataclass
+class _Active:
+    value: str
+    id: str
+
+
+class _TokenBucket:
+    """Burst ``capacity`` requests, then one per ``interval``: the anti-busy-loop guard."""
+
+    def __init__(self, capacity: float, interval: float) -> None:
+        self.capacity = capacity
+        self.interval = interval
+        self.tokens = capacity
+        self.stamp = time.monotonic()
+
+    def wait_time(self) -> float:
+        now = time.monotonic()
+        if self.interval > 0:
+            self.tokens = min(self.capacity, self.tokens + (now - self.stamp) / self.interval)
+        else:
+            self.tokens = self.capacity
+        self.stamp = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        wait = (1.0 - self.tokens) * self.interval
+        self.tokens -= 1.0  # paid in advance; the refill during the wait covers it
+        return wait
+
+
+async def _request(session: aiohttp.ClientSession, url: str, params: Mapping[str, str], timeout: float) -> _Resp:
+    """One GET; every transport failure becomes a labelled ``_Fault``."""
+    try:
+        async with session.get(
+            url,
+            params=dict(params),
+            headers=HEADERS,
+            timeout=aiohttp.ClientTimeout(total=timeout),
+            allow_redirects=False,
+        ) as resp:
+            body = await resp.read()
+            return _Resp(
+                resp.status, body.decode("utf-8", errors="replace"), resp.headers.get("Content-Type", ""), resp.headers
+            )
+    except asyncio.TimeoutError:
+        raise _Fault("timeout", f"no answer from {url} within {timeout:g}s") from None
+    except aiohttp.ClientConnectorError as exc:
+        raise _Fault(
+            "connection_refused", f"cannot connect to {url}: {exc.os_error}", "is this a GCE VM? check --metadata-url"
+        ) from None
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        raise _Fault("connection_reset", f"connection to {url} dropped: {exc!r}") from None
+    except aiohttp.ClientPayloadError as exc:
+        raise _Fault("bad_body", f"truncated body from {url}: {exc}") from None
+    except aiohttp.ClientError as exc:
+        raise _Fault("http_error", f"GET {url} failed: {exc!r}") from None
+
+
+def _status_fault(status: int, path: str) -> _Fault:
+    if status == 503:
+        return _Fault(
+            "http_503", f"metadata server answered 503 on {path}", "brief unavailability during maintenance; retrying"
+        )
+    if status == 403:
+        return _Fault(
+            "http_403",
+            f"metadata server answered 403 on {path}",
+            "the request lost its Metadata-Flavor header or went through a proxy (X-Forwarded-For); bypass proxies",
+        )
+    if status == 429:
+        return _Fault("http_429", f"metadata server throttled {path}")
+    return _Fault(f"http_{status}", f"metadata server answered {status} on {path}")
+
+
+class GcpWatcher(Watcher):
+    """Hanging-GET watcher; ``node`` is the instance name (best effort)."""
+
+    source = "gcp"
+
+    def __init__(
+        self,
+        base_url: str = "http://metadata.google.internal",
+        *,
+        wait_timeout_sec: int = 60,
+        request_timeout: float = 5.0,
+        min_interval: float = 0.5,
+        backoff_cap: float = 5.0,
+    ) -> None:
+        super().__init__()
+        if wait_timeout_sec < 1:
+            raise ValueError(f"wait_timeout_sec must be ≥ 1, got {wait_timeout_sec}")
+        base = base_url.rstrip("/")
+        if base.endswith(PATH_PREFIX.rstrip("/")):
+            base = base[: -len(PATH_PREFIX.rstrip("/"))]
+        self.base_url = base
+        self.wait_timeout_sec = int(wait_timeout_sec)
+        self.request_timeout = request_timeout
+        self.min_interval = min_interval
+        self.backoff_cap = backoff_cap
+        self.node: Optional[str] = None
+        self._session: Optional[aiohttp.ClientSession] = None
+        self._closed = asyncio.Event()
+        self._queue: asyncio.Queue[Optional[WatchEvent]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._active: dict[str, _Active] = {}
+        self._yielded: set[str] = set()
+        self._occurrences = itertools.count(1)
+        self._healthy_paths: dict[str, bool] = {PREEMPTED: True, MAINTENANCE: True}
+
+    def _url(self, path: str) -> str:
+        return self.base_url + PATH_PREFIX + path
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # trust_env=False: a proxy would add X-Forwarded-For, which the metadata server refuses.
+            self._session = aiohttp.ClientSession(trust_env=False)
+        return self._session
+
+    async def _sleep(self, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        try:
+            await asyncio.wait_for(self._closed.wait(), timeout=seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    async def close(self) -> None:
+        self._closed.set()
+        self._queue.put_nowait(None)
+        await self._stop_tasks()
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+
+    async def _stop_tasks(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        current = asyncio.current_task()
+        for task in tasks:
+            if task is not current:
+                task.cancel()
+        for task in tasks:
+            if task is not current:
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+                except Exception:  # already logged by the task
+                    pass
+
+    def _error(self, path: str, fault: _Fault) -> None:
+        self.health.error(fault.reason, fault.message)
+        self._healthy_paths[path] = False
+        fields: dict[str, Any] = {"reason": fault.reason, "error": fault.message, "path": path}
+        if fault.fix:
+            fields["fix"] = fault.fix
+        log.warning("gcp_poll_error", **fields)
+
+    def _ok(self, path: str) -> None:
+        if not self._healthy_paths.get(path, True):
+            log.info("gcp_poll_recovered", path=path)
+        self._healthy_paths[path] = True
+        if all(self._healthy_paths.values()):
+            self.health.ok()
+        else:
+            self.health.polls += 1
+
+    async def events(self) -> AsyncIterator[WatchEvent]:
+        """Run both hanging GETs in the background and yield what they find until ``close``."""
+        log.info("gcp_watcher_started", base_url=self.base_url, wait_timeout_sec=self.wait_timeout_sec)
+        self._tasks = [
+            asyncio.create_task(self._watch(PREEMPTED), name="gcp-preempted"),
+            asyncio.create_task(self._watch(MAINTENANCE), name="gcp-maintenance-event"),
+            asyncio.create_task(self._fetch_name(), name="gcp-name"),
+        ]
+        try:
+            while not self._closed.is_set():
+                event = await self._queue.get()
+                if event is None:
+                    break
+                yield event
+        finally:
+            await self._stop_tasks()
+            if self._session is not None and not self._session.closed:
+                await self._session.close()
+
+    async def _fetch_name(self) -> None:
+        """Best effort: the instance name for ``hello`` and logs."""
+        backoff = Backoff(base=0.2, cap=self.backoff_cap)
+        for _ in range(_NAME_ATTEMPTS):
+            try:
+                resp = await _request(self._get_session(), self._url(NAME), {}, self.request_timeout)
+                if resp.status == 200 and resp.text.strip() and not resp.content_type.lower().startswith("text/html"):
+                    self.node = resp.text.strip()
+                    log.info("gcp_identity", node=self.node)
+                    return
+                log.debug("gcp_name_unavailable", status=resp.status)
+            except _Fault as fault:
+                log.debug("gcp_name_unavailable", reason=fault.reason, error=fault.message)
+            await self._sleep(backoff.next_delay())
+            if self._closed.is_set():
+                return
+
+    async def _watch(self, path: str) -> None:
+        """One path: plain GET for the first ETag, then hanging GETs with ``last_etag``."""
+        backoff = Backoff(base=0.1, cap=self.backoff_cap)
+        # An answer with an unchanged ETag (timeout_sec expired, or a server that ignores
+        # wait_for_change) was unproductive: re-asking is paced by ``min_interval``. An
+        # answer with a new ETag is re-issued at once (nothing to wait for), bounded only
+        # by a looser bucket in case a server changed its ETag on every answer.
+        unproductive = _TokenBucket(capacity=5, interval=self.min_interval)
+        changed = _TokenBucket(capacity=10, interval=min(0.1, self.min_interval))
+        bucket: Optional[_TokenBucket] = None
+        etag: Optional[str] = None
+        warned_no_etag = False
+        while not self._closed.is_set():
+            if bucket is not None:
+                await self._sleep(bucket.wait_time())
+            if self._closed.is_set():
+                return
+            if etag is None:
+                params: dict[str, str] = {}
+                timeout = self.request_timeout
+            else:
+                params = {"wait_for_change": "true", "last_etag": etag, "timeout_sec": str(self.wait_timeout_sec)}
+                timeout = self.wait_timeout_sec + self.request_timeout
+            try:
+                resp = await _request(self._get_session(), self._url(path), params, timeout)
+                value = self._parse(path, resp)
+            except _Fault as fault:
+                self._error(path, fault)
+                await self._sleep(backoff.next_delay())
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug must not end the watch
+                self.health.error("internal", repr(exc))
+                log.exception("gcp_watcher_internal_error", path=path, error=repr(exc))
+                await self._sleep(backoff.next_delay())
+                continue
+            backoff.reset()
+            self._ok(path)
+            new_etag = resp.headers.get("ETag")
+            if not new_etag and not warned_no_etag:
+                warned_no_etag = True
+                log.warning("gcp_no_etag", path=path, error="response without ETag; falling back to paced plain GETs")
+            self._observe(path, value, new_etag or "", resp.text.strip())
+            bucket = changed if new_etag and new_etag != etag else unproductive
+            etag = new_etag or None
+
+    def _parse(self, path: str, resp: _Resp) -> str:
+        if resp.status != 200:
+            raise _status_fault(resp.status, path)
+        if resp.content_type.lower().startswith("text/html"):
+            raise _Fault(
+                "content_type",
+                f"{path} answered {resp.content_type!r}, not metadata",
+                "bypass HTTP proxies for the metadata server",
+            )
+        value = resp.text.strip()
+        if value not in _ON_VALUES[path] and value not in _OFF_VALUES[path]:
+            raise _Fault("bad_value", f"{path}: unexpected value {resp.text[:100]!r}")
+        return value
+
+    def _observe(self, path: str, value: str, etag: str, raw: str) -> None:
+        now = utcnow()
+        active = self._active.get(path)
+        if active is not None and active.value == value:
+            return
+        if active is not None:
+            del self._active[path]
+            self._yielded.discard(active.id)
+            log.info("notice_cancelled", notice_id=active.id, source="gcp", path=path, value=value)
+            self._queue.put_nowait(Cancel(id=active.id, source="gcp", detail=f"{path}={value}"))
+        on = _ON_VALUES[path].get(value)
+        if on is None:
+            return
+        kind, length = on
+        notice = Notice(
+            # The ETag is content-derived (the same value has the same ETag every time),
+            # so the first-seen time tells two occurrences apart; remembered while on.
+            id=stable_id("gcp", path, value, etag, now.isoformat(), next(self._occurrences)),
+            source="gcp",
+            kind=kind,
+            deadline=now + length,
+            received_at=now,
+            detail=f"{path}={raw}",
+        )
+        self._active[path] = _Active(value=value, id=notice.id)
+        if notice.id in self._yielded:
+            return
+        self._yielded.add(notice.id)
+        log.info(
+            "notice_seen",
+            notice_id=notice.id,
+            source="gcp",
+            kind=kind,
+            deadline=to_rfc3339(notice.deadline),
+            detail=notice.detail,
+        )
+        self._queue.put_nowait(notice)
