@@ -19,16 +19,16 @@ $(STAMP): $(PY) pyproject.toml requirements-dev.txt
 
 setup: $(STAMP)
 
-test: $(STAMP) deploy-tools
+test: $(STAMP) deploy-tools storage-tools
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-test-fast: $(STAMP) deploy-tools
+test-fast: $(STAMP) deploy-tools storage-tools
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/spotguard demo
 
-bench: $(STAMP)
+bench: $(STAMP) storage-tools
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
 clean:

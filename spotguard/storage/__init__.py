@@ -1,7 +1,10 @@
 """Checkpoint storage: one interface for local/NFS folders and object stores.
 
-``open_storage(uri)`` picks the backend from the URI. Object stores (s3://,
-gs://, az://) plug in here later behind the same ``Storage`` interface.
+``open_storage(uri)`` picks the backend from the URI: a path or ``file://`` →
+``LocalStorage``; ``s3://`` → ``S3Storage``; ``gs://`` → ``GCSStorage``;
+``az://`` → ``AzureStorage``. Cloud SDKs are optional extras, imported only
+when their scheme is used; a missing one is a ``StorageError`` naming the
+``pip install`` to run.
 """
 
 from __future__ import annotations
@@ -71,11 +74,18 @@ def open_storage(uri: str | None = None) -> Storage:
     uri = resolve_uri(uri)
     scheme, sep, _ = uri.partition("://")
     scheme = scheme.lower() if sep else ""
-    if scheme in _OBJECT_STORES:
-        raise StorageError(
-            f"{_OBJECT_STORES[scheme]} storage ({scheme}://) is not available yet in this spotguard version "
-            "(it comes with the object-store work); use a local or NFS path (file:///path or /path) for now"
-        )
+    if scheme == "s3":
+        from .s3 import S3Storage
+
+        return S3Storage(uri)
+    if scheme == "gs":
+        from .gcs import GCSStorage
+
+        return GCSStorage(uri)
+    if scheme == "az":
+        from .azure import AzureStorage
+
+        return AzureStorage(uri)
     if sep and scheme != "file":
         raise StorageError(
             f"unsupported storage URI {uri!r}: use file:///path, a plain path, s3://, gs:// or az://"

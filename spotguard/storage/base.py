@@ -11,9 +11,10 @@ uploads from memory and ranged reads without the commit logic knowing.
 from __future__ import annotations
 
 import abc
+import contextlib
 import pathlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 if TYPE_CHECKING:  # torch is imported lazily: the daemon and the CLI never need it
     from torch.distributed.checkpoint import StorageReader, StorageWriter
@@ -110,6 +111,22 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def dcp_reader(self, key: str) -> "StorageReader":
         """A ``torch.distributed.checkpoint`` reader for the checkpoint under folder ``key``."""
+
+    @contextlib.contextmanager
+    def deadline_at(self, deadline: float | None) -> Iterator[None]:
+        """Bound every request made inside the block by ``deadline`` (a ``time.monotonic()`` value).
+
+        Object stores stop retrying and fail with ``DeadlineExceeded`` instead of
+        running past the notice; local folders have nothing to bound (no-op).
+        """
+        yield
+
+    def abort_incomplete_uploads(self, prefix: str = "") -> int:
+        """Abort unfinished multipart/block uploads under ``prefix`` (a killed save's orphans); returns how many.
+
+        Local folders have none; object stores override this.
+        """
+        return 0
 
     def local_path(self, key: str) -> pathlib.Path | None:
         """The filesystem path of ``key`` when the store is a local/NFS folder, else None."""

@@ -352,13 +352,16 @@ def prepare_attempt(storage: Storage, step: int) -> str:
     """Make ``step``'s folder ready for a fresh save and return its key.
 
     Clears what an earlier, uncommitted attempt left there (DCP must not mix old
-    shards with new ones). Raises ``AlreadyCommitted`` if the folder holds a
+    shards with new ones) and aborts orphaned multipart uploads of killed saves. Raises ``AlreadyCommitted`` if the folder holds a
     commit record: a committed checkpoint is never touched. Call on one rank
     (rank 0), then barrier, before any rank writes.
     """
     key = step_dir(step)
     if storage.exists(join_key(key, COMMIT_NAME)):
         raise AlreadyCommitted(step, key)
+    # Object stores: a save killed mid-upload leaves unfinished multipart uploads (billed, invisible
+    # to listings). No other save of this job runs now, so every one under step-* is an orphan.
+    storage.abort_incomplete_uploads("step-")
     leftovers = storage.list(key + "/")
     if leftovers:
         log.info("clearing uncommitted leftovers", storage=storage.uri, dir=key, files=len(leftovers))

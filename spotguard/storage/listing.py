@@ -25,7 +25,7 @@ EXIT_USAGE = 2
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("uri", metavar="URI",
-                        help="storage URI: file:///abs/path or a plain path (s3://, gs://, az:// later)")
+                        help="storage URI: file:///abs/path, a plain path, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 

@@ -90,7 +90,6 @@ def test_relative_path_and_empty_store(tmp_path: pathlib.Path) -> None:
 @pytest.mark.parametrize(
     "uri, message",
     [
-        ("s3://bucket/run", "not available yet"),
         ("gopher://x/y", "unsupported storage URI"),
         ("/nonexistent/spotguard/store", "no such directory"),
     ],

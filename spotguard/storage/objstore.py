@@ -1,0 +1,645 @@
+"""What every object-store backend shares: deadline-bounded retries, pooled part buffers, streaming uploads.
+
+Why one base class: S3 multipart, Azure block blobs and GCS resumable uploads are
+the same shape — "start, send numbered parts, finish or abort" — so the part
+streaming, the memory bound, the retry/deadline rules and the DCP writer/reader
+(``dcp_object.py``) are written once. A backend supplies a handful of
+primitives on *full object names* (root prefix included) and says which
+exceptions are worth retrying.
+
+Deadline rule: ``storage.deadline`` (a ``time.monotonic()`` value, or None) bounds
+every request and every backoff sleep. A retry that could not finish before it
+raises ``DeadlineExceeded`` at once instead of sleeping past the notice: the
+save fails clearly, nothing is committed, and the previous commit is untouched.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import io
+import os
+import queue
+import random
+import threading
+import time
+import urllib.parse
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
+
+from ..logs import get_logger
+from .base import ObjectInfo, Storage, StorageError, check_key, check_prefix
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import StorageReader, StorageWriter
+
+__all__ = [
+    "ObjectStoreError",
+    "DeadlineExceeded",
+    "ObjectStorage",
+    "Upload",
+    "UploadStream",
+    "BufferPool",
+    "MemReader",
+    "env_int",
+]
+
+T = TypeVar("T")
+log = get_logger("spotguard.storage")
+
+MiB = 1024 * 1024
+DEFAULT_PART_SIZE = 16 * MiB
+DEFAULT_CONCURRENCY = 8
+
+
+class ObjectStoreError(StorageError, OSError):
+    """A request the store refused or that kept failing. Also an OSError, so callers that
+    tolerate I/O errors (e.g. the best-effort ``latest`` hint) tolerate these too."""
+
+
+class DeadlineExceeded(ObjectStoreError, TimeoutError):
+    """The notice deadline passed (or a retry could not finish before it)."""
+
+
+def env_int(name: str, default: int) -> int:
+    """An integer from the environment (accepts ``16MiB``-style suffixes), else ``default``."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    mult = 1
+    for suffix, m in (("KiB", 1024), ("MiB", MiB), ("GiB", 1024 * MiB), ("K", 1024), ("M", MiB), ("G", 1024 * MiB)):
+        if raw.endswith(suffix):
+            raw, mult = raw[: -len(suffix)], m
+            break
+    try:
+        return int(float(raw) * mult)
+    except ValueError:
+        raise StorageError(f"${name}={os.environ[name]!r} is not a number") from None
+
+
+def split_bucket_uri(uri: str, scheme: str) -> tuple[str, str]:
+    """``s3://bucket/a/b/`` -> ("bucket", "a/b/"); the prefix is '' or ends with '/'."""
+    parsed = urllib.parse.urlsplit(uri)
+    if parsed.scheme.lower() != scheme or not parsed.netloc:
+        raise StorageError(f"storage URI {uri!r} must look like {scheme}://BUCKET[/prefix]")
+    if parsed.query or parsed.fragment:
+        raise StorageError(f"storage URI {uri!r} may not carry a query or fragment")
+    prefix = urllib.parse.unquote(parsed.path).strip("/")
+    if prefix:
+        check_prefix(prefix + "/")
+    return parsed.netloc, (prefix + "/" if prefix else "")
+
+
+# --- memory -------------------------------------------------------------------
+
+
+class MemReader(io.RawIOBase):
+    """A read-only, seekable file over a memoryview: SDKs that want a stream get one without a copy."""
+
+    def __init__(self, data: memoryview | bytes | bytearray) -> None:
+        super().__init__()
+        self._mv = memoryview(data).cast("B")
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return len(self._mv)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._mv)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), len(self._mv) - self._pos)
+        if n <= 0:
+            return 0
+        memoryview(b).cast("B")[:n] = self._mv[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = len(self._mv) if size is None or size < 0 else min(len(self._mv), self._pos + size)
+        out = self._mv[self._pos:end].tobytes()
+        self._pos = end
+        return out
+
+
+def body_of(data: memoryview) -> Any:
+    """A request body for ``data`` that HTTP clients send with one ``sendall``.
+
+    A full pooled buffer goes as the bytearray itself (no copy); file-like
+    bodies would be sent in 8-16 KiB reads, each a copy and a Python call.
+    """
+    obj = data.obj
+    if isinstance(obj, (bytes, bytearray)) and len(data) == len(obj) and data.contiguous:
+        return obj
+    return data.tobytes()
+
+
+class BufferPool:
+    """At most ``count`` reusable part buffers of ``size`` bytes: the upload memory bound.
+
+    Why reuse: first-touch page faults cost more than the copy itself on many
+    VMs; a warm pool makes the second checkpoint as fast as a memcpy.
+    """
+
+    def __init__(self, size: int, count: int) -> None:
+        self.size = size
+        self.count = count
+        self._free: "queue.LifoQueue[bytearray]" = queue.LifoQueue()
+        self._made = 0
+        self._lock = threading.Lock()
+
+    def acquire(self, timeout: float | None) -> bytearray:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            if self._made < self.count:
+                self._made += 1
+                return bytearray(self.size)
+        try:
+            return self._free.get(timeout=timeout)
+        except queue.Empty:
+            raise DeadlineExceeded("timed out waiting for an upload buffer (uploads too slow for the deadline)") from None
+
+    def release(self, buf: bytearray) -> None:
+        self._free.put(buf)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self._made * self.size
+
+
+# --- uploads --------------------------------------------------------------------
+
+
+class Upload(abc.ABC):
+    """One object being written in numbered parts (S3 multipart / Azure blocks / GCS resumable)."""
+
+    #: parts must be sent one after another, in order (GCS resumable)
+    ordered: bool = False
+
+    @abc.abstractmethod
+    def part(self, number: int, data: memoryview, last: bool) -> Any:
+        """Send part ``number`` (1-based); returns a token ``complete`` needs. Must be retry-safe."""
+
+    @abc.abstractmethod
+    def complete(self, tokens: list[Any], total: int) -> None:
+        """Make the object visible, atomically, from the parts in order."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Discard every part sent so far (no orphaned parts left billing)."""
+
+
+class UploadStream(io.RawIOBase):
+    """A write-only stream that turns ``write`` calls into parallel part uploads from pooled buffers.
+
+    Small objects (under one part) become a single PUT on ``close``. Memory is
+    bounded by the pool; a producer blocks for a free buffer (back-pressure).
+    Any part failure, or the deadline, fails the next ``write``/``close``; the
+    caller then calls ``abort``.
+    """
+
+    def __init__(self, store: "ObjectStorage", name: str, pool: BufferPool, executor: ThreadPoolExecutor) -> None:
+        super().__init__()
+        self._store = store
+        self._name = name
+        self._pool = pool
+        self._executor = executor
+        self._buf: bytearray | None = None
+        self._fill = 0
+        self._pos = 0
+        self._upload: Upload | None = None
+        self._futures: list[Future[Any]] = []
+        self._lane: ThreadPoolExecutor | None = None
+        self._error: BaseException | None = None
+        self._done = False
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+        for f in self._futures:
+            if f.done() and f.exception() is not None:
+                self._error = f.exception()
+                raise self._error  # type: ignore[misc]
+
+    @property
+    def error(self) -> BaseException | None:
+        """The first failure (a part upload, the deadline); torch.save may mask it with its own error."""
+        return self._error
+
+    def write(self, b: Any) -> int:
+        try:
+            return self._write(b)
+        except BaseException as exc:
+            if self._error is None:
+                self._error = exc
+            raise
+
+    def _write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        n = len(mv)
+        done = 0
+        while done < n:
+            if self._buf is None:
+                self._raise_if_failed()
+                self._buf = self._pool.acquire(self._store.remaining(default=None))
+                self._fill = 0
+            take = min(n - done, len(self._buf) - self._fill)
+            self._buf[self._fill:self._fill + take] = mv[done:done + take]
+            self._fill += take
+            done += take
+            if self._fill == len(self._buf):
+                self._send(last=False)
+        self._pos += n
+        return n
+
+    def _send(self, last: bool) -> None:
+        buf, fill = self._buf, self._fill
+        assert buf is not None
+        self._buf = None
+        if self._upload is None:
+            self._upload = self._store.call("start upload", self._store._start_upload, self._name)
+            if self._upload.ordered:
+                self._lane = ThreadPoolExecutor(1, thread_name_prefix="spotguard-lane")
+        number = len(self._futures) + 1
+        upload = self._upload
+
+        def send() -> Any:
+            try:
+                return self._store.call(f"part {number} of {self._name}", upload.part, number,
+                                        memoryview(buf)[:fill], last)
+            finally:
+                self._pool.release(buf)
+
+        self._futures.append((self._lane or self._executor).submit(send))
+
+    def close(self) -> None:
+        """Finish the object: durable and visible on return (or raise; then call ``abort``)."""
+        if self._done or self.closed:
+            return
+        self._raise_if_failed()
+        if self._upload is None:
+            data = memoryview(self._buf)[:self._fill] if self._buf is not None else memoryview(b"")
+            try:
+                self._store.call(f"put {self._name}", self._store._put, self._name, data)
+            finally:
+                if self._buf is not None:
+                    self._pool.release(self._buf)
+                    self._buf = None
+        else:
+            if self._buf is not None and self._fill:
+                self._send(last=True)
+            elif self._buf is not None:
+                self._pool.release(self._buf)
+                self._buf = None
+            tokens = [self._store.wait(f, f"upload of {self._name}") for f in self._futures]
+            self._store.call(f"complete {self._name}", self._upload.complete, tokens, self._pos)
+        self._done = True
+        if self._lane is not None:
+            self._lane.shutdown(wait=False)
+        super().close()
+
+    def abort(self) -> None:
+        """Best effort: stop, wait briefly for parts in flight, discard every part sent."""
+        if self._done:
+            return
+        self._done = True
+        for f in self._futures:
+            f.cancel()
+        grace = time.monotonic() + 3.0
+        for f in self._futures:
+            with contextlib.suppress(BaseException):
+                f.result(timeout=max(0.0, grace - time.monotonic()))
+        if self._buf is not None:
+            self._pool.release(self._buf)
+            self._buf = None
+        if self._upload is not None:
+            try:
+                with self._store.thread_deadline(None):  # cleanup may outlive the notice by a little
+                    self._store.call(f"abort {self._name}", self._upload.abort, attempts=3)
+                log.info("aborted unfinished upload", object=self._name, parts=len(self._futures))
+            except Exception as exc:  # noqa: BLE001 - the next prepare_attempt cleans orphans
+                log.warning("could not abort upload (the next save cleans it up)", object=self._name,
+                            error=repr(exc))
+        if self._lane is not None:
+            self._lane.shutdown(wait=False)
+        with contextlib.suppress(Exception):
+            super().close()
+
+
+# --- the base storage -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RawObject:
+    name: str  # full object name, root prefix included
+    size: int
+    mtime: float
+
+
+class ObjectStorage(Storage):
+    """A ``Storage`` on an object store. Subclasses implement the ``_``-primitives on full names."""
+
+    scheme: str = ""
+    #: keys under this (relative) prefix are the backend's own bookkeeping, never listed
+    hidden_prefix: str | None = None
+    min_part_size: int = 256 * 1024
+    part_alignment: int = 1
+
+    def __init__(self, uri: str, *, part_size: int | None = None, concurrency: int | None = None,
+                 max_attempts: int | None = None, backoff: float = 0.2, backoff_cap: float = 5.0,
+                 request_timeout: float = 60.0) -> None:
+        self.bucket, self.root = split_bucket_uri(uri, self.scheme)
+        self.uri = f"{self.scheme}://{self.bucket}" + (f"/{self.root.rstrip('/')}" if self.root else "")
+        part = part_size or env_int("SPOTGUARD_PART_SIZE", DEFAULT_PART_SIZE)
+        part = max(self.min_part_size, part)
+        part -= part % self.part_alignment
+        self.part_size = part
+        self.concurrency = max(1, concurrency or env_int("SPOTGUARD_UPLOAD_CONCURRENCY", DEFAULT_CONCURRENCY))
+        self.max_attempts = max(1, max_attempts or env_int("SPOTGUARD_MAX_ATTEMPTS", 10))
+        self.backoff = backoff
+        self.backoff_cap = backoff_cap
+        self.request_timeout = request_timeout
+        self._deadline: float | None = None
+        self._deadline_local = threading.local()
+        self._pool: BufferPool | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self.retries = 0  # requests retried since creation (observability, tests)
+
+    # -- deadline ----------------------------------------------------------------
+
+    @property
+    def deadline(self) -> float | None:
+        """The ``time.monotonic()`` instant after which no request may run (None: unbounded)."""
+        override = getattr(self._deadline_local, "value", _UNSET)
+        return self._deadline if override is _UNSET else override
+
+    @deadline.setter
+    def deadline(self, value: float | None) -> None:
+        self._deadline = value
+
+    @contextlib.contextmanager
+    def deadline_at(self, value: float | None) -> Iterator[None]:
+        """Bound every request made inside the block (all threads) by ``value`` (monotonic)."""
+        previous = self._deadline
+        self._deadline = value
+        try:
+            yield
+        finally:
+            self._deadline = previous
+
+    @contextlib.contextmanager
+    def thread_deadline(self, value: float | None) -> Iterator[None]:
+        """Override the deadline for requests made by this thread only (cleanup after a failure)."""
+        previous = getattr(self._deadline_local, "value", _UNSET)
+        self._deadline_local.value = value
+        try:
+            yield
+        finally:
+            if previous is _UNSET:
+                del self._deadline_local.value
+            else:
+                self._deadline_local.value = previous
+
+    def remaining(self, default: float | None = None) -> float | None:
+        """Seconds left before the deadline (may be <= 0), or ``default`` without one."""
+        d = self.deadline
+        return default if d is None else d - time.monotonic()
+
+    def _check_deadline(self, what: str) -> None:
+        left = self.remaining()
+        if left is not None and left <= 0:
+            raise DeadlineExceeded(f"{self.uri}: deadline passed before {what} ({-left:.2f}s ago)")
+
+    def timeout(self) -> float:
+        """Per-request timeout: the configured one, shortened to what is left before the deadline."""
+        left = self.remaining()
+        t = self.request_timeout if left is None else min(self.request_timeout, left)
+        return max(0.05, t)
+
+    # -- retries -----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _retryable(self, exc: BaseException) -> bool:
+        """5xx, 429/SlowDown/throttling, timeouts and connection resets."""
+
+    def _translate(self, exc: BaseException, what: str) -> BaseException:
+        """Map a final, non-retryable SDK error to FileNotFoundError/ObjectStoreError."""
+        return ObjectStoreError(f"{self.uri}: {what} failed: {type(exc).__name__}: {exc}")
+
+    def call(self, what: str, fn: Callable[..., T], *args: Any, attempts: int | None = None, **kwargs: Any) -> T:
+        """Run one request with jittered exponential backoff, never past the deadline."""
+        attempt = 0
+        limit = attempts or self.max_attempts
+        while True:
+            self._check_deadline(what)
+            try:
+                return fn(*args, **kwargs)
+            except (FileNotFoundError, StorageError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - classified below
+                if not self._retryable(exc):
+                    raise self._translate(exc, what) from exc
+                attempt += 1
+                if attempt >= limit:
+                    raise ObjectStoreError(f"{self.uri}: {what} failed after {attempt} attempts: "
+                                           f"{type(exc).__name__}: {exc}") from exc
+                delay = min(self.backoff_cap, self.backoff * (2 ** (attempt - 1))) * random.uniform(0.5, 1.0)
+                left = self.remaining()
+                if left is not None and delay >= left:
+                    raise DeadlineExceeded(f"{self.uri}: {what} failed ({type(exc).__name__}: {exc}) and the "
+                                           f"deadline leaves {max(left, 0):.2f}s, too little to retry") from exc
+                self.retries += 1
+                log.info("retrying storage request", storage=self.uri, what=what, attempt=attempt,
+                         delay=round(delay, 3), error=f"{type(exc).__name__}: {exc}"[:300])
+                time.sleep(delay)
+
+    def wait(self, fut: "Future[T]", what: str) -> T:
+        """A future's result, but give up (DeadlineExceeded) at the deadline."""
+        left = self.remaining()
+        try:
+            return fut.result(timeout=None if left is None else max(0.0, left))
+        except TimeoutError:
+            if fut.done():
+                raise
+            raise DeadlineExceeded(f"{self.uri}: {what} did not finish before the deadline") from None
+
+    # -- shared resources --------------------------------------------------------
+
+    def pool(self, producers: int = 1) -> BufferPool:
+        """The part-buffer pool: (concurrency + producers) buffers of one part each."""
+        with self._lock:
+            want = self.concurrency + max(1, producers)
+            if self._pool is None or self._pool.count < want:
+                self._pool = BufferPool(self.part_size, want)
+            return self._pool
+
+    def executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.concurrency, thread_name_prefix="spotguard-io")
+            return self._executor
+
+    def open_upload(self, key: str, producers: int = 1) -> UploadStream:
+        """A streaming writer for object ``key`` (relative to the root)."""
+        return UploadStream(self, self._name(key), self.pool(producers), self.executor())
+
+    # -- primitives a backend implements (full names) ---------------------------------
+
+    @abc.abstractmethod
+    def _put(self, name: str, data: memoryview) -> None: ...
+
+    @abc.abstractmethod
+    def _get(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Bytes [start, end) (whole object when both None); FileNotFoundError if absent."""
+
+    @abc.abstractmethod
+    def _head(self, name: str) -> int | None:
+        """The object's size, or None if absent."""
+
+    @abc.abstractmethod
+    def _list(self, prefix: str) -> Iterable[RawObject]: ...
+
+    @abc.abstractmethod
+    def _delete(self, names: list[str]) -> None:
+        """Delete these objects (missing ones are fine)."""
+
+    @abc.abstractmethod
+    def _start_upload(self, name: str) -> Upload: ...
+
+    @abc.abstractmethod
+    def _abort_uploads(self, prefix: str) -> int:
+        """Abort every unfinished upload whose object name starts with ``prefix``; returns how many."""
+
+    # -- Storage API ---------------------------------------------------------------
+
+    def _name(self, key: str) -> str:
+        check_key(key)
+        return self.root + key
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        name = self._name(key)
+        self.call(f"put {name}", self._put, name, memoryview(data))
+
+    def read_bytes(self, key: str) -> bytes:
+        name = self._name(key)
+        return self.call(f"get {name}", self._get, name)
+
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of ``key`` (a ranged GET)."""
+        name = self._name(key)
+        if end <= start:
+            return b""
+        return self.call(f"get {name}[{start}:{end}]", self._get, name, start, end)
+
+    def exists(self, key: str) -> bool:
+        name = self._name(key)
+        return self.call(f"head {name}", self._head, name) is not None
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        check_prefix(prefix)
+        full = self.root + prefix
+        raw = self.call(f"list {full}", lambda: list(self._list(full)))
+        out = [ObjectInfo(key=o.name[len(self.root):], size=o.size, mtime=o.mtime) for o in raw
+               if o.name.startswith(full) and o.name != self.root]
+        if self.hidden_prefix:
+            out = [o for o in out if not o.key.startswith(self.hidden_prefix)]
+        out.sort(key=lambda o: o.key)
+        return out
+
+    def delete_prefix(self, prefix: str) -> None:
+        check_prefix(prefix)
+        if not prefix:
+            raise StorageError("refusing to delete the whole storage root (empty prefix)")
+        self.abort_incomplete_uploads(prefix)
+        names = [self.root + o.key for o in self.list(prefix)]
+        for i in range(0, len(names), 1000):
+            batch = names[i:i + 1000]
+            self.call(f"delete {len(batch)} objects under {self.root + prefix}", self._delete, batch)
+
+    def abort_incomplete_uploads(self, prefix: str = "") -> int:
+        """Abort unfinished multipart/block uploads under ``prefix`` (left by a killed save)."""
+        check_prefix(prefix)
+        n = self.call(f"abort uploads under {self.root + prefix}", self._abort_uploads, self.root + prefix)
+        if n:
+            log.info("aborted orphaned uploads", storage=self.uri, prefix=prefix, count=n)
+        return n
+
+    def dcp_writer(self, key: str, *, thread_count: int | None = None) -> "StorageWriter":
+        from .dcp_object import ObjectStoreWriter
+
+        return ObjectStoreWriter(self, key.strip("/"), files_per_rank=thread_count)
+
+    def dcp_reader(self, key: str) -> "StorageReader":
+        from .dcp_object import ObjectStoreReader
+
+        return ObjectStoreReader(self, key.strip("/"))
+
+    def download(self, key: str, dest: str | os.PathLike[str]) -> str:
+        """Copy folder ``key`` to local folder ``dest`` with parallel ranged reads; returns ``dest``.
+
+        For frameworks whose resume argument wants a local path (``hook.latest()``).
+        """
+        dest = os.fspath(dest)
+        prefix = key.strip("/") + "/"
+        objs = self.list(prefix)
+        ex = self.executor()
+        for o in objs:
+            path = os.path.join(dest, *o.key[len(prefix):].split("/"))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.truncate(o.size)
+            spans = [(a, min(o.size, a + self.part_size)) for a in range(0, o.size, self.part_size)]
+
+            def fetch(span: tuple[int, int], okey: str = o.key, p: str = path) -> None:
+                data = self.read_range(okey, *span)
+                with open(p, "r+b") as f:
+                    f.seek(span[0])
+                    f.write(data)
+
+            for fut in [ex.submit(fetch, s) for s in spans]:
+                self.wait(fut, f"download of {o.key}")
+        return dest
+
+    def close(self) -> None:
+        """Stop the I/O threads (idempotent)."""
+        with self._lock:
+            if self._executor is not None:
+                self._executor.shutdown(wait=False, cancel_futures=True)
+                self._executor = None
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "part_size": self.part_size, "concurrency": self.concurrency}
+
+
+_UNSET: Any = object()
+
+
+def missing_extra(what: str, extra: str, exc: BaseException) -> StorageError:
+    """The error for a backend whose optional SDK is not installed."""
+    return StorageError(f"{what} needs the optional dependencies of spotguard[{extra}] "
+                        f"({exc}): pip install 'spotguard[{extra}]'")

@@ -1,0 +1,9 @@
+"""GCS backend against its real local server (see conftest.py), through a fault-injecting proxy."""
+
+from __future__ import annotations
+
+from ._contract import ObjectStoreContract
+
+
+class TestGCS(ObjectStoreContract):
+    kind = "gs"

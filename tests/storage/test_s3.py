@@ -1,0 +1,9 @@
+"""S3 backend against its real local server (see conftest.py), through a fault-injecting proxy."""
+
+from __future__ import annotations
+
+from ._contract import ObjectStoreContract
+
+
+class TestS3(ObjectStoreContract):
+    kind = "s3"
