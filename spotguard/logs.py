@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import logging
+import random
 import sys
 from typing import Any, TextIO
 
-import structlog
+# structlog imports rich when it is installed, and rich.style draws random.getrandbits(24) at
+# import: without this guard, importing spotguard after seeding shifts the user's Python RNG
+# stream (a run with the hook would no longer equal the same run without it).
+_rng_state = random.getstate()
+import structlog  # noqa: E402
+
+random.setstate(_rng_state)
+del _rng_state
 
 __all__ = ["configure_logging", "get_logger"]
 

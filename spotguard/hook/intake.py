@@ -73,6 +73,10 @@ class NoticeIntake:
         self.on_cancel = on_cancel
         self.backoff_max = max(BACKOFF_MIN, float(backoff_max))
         self.connected = threading.Event()
+        # Set once the daemon answered the ``status`` sent right after ``subscribe``: it queues every
+        # still-active notice (the replay) before that reply on the same connection, so by then each
+        # replayed notice has gone through ``on_notice``.
+        self.replayed = threading.Event()
         self.hello: protocol.Hello | None = None  # the daemon's last hello (node, cloud, sources)
         self._stop = threading.Event()
         self._queue: Deque[bytes] = collections.deque()
@@ -206,6 +210,7 @@ class NoticeIntake:
                 self._log.exception("intake error")
             finally:
                 self.connected.clear()
+                self.replayed.clear()
                 try:
                     sock.close()
                 except OSError:
@@ -317,7 +322,7 @@ class NoticeIntake:
             out += protocol.encode(
                 protocol.Subscribe(pid=os.getpid(), rank=self.rank, local_rank=self.local_rank,
                                    world_size=self.world_size, job=self.job)
-            )
+            ) + protocol.encode(protocol.StatusRequest())  # its reply marks the end of the replay
             self.connected.set()
             self._log.info("subscribed to spotguard daemon", node=msg.node, cloud=msg.cloud,
                            sources=msg.sources)
@@ -339,6 +344,8 @@ class NoticeIntake:
             self._log.warning("daemon reported an error", error=msg.error)
         elif isinstance(msg, protocol.Hello):
             self.hello = msg
+        elif isinstance(msg, protocol.StatusReply):
+            self.replayed.set()
         # ping, status, drill_ok: nothing to do
         return False
 

@@ -310,3 +310,25 @@ def test_callback_exception_does_not_kill_the_intake(sock_path: str) -> None:
     finally:
         intake.close()
         server.stop()
+
+
+def test_flush_returns_true_once_reports_are_on_the_socket(sock_path: str) -> None:
+    """flush() is what the hook calls right before exiting: after it, closing must not lose checkpoint_done."""
+    server = FakeDaemon(sock_path)
+    intake = make_intake(sock_path, Recorder())
+    intake.start()
+    try:
+        assert intake.wait_connected(WAIT)
+        server.expect(protocol.Subscribe)
+        assert intake.flush(0.0)  # nothing queued: idle at once
+        intake.report(protocol.CheckpointStarted(id="aws-1", step=9))
+        intake.report(protocol.CheckpointDone(id="aws-1", step=9, uri="file:///ckpt/step-00000009", bytes=123,
+                                              seconds=0.25))
+        assert intake.flush(WAIT) is True
+        intake.close()  # the process exits right after flush: nothing may still sit in the queue
+        assert server.expect(protocol.CheckpointStarted).step == 9
+        done = server.expect(protocol.CheckpointDone)
+        assert (done.id, done.step, done.uri, done.bytes) == ("aws-1", 9, "file:///ckpt/step-00000009", 123)
+    finally:
+        intake.close()
+        server.stop()
