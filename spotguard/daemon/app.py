@@ -439,9 +439,14 @@ class Daemon:
         log.info("notice.approving", notice_id=entry.id, source=entry.notice.source,
                  subscribers=len(entry.reports))
         try:
-            await w.approve(entry.notice)
+            ok = await w.approve(entry.notice)
         except Exception as exc:
-            log.error("notice.approve_failed", notice_id=entry.id, source=entry.notice.source, error=repr(exc))
+            ok, error = False, repr(exc)
+        else:
+            error = "the provider did not accept the approval (see the watcher's log line)"
+        if ok is False:
+            # The event then starts at its own NotBefore; a later report may retry.
+            log.error("notice.approve_failed", notice_id=entry.id, source=entry.notice.source, error=error)
             entry.approved = False
             return
         log.info("notice.approved", notice_id=entry.id, source=entry.notice.source)

@@ -204,8 +204,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the daemon's flags; every flag is also ``SPOTGUARD_<NAME>``."""
     for opt in _OPTIONS:
         if opt.kind == "flag":
-            parser.add_argument(f"--{opt.flag}", dest=opt.dest, action="store_true", default=None,
-                                help=f"{opt.help} [env {opt.env}]")
+            # --X / --no-X: a flag must be able to win over the env var either way.
+            parser.add_argument(f"--{opt.flag}", dest=opt.dest, action=argparse.BooleanOptionalAction,
+                                default=None, help=f"{opt.help} [env {opt.env}]")
         else:
             metavar = {"choice": "{" + ",".join(opt.choices) + "}", "url": "URL", "float": "SECONDS",
                        "int": "N"}.get(opt.kind, {"socket": "PATH", "dmi-root": "DIR"}.get(opt.flag,

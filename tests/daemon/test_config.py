@@ -96,3 +96,47 @@ def test_daemon_exits_2_with_one_line(argv: list[str], env: dict[str, str]) -> N
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("spotguard daemon: error: ")
     assert proc.stdout == ""
+
+
+# flag -> (env text, value from env, flag argv, value from flag); every option listed.
+SAMPLES: dict[str, tuple[str, object, list[str], object]] = {
+    "cloud": ("gcp", "gcp", ["--cloud", "aws"], "aws"),
+    "metadata-url": ("http://127.0.0.1:8999/", "http://127.0.0.1:8999", ["--metadata-url", "http://127.0.0.1:1"],
+                     "http://127.0.0.1:1"),
+    "socket": ("/tmp/sg-env.sock", "/tmp/sg-env.sock", ["--socket", "/tmp/sg-flag.sock"], "/tmp/sg-flag.sock"),
+    "poll-interval": ("2", 2.0, ["--poll-interval", "0.25"], 0.25),
+    "metrics-port": ("9100", 9100, ["--metrics-port", "0"], 0),
+    "log-format": ("console", "console", ["--log-format", "json"], "json"),
+    "log-level": ("debug", "debug", ["--log-level", "error"], "error"),
+    "azure-ack-after-checkpoint": ("true", True, ["--no-azure-ack-after-checkpoint"], False),
+    "sigterm-grace": ("10", 10.0, ["--sigterm-grace", "3"], 3.0),
+    "dmi-root": ("/tmp/dmi-env", "/tmp/dmi-env", ["--dmi-root", "/tmp/dmi-flag"], "/tmp/dmi-flag"),
+    "socket-group": ("0", "0", ["--socket-group", "1"], "1"),
+    "max-subscribers": ("7", 7, ["--max-subscribers", "9"], 9),
+    "node": ("env-node", "env-node", ["--node", "flag-node"], "flag-node"),
+    "ping-interval": ("3", 3.0, ["--ping-interval", "4"], 4.0),
+    "send-queue": ("32", 32, ["--send-queue", "64"], 64),
+}
+
+
+def test_samples_cover_every_option() -> None:
+    from spotguard.daemon.config import _OPTIONS
+
+    assert set(SAMPLES) == {o.flag for o in _OPTIONS}
+
+
+@pytest.mark.parametrize("flag", sorted(SAMPLES))
+def test_every_option_works_as_env_and_the_flag_wins(flag: str) -> None:
+    env_text, env_value, argv, flag_value = SAMPLES[flag]
+    dest = flag.replace("-", "_")
+    env = {"SPOTGUARD_" + dest.upper(): env_text}
+    assert getattr(DaemonConfig(), dest) != env_value, "the sample must differ from the default"
+    assert getattr(parse([], env), dest) == env_value
+    assert getattr(parse(argv, env), dest) == flag_value
+
+
+def test_boolean_flag_wins_over_env_both_ways() -> None:
+    assert parse(["--azure-ack-after-checkpoint"], {"SPOTGUARD_AZURE_ACK_AFTER_CHECKPOINT": "0"}) \
+        .azure_ack_after_checkpoint is True
+    assert parse(["--no-azure-ack-after-checkpoint"], {"SPOTGUARD_AZURE_ACK_AFTER_CHECKPOINT": "1"}) \
+        .azure_ack_after_checkpoint is False

@@ -612,7 +612,7 @@ class AwsWatcher(Watcher):
                 kind=kind,
                 deadline=not_before,
                 received_at=now,
-                detail=json.dumps(event, sort_keys=True),
+                detail=json.dumps(event),  # the provider's fields, in its order
             )
             emitted[kind] = notice.id
             out.extend(self._emit(notice))

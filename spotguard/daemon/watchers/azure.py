@@ -369,7 +369,7 @@ class AzureWatcher(Watcher):
                 kind=_KINDS.get(event["EventType"], "maintenance"),
                 deadline=self._deadline(event, now),
                 received_at=now,
-                detail=json.dumps(event, sort_keys=True),
+                detail=json.dumps(event),  # the provider's fields, in its order
             )
             self._active[notice_id] = event["EventId"]
             if notice_id in self._yielded:
@@ -410,16 +410,16 @@ class AzureWatcher(Watcher):
             return now + default
 
     # ------------------------------------------------------------------ approval
-    async def approve(self, notice: Notice) -> None:
+    async def approve(self, notice: Notice) -> bool:
         """``StartRequests`` for the notice's event: starts it for *every* VM it lists, so
         the daemon calls this only when configured and after every checkpoint is done.
-        Failures are logged and counted, never raised."""
+        Failures are logged and counted, never raised; returns whether IMDS took it."""
         event_id = self._active.get(notice.id)
         if event_id is None:
             log.warning(
                 "azure_approve_unknown", notice_id=notice.id, error="no active scheduled event with this notice id"
             )
-            return
+            return False
         backoff = Backoff(base=0.25, cap=2.0)
         body = {"StartRequests": [{"EventId": event_id}]}
         for attempt in range(1, 4):
@@ -427,7 +427,7 @@ class AzureWatcher(Watcher):
                 resp = await self._request("POST", PATH_EVENTS, self.api_version, body)
                 if resp.status == 200:
                     log.info("azure_event_approved", notice_id=notice.id, event_id=event_id)
-                    return
+                    return True
                 fault = _status_fault(resp, f"POST {PATH_EVENTS}")
             except _Fault as exc:
                 fault = exc
@@ -440,5 +440,7 @@ class AzureWatcher(Watcher):
                 reason=fault.reason,
                 error=fault.message,
             )
-            await self._sleep(max(backoff.next_delay(), fault.retry_after))
+            if attempt < 3:
+                await self._sleep(max(backoff.next_delay(), fault.retry_after))
         log.error("azure_approve_failed", notice_id=notice.id, event_id=event_id, error="StartRequests failed 3 times")
+        return False

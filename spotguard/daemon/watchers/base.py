@@ -87,8 +87,12 @@ class Watcher(abc.ABC):
     def events(self) -> AsyncIterator[WatchEvent]:
         """Yield notices (and cancellations) forever; return only when ``close`` was called."""
 
-    async def approve(self, notice: Notice) -> None:
-        """Tell the provider the node is ready (Azure ``StartRequests``); most sources have nothing to do."""
+    async def approve(self, notice: Notice) -> Optional[bool]:
+        """Tell the provider the node is ready (Azure ``StartRequests``); most sources have nothing to do.
+
+        Returns False when the provider did not take the approval (so the daemon
+        does not log it as approved); never raises for a provider error."""
+        return None
 
     async def close(self) -> None:
         """Release sockets/sessions."""

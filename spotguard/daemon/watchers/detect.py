@@ -22,8 +22,9 @@ __all__ = ["detect_cloud", "detect_cloud_sync", "detect_from_dmi", "probe_metada
 
 log = get_logger("spotguard.watchers.detect")
 
-# Every Azure VM carries this chassis asset tag; plain Hyper-V does not.
-AZURE_ASSET_TAG = "7783-7084-3265-9085"
+# Every Azure VM carries this chassis asset tag (ASCII "MSFT AZURE VM"; cloud-init
+# matches the same value); plain Hyper-V does not.
+AZURE_ASSET_TAG = "7783-7084-3265-9085-8269-3286-77"
 LINK_LOCAL = "http://169.254.169.254"
 _DMI_FILES = (
     "sys_vendor",

@@ -142,7 +142,7 @@ async def test_approve_posts_start_requests_once(emu: Emulator, collect: Callabl
     c = collect(w)
     rec = emu.notice("azure", "preemption", 60)
     n = await c.next_notice()
-    await w.approve(n)
+    assert await w.approve(n) is True
     assert emu.state.azure_approved == [rec.id]
     await polls(emu, 2)  # the event is now Started (new incarnation): not a new notice
     c.assert_empty()
@@ -153,7 +153,7 @@ async def test_approve_unknown_notice_is_a_no_op(emu: Emulator, collect: Callabl
 
     w = watcher(emu.url)
     collect(w)
-    await w.approve(Notice(id="azure-nope", source="azure", kind="preemption", deadline=utcnow()))
+    assert await w.approve(Notice(id="azure-nope", source="azure", kind="preemption", deadline=utcnow())) is False
     assert emu.state.azure_approved == [] and emu.state.request_count("POST", PATH_EVENTS) == 0
 
 

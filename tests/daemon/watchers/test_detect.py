@@ -35,6 +35,10 @@ def dmi(tmp_path: Path, **files: str) -> str:
             },
             "azure",
         ),
+        (  # the literal tag of a real Azure VM, not only the module's constant
+            {"sys_vendor": "Microsoft Corporation", "chassis_asset_tag": "7783-7084-3265-9085-8269-3286-77"},
+            "azure",
+        ),
         (
             {"sys_vendor": "Microsoft Corporation", "product_name": "Virtual Machine", "chassis_asset_tag": "None"},
             None,
