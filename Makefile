@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all setup test test-fast demo bench clean
+.PHONY: all setup test test-fast demo bench clean chaos
 
 all: test
 
@@ -19,16 +19,22 @@ $(STAMP): $(PY) pyproject.toml requirements-dev.txt
 
 setup: $(STAMP)
 
-test: $(STAMP) deploy-tools storage-tools
+test: $(STAMP) deploy-tools storage-tools frameworks-tools
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-test-fast: $(STAMP) deploy-tools storage-tools
+test-fast: $(STAMP) deploy-tools storage-tools frameworks-tools
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/spotguard demo
 
-bench: $(STAMP) storage-tools
+# The full chaos run (docs/reliability.md): >= 20 preemptions with faults at random stages,
+# ~6-10 minutes on 2 cores. A shortened run (5 preemptions) is part of `make test`
+# (tests/chaos/test_chaos.py). CHAOS_ARGS e.g. "--seed 7 --preemptions 40 --workdir /tmp/chaos".
+chaos: $(STAMP) storage-tools
+	$(PY) -m tests.chaos.driver --preemptions 24 $(CHAOS_ARGS)
+
+bench: $(STAMP) storage-tools frameworks-tools
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
 clean:
@@ -74,4 +80,17 @@ $(STORAGE_STAMP): $(PY) requirements-storage.txt
 	    mkdir -p .tools && npm install --silent --no-audit --no-fund --prefix .tools azurite@$(AZURITE_VERSION) >/dev/null; \
 	  fi; \
 	else echo "storage-tools: npm not found; the Azure (Azurite) tests will skip"; fi
+	touch $@
+
+# Framework adapters (tests/hook/adapters, examples/*_train.py, benchmarks/bench_adapters.py):
+# Lightning, transformers, accelerate and Ray Train into .venv, torch pinned in the same
+# resolve (requirements-frameworks.txt) so it cannot be replaced. Idempotent; re-runs only
+# when the pins change. Without them the adapter tests skip (importorskip).
+FRAMEWORKS_STAMP := $(VENV)/.frameworks-tools
+.PHONY: frameworks-tools
+frameworks-tools: $(FRAMEWORKS_STAMP)
+
+$(FRAMEWORKS_STAMP): $(PY) requirements-frameworks.txt
+	$(PY) -m pip install -q -r requirements-frameworks.txt
+	$(PY) -c "import torch, sys; v = torch.__version__; print('frameworks-tools: torch', v); sys.exit(0 if v.startswith('2.13.0') else 1)"
 	touch $@

@@ -59,13 +59,21 @@ def install_preemption_hook(
 
     ``on_notice(notice)`` runs on a background thread for every notice; return
     ``False`` to make the hook ignore that notice.
+
+    ``every``: periodic safety-net checkpoints in the background, a duration
+    (``"15m"``, ``"90s"``, ``"1h30m"``) or a number of **seconds** (``every=900``
+    is ``"15m"``; a wall-clock period because what a lost VM costs is time, and
+    step times vary). Pass the same value on every rank. The state is copied to
+    CPU at an iteration boundary (one copy of the state, time and memory, logged
+    as ``staging_seconds``) and uploaded by a background thread on its own gloo
+    group while training goes on; it commits like any checkpoint (reason
+    ``periodic``). A notice during such an upload: the upload is finished if its
+    own throughput says it ends within half of the time left before the
+    deadline (cut off there regardless), else aborted (multipart uploads
+    aborted, nothing committed); then the emergency checkpoint is written.
+    See docs/storage.md.
     """
     period = parse_every(every)
-    if period is not None:
-        raise NotImplementedError(
-            f"every={every!r}: periodic background checkpoints are not implemented in this spotguard "
-            "version yet; leave every=None (emergency checkpoints still work)"
-        )
     sock = os.fspath(socket) if socket is not None else None
     if isinstance(trainer, Mapping):
         from ..logs import configure_logging
@@ -75,7 +83,8 @@ def install_preemption_hook(
         if not structlog.is_configured():
             configure_logging(os.environ.get("SPOTGUARD_LOG_FORMAT", "json"),
                               os.environ.get("SPOTGUARD_LOG_LEVEL", "info"))
-        return Hook(trainer, storage, socket=sock, keep=keep, exit_code=exit_code, on_notice=on_notice)
+        return Hook(trainer, storage, socket=sock, keep=keep, exit_code=exit_code, on_notice=on_notice,
+                    every=period)
     adapter = adapters.find(trainer)
     if adapter is not None:
         return adapter.load()(trainer, storage, socket=sock, every=every, keep=keep, exit_code=exit_code,

@@ -25,13 +25,32 @@ SIGUSR1), 3 a notice whose id is already in the newest committed checkpoint
 
 After ``dist.destroy_process_group()`` no collective is possible: a notice that
 arrives then (or after the last step) is logged as ``notice_after_last_step``
-and the process keeps its own exit code (0 for a finished job).
+and the process keeps its own exit code (0 for a finished job). The hook wraps
+``destroy_process_group`` (once per process) so that it first waits, bounded,
+for the flag reduction launched at the last iteration's end and for a periodic
+upload, then drops its own gloo groups: tearing groups down under in-flight
+gloo work could abort a rank ("terminate called without an active exception").
+
+Failed saves: DCP reports write errors as ``CheckpointException``, a
+``BaseException``; ``_save`` catches it (re-raising only KeyboardInterrupt and
+SystemExit), reports ``checkpoint_failed`` and leaves the previous commit alone.
+Storage requests of a notice-driven save run inside
+``storage.deadline_at(deadline - SAVE_MARGIN)`` (see ``SAVE_MARGIN``).
+
+Periodic checkpoints (``every`` seconds; ``spotguard.hook.periodic``): the flag
+reduction also carries (due, busy) votes; when some rank says due and none says
+busy, every rank stages a CPU copy of the state at the boundary and uploads it
+on a background thread over a dedicated gloo group, committed with reason
+``periodic``. A notice during such an upload: finish it if its own throughput
+says it ends within half the time left (cut off there), else abort it; then the
+notice's checkpoint is written (docs/storage.md).
 """
 
 from __future__ import annotations
 
 import atexit
 import builtins
+import contextlib
 import gc
 import os
 import signal
@@ -74,10 +93,20 @@ from .dist import (
     teardown,
 )
 from .state import RESERVED_PREFIX, Objects, Snapshot, classify, pack, restore_rng, tracked_buffers, unpack
+from .dist import destroy_group, guard_destroy, unguard_destroy
+from .periodic import PERIODIC_SETTLED, PeriodicSaver, stage_state_dict
 
 __all__ = ["Hook", "Preempted", "SIGNAL_GRACE"]
 
 SIGNAL_GRACE = 30.0  # torchrun's default --shutdown-timeout: what a SIGTERM leaves us
+# Storage requests of a notice-driven save stop this long before the notice deadline (at most half
+# of what is left): the bounded teardown (barrier + destroy, ~0.1 s), the exit (~0.15 s with
+# gc.freeze) and the report to the daemon must still fit before the VM goes.
+SAVE_MARGIN = 1.5
+# Before the user's destroy_process_group() / at exit: how long to wait for the outstanding flag
+# reduction (finished long ago unless a peer is gone) and for an in-flight periodic upload.
+QUIESCE_AGREEMENT_TIMEOUT = 10.0
+QUIESCE_PERIODIC_TIMEOUT = float(os.environ.get("SPOTGUARD_PERIODIC_DRAIN", "60") or 60)
 LEVEL_NONE, LEVEL_CHECKPOINT, LEVEL_EMERGENCY, LEVEL_REPLAY = 0, 1, 2, 3
 _ACTIONS = {0: "none", 1: "checkpoint", 2: "emergency", 3: "exit"}
 
@@ -130,11 +159,14 @@ class Hook:
         on_notice: Callable[[Notice], Any] | None = None,
         signals: bool = True,
         intake: bool = True,
+        every: float | None = None,
     ) -> None:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be a positive integer or None, got {keep!r}")
         if isinstance(exit_code, bool) or not isinstance(exit_code, int) or not 0 <= exit_code <= 255:
             raise ValueError(f"exit_code must be an integer in 0..255, got {exit_code!r}")
+        if every is not None and (isinstance(every, bool) or not isinstance(every, (int, float)) or not every > 0):
+            raise ValueError(f"every must be a positive number of seconds or None, got {every!r}")
         self._objs: Objects = classify(state)
         self._storage: Storage = storage if isinstance(storage, Storage) else open_storage(storage)
         self._keep = keep
@@ -147,6 +179,12 @@ class Hook:
         self._group = make_group() if self._dist else None
         self._agree = Agreement(self._group)
         self._log = get_logger("spotguard.hook", component="hook", rank=self._rank)
+        self._torn_down = False  # the user destroyed the process group (or the hook quiesced for exit)
+        self._late: Optional[tuple[int, int]] = None  # the last flag reduction, settled at teardown
+        # periodic safety-net checkpoints: their own gloo group, created here (collective, every rank)
+        self._periodic: Optional[PeriodicSaver] = PeriodicSaver(self, float(every)) if every is not None else None
+        if self._dist:
+            guard_destroy(self._quiesce)
 
         self._count = 0
         self._resumed = False
@@ -268,8 +306,10 @@ class Hook:
         if info is None:
             return None
         path = self._storage.local_path(info.dir)
-        if path is None:
-            raise NotImplementedError("latest() for object stores (download first) comes with the object-store backends")
+        if path is None:  # object store: download the committed folder to a local cache first
+            from .adapters._files import download_dir  # noqa: PLC0415
+
+            return str(download_dir(self._storage, info.dir))
         return str(path)
 
     def notify(self, notice: Notice) -> None:
@@ -281,6 +321,9 @@ class Hook:
         if self._closed:
             return
         self._closed = True
+        unguard_destroy(self._quiesce)
+        if self._periodic is not None and not self._exiting:
+            self._periodic.quiesce(QUIESCE_PERIODIC_TIMEOUT)  # let an in-flight upload finish (bounded)
         self._remove_step_hooks()
         for sig, prev in self._prev_handlers.items():
             try:
@@ -334,7 +377,7 @@ class Hook:
             self._scaler_orig = None
 
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._internal or self._explicit or self._closed:
+        if self._internal or self._explicit or self._closed or self._torn_down:
             return  # DCP's fake step() on a fresh optimizer lands here: never count it
         if self._clock is None:
             self._clock = optimizer
@@ -342,7 +385,7 @@ class Hook:
             self._boundary()
 
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._internal or self._explicit or self._closed:
+        if self._internal or self._explicit or self._closed or self._torn_down:
             return
         if self._scaler is not None:
             return  # GradScaler.update() is the clock
@@ -353,6 +396,9 @@ class Hook:
 
     def _decide(self) -> None:
         """End of an iteration as the hook sees it: count, snapshot, launch the flag reduction."""
+        if self._torn_down:  # the process group is gone: count, but launch nothing
+            self._count += 1
+            return
         if self._agree.pending:  # a decision no boundary consumed (unusual loop): settle it here, consistently
             res = self._agree.collect()
             if res is not None and res[0] > 0:
@@ -361,13 +407,15 @@ class Hook:
         self._implicit_counted = True
         self._snap = Snapshot.take(self._objs.loaders, self._buffers)
         level, deadline_ms = self._local_level()
-        self._agree.launch(level, deadline_ms)
+        self._agree.launch(level, deadline_ms, self._periodic_flags())
 
     def _boundary(self) -> None:
         res = self._agree.collect()
         self._implicit_counted = False
         if res is not None and res[0] > 0:
             self._act(res[0], res[1], snap=self._snap, final=False)
+        elif res is not None:
+            self._maybe_periodic(self._snap)
 
     def _enter_explicit(self) -> None:
         if self._explicit:
@@ -376,13 +424,17 @@ class Hook:
         self._remove_step_hooks()
 
     def _explicit_boundary(self, *, final: bool) -> None:
+        if self._torn_down:  # after destroy_process_group(): no collective any more
+            return
         res = self._agree.collect()
         self._implicit_counted = False
         if res is not None and res[0] > 0:
             self._act(res[0], res[1], snap=None, final=final)
+        elif res is not None and not final:
+            self._maybe_periodic(None)
         if not final:
             level, deadline_ms = self._local_level()
-            self._agree.launch(level, deadline_ms)
+            self._agree.launch(level, deadline_ms, self._periodic_flags())
 
     # ---------------------------------------------------------------- notices
 
@@ -510,34 +562,48 @@ class Hook:
     def _act(self, level: int, deadline_ms: int, *, snap: Optional[Snapshot], final: bool) -> None:
         self._internal = True
         try:
-            try:
-                notice, ids = self._gather_notice(level, deadline_ms)
-            except Exception as exc:  # noqa: BLE001 - a peer vanished right after agreeing
-                notice = Notice(id=f"agreed-{self._count}", source="signal", kind="termination",
-                                deadline=utcnow() + timedelta(seconds=SIGNAL_GRACE))
-                ids = []
-                if level >= LEVEL_EMERGENCY:
-                    self._log.warning("peers lost while sharing the notice", error=repr(exc))
-                    self._exit(notice, _Result(committed=False, peers_ok=False, error=repr(exc)))
-                return
-            action = _ACTIONS[level]
-            if level == LEVEL_REPLAY and self._count != self._resumed_step:
-                action = "emergency"  # we trained past the committed step before learning of the replay
-            self._log.info(ev.AGREED, notice_id=notice.id, step=self._count, flag=level, action=action,
-                           kind=notice.kind, **self._timing(notice))
-            if final:
-                self._log.info(ev.NOTICE_AFTER_LAST_STEP, notice_id=notice.id, step=self._count)
-                self._forget(ids)
-                return
-            if action == "exit":
-                self._exit(notice, None)
-            if action == "emergency":
-                self._exit(notice, self._save(notice, "emergency", snap))
-            self._save(notice, "manual", snap)  # ordinary checkpoint, keep training
-            self._forget(ids)
-            set_group_timeout(self._group, 1800.0)
+            plan = self._plan(level, deadline_ms, final=final)
+            if plan is not None:
+                self._carry_out(plan, snap)
         finally:
             self._internal = False
+
+    def _plan(self, level: int, deadline_ms: int, *, final: bool) -> Optional[tuple[Notice, list[str], str]]:
+        """After agreement (every rank): the notice and the action, logged as ``agreed``; None = nothing to do.
+
+        Split from ``_carry_out`` so that a framework adapter can let its trainer
+        write the checkpoint between the two (Hugging Face: ``control.should_save``).
+        """
+        try:
+            notice, ids = self._gather_notice(level, deadline_ms)
+        except Exception as exc:  # noqa: BLE001 - a peer vanished right after agreeing
+            notice = Notice(id=f"agreed-{self._count}", source="signal", kind="termination",
+                            deadline=utcnow() + timedelta(seconds=SIGNAL_GRACE))
+            if level >= LEVEL_EMERGENCY:
+                self._log.warning("peers lost while sharing the notice", error=repr(exc))
+                self._exit(notice, _Result(committed=False, peers_ok=False, error=repr(exc)))
+            return None
+        action = _ACTIONS[level]
+        if level == LEVEL_REPLAY and self._count != self._resumed_step:
+            action = "emergency"  # we trained past the committed step before learning of the replay
+        self._log.info(ev.AGREED, notice_id=notice.id, step=self._count, flag=level, action=action,
+                       kind=notice.kind, **self._timing(notice))
+        if final:
+            self._log.info(ev.NOTICE_AFTER_LAST_STEP, notice_id=notice.id, step=self._count)
+            self._forget(ids)
+            return None
+        return notice, ids, action
+
+    def _carry_out(self, plan: tuple[Notice, list[str], str], snap: Optional[Snapshot]) -> None:
+        """Exit (replay), emergency save + exit (never returns), or an ordinary save and keep training."""
+        notice, ids, action = plan
+        if action == "exit":
+            self._exit(notice, None)
+        if action == "emergency":
+            self._exit(notice, self._save(notice, "emergency", snap))
+        self._save(notice, "manual", snap)  # ordinary checkpoint, keep training
+        self._forget(ids)
+        set_group_timeout(self._group, 1800.0)
 
     def _forget(self, ids: list[str]) -> None:
         with self._lock:
@@ -575,8 +641,15 @@ class Hook:
         set_group_timeout(self._group, min(600.0, max(5.0, notice.seconds_left() - 0.5)))
         self._log.info(ev.CHECKPOINT_STARTED, notice_id=notice.id, step=step, uri=uri, reason=reason)
         self._report(CheckpointStarted(id=notice.id, step=step))
-        stage = "prepare"
+        stage = "periodic"
+        scope = contextlib.ExitStack()
         try:
+            self._settle_periodic(notice)
+            stage = "prepare"
+            # Retries and uploads never run past the notice deadline, less a margin for teardown/exit.
+            left = notice.seconds_left()
+            scope.enter_context(self._storage.deadline_at(
+                time.monotonic() + left - min(SAVE_MARGIN, max(0.0, left) / 2)))
             status: Any = ("ok", None)
             if self._rank == 0:
                 try:
@@ -591,17 +664,14 @@ class Hook:
             if status[0] == "error":
                 return self._fail(notice, step, f"prepare failed on rank 0: {status[1]}", t0, peers_ok=True)
             stage = "write"
-            import torch.distributed.checkpoint as dcp  # noqa: PLC0415
-
             err = None
             try:
-                sd = self._save_state_dict(snap)
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                    dcp.save(sd, storage_writer=self._storage.dcp_writer(key), process_group=self._group)
+                self._write(key, snap)
                 if self._test_delay:
                     time.sleep(self._test_delay)  # test-only: widen the window for a SIGKILL during the save
-            except Exception as exc:  # noqa: BLE001 - DCP raises on every rank when one fails
+            except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException!) on every rank
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
                 err = f"{type(exc).__name__}: {exc}"
             stage = "durable-barrier"
             if not self._all_ok(err is None):
@@ -631,16 +701,30 @@ class Hook:
             if outcome[0] != "ok":
                 return self._fail(notice, step, f"commit failed on rank 0: {outcome[1]}", t0, peers_ok=True)
             return self._finish_ok(notice, step, uri, int(outcome[1]), t0)
-        except Exception as exc:  # noqa: BLE001 - a collective failed: a peer died or timed out
+        except BaseException as exc:  # noqa: BLE001 - a collective failed: a peer died or timed out
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
             return self._fail(notice, step, f"{stage}: {type(exc).__name__}: {exc}", t0, peers_ok=False)
+        finally:
+            scope.close()
 
     def _finish_ok(self, notice: Notice, step: int, uri: str, nbytes: int, t0: float, already: bool = False) -> _Result:
         secs = round(time.monotonic() - t0, 3)
         self._committed_ids.add(notice.id)
+        if self._periodic is not None:
+            self._periodic.restart_clock()
         self._log.info(ev.CHECKPOINT_COMMITTED, notice_id=notice.id, step=step, uri=uri, bytes=nbytes,
                        seconds=secs, already_committed=already, **self._timing(notice))
         self._report(CheckpointDone(id=notice.id, step=step, uri=uri, bytes=nbytes, seconds=secs))
+        self._after_commit(notice, step, uri)
         return _Result(committed=True, uri=uri, bytes=nbytes, seconds=secs)
+
+    def _after_commit(self, notice: Notice, step: int, uri: str) -> None:
+        """Every rank, right after the commit barrier: tell the framework (Ray Train). Must not raise."""
+        if "ray.train" in sys.modules:  # inside a Ray Train worker: report the committed checkpoint
+            from .adapters.ray import report_commit  # noqa: PLC0415
+
+            report_commit(self, step, uri)
 
     def _fail(self, notice: Notice, step: int, error: str, t0: float, *, peers_ok: bool) -> _Result:
         secs = round(time.monotonic() - t0, 3)
@@ -690,6 +774,20 @@ class Hook:
     def _rank_key(self, rank: int) -> str:
         return f"{RESERVED_PREFIX}rank{rank}"
 
+    def _write(self, key: str, snap: Optional[Snapshot]) -> None:
+        """Write this rank's part of the checkpoint under folder ``key`` (every rank; raise on failure).
+
+        The plain hook writes one DCP checkpoint; framework adapters override this
+        to let their trainer write its own format. Durability and the commit
+        record are ``_save``'s job.
+        """
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+        sd = self._save_state_dict(snap)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.save(sd, storage_writer=self._storage.dcp_writer(key), process_group=self._group)
+
     def _save_state_dict(self, snap: Optional[Snapshot]) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict  # noqa: PLC0415
 
@@ -738,7 +836,9 @@ class Hook:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
                 dcp.load(sd, storage_reader=self._storage.dcp_reader(dirkey), process_group=self._group)
-        except Exception as exc:
+        except BaseException as exc:  # CheckpointException is a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
             raise RuntimeError(
                 f"spotguard: checkpoint {self._storage.uri}/{dirkey} does not fit this state dict "
                 f"({type(exc).__name__}: {exc})"
@@ -775,7 +875,7 @@ class Hook:
         it = self._intake
         if it is not None and os.path.exists(it.socket_path):
             if it.wait_connected(1.0):
-                time.sleep(0.1)  # active notices follow the subscribe immediately
+                it.replayed.wait(1.0)  # every active notice the daemon replays has been received
         level, deadline_ms = self._local_level()
         if self._dist:
             level, deadline_ms = self._agree.blocking(level, deadline_ms)
@@ -790,7 +890,9 @@ class Hook:
         if self._closed or self._exiting:
             return
         res = None
-        if self._agree.pending:
+        if self._torn_down:  # the user destroyed the process group: no collective is possible any more
+            res = self._late
+        elif self._agree.pending:
             if self._group is None:
                 res = self._agree.collect()
             elif group_alive(self._group):
@@ -803,4 +905,67 @@ class Hook:
         if (res is not None and res[0] > 0) or local is not None:
             nid = local[2]["id"] if local is not None else None
             self._log.info(ev.NOTICE_AFTER_LAST_STEP, notice_id=nid, step=self._count)
-        self.close()
+        self.close()  # waits (bounded) for an in-flight periodic upload
+
+    # ------------------------------------------------------- teardown guard
+
+    def _quiesce(self) -> None:
+        """Runs inside ``torch.distributed.destroy_process_group()`` (every rank), before the groups go.
+
+        Waits (bounded) for the flag reduction launched at the last iteration's
+        end — every rank launched the same number, so this cannot deadlock — and
+        for an in-flight periodic upload, then destroys the hook's own groups.
+        From then on the hook is "after teardown": no collective is launched, and
+        a notice only logs ``notice_after_last_step`` at exit.
+        """
+        if self._torn_down:
+            return
+        self._torn_down = True
+        self._late = self._agree.drop(QUIESCE_AGREEMENT_TIMEOUT) if self._agree.pending else None
+        if self._periodic is not None:  # leaving after a notice: never wait out an upload
+            self._periodic.quiesce(5.0 if self._exiting else QUIESCE_PERIODIC_TIMEOUT, cancel=self._exiting)
+        destroy_group(self._group)
+
+    # ------------------------------------------------------------ periodic
+
+    def _periodic_flags(self) -> tuple[int, int]:
+        p = self._periodic
+        if p is None or self._torn_down or self._closed:
+            return 0, 0
+        return p.flags()
+
+    def _maybe_periodic(self, snap: Optional[Snapshot]) -> None:
+        """At a boundary with no notice: start the agreed periodic save (every rank sees the same flags)."""
+        p = self._periodic
+        if p is None or self._torn_down or self._closed:
+            return
+        due, busy = self._agree.flags[:2]
+        if not due or busy:
+            return
+        self._internal = True
+        try:
+            t0 = time.monotonic()
+            state, nbytes = stage_state_dict(self._save_state_dict(snap))
+            p.start(self._count, state, nbytes, time.monotonic() - t0)
+        finally:
+            self._internal = False
+
+    def _settle_periodic(self, notice: Notice) -> None:
+        """A notice-driven save is about to start (every rank): finish or abort an in-flight periodic one.
+
+        Rule (decided on rank 0, broadcast): finish it if its own throughput says it
+        ends within half of the time left (cut off at that half whatever happens),
+        else abort it; the notice's checkpoint is written next either way.
+        """
+        p = self._periodic
+        if p is None:
+            return
+        left = max(0.0, notice.seconds_left() - SAVE_MARGIN)
+        decision = p.decide(self._count, left) if self._rank == 0 else None
+        what, est = self._bcast0(decision)
+        if what == "idle" and not p.busy:
+            return
+        committed, waited = p.settle(what, left)
+        self._log.info(PERIODIC_SETTLED, notice_id=notice.id, step=p.job.step if p.job else None, decision=what,
+                       estimate=None if est is None else round(est, 3), seconds_left=round(left, 3),
+                       waited=round(waited, 3), committed=committed)

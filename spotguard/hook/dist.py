@@ -14,6 +14,7 @@ per decision point).
 from __future__ import annotations
 
 import threading
+import weakref
 import time
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -30,6 +31,9 @@ __all__ = [
     "set_group_timeout",
     "run_bounded",
     "teardown",
+    "guard_destroy",
+    "unguard_destroy",
+    "destroy_group",
 ]
 
 NO_DEADLINE_MS = 2**62  # "no notice here": loses every MIN over deadlines
@@ -68,40 +72,52 @@ def set_group_timeout(group: Any, seconds: float) -> None:
 
 
 class Agreement:
-    """One non-blocking MAX all-reduce of ``[level, -deadline_ms]`` per decision point.
+    """One non-blocking MAX all-reduce of ``[level, -deadline_ms, *flags]`` per decision point.
 
     The MAX of levels is the strongest action any rank asks for; the MAX of
-    negated deadlines is the earliest deadline any rank knows.
+    negated deadlines is the earliest deadline any rank knows. ``flags`` ride
+    along for free (periodic checkpoints: ``(due, busy)``): after ``collect``
+    every rank reads the same MAX of each in ``self.flags``.
     """
+
+    NFLAGS = 2
 
     def __init__(self, group: Any) -> None:
         self.group = group
         self._work: Any = None
         self._tensor: Optional[torch.Tensor] = None
         self._local: Optional[tuple[int, int]] = None
+        self._local_flags: tuple[int, ...] = (0,) * self.NFLAGS
+        self.flags: tuple[int, ...] = (0,) * self.NFLAGS  # agreed flags of the last collect()
 
     @property
     def pending(self) -> bool:
         return self._work is not None or self._local is not None
 
-    def launch(self, level: int, deadline_ms: int) -> None:
+    def launch(self, level: int, deadline_ms: int, flags: tuple[int, ...] = (0, 0)) -> None:
+        flags = tuple(int(f) for f in flags)[: self.NFLAGS] + (0,) * max(0, self.NFLAGS - len(flags))
         if self.group is None:
             self._local = (level, deadline_ms)
+            self._local_flags = flags
             return
-        t = torch.tensor([level, -deadline_ms], dtype=torch.int64)
+        t = torch.tensor([level, -deadline_ms, *flags], dtype=torch.int64)
         self._work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         self._tensor = t
 
     def collect(self) -> Optional[tuple[int, int]]:
         """Wait for the launched reduction (finished long ago in practice): (level, deadline_ms) or None."""
+        self.flags = (0,) * self.NFLAGS
         if self.group is None:
             out, self._local = self._local, None
+            if out is not None:
+                self.flags = self._local_flags
             return out
         work, t = self._work, self._tensor
         if work is None or t is None:
             return None
         self._work = self._tensor = None
         work.wait()
+        self.flags = tuple(int(x) for x in t[2:])
         return int(t[0]), -int(t[1])
 
     def blocking(self, level: int, deadline_ms: int) -> tuple[int, int]:
@@ -112,16 +128,22 @@ class Agreement:
         assert out is not None
         return out
 
-    def drop(self, timeout: float = 2.0) -> None:
-        """Settle an outstanding reduction without acting on it (process exit)."""
-        work = self._work
+    def drop(self, timeout: float = 2.0) -> Optional[tuple[int, int]]:
+        """Settle an outstanding reduction without acting on it (teardown, process exit).
+
+        Returns its (level, deadline_ms) if it finished within ``timeout``, else None.
+        """
+        work, t, local = self._work, self._tensor, self._local
         self._work = self._tensor = None
         self._local = None
-        if work is not None:
-            try:
-                work.wait(timedelta(seconds=timeout))
-            except Exception:
-                pass
+        if work is None:
+            return local
+        try:
+            if work.wait(timedelta(seconds=timeout)) is False or t is None:
+                return None
+            return int(t[0]), -int(t[1])
+        except Exception:
+            return None
 
 
 def run_bounded(fn: Callable[[], Any], timeout: float, name: str = "spotguard-bounded") -> tuple[bool, Optional[BaseException]]:
@@ -179,3 +201,77 @@ def teardown(group: Any, *, peers_ok: bool, timeout: float = 5.0) -> tuple[str, 
             return "destroy", time.monotonic() - t0
         return "timeout", time.monotonic() - t0
     return "abort", time.monotonic() - t0
+
+
+# --- quiescing before the user's destroy_process_group ------------------------------
+#
+# Why: the hook launches one non-blocking flag all-reduce at every iteration's end
+# on its own gloo group, so after the last step one is still outstanding (and a
+# periodic background save may be running on its group). If the user then calls
+# ``destroy_process_group()``, the groups are shut down under that work: with gloo
+# on torch 2.13 a rank occasionally aborts in a gloo thread ("terminate called
+# without an active exception", torchrun reports -6). Every rank launched the same
+# number of reductions, so waiting for them cannot deadlock; the wait is bounded
+# anyway. The wrapper is installed once per process, is transparent for other
+# groups and calls, and runs every live hook's ``quiesce`` first.
+
+_guard_lock = threading.Lock()
+_quiescers: list["weakref.WeakMethod[Callable[[], None]]"] = []
+_original_destroy: Optional[Callable[..., Any]] = None
+
+
+def _live_quiescers() -> list[Callable[[], None]]:
+    with _guard_lock:
+        alive = [(ref, ref()) for ref in _quiescers]
+        _quiescers[:] = [ref for ref, fn in alive if fn is not None]
+        return [fn for _, fn in alive if fn is not None]
+
+
+def _guarded_destroy(group: Any = None) -> Any:
+    whole = group is None or group is getattr(dist.GroupMember, "WORLD", None)
+    if whole:
+        for quiesce in _live_quiescers():
+            try:
+                quiesce()
+            except Exception:  # noqa: BLE001 - never stand between the user and their teardown
+                pass
+    assert _original_destroy is not None
+    return _original_destroy(group)
+
+
+_guarded_destroy.__wrapped__ = None  # type: ignore[attr-defined]  # set at install
+_guarded_destroy.__spotguard__ = True  # type: ignore[attr-defined]
+
+
+def guard_destroy(quiesce: Callable[[], None]) -> None:
+    """Run ``quiesce`` (a bound method, held weakly) before every ``destroy_process_group()`` of the world."""
+    global _original_destroy
+    with _guard_lock:
+        _quiescers.append(weakref.WeakMethod(quiesce))  # type: ignore[arg-type]
+        if _original_destroy is None:
+            current = dist.destroy_process_group
+            if getattr(current, "__spotguard__", False):  # pragma: no cover - module reloaded
+                return
+            _original_destroy = current
+            _guarded_destroy.__wrapped__ = current  # type: ignore[attr-defined]
+            _guarded_destroy.__doc__ = current.__doc__
+            dist.destroy_process_group = _guarded_destroy  # type: ignore[assignment]
+            dist.distributed_c10d.destroy_process_group = _guarded_destroy  # type: ignore[assignment]
+
+
+def unguard_destroy(quiesce: Callable[[], None]) -> None:
+    """Forget ``quiesce`` (the wrapper itself stays: it is transparent without hooks)."""
+    with _guard_lock:
+        _quiescers[:] = [r for r in _quiescers if r() is not None and r() != quiesce]
+
+
+def destroy_group(group: Any) -> bool:
+    """Destroy one of the hook's own (sub)groups, bypassing the guard; False if it was already gone."""
+    if group is None or not group_alive(group):
+        return False
+    destroy = _original_destroy or dist.destroy_process_group
+    try:
+        destroy(group)
+        return True
+    except Exception:  # noqa: BLE001 - already destroyed by someone else
+        return False

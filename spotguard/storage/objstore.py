@@ -50,6 +50,10 @@ log = get_logger("spotguard.storage")
 
 MiB = 1024 * 1024
 DEFAULT_PART_SIZE = 16 * MiB
+# Bounds on the env knobs, so a typo (SPOTGUARD_PART_SIZE=1e18) cannot allocate the machine away:
+# 5 GiB is S3's largest part; more parallel parts than this only adds memory.
+MAX_PART_SIZE = 5 * 1024 * MiB
+MAX_CONCURRENCY = 256
 DEFAULT_CONCURRENCY = 8
 
 
@@ -60,6 +64,12 @@ class ObjectStoreError(StorageError, OSError):
 
 class DeadlineExceeded(ObjectStoreError, TimeoutError):
     """The notice deadline passed (or a retry could not finish before it)."""
+
+
+# Retry jitter from a private generator: a periodic upload retries in a background thread while
+# the job trains, and drawing from the global `random` would change the training's random stream
+# (found by the chaos run: the resumed job then diverges from an uninterrupted one).
+_JITTER = random.Random()
 
 
 def env_int(name: str, default: int) -> int:
@@ -74,8 +84,8 @@ def env_int(name: str, default: int) -> int:
             break
     try:
         return int(float(raw) * mult)
-    except ValueError:
-        raise StorageError(f"${name}={os.environ[name]!r} is not a number") from None
+    except (ValueError, OverflowError):  # "abc", "nan" / "1e400", "inf"
+        raise StorageError(f"${name}={os.environ[name]!r} is not a finite number") from None
 
 
 def split_bucket_uri(uri: str, scheme: str) -> tuple[str, str]:
@@ -289,8 +299,10 @@ class UploadStream(io.RawIOBase):
 
         def send() -> Any:
             try:
-                return self._store.call(f"part {number} of {self._name}", upload.part, number,
-                                        memoryview(buf)[:fill], last)
+                token = self._store.call(f"part {number} of {self._name}", upload.part, number,
+                                         memoryview(buf)[:fill], last)
+                self._store.count_uploaded(fill)
+                return token
             finally:
                 self._pool.release(buf)
 
@@ -305,6 +317,7 @@ class UploadStream(io.RawIOBase):
             data = memoryview(self._buf)[:self._fill] if self._buf is not None else memoryview(b"")
             try:
                 self._store.call(f"put {self._name}", self._store._put, self._name, data)
+                self._store.count_uploaded(len(data))
             finally:
                 if self._buf is not None:
                     self._pool.release(self._buf)
@@ -375,10 +388,11 @@ class ObjectStorage(Storage):
         self.bucket, self.root = split_bucket_uri(uri, self.scheme)
         self.uri = f"{self.scheme}://{self.bucket}" + (f"/{self.root.rstrip('/')}" if self.root else "")
         part = part_size or env_int("SPOTGUARD_PART_SIZE", DEFAULT_PART_SIZE)
-        part = max(self.min_part_size, part)
+        part = min(max(self.min_part_size, part), MAX_PART_SIZE)
         part -= part % self.part_alignment
         self.part_size = part
-        self.concurrency = max(1, concurrency or env_int("SPOTGUARD_UPLOAD_CONCURRENCY", DEFAULT_CONCURRENCY))
+        self.concurrency = min(MAX_CONCURRENCY,
+                               max(1, concurrency or env_int("SPOTGUARD_UPLOAD_CONCURRENCY", DEFAULT_CONCURRENCY)))
         self.max_attempts = max(1, max_attempts or env_int("SPOTGUARD_MAX_ATTEMPTS", 10))
         self.backoff = backoff
         self.backoff_cap = backoff_cap
@@ -389,6 +403,12 @@ class ObjectStorage(Storage):
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self.retries = 0  # requests retried since creation (observability, tests)
+        self.bytes_uploaded = 0  # checkpoint bytes durable in the store (parts and small PUTs), since creation
+
+    def count_uploaded(self, n: int) -> None:
+        """Progress: ``n`` more bytes of a streamed upload were accepted by the store (thread-safe)."""
+        with self._lock:
+            self.bytes_uploaded += n
 
     # -- deadline ----------------------------------------------------------------
 
@@ -468,7 +488,7 @@ class ObjectStorage(Storage):
                 if attempt >= limit:
                     raise ObjectStoreError(f"{self.uri}: {what} failed after {attempt} attempts: "
                                            f"{type(exc).__name__}: {exc}") from exc
-                delay = min(self.backoff_cap, self.backoff * (2 ** (attempt - 1))) * random.uniform(0.5, 1.0)
+                delay = min(self.backoff_cap, self.backoff * (2 ** (attempt - 1))) * _JITTER.uniform(0.5, 1.0)
                 left = self.remaining()
                 if left is not None and delay >= left:
                     raise DeadlineExceeded(f"{self.uri}: {what} failed ({type(exc).__name__}: {exc}) and the "

@@ -413,8 +413,11 @@ def test_classification_by_protocol_not_name() -> None:
 def test_install_dispatch_and_arguments(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="supported: a dict of stateful objects"):
         install_preemption_hook(object(), storage=str(tmp_path))
-    with pytest.raises(NotImplementedError, match="periodic"):
-        install_preemption_hook(make(), storage=str(tmp_path), every="15m")
+    h = install_preemption_hook(make(), storage=str(tmp_path), every="15m", socket=str(tmp_path / "absent.sock"))
+    try:  # periodic checkpoints (tests/hook/test_periodic.py): a duration, numbers are seconds
+        assert h._periodic is not None and h._periodic.every == 900
+    finally:
+        h.close()
     with pytest.raises(ValueError):
         install_preemption_hook(make(), storage=str(tmp_path), every="soon")
     with pytest.raises(ValueError):

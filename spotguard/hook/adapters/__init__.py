@@ -37,10 +37,14 @@ class Adapter:
 
 _REGISTRY: list[Adapter] = [
     Adapter(("lightning.pytorch.trainer.trainer.Trainer", "pytorch_lightning.trainer.trainer.Trainer"),
-            "Lightning Trainer", None),
-    Adapter(("transformers.trainer.Trainer",), "Hugging Face transformers.Trainer", None),
-    Adapter(("accelerate.accelerator.Accelerator",), "accelerate.Accelerator", None),
-    Adapter(("ray.train.torch.torch_trainer.TorchTrainer",), "Ray Train TorchTrainer", None),
+            "Lightning Trainer (lightning.pytorch or pytorch_lightning)", "spotguard.hook.adapters.lightning:install"),
+    Adapter(("transformers.trainer.Trainer",), "Hugging Face transformers.Trainer",
+            "spotguard.hook.adapters.hf:install"),
+    Adapter(("accelerate.accelerator.Accelerator",), "accelerate.Accelerator",
+            "spotguard.hook.adapters.accelerate:install"),
+    Adapter(("ray.train.torch.torch_trainer.TorchTrainer", "ray.train.v2.torch.torch_trainer.TorchTrainer"),
+            "Ray Train (install the hook inside train_loop_per_worker with a dict)",
+            "spotguard.hook.adapters.ray:install"),
 ]
 
 

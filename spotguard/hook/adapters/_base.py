@@ -1,0 +1,179 @@
+"""What every framework adapter shares: the core ``Hook`` with the framework writing the checkpoint.
+
+An adapter *is* a ``spotguard.hook.core.Hook`` over an empty state dict, so it
+reuses, unchanged: the notice intake (daemon socket), the SIGTERM/SIGUSR1
+handlers, the non-blocking agreement on the hook's own gloo group, the commit
+protocol (``prepare_attempt`` -> every rank writes -> all-ok barrier -> rank 0
+commits -> commit barrier), the bounded teardown, replay detection and the
+timeline events. What differs per framework:
+
+- **when** the iteration boundary is: the framework's own batch/step-end
+  callback instead of optimizer hooks (``_framework_boundary``);
+- **how** the checkpoint is written: ``_write(key, snap)`` lets the framework
+  write its native folder (``trainer.save_checkpoint``, ``Trainer._save_checkpoint``,
+  ``Accelerator.save_state``) straight into a local store, or into a staging
+  folder that is uploaded with ``Storage.write_bytes`` for object stores;
+- **how** it is loaded: ``latest()`` gives the path the framework's own
+  resume argument takes (downloaded to a local cache for object stores).
+
+The core is armed (``Hook.__init__``) once ``torch.distributed`` is
+initialised, because several frameworks create the process group inside
+``fit``/``train``: before that there is no rank and no group to agree on.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any, Callable, Optional
+
+from ...notice import Notice
+from ...storage import Storage, open_storage
+from ...storage.commit import newest_committed
+from .. import events as ev
+from ..core import Hook
+from ._files import download_dir
+
+__all__ = ["FrameworkHook"]
+
+
+def _configure_logging() -> None:
+    import structlog
+
+    from ...logs import configure_logging
+
+    if not structlog.is_configured():
+        configure_logging(os.environ.get("SPOTGUARD_LOG_FORMAT", "json"), os.environ.get("SPOTGUARD_LOG_LEVEL", "info"))
+
+
+class FrameworkHook(Hook):
+    """Base of the Lightning / Hugging Face / Accelerate adapters (see the module docstring)."""
+
+    framework = "framework"
+
+    def __init__(
+        self,
+        storage: str | Storage | None = None,
+        *,
+        socket: str | None = None,
+        keep: int | None = None,
+        exit_code: int = 143,
+        on_notice: Callable[[Notice], Any] | None = None,
+        arm: bool = True,
+    ) -> None:
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"keep must be a positive integer or None, got {keep!r}")
+        if isinstance(exit_code, bool) or not isinstance(exit_code, int) or not 0 <= exit_code <= 255:
+            raise ValueError(f"exit_code must be an integer in 0..255, got {exit_code!r}")
+        _configure_logging()
+        self._storage = storage if isinstance(storage, Storage) else open_storage(storage)
+        self._armed = False
+        self._init_kw: dict[str, Any] = dict(socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice)
+        # (local path handed to the framework, step, notice id of its commit record, storage folder)
+        self._latest: Optional[tuple[str, int, Optional[str], str]] = None
+        self._last_boundary: Optional[int] = None
+        self._early: list[Notice] = []  # notify() before the core is armed
+        if arm:
+            self._arm()
+
+    # ------------------------------------------------------------------ arming
+
+    def _arm(self, state: Optional[dict[str, Any]] = None) -> None:
+        """Start the core (signals, intake, gloo group): every rank, once, after init_process_group."""
+        if self._armed:
+            return
+        Hook.__init__(self, state or {}, self._storage, **self._init_kw)
+        self._armed = True
+        early, self._early = self._early, []
+        for notice in early:
+            self._receive(notice, via="api")
+
+    @property
+    def armed(self) -> bool:
+        return self._armed
+
+    # ------------------------------------------------------------------ public
+
+    def latest(self) -> Optional[str]:
+        """What the framework's resume argument takes for the newest committed checkpoint, or None.
+
+        Object stores: the committed folder is downloaded to ``$SPOTGUARD_CACHE``
+        (default ``~/.cache/spotguard``) first; a complete copy there is reused.
+        """
+        info = newest_committed(self._storage)
+        if info is None:
+            self._latest = None
+            return None
+        folder = self._storage.local_path(info.dir)
+        if folder is None:
+            folder = download_dir(self._storage, info.dir)
+        target = str(self._resume_target(pathlib.Path(folder)))
+        self._latest = (target, info.step, info.record.notice_id if info.record else None, info.dir)
+        return target
+
+    def notify(self, notice: Notice) -> None:
+        """Hand the hook a notice yourself; kept until the core is armed if it is not yet."""
+        if not self._armed:
+            self._early.append(notice)
+            return
+        super().notify(notice)
+
+    def close(self) -> None:
+        if self._armed:
+            super().close()
+
+    def resume(self) -> int:  # the framework resumes itself
+        raise TypeError(
+            f"the {self.framework} adapter resumes through the framework: pass hook.latest() to its resume "
+            "argument (see docs/frameworks.md); hook.resume() is for the plain-PyTorch dict"
+        )
+
+    def range(self, total: int) -> Any:
+        raise TypeError(f"hook.range() is for the plain-PyTorch dict; the {self.framework} trainer owns the loop")
+
+    # ------------------------------------------------------------ for subclasses
+
+    def _resume_target(self, folder: pathlib.Path) -> pathlib.Path:
+        """The path inside a committed folder that the framework's resume argument wants (default: the folder)."""
+        return folder
+
+    def _started(self, step: int, resumed_from: Optional[str]) -> None:
+        """The framework restored its state and is about to train (every rank): log it, agree once.
+
+        Like ``Hook.resume``: the notice the resumed checkpoint was written for is
+        remembered, so that the daemon replaying it to the restarted process makes
+        every rank exit at once instead of training and saving again.
+        """
+        self._count = self._resumed_step = step
+        self._last_boundary = step
+        from_notice = None
+        uri = None
+        if resumed_from is not None and self._latest is not None and \
+                os.path.realpath(resumed_from) == os.path.realpath(self._latest[0]):
+            from_notice = self._latest[2]
+            uri = f"{self._storage.uri}/{self._latest[3]}"
+        elif resumed_from is not None:
+            uri = str(resumed_from)
+        if from_notice:
+            self._committed_ids.add(from_notice)
+        self._resumed = True
+        self._log.info(ev.RESUMED, step=step if resumed_from else 0, uri=uri, from_notice_id=from_notice,
+                       seconds=0.0, framework=self.framework)
+        self._agree_at_start()
+
+    def _framework_boundary(self, step: int, *, final: bool = False) -> None:
+        """End of an optimizer step as the framework reports it (every rank, same step numbers).
+
+        Waits the reduction launched at the previous boundary (finished long
+        ago), acts on it (an emergency never returns: ``Preempted``), then launches
+        this step's. Boundaries where the step did not advance (gradient
+        accumulation micro-batches) are skipped, so a checkpoint is never taken
+        with half-accumulated gradients.
+        """
+        if self._closed or self._exiting:
+            return
+        if self._last_boundary is not None and step == self._last_boundary and not final:
+            return
+        self._last_boundary = step
+        self._count = step
+        self._explicit_boundary(final=final)

@@ -1,0 +1,152 @@
+"""``accelerate.Accelerator`` adapter: the plain hook's boundaries, Accelerate's checkpoint format.
+
+Install after ``accelerator.prepare(...)`` (the hook needs the prepared
+optimizers), on every process::
+
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    hook = install_preemption_hook(accelerator, storage="s3://bucket/run")
+    start = hook.resume()          # accelerator.load_state(<newest committed>) -> its step, 0 if none
+
+The user's loop stays as it is. Exactly like the plain-PyTorch hook (same
+code): the ranks decide at each real ``optimizer.step()`` (the post-hook of
+the torch optimizer inside Accelerate's wrapper, so gradient-accumulation
+micro-steps, where Accelerate skips the step, never count), launching the
+flag's all-reduce on the hook's own gloo group; at the next step's pre-hook
+(the end of the deciding iteration: the scheduler has stepped) the reduction
+is waited and, if any rank asked, ``accelerator.save_state`` writes the
+checkpoint on every process into ``<storage>/step-N/`` (directly for a local
+store, via a staging folder + upload for an object store), with the RNG
+states and normalisation-layer running statistics put back to what they were
+right after the deciding step. Rank 0 commits, every rank tears down and
+raises ``Preempted`` (exit 143). ``hook.step()`` / ``hook.range(total)`` give an
+explicit boundary instead, as for the plain hook.
+
+Data position: Accelerate's ``save_state`` saves the sampler's seed/epoch
+but not a position inside the epoch; continue with
+``accelerator.skip_first_batches(loader, start % len(loader))`` (or a
+``use_stateful_dataloader`` loader), as the Accelerate docs describe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+from typing import Any, Iterator, Optional
+
+import torch
+
+from ...storage import Storage
+from ..core import Hook
+from ..state import Snapshot, capture_rng, restore_rng
+from ._base import FrameworkHook
+from ._files import download_dir, staging_dir, upload_dir
+
+__all__ = ["AccelerateHook", "install"]
+
+_RANK_FILE = re.compile(r"^random_states_(\d+)\.pkl$")
+
+
+def _prepared_state(accelerator: Any) -> dict[str, Any]:
+    """``{"model0": ..., "optimizer0": <torch optimizer inside the wrapper>, ...}`` for the step hooks."""
+    state: dict[str, Any] = {}
+    for i, m in enumerate(getattr(accelerator, "_models", [])):
+        state[f"model{i}"] = m
+    for i, o in enumerate(getattr(accelerator, "_optimizers", [])):
+        state[f"optimizer{i}"] = getattr(o, "optimizer", o)
+    return state
+
+
+class AccelerateHook(FrameworkHook):
+    framework = "accelerate"
+
+    # The loop is the user's: the plain hook's resume/range apply (FrameworkHook forbids them).
+    resume = Hook.resume
+    range = Hook.range
+
+    def __init__(self, accelerator: Any, storage: str | Storage | None = None, *, socket: str | None = None,
+                 keep: int | None = None, exit_code: int = 143, on_notice: Optional[Any] = None) -> None:
+        state = _prepared_state(accelerator)
+        if not any(k.startswith("optimizer") for k in state):
+            raise TypeError(
+                "install_preemption_hook(accelerator) needs the prepared optimizer: call it after "
+                "accelerator.prepare(model, optimizer, ...)"
+            )
+        super().__init__(storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice, arm=False)
+        self.accelerator = accelerator
+        self._arm(state)
+
+    # ------------------------------------------------------------- state <-> Accelerate
+
+    @contextlib.contextmanager
+    def _as_of(self, snap: Optional[Snapshot]) -> Iterator[None]:
+        """RNG and running-stat buffers as they were right after the deciding step, for the duration of a save."""
+        if snap is None:
+            yield
+            return
+        now_rng = capture_rng()
+        now_bufs = {mk: {n: b.detach().clone() for n, b in bufs.items()} for mk, bufs in self._buffers.items()}
+        restore_rng(snap.rng)
+        self._copy_buffers(snap.buffers)
+        try:
+            yield
+        finally:
+            self._copy_buffers(now_bufs)
+            restore_rng(now_rng)
+
+    def _copy_buffers(self, values: dict[str, dict[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for mk, bufs in values.items():
+                live = self._buffers.get(mk, {})
+                for name, val in bufs.items():
+                    if name in live:
+                        live[name].copy_(val)
+
+    @contextlib.contextmanager
+    def _explicit_dirs(self) -> Iterator[None]:
+        """``save_state``/``load_state`` ignore their folder under automatic_checkpoint_naming: switch it off meanwhile."""
+        cfg = getattr(self.accelerator, "project_configuration", None)
+        auto = bool(getattr(cfg, "automatic_checkpoint_naming", False))
+        if auto:
+            cfg.automatic_checkpoint_naming = False
+        try:
+            yield
+        finally:
+            if auto:
+                cfg.automatic_checkpoint_naming = True
+
+    def _write(self, key: str, snap: Optional[Snapshot]) -> None:
+        local = self._storage.local_path(key)
+        stage = None
+        if local is not None:
+            target = str(local)
+        else:
+            stage = staging_dir(f"accelerate-{self._rank}")
+            target = str(stage)
+        try:
+            with self._as_of(snap), self._explicit_dirs():
+                self.accelerator.save_state(target)
+            if stage is not None:
+                rank = self._rank
+
+                def mine(rel: str) -> bool:
+                    m = _RANK_FILE.match(rel)
+                    return int(m.group(1)) == rank if m else rank == 0
+
+                upload_dir(self._storage, stage, key, select=mine)
+        finally:
+            if stage is not None:
+                shutil.rmtree(stage, ignore_errors=True)
+
+    def _load(self, dirkey: str) -> None:
+        folder = self._storage.local_path(dirkey)
+        if folder is None:
+            folder = download_dir(self._storage, dirkey)
+        with self._explicit_dirs():
+            self.accelerator.load_state(os.fspath(folder))
+
+
+def install(accelerator: Any, storage: Any = None, *, socket: str | None = None, every: Any = None,
+            keep: int | None = None, exit_code: int = 143, on_notice: Any = None) -> AccelerateHook:
+    return AccelerateHook(accelerator, storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice)

@@ -1,0 +1,185 @@
+"""Hugging Face ``transformers.Trainer`` adapter: one ``TrainerCallback``.
+
+Life cycle (every rank):
+
+- ``install_preemption_hook(trainer)`` adds ``SpotguardTrainerCallback``
+  (``trainer.add_callback``) and arms the core at once when the Trainer has
+  already initialised ``torch.distributed`` (it does in ``TrainingArguments`` /
+  ``Trainer.__init__`` under torchrun), else at ``on_train_begin``.
+- ``on_train_begin``: the Trainer has loaded ``resume_from_checkpoint``;
+  ``resumed`` is logged and the ranks agree once (a replayed notice -> exit).
+- ``on_step_end`` (after each optimizer + scheduler step; not on
+  gradient-accumulation micro-steps): the agreement launched one step earlier
+  is waited on the hook's gloo group. If any rank asked, *every* rank sets
+  ``control.should_save`` (and ``control.should_training_stop`` for an
+  emergency), so the Trainer itself writes ``checkpoint-N`` on all ranks —
+  model, optimizer, scheduler, scaler, ``trainer_state.json`` and each rank's
+  ``rng_state_<rank>.pth``.
+- ``on_save`` (called right after that save, on every rank): each rank uploads
+  what it owns — rank 0 the shared files, every rank its own RNG file — into
+  ``<storage>/step-N/``; rank 0 commits once all ranks' bytes are durable; then
+  teardown and ``Preempted`` (exit 143) out of ``trainer.train()``. A
+  rebalance/maintenance notice commits the same way and training goes on.
+
+Resume: ``trainer.train(resume_from_checkpoint=hook.latest())`` — the newest
+committed folder (downloaded first from an object store). The Trainer restores
+model, optimizer, scheduler, scaler, every rank's RNG and the data position
+(it skips the batches of the current epoch already seen).
+
+``enable_jit_checkpoint`` (transformers >= 4.57): the Trainer's own SIGTERM
+handler waits 3 s, then checkpoints on *the rank that got the signal* only —
+with DDP the other ranks never enter the save's collectives (deadlock), and
+nothing is committed. With spotguard installed it is switched off (warning
+logged): spotguard's handler replaces it and the save happens on every rank
+at one agreed step.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from ...storage import Storage
+from ._base import FrameworkHook
+from ._files import upload_dir
+
+__all__ = ["HFTrainerHook", "install"]
+
+_RANK_FILE = re.compile(r"^rng_state_(\d+)\.pth$")
+
+
+def _make_callback(hook: "HFTrainerHook") -> Any:
+    from transformers import TrainerCallback
+
+    class SpotguardTrainerCallback(TrainerCallback):  # type: ignore[misc]
+        """spotguard's preemption callback (see spotguard.hook.adapters.hf)."""
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            hook._arm()
+            hook._on_train_begin(int(state.global_step))
+            return control
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            hook._on_step_end(state, control)
+            return control
+
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            hook._on_save(control)
+            return control
+
+    return SpotguardTrainerCallback()
+
+
+class HFTrainerHook(FrameworkHook):
+    framework = "transformers"
+
+    def __init__(self, trainer: Any, storage: str | Storage | None = None, *, socket: str | None = None,
+                 keep: int | None = None, exit_code: int = 143, on_notice: Optional[Any] = None) -> None:
+        super().__init__(storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice, arm=False)
+        self.trainer = trainer
+        self._plan_pending: Optional[tuple[Any, list[str], str]] = None
+        self._jit_disabled = self._disable_jit_checkpoint()
+        self.callback = _make_callback(self)
+        trainer.add_callback(self.callback)
+        if dist.is_available() and dist.is_initialized():
+            self._arm()
+        if self._jit_disabled:
+            self._log.warning("enable_jit_checkpoint switched off: spotguard saves on every rank at one agreed "
+                              "step instead (the Trainer's JIT save runs on the signalled rank only)")
+
+    # ------------------------------------------------------------- JIT checkpoint
+
+    def _disable_jit_checkpoint(self) -> bool:
+        """Remove the Trainer's per-rank SIGTERM checkpoint (restoring the handler it replaced)."""
+        handler = getattr(self.trainer, "callback_handler", None)
+        found = False
+        for cb in list(getattr(handler, "callbacks", [])):
+            mgr = getattr(cb, "jit_manager", None)
+            if type(cb).__name__ != "JITCheckpointCallback" or mgr is None:
+                continue
+            found = True
+            orig = getattr(mgr, "_original_sigterm_handler", None)
+            try:
+                if signal.getsignal(signal.SIGTERM) == getattr(mgr, "_sigterm_handler", None):
+                    signal.signal(signal.SIGTERM, orig if orig is not None else signal.SIG_DFL)
+            except (ValueError, OSError):
+                pass
+            cb.jit_manager = None
+        return found
+
+    # ------------------------------------------------------------- callbacks
+
+    def _on_train_begin(self, step: int) -> None:
+        resumed_from = None
+        if self._latest is not None and step == self._latest[1] and step > 0:
+            resumed_from = self._latest[0]
+        self._started(step, resumed_from)
+
+    def _on_step_end(self, state: Any, control: Any) -> None:
+        if self._closed or self._exiting:
+            return
+        step = int(state.global_step)
+        final = bool(state.max_steps) and state.max_steps > 0 and step >= state.max_steps
+        self._count = step
+        res = self._agree.collect()
+        if res is not None and res[0] > 0:
+            self._internal = True
+            try:
+                plan = self._plan(res[0], res[1], final=final)
+            finally:
+                self._internal = False
+            if plan is not None:
+                notice, _, action = plan
+                if action == "exit":
+                    self._exit(notice, None)
+                # Every rank sets the same flags: the Trainer writes checkpoint-<step> on all ranks now.
+                self._plan_pending = plan
+                control.should_save = True
+                if action == "emergency":
+                    control.should_training_stop = True
+                return  # the next agreement starts after the commit (on_save)
+        if not final:
+            level, deadline_ms = self._local_level()
+            self._agree.launch(level, deadline_ms)
+
+    def _on_save(self, control: Any) -> None:
+        plan, self._plan_pending = self._plan_pending, None
+        if plan is None:
+            return  # one of the Trainer's own periodic saves
+        self._internal = True
+        try:
+            self._carry_out(plan, None)  # an emergency never returns: Preempted
+        finally:
+            self._internal = False
+        level, deadline_ms = self._local_level()
+        self._agree.launch(level, deadline_ms)
+
+    # ------------------------------------------------------------- writing
+
+    def _checkpoint_folder(self) -> str:
+        tr = self.trainer
+        get = getattr(tr, "_get_output_dir", None)
+        run_dir = get(trial=None) if callable(get) else tr.args.output_dir
+        return os.path.join(run_dir, f"checkpoint-{self._count}")
+
+    def _write(self, key: str, snap: Any) -> None:
+        """Upload this rank's share of the folder the Trainer has just written."""
+        folder = self._checkpoint_folder()
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"the Trainer did not write {folder}")
+        rank = self._rank
+
+        def mine(rel: str) -> bool:
+            m = _RANK_FILE.match(rel)
+            return int(m.group(1)) == rank if m else rank == 0
+
+        upload_dir(self._storage, folder, key, select=mine)
+
+
+def install(trainer: Any, storage: Any = None, *, socket: str | None = None, every: Any = None,
+            keep: int | None = None, exit_code: int = 143, on_notice: Any = None) -> HFTrainerHook:
+    return HFTrainerHook(trainer, storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice)

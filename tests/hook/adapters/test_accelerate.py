@@ -1,0 +1,33 @@
+"""accelerate.Accelerator adapter end to end: torchrun, 2 ranks (DDP/gloo, CPU), BatchNorm + dropout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("accelerate")
+
+from ._jobs import preempt_and_resume, reference_run
+
+STEPS = 30
+SCRIPT = "accelerate_train.py"
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, str], Path]:
+    return reference_run(SCRIPT, tmp_path_factory.mktemp("acc-ref"), STEPS)
+
+
+def test_usr1_to_one_rank_resumes_bitwise(reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
+    preempt_and_resume(SCRIPT, tmp_path, reference, STEPS, 6, "usr1-rank1", marker="random_states_1.pkl")
+
+
+def test_sigterm_to_rank0_resumes_bitwise(reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
+    preempt_and_resume(SCRIPT, tmp_path, reference, STEPS, 13, "term-rank0", marker="optimizer.bin")
+
+
+def test_sigterm_to_torchrun_reaches_both_ranks(reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
+    preempt_and_resume(SCRIPT, tmp_path, reference, STEPS, 19, "term-torchrun", marker="random_states_0.pkl")

@@ -1,0 +1,38 @@
+"""transformers.Trainer adapter end to end: torchrun, 2 ranks (DDP/gloo, CPU), tiny GPT-2 from a config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from ._jobs import preempt_and_resume, reference_run
+
+STEPS = 30  # 12 steps an epoch: the run crosses two epoch ends
+SCRIPT = "hf_trainer_train.py"
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, str], Path]:
+    return reference_run(SCRIPT, tmp_path_factory.mktemp("hf-ref"), STEPS)
+
+
+def test_usr1_to_one_rank_resumes_bitwise(reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
+    """The notice reaches rank 1 only; both ranks save at one step; resume_from_checkpoint=hook.latest()."""
+    preempt_and_resume(SCRIPT, tmp_path, reference, STEPS, 8, "usr1-rank1", marker="trainer_state.json")
+
+
+def test_sigterm_to_one_rank_with_jit_checkpoint_enabled(reference: tuple[dict[int, str], Path],
+                                                         tmp_path: Path) -> None:
+    """enable_jit_checkpoint=True would checkpoint on the signalled rank only; spotguard switches it off."""
+    preempt_and_resume(SCRIPT, tmp_path, reference, STEPS, 14, "term-rank1", marker="rng_state_1.pth",
+                       extra_args=("--jit",))
+    assert "enable_jit_checkpoint switched off" in (tmp_path / "preempted.log").read_text()
+
+
+def test_sigterm_to_torchrun_reaches_both_ranks(reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
+    preempt_and_resume(SCRIPT, tmp_path, reference, STEPS, 20, "term-torchrun", marker="optimizer.pt")
