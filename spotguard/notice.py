@@ -44,6 +44,11 @@ class Notice:
     deadline: datetime
     received_at: datetime = field(default_factory=utcnow)
     detail: str = ""
+    # What identifies this provider notice without first-seen parts (AWS spot: action + time;
+    # GCP: path + value + ETag; Azure: EventId), set by the watcher. Daemon-internal: never
+    # sent on the wire (``to_wire`` leaves it out), not part of equality. The daemon uses it
+    # to give a notice re-detected after a daemon restart its earlier id and deadline.
+    key: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:

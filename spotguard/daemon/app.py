@@ -45,6 +45,7 @@ from ..timefmt import to_rfc3339, utcnow
 from .book import Entry, NoticeBook
 from .config import ConfigError, DaemonConfig, add_arguments as _add_config_arguments
 from .metrics import Metrics, MetricsServer
+from .persist import NoticeState, state_path_for
 from .sdnotify import SdNotifier
 from .server import Client, Server, ServerStartError, drill_allowed
 from .watchers.base import Backoff, Watcher
@@ -80,7 +81,8 @@ def _disconnect_label(reason: str) -> str:
     """Low-cardinality label for the disconnect counter."""
     r = reason.lower()
     for key, label in (("overflow", "slow_reader"), ("stalled", "slow_reader"), ("malformed", "malformed"),
-                       ("too many", "limit"), ("shutting down", "shutdown")):
+                       ("too many", "limit"), ("evicted", "limit"), ("idle", "idle"),
+                       ("shutting down", "shutdown")):
         if key in r:
             return label
     return "closed"
@@ -93,9 +95,14 @@ class Daemon:
                  metrics: Optional[Metrics] = None, notifier: Optional[SdNotifier] = None,
                  install_signals: bool = True, restart_backoff: tuple[float, float] = (0.5, 30.0),
                  expire_margin: float = 60.0, housekeeping_interval: float = 1.0,
-                 write_timeout: float = 10.0) -> None:
+                 write_timeout: float = 10.0, state_path: Optional[str] = "") -> None:
         self.config = config
         self.book = NoticeBook(expire_margin=expire_margin)
+        # Active notices survive a daemon restart with their ids ("" = next to the socket, None = off).
+        self.state = NoticeState(state_path_for(config.socket) if state_path == "" else state_path,
+                                 expire_margin=expire_margin)
+        self._persisted: dict[tuple[str, str], Notice] = {}
+        self._aliases: dict[str, str] = {}  # a watcher's fresh id -> the persisted id of the same notice
         self.metrics = metrics or Metrics()
         self.sd = notifier if notifier is not None else SdNotifier()
         self.signal_watcher = SignalWatcher()
@@ -157,6 +164,8 @@ class Daemon:
         except ServerStartError as exc:
             self.server = None
             raise StartupError(str(exc)) from None
+        # Only now: the socket is ours, so no live daemon is using the state file beside it.
+        self._persisted = self.state.load()
         if cfg.metrics_port:
             self.metrics_server = MetricsServer(self.metrics, cfg.metrics_port, self._health)
             try:
@@ -292,21 +301,25 @@ class Daemon:
         """One event from a source: de-dup, record, fan out. Returns the new entry, if any."""
         assert self.server is not None
         if isinstance(event, Cancel):
-            entry = self.book.cancel(event.id)
+            notice_id = self._aliases.pop(event.id, event.id)
+            entry = self.book.cancel(notice_id)
             if entry is None:
                 return None
-            log.info("notice.cancelled", notice_id=event.id, source=event.source, detail=event.detail[:500])
+            log.info("notice.cancelled", notice_id=notice_id, source=event.source, detail=event.detail[:500])
             self.metrics.cancels.labels(event.source).inc()
-            self.server.broadcast(CancelMsg(id=event.id))
+            self.server.broadcast(CancelMsg(id=notice_id))
+            self._save_state()
             self._progress.set()
             return None
         if not isinstance(event, Notice):
             log.warning("watcher.bad_event", source=getattr(watcher, "source", None), event_type=type(event).__name__)
             return None
-        notice = _fit_line(event)
+        notice = self._restored(_fit_line(event))
         entry = self.book.add(notice, watcher)
         if entry is None:
             return None
+        if notice.key:
+            self._save_state()
         self.metrics.notices.labels(notice.source, notice.kind).inc()
         log.info("notice.seen", notice_id=notice.id, source=notice.source, kind=notice.kind,
                  deadline=to_rfc3339(notice.deadline), received_at=to_rfc3339(notice.received_at),
@@ -322,6 +335,34 @@ class Daemon:
         if notice.source == "signal" and notice.kind == "termination" and self._termination_task is None:
             self._termination_task = asyncio.create_task(self._terminate(notice), name="spotguard-termination")
         return entry
+
+    def _restored(self, notice: Notice) -> Notice:
+        """The same provider notice seen before a daemon restart keeps its id, deadline and received_at."""
+        alias = self._aliases.get(notice.id)
+        if alias is not None:
+            return dataclasses.replace(notice, id=alias)
+        if not notice.key:
+            return notice
+        for entry in self.book.active.values():  # a watcher restarted in this daemon life
+            if entry.notice.key == notice.key and entry.notice.source == notice.source:
+                if entry.id != notice.id:
+                    self._aliases[notice.id] = entry.id
+                return dataclasses.replace(notice, id=entry.id, deadline=entry.notice.deadline,
+                                           received_at=entry.notice.received_at)
+        old = self._persisted.pop((notice.source, notice.key), None)
+        if old is None or old.kind != notice.kind:
+            return notice
+        if old.id != notice.id:
+            self._aliases[notice.id] = old.id
+        log.info("notice.restored", notice_id=old.id, watcher_id=notice.id, source=notice.source, kind=notice.kind,
+                 deadline=to_rfc3339(old.deadline), detail="seen before a daemon restart: same id and deadline")
+        return dataclasses.replace(notice, id=old.id, deadline=old.deadline, received_at=old.received_at)
+
+    def _save_state(self) -> None:
+        now = utcnow()
+        margin = timedelta(seconds=self.book.expire_margin)
+        left = [n for n in self._persisted.values() if n.deadline + margin >= now]  # not re-seen (yet)
+        self.state.save([*(e.notice for e in self.book.active.values() if e.notice.key), *left])
 
     # --- shutdown on SIGTERM --------------------------------------------------
 
@@ -567,10 +608,15 @@ class Daemon:
     async def _housekeeping(self) -> None:
         while True:
             await asyncio.sleep(self.housekeeping_interval)
-            for entry in self.book.expire():
+            expired = self.book.expire()
+            for entry in expired:
                 log.info("notice.expired", notice_id=entry.id, source=entry.notice.source,
                          deadline=to_rfc3339(entry.notice.deadline),
                          detail="deadline passed and the VM is still here; no longer replayed")
+                for alias in [a for a, nid in self._aliases.items() if nid == entry.id]:
+                    del self._aliases[alias]
+            if expired:
+                self._save_state()
 
     async def _watchdog(self, interval: float) -> None:
         while True:

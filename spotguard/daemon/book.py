@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any, Optional
 
 from ..notice import EMERGENCY_KINDS, Notice
@@ -51,6 +51,9 @@ class Entry:
     latencies: list[float] = field(default_factory=list)
     gone: set[int] = field(default_factory=set)
     approved: bool = False
+    # When the notice stops being replayed, on the monotonic clock: the deadline as it stood when
+    # the notice was seen, plus the margin. A wall-clock jump (NTP step, VM resume) moves neither.
+    expires_monotonic: float = float("inf")
 
     @property
     def id(self) -> str:
@@ -80,6 +83,7 @@ class NoticeBook:
         while len(self._seen) > self.remember:
             self._seen.popitem(last=False)
         entry = Entry(notice=notice, watcher=watcher)
+        entry.expires_monotonic = entry.seen_monotonic + notice.seconds_left() + self.expire_margin
         self.active[notice.id] = entry
         self.last = notice
         self.total += 1
@@ -96,9 +100,16 @@ class NoticeBook:
         return [e.notice for e in self.active.values()]
 
     def expire(self, now: Optional[datetime] = None) -> list[Entry]:
-        """Drop notices whose deadline passed more than ``expire_margin`` ago (the VM survived)."""
-        limit = (now or utcnow()) - timedelta(seconds=self.expire_margin)
-        gone = [e for e in self.active.values() if e.notice.deadline < limit]
+        """Drop notices whose deadline passed more than ``expire_margin`` ago (the VM survived).
+
+        Measured on the monotonic clock from when each notice was seen, so a wall-clock
+        jump neither expires a live notice early nor keeps a dead one forever. ``now``
+        (tests) means "as if the wall clock read ``now``": its offset from the present.
+        """
+        mono = time.monotonic()
+        if now is not None:
+            mono += (now - utcnow()).total_seconds()
+        gone = [e for e in self.active.values() if e.expires_monotonic < mono]
         for e in gone:
             del self.active[e.id]
         return gone

@@ -54,6 +54,7 @@ __all__ = [
     "SocketInUse",
     "UnsafeSocketPath",
     "prepare_socket_path",
+    "check_socket_dir",
     "bind_unix_socket",
 ]
 
@@ -99,8 +100,44 @@ def drill_allowed(peer: Optional[PeerCred], daemon_uid: int) -> bool:
     return peer is not None and peer.uid in (0, daemon_uid)
 
 
+def check_socket_dir(path: str, uid: Optional[int] = None) -> None:
+    """Refuse a socket directory another (non-root) user controls.
+
+    Walks every component of the socket's directory: a symlink owned by another
+    non-root uid (planted to redirect the socket into a place that user owns) is
+    refused, and so is a directory, after resolving links, owned by another non-root
+    uid (that user could later replace our socket with theirs). Root-owned
+    world-writable directories stay allowed: Kubernetes' ``emptyDir`` is 0777 root,
+    and a name planted there is caught by ``prepare_socket_path``'s own checks.
+    """
+    me = os.geteuid() if uid is None else uid
+    trusted = (0, me)
+    directory = os.path.dirname(os.path.abspath(path)) or "/"
+    parts = [p for p in directory.split(os.sep) if p]
+    current = "/"
+    for part in parts:
+        current = os.path.join(current, part)
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            return  # bind reports the missing directory with its own message
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in trusted:
+            raise UnsafeSocketPath(f"{current} (on the way to {path}) is a symlink owned by uid {st.st_uid}, "
+                                   "neither root nor the daemon's user; refusing to follow it: choose another "
+                                   "--socket or remove the link")
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return
+    if st.st_uid not in trusted:
+        raise UnsafeSocketPath(f"socket directory {directory} is owned by uid {st.st_uid}, neither root nor the "
+                               f"daemon's user ({me}); that user could replace the socket: use a directory owned by "
+                               "root or the daemon's user (RuntimeDirectory=spotguard)")
+
+
 def prepare_socket_path(path: str, probe_timeout: float = 1.0) -> None:
     """Clear a stale socket left by a dead daemon; refuse anything else at ``path``."""
+    check_socket_dir(path)
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -199,6 +236,7 @@ class Client:
         self.subscribed = False
         self.info: Optional[Subscribe] = None
         self.connected_monotonic = time.monotonic()
+        self.last_line_monotonic = self.connected_monotonic
         self.sent_ids: set[str] = set()
         self.closed = False
         self.close_reason: Optional[str] = None
@@ -223,13 +261,48 @@ class Client:
         return d
 
 
+class _LineBudget:
+    """Per-connection token bucket on lines read: ``burst`` at once, then ``rate`` a second.
+
+    A client over budget is simply not read for a while (backpressure: its socket buffer
+    fills and its writes block), so a flood costs the daemon almost nothing and the event
+    loop stays free for the notices real subscribers are waiting for. A trainer sends a
+    handful of lines per notice; ``spotguard status`` sends one.
+    """
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = burst
+        self.stamp = time.monotonic()
+
+    def take(self) -> float:
+        """Spend one line; returns how long to wait first (0 when within budget)."""
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        self.tokens -= 1.0
+        return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
+
+
+# Per-connection read budget (lines/s, burst), and how many buffered lines one client may have
+# handled before the loop is handed to others: floods are bounded, and never starve subscribers.
+LINE_RATE = 20.0
+LINE_BURST = 64.0
+YIELD_EVERY = 8
+IDLE_TIMEOUT = 60.0  # seconds an unsubscribed connection may stay silent
+
+
 class Server:
     """Accepts clients, frames lines, fans notices out; policy lives in the ``Handler``."""
 
     def __init__(self, path: str, handler: Handler, *, max_subscribers: int = 256,
                  max_connections: Optional[int] = None, queue_size: int = 256, ping_interval: float = 10.0,
-                 write_timeout: float = 10.0, socket_gid: Optional[int] = None) -> None:
+                 write_timeout: float = 10.0, socket_gid: Optional[int] = None, line_rate: float = LINE_RATE,
+                 line_burst: float = LINE_BURST) -> None:
         self.path = path
+        self.line_rate = line_rate
+        self.line_burst = line_burst
         self.handler = handler
         self.max_subscribers = max_subscribers
         self.max_connections = max_connections or (2 * max_subscribers + 32)
@@ -238,6 +311,7 @@ class Server:
         self.write_timeout = write_timeout
         self.socket_gid = socket_gid
         self.clients: dict[int, Client] = {}
+        self._evicted = 0
         self._ids = itertools.count(1)
         self._server: Optional[asyncio.AbstractServer] = None
         self._sock_ident: Optional[tuple[int, int]] = None
@@ -371,6 +445,17 @@ class Server:
         peer = peer_credentials(writer.get_extra_info("socket"))
         client = Client(next(self._ids), reader, writer, peer, self.queue_size)
         if len(self.clients) >= self.max_connections:
+            # A connection flood must not lock real clients out: make room by dropping the oldest
+            # connection that never subscribed (subscribers are never evicted; they have their own limit).
+            victim = next((c for c in self.clients.values() if not c.subscribed and not c.closed), None)
+            if victim is not None:
+                self._evicted += 1
+                if self._evicted == 1 or self._evicted % 1000 == 0:  # one line per storm, not one per connection
+                    log.warning("client.evicted", reason=f"connection limit {self.max_connections} reached: "
+                                "dropped the oldest connection that never subscribed", evicted_total=self._evicted,
+                                **victim.log_fields())
+                self.disconnect(victim, "evicted: connection limit reached", log_it=False)
+        if len(self.clients) >= self.max_connections:
             log.warning("client.refused", reason=f"too many connections (max {self.max_connections})",
                         **client.log_fields())
             writer.write(encode(ErrorReply(error=f"too many connections (max {self.max_connections})")))
@@ -383,8 +468,18 @@ class Server:
         self.handler.on_connect(client)
         self.send(client, self.handler.hello())
         reason = "client closed the connection"
+        budget = _LineBudget(self.line_rate, self.line_burst)
+        lines = 0
         try:
             while not client.closed:
+                wait = budget.take()
+                lines += 1
+                if wait > 0:
+                    await asyncio.sleep(wait)  # over budget: stop reading this client for a while
+                elif lines % YIELD_EVERY == 0:
+                    await asyncio.sleep(0)  # buffered lines never monopolise the loop
+                if client.closed:
+                    break
                 try:
                     line = await reader.readuntil(b"\n")
                 except asyncio.IncompleteReadError as exc:
@@ -398,6 +493,7 @@ class Server:
                 except (ConnectionError, OSError) as exc:
                     reason = f"read error: {exc}"
                     break
+                client.last_line_monotonic = time.monotonic()
                 try:
                     msg = decode(line)
                 except ProtocolError as exc:
@@ -479,5 +575,10 @@ class Server:
         ping = encode(Ping())
         while True:
             await asyncio.sleep(self.ping_interval)
+            now = time.monotonic()
             for c in list(self.clients.values()):
+                if not c.subscribed and now - c.last_line_monotonic > IDLE_TIMEOUT:
+                    # A connection that neither subscribed nor asked anything holds a slot for nothing.
+                    self.disconnect(c, f"idle for {IDLE_TIMEOUT:g}s without subscribing", log_it=False)
+                    continue
                 self.send(c, ping)

@@ -106,7 +106,22 @@ SAVE_MARGIN = 1.5
 # Before the user's destroy_process_group() / at exit: how long to wait for the outstanding flag
 # reduction (finished long ago unless a peer is gone) and for an in-flight periodic upload.
 QUIESCE_AGREEMENT_TIMEOUT = 10.0
-QUIESCE_PERIODIC_TIMEOUT = float(os.environ.get("SPOTGUARD_PERIODIC_DRAIN", "60") or 60)
+
+
+def _env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment; a bad value warns and falls back."""
+    raw = os.environ.get(name, "")
+    try:
+        value = float(raw) if raw.strip() else default
+        if not (0 < value < float("inf")):
+            raise ValueError("must be a positive, finite number of seconds")
+    except ValueError as exc:
+        warnings.warn(f"{name}={raw!r} ignored ({exc}); using {default:g} s", stacklevel=2)
+        return default
+    return value
+
+
+QUIESCE_PERIODIC_TIMEOUT = _env_seconds("SPOTGUARD_PERIODIC_DRAIN", 60.0)
 LEVEL_NONE, LEVEL_CHECKPOINT, LEVEL_EMERGENCY, LEVEL_REPLAY = 0, 1, 2, 3
 _ACTIONS = {0: "none", 1: "checkpoint", 2: "emergency", 3: "exit"}
 

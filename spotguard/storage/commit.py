@@ -271,6 +271,8 @@ def _check_folder(storage: Storage, step: int, key: str, objects: Mapping[str, O
         return None, f"garbage commit record: {exc}"
     if record.step != step:
         return record, f"step mismatch: folder {key} but its commit record says step {record.step}"
+    if not record.files:  # commit() never writes one: it would vouch for nothing
+        return record, "commit record lists no files"
     for name, size in sorted(record.files.items()):
         info = objects.get(name)
         if info is None:

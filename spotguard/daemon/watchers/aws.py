@@ -103,6 +103,14 @@ class _CycleResult:
     retry_after: float = 0.0
 
 
+def _time_key(text: Any) -> str:
+    """A notice time for the content key, to the second: some mocks add milliseconds on every request."""
+    try:
+        return to_rfc3339(parse_rfc3339(text).replace(microsecond=0))
+    except (ValueError, TypeError, OverflowError):
+        return str(text)[:100]
+
+
 def _status_fault(resp: _Resp, path: str) -> _Fault:
     status = resp.status
     retry_after = _retry_after(resp.headers)
@@ -513,6 +521,7 @@ class AwsWatcher(Watcher):
             deadline=self._deadline(doc.get("time"), now, SPOT_NOTICE, PATH_SPOT, notice_id),
             received_at=now,
             detail=resp.text.strip(),
+            key=f"spot|{action}|{_time_key(doc.get('time'))}",
         )
         self._spot = _Seen(key=action, id=notice.id)
         return self._emit(notice)
@@ -537,6 +546,7 @@ class AwsWatcher(Watcher):
             deadline=now + SPOT_NOTICE,
             received_at=now,
             detail=resp.text.strip(),
+            key=f"rebalance|{_time_key(doc['noticeTime'])}",
         )
         self._rebalance = _Seen(key="rebalance", id=notice.id)
         return self._emit(notice)
@@ -564,6 +574,7 @@ class AwsWatcher(Watcher):
             deadline=now + SPOT_NOTICE,
             received_at=now,
             detail=f"target-lifecycle-state={state}",
+            key=f"asg|{state}",
         )
         self._asg = _Seen(key=state, id=notice.id)
         return self._emit(notice)
@@ -613,6 +624,7 @@ class AwsWatcher(Watcher):
                 deadline=not_before,
                 received_at=now,
                 detail=json.dumps(event),  # the provider's fields, in its order
+                key=f"scheduled|{event_id}|{kind}",
             )
             emitted[kind] = notice.id
             out.extend(self._emit(notice))

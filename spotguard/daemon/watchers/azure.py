@@ -370,6 +370,7 @@ class AzureWatcher(Watcher):
                 deadline=self._deadline(event, now),
                 received_at=now,
                 detail=json.dumps(event),  # the provider's fields, in its order
+                key=event["EventId"],
             )
             self._active[notice_id] = event["EventId"]
             if notice_id in self._yielded:

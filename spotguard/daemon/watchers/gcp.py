@@ -355,6 +355,7 @@ class GcpWatcher(Watcher):
             deadline=now + length,
             received_at=now,
             detail=f"{path}={raw}",
+            key=f"{path}|{value}|{etag}",
         )
         self._active[path] = _Active(value=value, id=notice.id)
         if notice.id in self._yielded:
