@@ -27,29 +27,18 @@ Ray Train uses the plain hook inside ``train_loop_per_worker`` (see
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any, Callable
+
+from benchmarks._util import busy, main, print_result, run_torchrun
 
 STEP_TIMES = tuple(float(s) for s in os.environ.get("SG_BENCH_STEP_TIMES", "0.020,0.050").split(","))
 BLOCKS = int(os.environ.get("SG_BENCH_BLOCKS", "4"))
 BLOCK_STEPS = int(os.environ.get("SG_BENCH_BLOCK_STEPS", "40"))
 MICRO_STEPS = int(os.environ.get("SG_BENCH_MICRO_STEPS", "2000"))
-
-
-def _busy(seconds: float) -> None:
-    """Simulated compute: sleep most of it, spin the rest (sleep alone jitters by ~100 us)."""
-    end = time.perf_counter() + seconds
-    if seconds > 0.002:
-        time.sleep(seconds - 0.002)
-    while time.perf_counter() < end:
-        pass
 
 
 def _measure(name: str, per_step_on: Callable[[int], None], per_step_off: Callable[[int], None]) -> dict[str, Any]:
@@ -73,7 +62,7 @@ def _measure(name: str, per_step_on: Callable[[int], None], per_step_off: Callab
         dist.barrier()
         t0 = time.perf_counter()
         for i in range(n):
-            _busy(work)
+            busy(work)
             sync()
             fn(base + i)
         return (time.perf_counter() - t0) / n
@@ -204,30 +193,18 @@ def _worker() -> None:
         results["accelerate"] = {"skipped": str(exc)}
 
     if rank == 0:
-        print("BENCH_RESULT " + json.dumps(results), flush=True)
+        print_result(results)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def run() -> dict[str, Any]:
-    torchrun = Path(sys.executable).parent / "torchrun"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPOTGUARD_LOG_LEVEL": "warning", "HF_HUB_OFFLINE": "1",
-           "SPOTGUARD_SOCKET": os.path.join(tempfile.gettempdir(), "sg-bench-no-daemon.sock")}
-    proc = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(Path(__file__).resolve()), "--worker"],
-        capture_output=True, text=True, env=env, timeout=900,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("BENCH_RESULT "):
-            out = json.loads(line[len("BENCH_RESULT "):])
-            out["step_times_ms"] = [int(round(s * 1000)) for s in STEP_TIMES]
-            out["target"] = "overhead <= 2% at 20-50 ms steps"
-            return out
-    raise RuntimeError(f"benchmark job failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    out = run_torchrun(__file__, timeout=900, env={
+        "HF_HUB_OFFLINE": "1", "SPOTGUARD_SOCKET": os.path.join(tempfile.gettempdir(), "sg-bench-no-daemon.sock")})
+    out["step_times_ms"] = [int(round(s * 1000)) for s in STEP_TIMES]
+    out["target"] = "overhead <= 2% at 20-50 ms steps"
+    return out
 
 
 if __name__ == "__main__":
-    if "--worker" in sys.argv:
-        _worker()
-    else:
-        print(json.dumps(run(), indent=2))
+    main(run, _worker)

@@ -50,13 +50,14 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from benchmarks._util import main, print_result, run_torchrun
 
 STATE_MIB = int(os.environ.get("SG_BENCH_STATE_MIB", "1024"))
 REPEATS = int(os.environ.get("SG_BENCH_REPEATS", "5"))
@@ -227,7 +228,7 @@ def _worker() -> None:
             "target": "ratio >= 1.5 with 2 ranks",
         }
         out["meets_target"] = out["ratio"] >= 1.5
-        print("BENCH_RESULT " + json.dumps(out), flush=True)
+        print_result(out)
         if not os.environ.get("SG_BENCH_DIR"):
             shutil.rmtree(base, ignore_errors=True)
     dist.barrier()
@@ -235,20 +236,8 @@ def _worker() -> None:
 
 
 def run() -> dict[str, Any]:
-    torchrun = Path(sys.executable).parent / "torchrun"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPOTGUARD_LOG_LEVEL": "warning"}
-    proc = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(Path(__file__).resolve()), "--worker"],
-        capture_output=True, text=True, env=env, timeout=900,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("BENCH_RESULT "):
-            return dict(json.loads(line[len("BENCH_RESULT "):]))
-    raise RuntimeError(f"benchmark job failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return run_torchrun(__file__, timeout=900)
 
 
 if __name__ == "__main__":
-    if "--worker" in sys.argv:
-        _worker()
-    else:
-        print(json.dumps(run(), indent=2))
+    main(run, _worker)

@@ -14,29 +14,18 @@ Two figures, both from the same 2-rank torchrun job:
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
+
+from benchmarks._util import busy, main, print_result, run_torchrun
 
 STEP_SECONDS = float(os.environ.get("SG_BENCH_STEP_SECONDS", "0.010"))
 BLOCKS = int(os.environ.get("SG_BENCH_BLOCKS", "6"))
 BLOCK_STEPS = int(os.environ.get("SG_BENCH_BLOCK_STEPS", "100"))
 MICRO_STEPS = int(os.environ.get("SG_BENCH_MICRO_STEPS", "3000"))
-
-
-def _busy(seconds: float) -> None:
-    """Simulated compute: sleep most of it, spin the rest (sleep alone jitters by ~100 us)."""
-    end = time.perf_counter() + seconds
-    if seconds > 0.002:
-        time.sleep(seconds - 0.002)
-    while time.perf_counter() < end:
-        pass
 
 
 def _worker() -> None:
@@ -87,7 +76,7 @@ def _worker() -> None:
             F.mse_loss(model(x), y).backward()
             opt.step()
             sched.step()
-            _busy(work)
+            busy(work)
         return (time.perf_counter() - t0) / n
 
     def micro(n: int) -> float:
@@ -132,26 +121,14 @@ def _worker() -> None:
             "target": "overhead <= 2% on a 10 ms step",
         }
         out["meets_target"] = out["overhead_pct_10ms"] <= 2.0
-        print("BENCH_RESULT " + json.dumps(out), flush=True)
+        print_result(out)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def run() -> dict[str, Any]:
-    torchrun = Path(sys.executable).parent / "torchrun"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPOTGUARD_LOG_LEVEL": "warning"}
-    proc = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(Path(__file__).resolve()), "--worker"],
-        capture_output=True, text=True, env=env, timeout=600,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("BENCH_RESULT "):
-            return json.loads(line[len("BENCH_RESULT "):])
-    raise RuntimeError(f"benchmark job failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return run_torchrun(__file__, timeout=600)
 
 
 if __name__ == "__main__":
-    if "--worker" in sys.argv:
-        _worker()
-    else:
-        print(json.dumps(run(), indent=2))
+    main(run, _worker)

@@ -304,15 +304,22 @@ def _fmt_status(state: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def status_main(args: argparse.Namespace) -> int:
-    path = args.socket or default_socket_path()
+def _ask(command: str, args: argparse.Namespace, msg: Message) -> Optional[Message]:
+    """One CLI request; None, after saying why on stderr, when no daemon answers or it refuses."""
     try:
-        reply = request_sync(path, StatusRequest(), timeout=args.timeout)
+        reply = request_sync(args.socket or default_socket_path(), msg, timeout=args.timeout)
     except DaemonUnavailable as exc:
-        print(f"spotguard status: {exc}", file=sys.stderr)
-        return 1
+        print(f"spotguard {command}: {exc}", file=sys.stderr)
+        return None
     if isinstance(reply, ErrorReply):
-        print(f"spotguard status: daemon refused: {reply.error}", file=sys.stderr)
+        print(f"spotguard {command}: daemon refused: {reply.error}", file=sys.stderr)
+        return None
+    return reply
+
+
+def status_main(args: argparse.Namespace) -> int:
+    reply = _ask("status", args, StatusRequest())
+    if reply is None:
         return 1
     assert isinstance(reply, StatusReply)
     if args.json:
@@ -323,17 +330,11 @@ def status_main(args: argparse.Namespace) -> int:
 
 
 def drill_main(args: argparse.Namespace) -> int:
-    path = args.socket or default_socket_path()
     if not args.deadline_in > 0:
         print("spotguard drill: --deadline-in must be greater than 0", file=sys.stderr)
         return 2
-    try:
-        reply = request_sync(path, Drill(kind=args.kind, deadline_in=args.deadline_in), timeout=args.timeout)
-    except DaemonUnavailable as exc:
-        print(f"spotguard drill: {exc}", file=sys.stderr)
-        return 1
-    if isinstance(reply, ErrorReply):
-        print(f"spotguard drill: daemon refused: {reply.error}", file=sys.stderr)
+    reply = _ask("drill", args, Drill(kind=args.kind, deadline_in=args.deadline_in))
+    if reply is None:
         return 1
     assert isinstance(reply, DrillOk)
     if args.json:

@@ -188,14 +188,19 @@ class DaemonProc:
         return out
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.notify.close()
+
+
+def stop_process(proc: subprocess.Popen[Any]) -> None:
+    """SIGINT (the daemon's clean shutdown), SIGKILL if it is still running 10 s later."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def daemon_cmd(*args: str) -> list[str]:

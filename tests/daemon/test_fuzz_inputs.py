@@ -31,6 +31,7 @@ from spotguard.daemon.persist import parse_state
 from spotguard.daemon.watchers import aws as aws_mod
 from spotguard.daemon.watchers import azure as az_mod
 from spotguard.daemon.watchers import gcp as gcp_mod
+from spotguard.daemon.watchers.http import Fault, Resp
 from spotguard.notice import Cancel, Notice
 from spotguard.protocol import NoticeMsg, encode
 from spotguard.timefmt import utcnow
@@ -71,8 +72,8 @@ ctypes = st.sampled_from(["text/plain", "application/json", "text/html", "", "te
                           "application/json; charset=utf-8"])
 
 
-def _resp(mod: Any, status: int, text: str, ctype: str, headers: dict[str, str] | None = None) -> Any:
-    return mod._Resp(status, text, ctype, headers or {})
+def _resp(status: int, text: str, ctype: str, headers: dict[str, str] | None = None) -> Any:
+    return Resp(status, text, ctype, headers or {})
 
 
 def _check_events(events: list[Any]) -> None:
@@ -110,9 +111,9 @@ def test_aws_answers_never_crash_the_watcher(status: int, ctype: str, body: str,
     ids: set[str] = set()
     for _ in range(repeat):  # repeated polls of the same answer never re-send a notice
         try:
-            events = handler(_resp(aws_mod, status, body, ctype), utcnow()) if which != "identity" else (
-                handler(_resp(aws_mod, status, body, ctype)) or [])
-        except aws_mod._Fault:
+            events = handler(_resp(status, body, ctype), utcnow()) if which != "identity" else (
+                handler(_resp(status, body, ctype)) or [])
+        except Fault:
             continue
         _check_events(events)
         new = {e.id for e in events if isinstance(e, Notice)}
@@ -135,10 +136,10 @@ def test_gcp_values_never_crash_and_notices_pair_with_cancels(seq: list[tuple[in
     w = gcp_mod.GcpWatcher("http://127.0.0.1:1")
     active: set[str] = set()
     for status, ctype, body, etag in seq:
-        resp = _resp(gcp_mod, status, body, ctype, {"ETag": etag})
+        resp = _resp(status, body, ctype, {"ETag": etag})
         try:
             value = w._parse(path, resp)
-        except gcp_mod._Fault:
+        except Fault:
             continue
         w._observe(path, value, etag, resp.text.strip())
         while not w._queue.empty():
@@ -177,13 +178,13 @@ def test_azure_documents_never_crash_the_watcher(seq: list[tuple[int, str, str]]
     w = az_mod.AzureWatcher("http://127.0.0.1:1", vm_name=name)
     active: set[str] = set()
     for status, ctype, body in seq:
-        resp = _resp(az_mod, status, body, ctype)
+        resp = _resp(status, body, ctype)
         try:
             if status != 200:
                 raise az_mod._status_fault(resp, "x")
             inc, events = w._validate(w._json(resp, "x"), body)
             out = w._process(inc, events)
-        except az_mod._Fault:
+        except Fault:
             continue
         _check_events(out)
         for ev in out:

@@ -27,7 +27,7 @@ import pytest
 
 from spotguard.daemon.server import UnsafeSocketPath, check_socket_dir, prepare_socket_path
 
-from .conftest import REPO, daemon_cmd, short_dir
+from .conftest import REPO, daemon_cmd, short_dir, stop_process
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch uids / chown")
 
@@ -98,13 +98,7 @@ class _RealDaemon:
             time.sleep(0.05)  # another process's readiness: nothing to await
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 # --- who may connect, who may drill -----------------------------------------------------

@@ -141,14 +141,19 @@ async def test_unsubscribed_client_gets_no_notices(sock_path: str) -> None:
         writer.close()
 
 
+def never_reading_client(sock_path: str, lines: bytes) -> socket.socket:
+    """A raw client with a small receive buffer that sends ``lines`` and then never reads."""
+    slow = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    slow.connect(sock_path)
+    slow.sendall(lines)
+    return slow
+
+
 async def test_slow_reader_does_not_stall_others_and_is_dropped(sock_path: str) -> None:
     w = FakeWatcher("aws")
     async with running_daemon(sock_path, [w], send_queue=16) as d:
-        # A subscriber that never reads: a raw socket with a small receive buffer.
-        slow = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        slow.connect(sock_path)
-        slow.sendall(b'{"type":"subscribe","pid":1,"rank":9}\n{"type":"status"}\n')
+        slow = never_reading_client(sock_path, b'{"type":"subscribe","pid":1,"rank":9}\n{"type":"status"}\n')
         good = [await Subscription(sock_path, rank=i).open() for i in range(3)]
         await eventually(lambda: len(d.server.subscribers()) == 4, what="4 subscribers")
 
@@ -187,10 +192,7 @@ async def test_write_stall_drops_client(sock_path: str) -> None:
     """A reader that stops without overflowing the queue is dropped by the write timeout."""
     w = FakeWatcher("aws")
     async with running_daemon(sock_path, [w], write_timeout=0.3) as d:
-        slow = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        slow.connect(sock_path)
-        slow.sendall(b'{"type":"subscribe"}\n')
+        slow = never_reading_client(sock_path, b'{"type":"subscribe"}\n')
         await eventually(lambda: len(d.server.subscribers()) == 1, what="subscriber")
         for k in range(10):  # 10 x 60 KB: more than the socket buffers, fewer than the queue
             await w.push(make_notice(f"aws-s{k}", detail="y" * 60_000))

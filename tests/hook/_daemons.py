@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -13,24 +12,13 @@ from typing import Any, Callable, Iterator, Optional
 
 from spotguard.launch import DaemonProc, query_status, start_daemon
 
-from ._torchrun import EXAMPLE, TORCHRUN, TorchRun
+from ._torchrun import TorchRun
 
 RANK_SOCKET_LAUNCHER = Path(__file__).resolve().parent / "_rank_socket_train.py"
 
 
 class ScriptRun(TorchRun):
-    """``TorchRun`` of another script (e.g. the per-rank socket launcher), same log handling."""
-
-    def __init__(self, log: Path, args: list[str], *, script: Path = EXAMPLE, nproc: int = 2,
-                 env: Optional[dict[str, str]] = None) -> None:
-        self.log = log
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    "SPOTGUARD_SOCKET": str(log.parent / "no-daemon.sock"), **(env or {})}
-        with open(log, "wb") as f:
-            self.proc = subprocess.Popen(
-                [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), str(script), *args],
-                stdout=f, stderr=subprocess.STDOUT, env=full_env, cwd=str(log.parent), start_new_session=True,
-            )
+    """``TorchRun`` (e.g. of the per-rank socket launcher) that also reads the notice intake's lines."""
 
     def intake_lines(self, rank: Optional[int] = None) -> list[dict[str, Any]]:
         """The notice intake's own log lines (they carry no ``component``)."""

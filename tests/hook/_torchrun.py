@@ -1,4 +1,4 @@
-"""Run ``examples/torchrun_train.py`` under a real ``torchrun`` and read its JSON lines."""
+"""Run ``examples/torchrun_train.py`` (or another script) under a real ``torchrun`` and read its JSON lines."""
 
 from __future__ import annotations
 
@@ -21,13 +21,14 @@ TORCHRUN = Path(sys.executable).parent / "torchrun"
 class TorchRun:
     """One ``torchrun --standalone`` job; stdout+stderr of agent and workers go to one log file."""
 
-    def __init__(self, log: Path, args: list[str], *, nproc: int = 2, env: Optional[dict[str, str]] = None) -> None:
+    def __init__(self, log: Path, args: list[str], *, script: Path = EXAMPLE, nproc: int = 2,
+                 env: Optional[dict[str, str]] = None) -> None:
         self.log = log
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                     "SPOTGUARD_SOCKET": str(log.parent / "no-daemon.sock"), **(env or {})}
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(
-                [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), str(EXAMPLE), *args],
+                [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), str(script), *args],
                 stdout=f, stderr=subprocess.STDOUT, env=full_env, cwd=str(log.parent), start_new_session=True,
             )
 
@@ -92,6 +93,14 @@ class TorchRun:
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+def reference_run(folder: Path, steps: int) -> Path:
+    """The uninterrupted run of the example without spotguard (``ref.log`` in ``folder``); its ``--out`` file."""
+    out = folder / "ref.pt"
+    run = TorchRun(folder / "ref.log", ["--steps", str(steps), "--no-hook", "--out", str(out)])
+    assert run.wait() == 0, run.tail()
+    return out
 
 
 def load_out(path: Path) -> dict[str, Any]:

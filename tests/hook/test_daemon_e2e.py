@@ -31,7 +31,7 @@ from ._daemons import (
     wait_subscribed,
     wait_until,
 )
-from ._torchrun import TorchRun
+from ._torchrun import TorchRun, reference_run
 from .test_torchrun import STEPS, assert_agreed_exit, committed, resume_to_end
 
 # STEPS (30, shared with resume_to_end): 30 x 0.15 s leaves room for the drill to land mid-run
@@ -44,11 +44,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The uninterrupted run, same code path without spotguard."""
-    d = tmp_path_factory.mktemp("reference")
-    out = d / "ref.pt"
-    run = TorchRun(d / "ref.log", ["--steps", str(STEPS), "--no-hook", "--out", str(out)])
-    assert run.wait() == 0, run.tail()
-    return out
+    return reference_run(tmp_path_factory.mktemp("reference"), STEPS)
 
 
 def step_folders(store: Path) -> list[str]:

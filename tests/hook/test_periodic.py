@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +21,7 @@ from spotguard.timefmt import utcnow
 
 from ._slowstore import SlowPeriodicStorage
 from ._stores import Store, servers, store  # noqa: F401 - fixtures (moto server, bucket, env)
-from ._torchrun import TORCHRUN, TorchRun, first_difference, load_out
+from ._torchrun import TorchRun, first_difference, load_out, reference_run
 from .test_boundary import assert_same, make, one_iteration, reference, snapshot
 
 STEP_SLEEP = 0.02
@@ -187,31 +185,13 @@ def test_periodic_argument_validation(tmp_path: Path) -> None:
 PERIODIC_JOB = Path(__file__).resolve().parent / "_periodic_train.py"
 
 
-class PeriodicRun(TorchRun):
-    """``TorchRun`` on ``_periodic_train.py`` instead of the example."""
-
-    def __init__(self, log: Path, args: list[str]) -> None:
-        self.log = log
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-               "SPOTGUARD_SOCKET": str(log.parent / "no-daemon.sock")}
-        with open(log, "wb") as f:
-            self.proc = subprocess.Popen(
-                [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(PERIODIC_JOB), *args],
-                stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(log.parent), start_new_session=True,
-            )
-
-
 STEPS2 = 40
 
 
 @pytest.fixture(scope="module")
 def reference_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The uninterrupted 2-rank run of the example, without spotguard."""
-    d = tmp_path_factory.mktemp("periodic-ref")
-    out = d / "ref.pt"
-    ref = TorchRun(d / "ref.log", ["--steps", str(STEPS2), "--no-hook", "--out", str(out)])
-    assert ref.wait() == 0, ref.tail()
-    return out
+    return reference_run(tmp_path_factory.mktemp("periodic-ref"), STEPS2)
 
 
 @pytest.mark.slow
@@ -221,8 +201,8 @@ def test_two_ranks_periodic_in_background_then_resume_bitwise(tmp_path: Path, re
     ref_out = reference_out
 
     store = tmp_path / "store"
-    run = PeriodicRun(tmp_path / "p.log", ["--steps", str(steps), "--storage", str(store), "--every", "0.4",
-                                           "--slow", "0.04", "--step-time", "0.05"])
+    run = TorchRun(tmp_path / "p.log", ["--steps", str(steps), "--storage", str(store), "--every", "0.4",
+                                        "--slow", "0.04", "--step-time", "0.05"], script=PERIODIC_JOB)
     assert run.wait() == 0, run.tail()
     done = {r: run.events(PERIODIC_COMMITTED, r) for r in (0, 1)}
     assert done[0] and [e["step"] for e in done[0]] == [e["step"] for e in done[1]], run.tail()
@@ -303,8 +283,8 @@ class TestS3Periodic:
 def test_two_ranks_sigterm_during_periodic_upload(tmp_path: Path, reference_out: Path) -> None:
     """Both ranks follow rank 0's decision; the emergency checkpoint commits; resume is bitwise exact."""
     store = tmp_path / "store"
-    run = PeriodicRun(tmp_path / "p.log", ["--steps", str(STEPS2), "--storage", str(store), "--every", "0.5",
-                                           "--slow", "0.3", "--step-time", "0.1"])
+    run = TorchRun(tmp_path / "p.log", ["--steps", str(STEPS2), "--storage", str(store), "--every", "0.5",
+                                        "--slow", "0.3", "--step-time", "0.1"], script=PERIODIC_JOB)
     try:
         run.wait_for(lambda: bool(run.events(PERIODIC_STARTED, 1)), 60, "a periodic upload")
         time.sleep(1.0)  # let it make measurable progress

@@ -21,7 +21,7 @@ from spotguard.storage.local import LocalStorage
 from spotguard.timefmt import utcnow
 
 from ._stores import Store, servers, store  # noqa: F401 - fixtures (moto server, bucket, env)
-from ._torchrun import TorchRun, first_difference, load_out
+from ._torchrun import TorchRun, first_difference, load_out, reference_run
 from .test_boundary import assert_same, make, notice, one_iteration, reference, snapshot
 
 
@@ -204,9 +204,7 @@ class TestTorchrunS3:
     kind = "s3"
 
     def test_preempt_commit_resume_bitwise(self, store: Store, tmp_path: Path) -> None:
-        ref_out = tmp_path / "ref.pt"
-        ref = TorchRun(tmp_path / "ref.log", ["--steps", str(STEPS), "--no-hook", "--out", str(ref_out)])
-        assert ref.wait() == 0, ref.tail()
+        ref_out = reference_run(tmp_path, STEPS)
 
         run = TorchRun(tmp_path / "pre.log", ["--steps", str(STEPS), "--step-time", "0.05", "--storage", store.uri])
         try:

@@ -12,7 +12,7 @@ import pytest
 from spotguard.storage import open_storage
 from spotguard.storage.commit import COMMIT_NAME, scan, step_dir
 
-from ._torchrun import TorchRun, first_difference, load_out
+from ._torchrun import TorchRun, first_difference, load_out, reference_run
 
 STEPS = 30
 STEP_TIME = "0.05"
@@ -23,11 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The uninterrupted run, same code path without spotguard."""
-    d = tmp_path_factory.mktemp("reference")
-    out = d / "ref.pt"
-    run = TorchRun(d / "ref.log", ["--steps", str(STEPS), "--no-hook", "--out", str(out)])
-    assert run.wait() == 0, run.tail()
-    return out
+    return reference_run(tmp_path_factory.mktemp("reference"), STEPS)
 
 
 def committed(store: Path) -> list[int]:

@@ -29,16 +29,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, AsyncIterator, Mapping, Optional
-
-import aiohttp
+from typing import Any, Optional
 
 from ...logs import get_logger
 from ...notice import Cancel, Notice, WatchEvent, stable_id
 from ...timefmt import parse_rfc1123, parse_rfc3339, to_rfc3339, utcnow
-from .base import Backoff, Watcher
+from .base import Backoff
+from .http import Fault, Resp, parse_json, reject_html, request, retry_after
+from .polling import CycleResult, PollingWatcher
 
 __all__ = ["AwsWatcher", "TERMINATION_THRESHOLD", "HOP_LIMIT_FIX"]
 
@@ -69,38 +69,12 @@ _LIFECYCLE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwx
 _IDENTITY_ATTEMPTS = 5
 
 
-class _Fault(Exception):
-    """One bad response: a metrics label, a message and, where there is one, the fix."""
-
-    def __init__(self, reason: str, message: str, fix: Optional[str] = None, retry_after: float = 0.0) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-        self.fix = fix
-        self.retry_after = retry_after
-
-
-@dataclass
-class _Resp:
-    status: int
-    text: str
-    content_type: str
-    headers: Mapping[str, str]
-
-
 @dataclass
 class _Seen:
     """A notice that is present now: its key (what identifies it across polls) and id."""
 
     key: str
     id: str
-
-
-@dataclass
-class _CycleResult:
-    events: list[WatchEvent] = field(default_factory=list)
-    ok: bool = True
-    retry_after: float = 0.0
 
 
 def _time_key(text: Any) -> str:
@@ -111,97 +85,47 @@ def _time_key(text: Any) -> str:
         return str(text)[:100]
 
 
-def _status_fault(resp: _Resp, path: str) -> _Fault:
+def _status_fault(resp: Resp, path: str) -> Fault:
     status = resp.status
-    retry_after = _retry_after(resp.headers)
+    wait = retry_after(resp.headers)
     if status == 401:
-        return _Fault(
+        return Fault(
             "http_401", f"IMDS rejected the session token twice on {path}", "check that nothing rewrites IMDS requests"
         )
     if status == 403:
-        return _Fault(
+        return Fault(
             "http_403",
             f"IMDS answered 403 on {path}",
             "IMDS is disabled or the request was proxied: enable the endpoint "
             "(aws ec2 modify-instance-metadata-options --http-endpoint enabled) and bypass proxies",
         )
     if status == 429:
-        return _Fault(
+        return Fault(
             "http_429",
             f"IMDS throttled {path}",
             "link-local traffic is limited to ~1024 packets/s; backing off",
-            retry_after,
+            wait,
         )
     if status >= 500:
-        return _Fault(f"http_{status}", f"IMDS answered {status} on {path}", None, retry_after)
-    return _Fault(f"http_{status}", f"unexpected HTTP {status} on {path}")
+        return Fault(f"http_{status}", f"IMDS answered {status} on {path}", None, wait)
+    return Fault(f"http_{status}", f"unexpected HTTP {status} on {path}")
 
 
-def _retry_after(headers: Mapping[str, str]) -> float:
-    value = headers.get("Retry-After")
-    if not value:
-        return 0.0
-    try:
-        return max(0.0, min(float(value), 60.0))
-    except ValueError:
-        return 0.0
-
-
-async def _request(
-    session: aiohttp.ClientSession,
-    method: str,
-    url: str,
-    *,
-    headers: Mapping[str, str],
-    timeout: float,
-) -> _Resp:
-    """One HTTP exchange; every transport failure becomes a labelled ``_Fault``."""
-    try:
-        async with session.request(
-            method, url, headers=dict(headers), timeout=aiohttp.ClientTimeout(total=timeout), allow_redirects=False
-        ) as resp:
-            body = await resp.read()
-            return _Resp(
-                resp.status, body.decode("utf-8", errors="replace"), resp.headers.get("Content-Type", ""), resp.headers
-            )
-    except asyncio.TimeoutError:
-        raise _Fault("timeout", f"no answer from {url} within {timeout:g}s") from None
-    except aiohttp.ClientConnectorError as exc:
-        raise _Fault(
-            "connection_refused",
-            f"cannot connect to {url}: {exc.os_error}",
-            "is this an EC2 instance? check --metadata-url",
-        ) from None
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-        raise _Fault("connection_reset", f"connection to {url} dropped: {exc!r}") from None
-    except aiohttp.ClientPayloadError as exc:
-        raise _Fault("bad_body", f"truncated body from {url}: {exc}") from None
-    except aiohttp.ClientError as exc:
-        raise _Fault("http_error", f"{method} {url} failed: {exc!r}") from None
-
-
-def _check_type(resp: _Resp, path: str) -> None:
+def _check_type(resp: Resp, path: str) -> None:
     """IMDS answers text/plain (or JSON); an HTML page means a proxy or captive portal."""
-    if resp.content_type.lower().startswith("text/html"):
-        raise _Fault(
-            "content_type",
-            f"{path} answered {resp.content_type!r}, not IMDS data",
-            "bypass HTTP proxies for 169.254.169.254",
-        )
+    reject_html(resp, path, expected="IMDS data", fix="bypass HTTP proxies for 169.254.169.254")
 
 
-def _json(resp: _Resp, path: str) -> Any:
+def _json(resp: Resp, path: str) -> Any:
     _check_type(resp, path)
-    try:
-        return json.loads(resp.text)
-    except ValueError as exc:
-        raise _Fault("bad_json", f"{path} answered malformed JSON: {exc}") from None
+    return parse_json(resp, path)
 
 
-class AwsWatcher(Watcher):
+class AwsWatcher(PollingWatcher):
     """IMDS poller; ``node`` is the instance id (from the identity document, best effort)."""
 
     source = "aws"
+    _log = log
 
     def __init__(
         self,
@@ -213,23 +137,16 @@ class AwsWatcher(Watcher):
         request_timeout: float = 2.0,
         backoff_cap: float = 5.0,
     ) -> None:
-        super().__init__()
         if not 1 <= token_ttl <= 21600:
             raise ValueError(f"token_ttl must be within 1..21600 seconds, got {token_ttl}")
-        if poll_interval <= 0:
-            raise ValueError(f"poll_interval must be positive, got {poll_interval}")
-        self.base_url = base_url.rstrip("/")
-        self.poll_interval = poll_interval
+        super().__init__(base_url, poll_interval, Backoff(base=min(0.2, poll_interval), cap=backoff_cap))
         self.token_ttl = token_ttl
         self.put_timeout = put_timeout
         self.request_timeout = request_timeout
         self.node: Optional[str] = None
         self.identity: dict[str, Any] = {}
         self.imdsv1 = False  # True once fallen back to tokenless requests
-        self._backoff = Backoff(base=min(0.2, poll_interval), cap=backoff_cap)
         self._token_backoff = Backoff(base=0.2, cap=backoff_cap)
-        self._session: Optional[aiohttp.ClientSession] = None
-        self._closed = asyncio.Event()
         self._token: Optional[str] = None
         self._token_expires = 0.0  # monotonic
         self._token_refresh_at = 0.0  # monotonic
@@ -241,36 +158,17 @@ class AwsWatcher(Watcher):
         self._asg: Optional[_Seen] = None
         self._scheduled: dict[str, dict[str, str]] = {}  # EventId -> {kind: notice id}
         self._yielded: set[str] = set()
-        self._cycle_faults = 0
 
     # ------------------------------------------------------------------ plumbing
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            # trust_env=False: an HTTP(S)_PROXY meant for the internet must never see IMDS traffic.
-            self._session = aiohttp.ClientSession(trust_env=False)
-        return self._session
-
-    async def close(self) -> None:
-        self._closed.set()
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
-
-    async def _sleep(self, seconds: float) -> None:
-        """Sleep that ``close`` interrupts."""
-        if seconds <= 0:
-            return
-        try:
-            await asyncio.wait_for(self._closed.wait(), timeout=seconds)
-        except asyncio.TimeoutError:
-            pass
-
-    def _error(self, fault: _Fault, **extra: Any) -> None:
-        self._cycle_faults += 1
-        self.health.error(fault.reason, fault.message)
-        fields: dict[str, Any] = {"reason": fault.reason, "error": fault.message, **extra}
-        if fault.fix:
-            fields["fix"] = fault.fix
-        log.warning("aws_poll_error", **fields)
+    async def _request(self, method: str, path: str, *, headers: dict[str, str], timeout: float) -> Resp:
+        return await request(
+            self._get_session(),
+            method,
+            self.base_url + path,
+            headers=headers,
+            timeout=timeout,
+            unreachable_fix="is this an EC2 instance? check --metadata-url",
+        )
 
     # ------------------------------------------------------------------ session
     async def _acquire_token(self) -> bool:
@@ -283,16 +181,11 @@ class AwsWatcher(Watcher):
             return True
         if not have_valid and now < self._next_refresh_try:
             return False
-        session = self._get_session()
         try:
-            resp = await _request(
-                session,
-                "PUT",
-                self.base_url + PATH_TOKEN,
-                headers={TTL_HEADER: str(self.token_ttl)},
-                timeout=self.put_timeout,
+            resp = await self._request(
+                "PUT", PATH_TOKEN, headers={TTL_HEADER: str(self.token_ttl)}, timeout=self.put_timeout
             )
-        except _Fault as fault:
+        except Fault as fault:
             if fault.reason == "timeout":
                 return await self._on_put_timeout(have_valid)
             self._error(fault, path=PATH_TOKEN)
@@ -303,7 +196,7 @@ class AwsWatcher(Watcher):
             bad = (
                 _status_fault(resp, PATH_TOKEN)
                 if resp.status != 200
-                else _Fault("bad_token", "IMDS returned an empty token")
+                else Fault("bad_token", "IMDS returned an empty token")
             )
             self._error(bad, path=PATH_TOKEN)
             self._next_refresh_try = time.monotonic() + self._token_backoff.next_delay()
@@ -354,10 +247,8 @@ class AwsWatcher(Watcher):
 
     async def _probe_imdsv1(self) -> bool:
         try:
-            resp = await _request(
-                self._get_session(), "GET", self.base_url + PATH_SPOT, headers={}, timeout=self.request_timeout
-            )
-        except _Fault as fault:
+            resp = await self._request("GET", PATH_SPOT, headers={}, timeout=self.request_timeout)
+        except Fault as fault:
             log.debug("aws_imdsv1_probe_failed", reason=fault.reason, error=fault.message)
             return False
         log.debug("aws_imdsv1_probe", status=resp.status)
@@ -368,55 +259,22 @@ class AwsWatcher(Watcher):
             return {}
         return {TOKEN_HEADER: self._token}
 
-    async def _get(self, path: str) -> _Resp:
-        return await _request(
-            self._get_session(), "GET", self.base_url + path, headers=self._auth_headers(), timeout=self.request_timeout
-        )
+    async def _get(self, path: str) -> Resp:
+        return await self._request("GET", path, headers=self._auth_headers(), timeout=self.request_timeout)
 
     # ------------------------------------------------------------------ polling
-    async def events(self) -> AsyncIterator[WatchEvent]:
-        """Poll every ``poll_interval`` (backing off on errors) until ``close``."""
-        log.info("aws_watcher_started", base_url=self.base_url, poll_interval=self.poll_interval)
-        try:
-            while not self._closed.is_set():
-                started = time.monotonic()
-                try:
-                    result = await self._cycle()
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # a bug must not take the daemon down
-                    self.health.error("internal", repr(exc))
-                    log.exception("aws_watcher_internal_error", error=repr(exc))
-                    result = _CycleResult(ok=False)
-                for event in result.events:
-                    if self._closed.is_set():
-                        return
-                    yield event
-                if result.ok:
-                    self._backoff.reset()
-                    delay = self.poll_interval - (time.monotonic() - started)
-                else:
-                    delay = max(self.poll_interval, self._backoff.next_delay(), result.retry_after)
-                await self._sleep(delay)
-        finally:
-            if self._session is not None and not self._session.closed:
-                await self._session.close()
-
-    async def _cycle(self) -> _CycleResult:
-        result = _CycleResult()
-        was_healthy = self.health.healthy
-        self._cycle_faults = 0
+    async def _cycle(self, result: CycleResult) -> None:
         if not await self._acquire_token():
             result.ok = False
-            return result
+            return
         paths = [PATH_SPOT, PATH_REBALANCE, PATH_SCHEDULED, PATH_ASG]
         if self.node is None and self._identity_attempts < _IDENTITY_ATTEMPTS:
             self._identity_attempts += 1
             paths.append(PATH_IDENTITY)
-        answers: dict[str, _Resp | BaseException] = dict(
+        answers: dict[str, Resp | BaseException] = dict(
             zip(paths, await asyncio.gather(*(self._get(p) for p in paths), return_exceptions=True), strict=True)
         )
-        unauthorized = [p for p, r in answers.items() if isinstance(r, _Resp) and r.status == 401]
+        unauthorized = [p for p, r in answers.items() if isinstance(r, Resp) and r.status == 401]
         if unauthorized:
             # Expired or revoked token (or IMDSv1 switched off): one fresh session, one retry.
             if self.imdsv1:
@@ -433,10 +291,10 @@ class AwsWatcher(Watcher):
             try:
                 if isinstance(answer, asyncio.CancelledError):
                     raise answer
-                if isinstance(answer, _Fault):
+                if isinstance(answer, Fault):
                     raise answer
                 if isinstance(answer, BaseException):
-                    raise _Fault("internal", f"{path}: {answer!r}")
+                    raise Fault("internal", f"{path}: {answer!r}")
                 if path == PATH_IDENTITY:
                     self._handle_identity(answer)
                     continue
@@ -448,18 +306,12 @@ class AwsWatcher(Watcher):
                     result.events.extend(self._handle_scheduled(answer, now))
                 elif path == PATH_ASG:
                     result.events.extend(self._handle_asg(answer, now))
-            except _Fault as fault:
+            except Fault as fault:
                 if path == PATH_IDENTITY:
                     log.debug("aws_identity_unavailable", reason=fault.reason, error=fault.message)
                     continue
                 result.retry_after = max(result.retry_after, fault.retry_after)
                 self._error(fault, path=path)
-        result.ok = self._cycle_faults == 0
-        if result.ok:
-            self.health.ok()
-            if not was_healthy:
-                log.info("aws_poll_recovered")
-        return result
 
     def _emit(self, notice: Notice) -> list[WatchEvent]:
         if notice.id in self._yielded:
@@ -486,13 +338,13 @@ class AwsWatcher(Watcher):
             return parse_rfc3339(text)
         except (ValueError, TypeError):
             self._error(
-                _Fault("bad_date", f"{what}: unreadable time {text!r}"),
+                Fault("bad_date", f"{what}: unreadable time {text!r}"),
                 notice_id=notice_id,
                 assumed=f"now+{default.total_seconds():g}s",
             )
             return now + default
 
-    def _handle_identity(self, resp: _Resp) -> None:
+    def _handle_identity(self, resp: Resp) -> None:
         if resp.status != 200:
             raise _status_fault(resp, PATH_IDENTITY)
         doc = _json(resp, PATH_IDENTITY)
@@ -501,7 +353,7 @@ class AwsWatcher(Watcher):
             self.node = doc["instanceId"]
             log.info("aws_identity", node=self.node, region=doc.get("region"), instance_type=doc.get("instanceType"))
 
-    def _handle_spot(self, resp: _Resp, now: datetime) -> list[WatchEvent]:
+    def _handle_spot(self, resp: Resp, now: datetime) -> list[WatchEvent]:
         if resp.status == 404:
             self._spot = None
             return []
@@ -509,7 +361,7 @@ class AwsWatcher(Watcher):
             raise _status_fault(resp, PATH_SPOT)
         doc = _json(resp, PATH_SPOT)
         if not isinstance(doc, dict) or not isinstance(doc.get("action"), str):
-            raise _Fault("bad_json", f"{PATH_SPOT}: expected {{'action', 'time'}}, got {resp.text[:200]!r}")
+            raise Fault("bad_json", f"{PATH_SPOT}: expected {{'action', 'time'}}, got {resp.text[:200]!r}")
         action = doc["action"]
         if self._spot is not None and self._spot.key == action:
             return []  # same notice; a recomputed `time` must not make it new
@@ -526,7 +378,7 @@ class AwsWatcher(Watcher):
         self._spot = _Seen(key=action, id=notice.id)
         return self._emit(notice)
 
-    def _handle_rebalance(self, resp: _Resp, now: datetime) -> list[WatchEvent]:
+    def _handle_rebalance(self, resp: Resp, now: datetime) -> list[WatchEvent]:
         if resp.status == 404:
             self._rebalance = None
             return []
@@ -534,7 +386,7 @@ class AwsWatcher(Watcher):
             raise _status_fault(resp, PATH_REBALANCE)
         doc = _json(resp, PATH_REBALANCE)
         if not isinstance(doc, dict) or "noticeTime" not in doc:
-            raise _Fault("bad_json", f"{PATH_REBALANCE}: expected {{'noticeTime'}}, got {resp.text[:200]!r}")
+            raise Fault("bad_json", f"{PATH_REBALANCE}: expected {{'noticeTime'}}, got {resp.text[:200]!r}")
         if self._rebalance is not None:
             return []
         # A rebalance recommendation has no deadline; an interruption, if one follows,
@@ -551,7 +403,7 @@ class AwsWatcher(Watcher):
         self._rebalance = _Seen(key="rebalance", id=notice.id)
         return self._emit(notice)
 
-    def _handle_asg(self, resp: _Resp, now: datetime) -> list[WatchEvent]:
+    def _handle_asg(self, resp: Resp, now: datetime) -> list[WatchEvent]:
         if resp.status == 404:
             self._asg = None
             return []
@@ -560,7 +412,7 @@ class AwsWatcher(Watcher):
         _check_type(resp, PATH_ASG)
         state = resp.text.strip()
         if not state or not set(state) <= _LIFECYCLE_CHARS:
-            raise _Fault("bad_value", f"{PATH_ASG}: not a lifecycle state: {resp.text[:100]!r}")
+            raise Fault("bad_value", f"{PATH_ASG}: not a lifecycle state: {resp.text[:100]!r}")
         if state != "Terminated":
             self._asg = None
             return []
@@ -579,7 +431,7 @@ class AwsWatcher(Watcher):
         self._asg = _Seen(key=state, id=notice.id)
         return self._emit(notice)
 
-    def _handle_scheduled(self, resp: _Resp, now: datetime) -> list[WatchEvent]:
+    def _handle_scheduled(self, resp: Resp, now: datetime) -> list[WatchEvent]:
         if resp.status == 404:
             doc: Any = []
         elif resp.status != 200:
@@ -587,7 +439,7 @@ class AwsWatcher(Watcher):
         else:
             doc = _json(resp, PATH_SCHEDULED)
         if not isinstance(doc, list) or not all(isinstance(e, dict) and isinstance(e.get("EventId"), str) for e in doc):
-            raise _Fault(
+            raise Fault(
                 "bad_json", f"{PATH_SCHEDULED}: expected a list of events with EventId, got {resp.text[:200]!r}"
             )
         out: list[WatchEvent] = []
@@ -635,7 +487,7 @@ class AwsWatcher(Watcher):
         if bad_dates:
             # Deliver what parsed; the unreadable ones are retried next poll.
             self._error(
-                _Fault("bad_date", f"{PATH_SCHEDULED}: unreadable NotBefore ({'; '.join(bad_dates)})"),
+                Fault("bad_date", f"{PATH_SCHEDULED}: unreadable NotBefore ({'; '.join(bad_dates)})"),
                 path=PATH_SCHEDULED,
             )
         return out

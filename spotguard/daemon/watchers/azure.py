@@ -19,16 +19,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, AsyncIterator, Mapping, Optional
-
-import aiohttp
+from typing import Any, Mapping, Optional
 
 from ...logs import get_logger
 from ...notice import Cancel, Notice, WatchEvent, stable_id
 from ...timefmt import parse_rfc1123, to_rfc3339, utcnow
-from .base import Backoff, Watcher
+from .base import Backoff
+from .http import Fault, Resp, parse_json, reject_html, request, retry_after
+from .polling import CycleResult, PollingWatcher
 
 __all__ = ["AzureWatcher", "MIN_NOTICE", "MIN_REQUEST_SPACING"]
 
@@ -57,32 +56,6 @@ MIN_NOTICE: dict[str, timedelta] = {
 _UNKNOWN_TYPE_NOTICE = timedelta(seconds=30)  # the shortest: safest for a type we do not know
 
 
-class _Fault(Exception):
-    """One bad response: a metrics label, a message, the fix where there is one."""
-
-    def __init__(self, reason: str, message: str, fix: Optional[str] = None, retry_after: float = 0.0) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-        self.fix = fix
-        self.retry_after = retry_after
-
-
-@dataclass
-class _Resp:
-    status: int
-    text: str
-    content_type: str
-    headers: Mapping[str, str]
-
-
-@dataclass
-class _CycleResult:
-    events: list[WatchEvent] = field(default_factory=list)
-    ok: bool = True
-    retry_after: float = 0.0
-
-
 class _Pacer:
     """Spaces request starts ``spacing`` seconds apart, across all callers."""
 
@@ -99,40 +72,31 @@ class _Pacer:
             self._last = time.monotonic()
 
 
-def _retry_after(headers: Mapping[str, str]) -> float:
-    value = headers.get("Retry-After")
-    if not value:
-        return 0.0
-    try:
-        return max(0.0, min(float(value), 60.0))
-    except ValueError:
-        return 0.0
-
-
-def _status_fault(resp: _Resp, what: str) -> _Fault:
+def _status_fault(resp: Resp, what: str) -> Fault:
     status = resp.status
     if status == 429:
-        return _Fault(
+        return Fault(
             "http_429",
             f"IMDS throttled {what}",
             "more than 5 requests/s from this VM; backing off",
-            _retry_after(resp.headers),
+            retry_after(resp.headers),
         )
     if status == 400:
-        return _Fault(
+        return Fault(
             "http_400",
             f"IMDS answered 400 on {what}: {resp.text[:200]!r}",
             "check the Metadata: true header and api-version",
         )
     if status == 403:
-        return _Fault("http_403", f"IMDS answered 403 on {what}", "bypass HTTP proxies for 169.254.169.254")
-    return _Fault(f"http_{status}", f"IMDS answered {status} on {what}", None, _retry_after(resp.headers))
+        return Fault("http_403", f"IMDS answered 403 on {what}", "bypass HTTP proxies for 169.254.169.254")
+    return Fault(f"http_{status}", f"IMDS answered {status} on {what}", None, retry_after(resp.headers))
 
 
-class AzureWatcher(Watcher):
+class AzureWatcher(PollingWatcher):
     """Scheduled Events poller; ``node`` is the VM name (known after the first compute answer)."""
 
     source = "azure"
+    _log = log
 
     def __init__(
         self,
@@ -145,148 +109,50 @@ class AzureWatcher(Watcher):
         vm_name: Optional[str] = None,
         min_request_spacing: float = MIN_REQUEST_SPACING,
     ) -> None:
-        super().__init__()
-        if poll_interval <= 0:
-            raise ValueError(f"poll_interval must be positive, got {poll_interval}")
-        self.base_url = base_url.rstrip("/")
-        self.poll_interval = poll_interval
+        super().__init__(base_url, poll_interval, Backoff(base=0.25, cap=backoff_cap))
         self.api_version = api_version
         self.request_timeout = request_timeout
         self.vm_name: Optional[str] = vm_name
-        self._backoff = Backoff(base=0.25, cap=backoff_cap)
         # Lower spacing only against an emulator with its rate limit off (tests).
         self._pacer = _Pacer(min_request_spacing)
-        self._session: Optional[aiohttp.ClientSession] = None
-        self._closed = asyncio.Event()
         self._incarnation: Optional[int] = None  # last processed
         self._pending_logged: Optional[int] = None
         self._active: dict[str, str] = {}  # notice id -> EventId
         self._yielded: set[str] = set()
-        self._cycle_faults = 0
 
     @property
     def node(self) -> Optional[str]:
         return self.vm_name
 
     # ------------------------------------------------------------------ plumbing
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            # trust_env=False: Microsoft requires IMDS requests to bypass proxies.
-            self._session = aiohttp.ClientSession(trust_env=False)
-        return self._session
-
-    async def close(self) -> None:
-        self._closed.set()
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
-
-    async def _sleep(self, seconds: float) -> None:
-        if seconds <= 0:
-            return
-        try:
-            await asyncio.wait_for(self._closed.wait(), timeout=seconds)
-        except asyncio.TimeoutError:
-            pass
-
-    def _error(self, fault: _Fault, **extra: Any) -> None:
-        self._cycle_faults += 1
-        self.health.error(fault.reason, fault.message)
-        fields: dict[str, Any] = {"reason": fault.reason, "error": fault.message, **extra}
-        if fault.fix:
-            fields["fix"] = fault.fix
-        log.warning("azure_poll_error", **fields)
-
-    async def _request(self, method: str, path: str, api_version: str, body: Optional[dict[str, Any]] = None) -> _Resp:
-        """One paced request; every transport failure becomes a labelled ``_Fault``."""
+    async def _request(self, method: str, path: str, api_version: str, body: Optional[dict[str, Any]] = None) -> Resp:
+        """One paced request; every transport failure becomes a labelled ``Fault``."""
         await self._pacer.wait()
-        url = self.base_url + path
-        try:
-            async with self._get_session().request(
-                method,
-                url,
-                params={"api-version": api_version},
-                headers=HEADERS,
-                json=body,
-                timeout=aiohttp.ClientTimeout(total=self.request_timeout),
-                allow_redirects=False,
-            ) as resp:
-                raw = await resp.read()
-                return _Resp(
-                    resp.status,
-                    raw.decode("utf-8", errors="replace"),
-                    resp.headers.get("Content-Type", ""),
-                    resp.headers,
-                )
-        except asyncio.TimeoutError:
-            raise _Fault("timeout", f"no answer from {url} within {self.request_timeout:g}s") from None
-        except aiohttp.ClientConnectorError as exc:
-            raise _Fault(
-                "connection_refused",
-                f"cannot connect to {url}: {exc.os_error}",
-                "is this an Azure VM? check --metadata-url",
-            ) from None
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            raise _Fault("connection_reset", f"connection to {url} dropped: {exc!r}") from None
-        except aiohttp.ClientPayloadError as exc:
-            raise _Fault("bad_body", f"truncated body from {url}: {exc}") from None
-        except aiohttp.ClientError as exc:
-            raise _Fault("http_error", f"{method} {url} failed: {exc!r}") from None
+        return await request(
+            self._get_session(),
+            method,
+            self.base_url + path,
+            params={"api-version": api_version},
+            headers=HEADERS,
+            body=body,
+            timeout=self.request_timeout,
+            unreachable_fix="is this an Azure VM? check --metadata-url",
+        )
 
     @staticmethod
-    def _json(resp: _Resp, what: str) -> Any:
-        if resp.content_type.lower().startswith("text/html"):
-            raise _Fault(
-                "content_type",
-                f"{what} answered {resp.content_type!r}, not IMDS JSON",
-                "bypass HTTP proxies for 169.254.169.254",
-            )
-        try:
-            return json.loads(resp.text)
-        except ValueError as exc:
-            raise _Fault("bad_json", f"{what} answered malformed JSON: {exc}") from None
+    def _json(resp: Resp, what: str) -> Any:
+        reject_html(resp, what, expected="IMDS JSON", fix="bypass HTTP proxies for 169.254.169.254")
+        return parse_json(resp, what)
 
     # ------------------------------------------------------------------ polling
-    async def events(self) -> AsyncIterator[WatchEvent]:
-        """Poll every ``poll_interval`` (backing off on errors) until ``close``."""
-        log.info(
-            "azure_watcher_started",
-            base_url=self.base_url,
-            poll_interval=self.poll_interval,
-            api_version=self.api_version,
-        )
-        try:
-            while not self._closed.is_set():
-                started = time.monotonic()
-                try:
-                    result = await self._cycle()
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # a bug must not take the daemon down
-                    self.health.error("internal", repr(exc))
-                    log.exception("azure_watcher_internal_error", error=repr(exc))
-                    result = _CycleResult(ok=False)
-                for event in result.events:
-                    if self._closed.is_set():
-                        return
-                    yield event
-                if result.ok:
-                    self._backoff.reset()
-                    delay = self.poll_interval - (time.monotonic() - started)
-                else:
-                    delay = max(self.poll_interval, self._backoff.next_delay(), result.retry_after)
-                await self._sleep(delay)
-        finally:
-            if self._session is not None and not self._session.closed:
-                await self._session.close()
+    def _started_details(self) -> dict[str, Any]:
+        return {"api_version": self.api_version}
 
-    async def _cycle(self) -> _CycleResult:
-        result = _CycleResult()
-        was_healthy = self.health.healthy
-        self._cycle_faults = 0
+    async def _cycle(self, result: CycleResult) -> None:
         if self.vm_name is None:
             try:
                 await self._fetch_name()
-            except _Fault as fault:
+            except Fault as fault:
                 result.retry_after = max(result.retry_after, fault.retry_after)
                 self._error(fault, path=PATH_COMPUTE)
         try:
@@ -296,15 +162,9 @@ class AzureWatcher(Watcher):
             doc = self._json(resp, PATH_EVENTS)
             incarnation, events = self._validate(doc, resp.text)
             result.events = self._process(incarnation, events)
-        except _Fault as fault:
+        except Fault as fault:
             result.retry_after = max(result.retry_after, fault.retry_after)
             self._error(fault, path=PATH_EVENTS)
-        result.ok = self._cycle_faults == 0
-        if result.ok:
-            self.health.ok()
-            if not was_healthy:
-                log.info("azure_poll_recovered")
-        return result
 
     async def _fetch_name(self) -> None:
         resp = await self._request("GET", PATH_COMPUTE, COMPUTE_API_VERSION)
@@ -313,25 +173,25 @@ class AzureWatcher(Watcher):
         doc = self._json(resp, PATH_COMPUTE)
         name = doc.get("name") if isinstance(doc, dict) else None
         if not isinstance(name, str) or not name:
-            raise _Fault("bad_json", f"{PATH_COMPUTE}: no VM name in {resp.text[:200]!r}")
+            raise Fault("bad_json", f"{PATH_COMPUTE}: no VM name in {resp.text[:200]!r}")
         self.vm_name = name
         log.info("azure_identity", node=name)
 
     @staticmethod
     def _validate(doc: Any, raw: str) -> tuple[int, list[dict[str, Any]]]:
         if not isinstance(doc, dict):
-            raise _Fault("bad_json", f"{PATH_EVENTS}: expected an object, got {raw[:200]!r}")
+            raise Fault("bad_json", f"{PATH_EVENTS}: expected an object, got {raw[:200]!r}")
         incarnation = doc.get("DocumentIncarnation")
         events = doc.get("Events")
         if isinstance(incarnation, bool) or not isinstance(incarnation, int) or not isinstance(events, list):
-            raise _Fault("bad_json", f"{PATH_EVENTS}: missing DocumentIncarnation/Events in {raw[:200]!r}")
+            raise Fault("bad_json", f"{PATH_EVENTS}: missing DocumentIncarnation/Events in {raw[:200]!r}")
         for event in events:
             if (
                 not isinstance(event, dict)
                 or not isinstance(event.get("EventId"), str)
                 or not isinstance(event.get("EventType"), str)
             ):
-                raise _Fault("bad_json", f"{PATH_EVENTS}: malformed event {event!r}"[:300])
+                raise Fault("bad_json", f"{PATH_EVENTS}: malformed event {event!r}"[:300])
         return incarnation, events
 
     def _process(self, incarnation: int, events: list[dict[str, Any]]) -> list[WatchEvent]:
@@ -404,7 +264,7 @@ class AzureWatcher(Watcher):
             return parse_rfc1123(not_before)
         except ValueError:
             self._error(
-                _Fault("bad_date", f"event {event['EventId']}: unreadable NotBefore {not_before!r}"),
+                Fault("bad_date", f"event {event['EventId']}: unreadable NotBefore {not_before!r}"),
                 notice_id=stable_id("azure", event["EventId"]),
                 assumed=f"now+{default.total_seconds():g}s",
             )
@@ -430,7 +290,7 @@ class AzureWatcher(Watcher):
                     log.info("azure_event_approved", notice_id=notice.id, event_id=event_id)
                     return True
                 fault = _status_fault(resp, f"POST {PATH_EVENTS}")
-            except _Fault as exc:
+            except Fault as exc:
                 fault = exc
             self.health.error(fault.reason, fault.message)
             log.warning(

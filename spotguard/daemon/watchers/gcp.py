@@ -20,14 +20,13 @@ import itertools
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, AsyncIterator, Mapping, Optional
-
-import aiohttp
+from typing import Any, AsyncIterator, Optional
 
 from ...logs import get_logger
 from ...notice import Cancel, Notice, WatchEvent, stable_id
 from ...timefmt import to_rfc3339, utcnow
-from .base import Backoff, Watcher
+from .base import Backoff
+from .http import Fault, HttpWatcher, Resp, is_html, reject_html, request
 
 __all__ = ["GcpWatcher", "PATH_PREFIX", "PREEMPTED", "MAINTENANCE"]
 
@@ -50,24 +49,6 @@ _ON_VALUES: dict[str, dict[str, tuple[str, timedelta]]] = {
 }
 _OFF_VALUES: dict[str, frozenset[str]] = {PREEMPTED: frozenset({"FALSE"}), MAINTENANCE: frozenset({"NONE"})}
 _NAME_ATTEMPTS = 5
-
-
-class _Fault(Exception):
-    """One bad response: a metrics label, a message and, where there is one, the fix."""
-
-    def __init__(self, reason: str, message: str, fix: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-        self.fix = fix
-
-
-@dataclass
-class _Resp:
-    status: int
-    text: str
-    content_type: str
-    headers: Mapping[str, str]
 
 
 @dataclass
@@ -100,51 +81,23 @@ class _TokenBucket:
         return wait
 
 
-async def _request(session: aiohttp.ClientSession, url: str, params: Mapping[str, str], timeout: float) -> _Resp:
-    """One GET; every transport failure becomes a labelled ``_Fault``."""
-    try:
-        async with session.get(
-            url,
-            params=dict(params),
-            headers=HEADERS,
-            timeout=aiohttp.ClientTimeout(total=timeout),
-            allow_redirects=False,
-        ) as resp:
-            body = await resp.read()
-            return _Resp(
-                resp.status, body.decode("utf-8", errors="replace"), resp.headers.get("Content-Type", ""), resp.headers
-            )
-    except asyncio.TimeoutError:
-        raise _Fault("timeout", f"no answer from {url} within {timeout:g}s") from None
-    except aiohttp.ClientConnectorError as exc:
-        raise _Fault(
-            "connection_refused", f"cannot connect to {url}: {exc.os_error}", "is this a GCE VM? check --metadata-url"
-        ) from None
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-        raise _Fault("connection_reset", f"connection to {url} dropped: {exc!r}") from None
-    except aiohttp.ClientPayloadError as exc:
-        raise _Fault("bad_body", f"truncated body from {url}: {exc}") from None
-    except aiohttp.ClientError as exc:
-        raise _Fault("http_error", f"GET {url} failed: {exc!r}") from None
-
-
-def _status_fault(status: int, path: str) -> _Fault:
+def _status_fault(status: int, path: str) -> Fault:
     if status == 503:
-        return _Fault(
+        return Fault(
             "http_503", f"metadata server answered 503 on {path}", "brief unavailability during maintenance; retrying"
         )
     if status == 403:
-        return _Fault(
+        return Fault(
             "http_403",
             f"metadata server answered 403 on {path}",
             "the request lost its Metadata-Flavor header or went through a proxy (X-Forwarded-For); bypass proxies",
         )
     if status == 429:
-        return _Fault("http_429", f"metadata server throttled {path}")
-    return _Fault(f"http_{status}", f"metadata server answered {status} on {path}")
+        return Fault("http_429", f"metadata server throttled {path}")
+    return Fault(f"http_{status}", f"metadata server answered {status} on {path}")
 
 
-class GcpWatcher(Watcher):
+class GcpWatcher(HttpWatcher):
     """Hanging-GET watcher; ``node`` is the instance name (best effort)."""
 
     source = "gcp"
@@ -170,8 +123,6 @@ class GcpWatcher(Watcher):
         self.min_interval = min_interval
         self.backoff_cap = backoff_cap
         self.node: Optional[str] = None
-        self._session: Optional[aiohttp.ClientSession] = None
-        self._closed = asyncio.Event()
         self._queue: asyncio.Queue[Optional[WatchEvent]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._active: dict[str, _Active] = {}
@@ -179,29 +130,22 @@ class GcpWatcher(Watcher):
         self._occurrences = itertools.count(1)
         self._healthy_paths: dict[str, bool] = {PREEMPTED: True, MAINTENANCE: True}
 
-    def _url(self, path: str) -> str:
-        return self.base_url + PATH_PREFIX + path
-
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            # trust_env=False: a proxy would add X-Forwarded-For, which the metadata server refuses.
-            self._session = aiohttp.ClientSession(trust_env=False)
-        return self._session
-
-    async def _sleep(self, seconds: float) -> None:
-        if seconds <= 0:
-            return
-        try:
-            await asyncio.wait_for(self._closed.wait(), timeout=seconds)
-        except asyncio.TimeoutError:
-            pass
+    async def _get(self, path: str, params: dict[str, str], timeout: float) -> Resp:
+        return await request(
+            self._get_session(),
+            "GET",
+            self.base_url + PATH_PREFIX + path,
+            params=params,
+            headers=HEADERS,
+            timeout=timeout,
+            unreachable_fix="is this a GCE VM? check --metadata-url",
+        )
 
     async def close(self) -> None:
         self._closed.set()
         self._queue.put_nowait(None)
         await self._stop_tasks()
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
+        await self._close_session()
 
     async def _stop_tasks(self) -> None:
         tasks, self._tasks = self._tasks, []
@@ -218,7 +162,7 @@ class GcpWatcher(Watcher):
                 except Exception:  # already logged by the task
                     pass
 
-    def _error(self, path: str, fault: _Fault) -> None:
+    def _error(self, path: str, fault: Fault) -> None:
         self.health.error(fault.reason, fault.message)
         self._healthy_paths[path] = False
         fields: dict[str, Any] = {"reason": fault.reason, "error": fault.message, "path": path}
@@ -251,21 +195,20 @@ class GcpWatcher(Watcher):
                 yield event
         finally:
             await self._stop_tasks()
-            if self._session is not None and not self._session.closed:
-                await self._session.close()
+            await self._close_session()
 
     async def _fetch_name(self) -> None:
         """Best effort: the instance name for ``hello`` and logs."""
         backoff = Backoff(base=0.2, cap=self.backoff_cap)
         for _ in range(_NAME_ATTEMPTS):
             try:
-                resp = await _request(self._get_session(), self._url(NAME), {}, self.request_timeout)
-                if resp.status == 200 and resp.text.strip() and not resp.content_type.lower().startswith("text/html"):
+                resp = await self._get(NAME, {}, self.request_timeout)
+                if resp.status == 200 and resp.text.strip() and not is_html(resp):
                     self.node = resp.text.strip()
                     log.info("gcp_identity", node=self.node)
                     return
                 log.debug("gcp_name_unavailable", status=resp.status)
-            except _Fault as fault:
+            except Fault as fault:
                 log.debug("gcp_name_unavailable", reason=fault.reason, error=fault.message)
             await self._sleep(backoff.next_delay())
             if self._closed.is_set():
@@ -295,9 +238,9 @@ class GcpWatcher(Watcher):
                 params = {"wait_for_change": "true", "last_etag": etag, "timeout_sec": str(self.wait_timeout_sec)}
                 timeout = self.wait_timeout_sec + self.request_timeout
             try:
-                resp = await _request(self._get_session(), self._url(path), params, timeout)
+                resp = await self._get(path, params, timeout)
                 value = self._parse(path, resp)
-            except _Fault as fault:
+            except Fault as fault:
                 self._error(path, fault)
                 await self._sleep(backoff.next_delay())
                 continue
@@ -318,18 +261,13 @@ class GcpWatcher(Watcher):
             bucket = changed if new_etag and new_etag != etag else unproductive
             etag = new_etag or None
 
-    def _parse(self, path: str, resp: _Resp) -> str:
+    def _parse(self, path: str, resp: Resp) -> str:
         if resp.status != 200:
             raise _status_fault(resp.status, path)
-        if resp.content_type.lower().startswith("text/html"):
-            raise _Fault(
-                "content_type",
-                f"{path} answered {resp.content_type!r}, not metadata",
-                "bypass HTTP proxies for the metadata server",
-            )
+        reject_html(resp, path, expected="metadata", fix="bypass HTTP proxies for the metadata server")
         value = resp.text.strip()
         if value not in _ON_VALUES[path] and value not in _OFF_VALUES[path]:
-            raise _Fault("bad_value", f"{path}: unexpected value {resp.text[:100]!r}")
+            raise Fault("bad_value", f"{path}: unexpected value {resp.text[:100]!r}")
         return value
 
     def _observe(self, path: str, value: str, etag: str, raw: str) -> None:

@@ -112,3 +112,19 @@ WaitUntil = Callable[..., Awaitable[None]]
 @pytest.fixture
 def wait_until() -> WaitUntil:
     return _wait_until
+
+
+async def refused_then_server_appears(collect: Callable[[Watcher], Collector], w: Watcher, url: str,
+                                      cloud: str, kind: str, in_seconds: Optional[float] = None) -> None:
+    """``w`` watches ``url`` (see ``closed_port_url``): ``connection_refused`` errors while nothing
+    listens; then an emulator starts on that port with a ``kind`` notice, which the watcher
+    delivers, and it is healthy again."""
+    c = collect(w)
+    await _wait_until(lambda: w.health.errors_by_reason.get("connection_refused", 0) >= 2, what="refused errors")
+    assert "cannot connect" in (w.health.last_error or "")
+    port = int(url.rsplit(":", 1)[1])
+    async with running_emulator(port=port) as emu:
+        emu.notice(cloud, kind, in_seconds)
+        assert (await c.next_notice(timeout=3)).kind == kind
+        await _wait_until(lambda: w.health.healthy, what="recovery")
+        await c.stop()

@@ -10,8 +10,10 @@ from structlog.testing import capture_logs
 
 from spotguard.daemon.watchers import aws as aws_mod
 from spotguard.daemon.watchers.aws import HOP_LIMIT_FIX, PATH_SCHEDULED, PATH_SPOT, PATH_TOKEN, AwsWatcher
-from spotguard.emulator.server import Emulator, running_emulator
+from spotguard.emulator.server import Emulator
 from spotguard.timefmt import utcnow
+
+from .conftest import refused_then_server_appears
 
 FAST = dict(poll_interval=0.02, put_timeout=0.2, request_timeout=0.3, backoff_cap=0.3)
 
@@ -278,17 +280,8 @@ async def test_bad_responses_are_reported_and_recovered(
     await wait_until(lambda: w.health.healthy, what="recovery")
 
 
-async def test_connection_refused_then_server_appears(closed_port_url: str, collect: Callable, wait_until: Any) -> None:
-    w = watcher(closed_port_url)
-    c = collect(w)
-    await wait_until(lambda: w.health.errors_by_reason.get("connection_refused", 0) >= 2, what="refused errors")
-    assert "cannot connect" in (w.health.last_error or "")
-    port = int(closed_port_url.rsplit(":", 1)[1])
-    async with running_emulator(port=port) as emu:
-        emu.notice("aws", "preemption", 120)
-        assert (await c.next_notice(timeout=3)).kind == "preemption"
-        await wait_until(lambda: w.health.healthy, what="recovery")
-        await c.stop()
+async def test_connection_refused_then_server_appears(closed_port_url: str, collect: Callable) -> None:
+    await refused_then_server_appears(collect, watcher(closed_port_url), closed_port_url, "aws", "preemption", 120)
 
 
 async def test_close_ends_the_iterator_promptly(emu: Emulator) -> None:

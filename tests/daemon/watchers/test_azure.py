@@ -11,8 +11,10 @@ import pytest
 from structlog.testing import capture_logs
 
 from spotguard.daemon.watchers.azure import PATH_COMPUTE, PATH_EVENTS, AzureWatcher
-from spotguard.emulator.server import Emulator, running_emulator
+from spotguard.emulator.server import Emulator
 from spotguard.timefmt import utcnow
+
+from .conftest import refused_then_server_appears
 
 FAST = dict(poll_interval=0.05, request_timeout=0.3, backoff_cap=0.3)
 
@@ -186,16 +188,8 @@ async def test_bad_responses_are_reported_and_recovered(
     await wait_until(lambda: w.health.healthy, what="recovery")
 
 
-async def test_connection_refused_then_server_appears(closed_port_url: str, collect: Callable, wait_until: Any) -> None:
-    w = watcher(closed_port_url)
-    c = collect(w)
-    await wait_until(lambda: w.health.errors_by_reason.get("connection_refused", 0) >= 2, what="refused errors")
-    port = int(closed_port_url.rsplit(":", 1)[1])
-    async with running_emulator(port=port) as emu:
-        emu.notice("azure", "preemption", 60)
-        assert (await c.next_notice(timeout=3)).kind == "preemption"
-        await wait_until(lambda: w.health.healthy, what="recovery")
-        await c.stop()
+async def test_connection_refused_then_server_appears(closed_port_url: str, collect: Callable) -> None:
+    await refused_then_server_appears(collect, watcher(closed_port_url), closed_port_url, "azure", "preemption", 60)
 
 
 def test_defaults() -> None:

@@ -10,8 +10,10 @@ from typing import Any, Callable
 import pytest
 
 from spotguard.daemon.watchers.gcp import MAINTENANCE, PATH_PREFIX, PREEMPTED, GcpWatcher
-from spotguard.emulator.server import Emulator, running_emulator
+from spotguard.emulator.server import Emulator
 from spotguard.timefmt import utcnow
+
+from .conftest import refused_then_server_appears
 
 P_PREEMPTED = PATH_PREFIX + PREEMPTED
 P_MAINT = PATH_PREFIX + MAINTENANCE
@@ -146,16 +148,8 @@ async def test_bad_responses_are_reported_and_recovered(
     await wait_until(lambda: w.health.healthy, what="recovery")
 
 
-async def test_connection_refused_then_server_appears(closed_port_url: str, collect: Callable, wait_until: Any) -> None:
-    w = watcher(closed_port_url)
-    c = collect(w)
-    await wait_until(lambda: w.health.errors_by_reason.get("connection_refused", 0) >= 2, what="refused errors")
-    port = int(closed_port_url.rsplit(":", 1)[1])
-    async with running_emulator(port=port) as emu:
-        emu.notice("gcp", "termination")
-        assert (await c.next_notice(timeout=3)).kind == "termination"
-        await wait_until(lambda: w.health.healthy, what="recovery")
-        await c.stop()
+async def test_connection_refused_then_server_appears(closed_port_url: str, collect: Callable) -> None:
+    await refused_then_server_appears(collect, watcher(closed_port_url), closed_port_url, "gcp", "termination")
 
 
 async def test_close_interrupts_hanging_gets(emu: Emulator) -> None:

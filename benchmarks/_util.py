@@ -1,0 +1,60 @@
+"""What the 2-rank torchrun benchmarks share: launching the job, its result line, simulated compute.
+
+A benchmark module runs twice: ``run()`` in the caller's process starts
+``torchrun`` on the module's own file with ``--worker``; the workers measure and
+rank 0 prints one ``BENCH_RESULT <json>`` line, which ``run()`` returns. The
+job gets the repository on ``PYTHONPATH`` so the workers import this module too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+__all__ = ["busy", "print_result", "run_torchrun", "main"]
+
+RESULT_PREFIX = "BENCH_RESULT "
+REPO = Path(__file__).resolve().parents[1]
+
+
+def busy(seconds: float) -> None:
+    """Simulated compute: sleep most of it, spin the rest (sleep alone jitters by ~100 us)."""
+    end = time.perf_counter() + seconds
+    if seconds > 0.002:
+        time.sleep(seconds - 0.002)
+    while time.perf_counter() < end:
+        pass
+
+
+def print_result(result: dict[str, Any]) -> None:
+    """Rank 0's answer to ``run_torchrun``."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def run_torchrun(script: str, *, timeout: float, env: Mapping[str, str] = {}) -> dict[str, Any]:
+    """Run ``script --worker`` on 2 ranks (``torchrun --standalone``, one thread each) and return
+    the ``BENCH_RESULT`` it printed; raise with the job's output tails when it printed none."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    job_env = {**os.environ, "OMP_NUM_THREADS": "1", "SPOTGUARD_LOG_LEVEL": "warning", **env,
+               "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(Path(script).resolve()), "--worker"],
+        capture_output=True, text=True, env=job_env, timeout=timeout,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return dict(json.loads(line[len(RESULT_PREFIX):]))
+    raise RuntimeError(f"benchmark job failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+
+
+def main(run: Callable[[], dict[str, Any]], worker: Callable[[], None]) -> None:
+    """A benchmark module's ``__main__``: the worker under torchrun, else the whole benchmark."""
+    if "--worker" in sys.argv:
+        worker()
+    else:
+        print(json.dumps(run(), indent=2))
