@@ -940,6 +940,12 @@ class Hook:
         if self._periodic is not None:  # leaving after a notice: never wait out an upload
             self._periodic.quiesce(5.0 if self._exiting else QUIESCE_PERIODIC_TIMEOUT, cancel=self._exiting)
         destroy_group(self._group)
+        # Drop our last references so the C++ group is destroyed now (torch releases the GIL
+        # there and joins gloo's worker threads) rather than during interpreter shutdown,
+        # where a worker thread still freeing a finished work dies in pthread_exit and the
+        # process aborts with -6 ("terminate called without an active exception").
+        self._group = None
+        self._agree.group = None
 
     # ------------------------------------------------------------ periodic
 

@@ -380,6 +380,7 @@ class PeriodicSaver:
                 th.join(min(5.0, timeout))
         if th is None or not th.is_alive():
             destroy_group(self.group)
+            self.group = None  # let the C++ group (and its gloo threads) go now, not at interpreter exit
 
     def _cancel(self, job: _Job) -> None:
         """Abandon ``job``: its next write item raises; on an own object-store instance every request

@@ -20,6 +20,18 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
+def gloo_worker_threads() -> int:
+    """gloo's per-group worker threads ("pt_gloo_runloop") alive in this process."""
+    names = []
+    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+        try:
+            with open(f"/proc/{os.getpid()}/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return names.count("pt_gloo_runloop")
+
+
 def main() -> int:
     rank, rounds, d = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     barrier = "--no-barrier" not in sys.argv
@@ -32,7 +44,8 @@ def main() -> int:
         store = dist.FileStore(os.path.join(d, f"store{i}"), 2)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
         torch.manual_seed(i)
-        model = DDP(torch.nn.Linear(8, 1))
+        model = DDP(torch.nn.Linear(8, 1))  # its first broadcast starts the default group's workers
+        threads_without_hook = gloo_worker_threads()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         h = Hook({"model": model, "optimizer": opt}, os.path.join(d, f"ck{i}"), signals=False, intake=False)
         h.resume()
@@ -45,6 +58,10 @@ def main() -> int:
             dist.barrier()
         dist.destroy_process_group()
         assert h._torn_down and not group_alive(group), "the hook did not quiesce before destroy"
+        del group
+        # The hook's own group must be gone with its worker threads, not left for interpreter
+        # shutdown (where a worker still freeing a finished work aborts the process with -6).
+        assert gloo_worker_threads() == threads_without_hook, (gloo_worker_threads(), threads_without_hook)
         hooks.append(h)
         if i < rounds - 1:
             h.close()
