@@ -8,9 +8,11 @@ keeps only small objects (< 1 MiB, e.g. ``.metadata``, ``COMMIT.json``) in
 memory; larger ones are counted and thrown away (GET returns zeros).
 One thread per connection; bodies are drained with ``recv_into`` a reused
 buffer (releases the GIL), so it costs about as much CPU as the raw-socket
-reference it is compared with (``--raw-port``: a plain TCP discard server).
+reference it is compared with (``--raw-port``: a plain TCP discard server;
+``--ack-port``: the same, but each connection announces its length and gets a
+one-byte acknowledgement once every byte arrived, as an upload does).
 
-    python -m benchmarks.s3sink --port 9000 [--raw-port 9001]
+    python -m benchmarks.s3sink --port 9000 [--raw-port 9001] [--ack-port 9002]
 """
 
 from __future__ import annotations
@@ -280,6 +282,29 @@ class RawDiscard(socketserver.BaseRequestHandler):
             pass
 
 
+class AckedDiscard(socketserver.BaseRequestHandler):
+    """The fair reference: like an upload, a sender's bytes count once the receiver has them all.
+
+    Protocol: 8-byte big-endian length, then that many bytes (drained with
+    recv_into, discarded), then the server answers one byte ``k``.
+    """
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        c = Conn(sock)
+        head = b""
+        while len(head) < 8:
+            chunk = sock.recv(8 - len(head))
+            if not chunk:
+                return
+            head += chunk
+        try:
+            c.read_exact(int.from_bytes(head, "big"), keep=False)
+        except (ConnectionError, OSError):
+            return
+        sock.sendall(b"k")
+
+
 class Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -291,10 +316,14 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=9000)
     ap.add_argument("--raw-port", type=int, default=0)
+    ap.add_argument("--ack-port", type=int, default=0)
     a = ap.parse_args()
     if a.raw_port:
         raw = Server((a.host, a.raw_port), RawDiscard)
         threading.Thread(target=raw.serve_forever, daemon=True).start()
+    if a.ack_port:
+        acked = Server((a.host, a.ack_port), AckedDiscard)
+        threading.Thread(target=acked.serve_forever, daemon=True).start()
     with Server((a.host, a.port), Handler) as srv:
         print(f"s3sink listening on http://{a.host}:{a.port}", flush=True)
         srv.serve_forever()

@@ -2,9 +2,15 @@
 
 Why not FsspecWriter: it writes each shard file as one sequential stream (s3fs
 buffers and uploads parts one at a time), so one rank never uses more than one
-connection. Here each rank serialises its write items straight into pooled
-part buffers and the parts go out in parallel (``UploadStream``); nothing is
-staged on local disk and memory stays at (concurrency + producers) parts.
+connection. Here each rank serialises its write items into an
+``UploadStream`` whose parts go out in parallel; nothing is staged on local
+disk. A tensor's bytes are not even copied where the backend allows it (S3):
+torch.save hands the stream the storage's own memory in one write, and the
+parts are sent from it (``_TensorSource``; safe because ``write_data`` returns
+only once every part is uploaded, and DCP's state is not modified during a
+save). Memory stays at (concurrency + producers) part buffers plus the tensors
+that in-flight parts keep alive (only temporaries — GPU→CPU copies, clones of
+views — cost extra, a bounded number of parts' worth).
 
 The on-store layout is exactly ``FileSystemWriter``'s (``__<rank>_<n>.distcp``
 files of ``torch.save`` records plus a pickled ``.metadata`` written by the
@@ -57,7 +63,7 @@ from torch.futures import Future
 
 from ..logs import get_logger
 from .base import join_key
-from .objstore import MemReader, ObjectStorage, UploadStream
+from .objstore import MemReader, ObjectStorage, UploadStream, ZeroCopySource
 
 __all__ = ["ObjectStoreWriter", "ObjectStoreReader", "METADATA_NAME"]
 
@@ -72,6 +78,42 @@ def _cpu_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
     if t.untyped_storage().size() != t.nbytes:
         t = t.clone()
     return t
+
+
+class _TensorSource(ZeroCopySource):
+    """A CPU tensor's storage as a zero-copy source: torch.save writes the storage in one call,
+    from its own memory, and that write is sent from the tensor instead of copied into part buffers.
+
+    The view is a uint8 numpy array over the storage, so each part that uses it keeps the tensor
+    alive until the part is sent (a temporary ``.cpu()``/clone copy included).
+    """
+
+    def __init__(self, view: memoryview, address: int, np: Any) -> None:
+        self.view, self.address, self._np = view, address, np
+
+    @classmethod
+    def of(cls, t: torch.Tensor, min_bytes: int) -> "_TensorSource | None":
+        try:
+            import numpy as np
+
+            st = t.untyped_storage()
+            n = st.nbytes()
+            if t.device.type != "cpu" or n < min_bytes:
+                return None
+            arr = torch.empty(0, dtype=torch.uint8).set_(st, 0, (n,), (1,)).numpy()
+            return cls(memoryview(arr), int(arr.__array_interface__["data"][0]), np)
+        except Exception:  # noqa: BLE001 - no numpy, an exotic tensor: copy as before
+            return None
+
+    def view_of(self, data: memoryview) -> memoryview | None:
+        try:
+            addr = int(self._np.frombuffer(data, dtype=self._np.uint8).__array_interface__["data"][0])
+        except Exception:  # noqa: BLE001
+            return None
+        off = addr - self.address
+        if off < 0 or off + len(data) > len(self.view):
+            return None
+        return self.view[off:off + len(data)]
 
 
 @contextlib.contextmanager
@@ -136,6 +178,7 @@ class ObjectStoreWriter(StorageWriter):
         errors: list[BaseException] = []
         streams: list[UploadStream] = []
         lock = threading.Lock()
+        zero_copy = self.storage.zero_copy
 
         def produce(idx: int, file_name: str, items: list[WriteItem]) -> None:
             stream = self.storage.open_upload(join_key(self.key, file_name), producers=len(jobs))
@@ -147,8 +190,12 @@ class ObjectStoreWriter(StorageWriter):
                     out.append(_write_item(self.transforms, stream, planner.resolve_data(item), item,
                                            file_name, SerializationFormat.TORCH_SAVE))
                 for item in [i for i in items if i.type != WriteItemType.BYTE_IO]:
-                    out.append(_write_item(self.transforms, stream, _cpu_tensor(planner, item), item,
-                                           file_name, SerializationFormat.TORCH_SAVE))
+                    tensor = _cpu_tensor(planner, item)
+                    source = _TensorSource.of(tensor, self.storage.zero_copy_min) if zero_copy else None
+                    with stream.zero_copy(source):
+                        out.append(_write_item(self.transforms, stream, tensor, item,
+                                               file_name, SerializationFormat.TORCH_SAVE))
+                    del tensor, source
                     if errors:
                         raise errors[0]
                 stream.close()

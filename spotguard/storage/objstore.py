@@ -42,6 +42,9 @@ __all__ = [
     "UploadStream",
     "BufferPool",
     "MemReader",
+    "Segments",
+    "SegmentReader",
+    "ZeroCopySource",
     "env_int",
 ]
 
@@ -55,6 +58,7 @@ DEFAULT_PART_SIZE = 16 * MiB
 MAX_PART_SIZE = 5 * 1024 * MiB
 MAX_CONCURRENCY = 256
 DEFAULT_CONCURRENCY = 8
+DEFAULT_ZERO_COPY_PART_SIZE = 64 * MiB
 
 
 class ObjectStoreError(StorageError, OSError):
@@ -144,16 +148,120 @@ class MemReader(io.RawIOBase):
         return out
 
 
-def body_of(data: memoryview) -> Any:
+def body_of(data: "memoryview | Segments") -> Any:
     """A request body for ``data`` that HTTP clients send with one ``sendall``.
 
     A full pooled buffer goes as the bytearray itself (no copy); file-like
     bodies would be sent in 8-16 KiB reads, each a copy and a Python call.
+    (``Segments`` — zero-copy parts — only reach backends with
+    ``zero_copy = True``, which send them with ``SegmentReader``; joined here
+    as a fallback.)
     """
+    if isinstance(data, Segments):
+        return bytes(data)
     obj = data.obj
     if isinstance(obj, (bytes, bytearray)) and len(data) == len(obj) and data.contiguous:
         return obj
     return data.tobytes()
+
+
+class Segments:
+    """One part made of several memory ranges, sent back to back without joining them (zero-copy).
+
+    ``len()`` is the total size and ``bytes()`` joins them, so code written for
+    a ``memoryview`` part mostly works unchanged.
+    """
+
+    __slots__ = ("views", "nbytes")
+
+    def __init__(self, views: Iterable[memoryview]) -> None:
+        self.views = tuple(v for v in views if len(v))
+        self.nbytes = sum(len(v) for v in self.views)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.views)
+
+    def tobytes(self) -> bytes:
+        return bytes(self)
+
+
+class SegmentReader(io.RawIOBase):
+    """A seekable file over ``Segments`` whose ``read`` returns memoryviews of the ranges, not copies.
+
+    ``read(n)`` returns up to ``max(n, READ_CHUNK)`` bytes, never across a
+    range boundary: urllib3 asks for 16 KiB blocks, and one ``sendall`` per
+    16 KiB costs twice the CPU of 4 MiB sends. Every reader of a request body
+    (urllib3, botocore's hashing and chunked-checksum wrappers) uses the
+    length it gets, not the one it asked for.
+    """
+
+    READ_CHUNK = 4 * MiB
+
+    def __init__(self, data: "Segments | memoryview") -> None:
+        super().__init__()
+        views = data.views if isinstance(data, Segments) else (memoryview(data).cast("B"),)
+        self._views = views
+        self._starts: list[int] = []
+        pos = 0
+        for v in views:
+            self._starts.append(pos)
+            pos += len(v)
+        self._size = pos
+        self._pos = 0
+        self._seg = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = min(max(0, base + offset), self._size)
+        self._seg = 0
+        while self._seg + 1 < len(self._views) and self._starts[self._seg + 1] <= self._pos:
+            self._seg += 1
+        return self._pos
+
+    def _next(self, limit: int) -> memoryview | bytes:
+        """Up to ``limit`` bytes from the current range (a view, no copy); b"" at the end."""
+        while self._seg < len(self._views) and self._pos >= self._starts[self._seg] + len(self._views[self._seg]):
+            self._seg += 1
+        if self._seg >= len(self._views):
+            return b""
+        off = self._pos - self._starts[self._seg]
+        out = self._views[self._seg][off:off + limit]
+        self._pos += len(out)
+        return out
+
+    def read(self, size: int | None = -1) -> Any:
+        if size is None or size < 0:  # everything left, joined (nobody sending a body does this)
+            parts = []
+            while chunk := self._next(self._size):
+                parts.append(chunk)
+            return b"".join(parts)
+        return self._next(max(size, self.READ_CHUNK))
+
+    def readinto(self, b: Any) -> int:
+        dst = memoryview(b).cast("B")
+        n = 0
+        while n < len(dst):
+            chunk = self._next(len(dst) - n)
+            if not chunk:
+                break
+            dst[n:n + len(chunk)] = chunk
+            n += len(chunk)
+        return n
 
 
 class BufferPool:
@@ -214,13 +322,30 @@ class Upload(abc.ABC):
         """Discard every part sent so far (no orphaned parts left billing)."""
 
 
+class ZeroCopySource(abc.ABC):
+    """Memory a stream may send from directly instead of copying (see ``UploadStream.zero_copy``)."""
+
+    @abc.abstractmethod
+    def view_of(self, data: memoryview) -> memoryview | None:
+        """A view of the same bytes as ``data`` that keeps their owner alive, or None if ``data`` is
+        not (wholly) inside this source."""
+
+
 class UploadStream(io.RawIOBase):
-    """A write-only stream that turns ``write`` calls into parallel part uploads from pooled buffers.
+    """A write-only stream that turns ``write`` calls into parallel part uploads.
+
+    Bytes are copied into pooled part buffers, except inside ``zero_copy(source)``
+    on a backend that supports it (``ObjectStorage.zero_copy``): a large write
+    that lies in ``source``'s memory is not copied but sent straight from it —
+    a part is then a list of memory ranges (``Segments``), e.g. the end of one
+    tensor, the next record's header (copied, a few hundred bytes) and the start
+    of the next tensor. Those parts are ``zero_copy_part_size`` long.
 
     Small objects (under one part) become a single PUT on ``close``. Memory is
-    bounded by the pool; a producer blocks for a free buffer (back-pressure).
-    Any part failure, or the deadline, fails the next ``write``/``close``; the
-    caller then calls ``abort``.
+    bounded by the pool and by the number of zero-copy parts in flight; a
+    producer blocks for a free buffer or slot (back-pressure). Any part
+    failure, or the deadline, fails the next ``write``/``close``; the caller
+    then calls ``abort``.
     """
 
     def __init__(self, store: "ObjectStorage", name: str, pool: BufferPool, executor: ThreadPoolExecutor) -> None:
@@ -229,8 +354,17 @@ class UploadStream(io.RawIOBase):
         self._name = name
         self._pool = pool
         self._executor = executor
-        self._buf: bytearray | None = None
+        # the part being built: finished ranges, the pool buffers they use, the active copy buffer
+        self._views: list[memoryview] = []
+        self._bufs: list[bytearray] = []
+        self._buf: bytearray | None = None  # active pool buffer; [_bstart:_fill] belongs to this part
+        self._bstart = 0
         self._fill = 0
+        self._small: bytearray | None = None  # copied bytes between zero-copy ranges (headers)
+        self._plen = 0
+        self._zc = False  # this part holds zero-copy ranges (target: zero_copy_part_size)
+        self._source: ZeroCopySource | None = None
+        self._slots = threading.BoundedSemaphore(store.concurrency + 2)  # zero-copy parts in flight
         self._pos = 0
         self._upload: Upload | None = None
         self._futures: list[Future[Any]] = []
@@ -260,6 +394,28 @@ class UploadStream(io.RawIOBase):
         """The first failure (a part upload, the deadline); torch.save may mask it with its own error."""
         return self._error
 
+    @contextlib.contextmanager
+    def zero_copy(self, source: ZeroCopySource | None) -> Iterator[None]:
+        """Inside the block, large writes of ``source``'s bytes are sent from its memory, not copied.
+
+        The caller guarantees those bytes do not change until ``close`` returns
+        (every part is then uploaded): DCP's contract already, since
+        ``write_data`` only returns after ``close`` and the state is not
+        modified during ``save`` (the hook saves at a step boundary with
+        training blocked, or from a staged CPU copy). Each part keeps the
+        source's owner alive until it is sent, so a part still in flight after
+        ``abort`` never reads freed memory. No-op where the backend cannot
+        send a list of ranges, or ``$SPOTGUARD_ZERO_COPY=0``.
+        """
+        if source is None or not self._store.zero_copy:
+            yield
+            return
+        previous, self._source = self._source, source
+        try:
+            yield
+        finally:
+            self._source = previous
+
     def write(self, b: Any) -> int:
         try:
             return self._write(b)
@@ -271,40 +427,118 @@ class UploadStream(io.RawIOBase):
     def _write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
         n = len(mv)
-        done = 0
-        while done < n:
-            if self._buf is None:
-                self._raise_if_failed()
-                self._buf = self._pool.acquire(self._store.remaining(default=None))
-                self._fill = 0
-            take = min(n - done, len(self._buf) - self._fill)
-            self._buf[self._fill:self._fill + take] = mv[done:done + take]
-            self._fill += take
-            done += take
-            if self._fill == len(self._buf):
-                self._send(last=False)
+        if self._done:
+            raise ValueError(f"write to a finished upload of {self._name}")
+        view = None
+        if self._source is not None and n >= self._store.zero_copy_min:
+            view = self._source.view_of(mv)
+        if view is not None:
+            self._append_view(view)
+        else:
+            self._copy(mv)
         self._pos += n
         return n
 
+    def _target(self) -> int:
+        return self._store.zero_copy_part_size if self._zc else self._store.part_size
+
+    def _freeze(self) -> None:
+        """Close the active copy region into a finished range of this part."""
+        if self._buf is not None:
+            if self._fill > self._bstart:
+                self._views.append(memoryview(self._buf)[self._bstart:self._fill])
+            self._bstart = self._fill
+            if self._fill == len(self._buf) or self._zc:
+                self._buf = None  # full, or this part now continues in _small
+        if self._small is not None:
+            if self._small:
+                self._views.append(memoryview(self._small))
+            self._small = None
+
+    def _copy(self, mv: memoryview) -> None:
+        n = len(mv)
+        done = 0
+        while done < n:
+            take = min(n - done, self._target() - self._plen)
+            if self._zc:  # a few header bytes between zero-copy ranges: no pool buffer for those
+                if self._small is None:
+                    self._small = bytearray()
+                self._small += mv[done:done + take]
+            else:
+                if self._buf is None or self._fill == len(self._buf):
+                    self._freeze()
+                    self._raise_if_failed()
+                    self._buf = self._pool.acquire(self._store.remaining(default=None))
+                    self._bufs.append(self._buf)
+                    self._fill = self._bstart = 0
+                take = min(take, len(self._buf) - self._fill)
+                self._buf[self._fill:self._fill + take] = mv[done:done + take]
+                self._fill += take
+            self._plen += take
+            done += take
+            if self._plen == self._target():
+                self._send(last=False)
+
+    def _append_view(self, view: memoryview) -> None:
+        self._zc = True
+        self._freeze()
+        done, n = 0, len(view)
+        while done < n:
+            take = min(n - done, self._target() - self._plen)
+            self._views.append(view[done:done + take])
+            self._plen += take
+            done += take
+            if self._plen == self._target():
+                self._send(last=False)
+                self._zc = done < n  # the rest of this range starts the next part
+
+    def _take_part(self) -> tuple[Any, list[bytearray], bool, int]:
+        """Detach the part being built: (data, its pool buffers, zero-copy?, length)."""
+        self._freeze()
+        views, bufs, zc, length = self._views, self._bufs, self._zc, self._plen
+        self._views, self._bufs, self._buf, self._small = [], [], None, None
+        self._fill = self._bstart = self._plen = 0
+        self._zc = False
+        if zc:
+            return Segments(views), bufs, True, length
+        return (views[0] if views else memoryview(b"")), bufs, False, length
+
+    def _release(self, bufs: list[bytearray]) -> None:
+        for b in bufs:
+            self._pool.release(b)
+
     def _send(self, last: bool) -> None:
-        buf, fill = self._buf, self._fill
-        assert buf is not None
-        self._buf = None
-        if self._upload is None:
-            self._upload = self._store.call("start upload", self._store._start_upload, self._name)
-            if self._upload.ordered:
-                self._lane = ThreadPoolExecutor(1, thread_name_prefix="spotguard-lane")
+        data, bufs, zc, length = self._take_part()
+        slot = False
+        try:
+            if zc:  # bound the zero-copy parts queued or in flight (they pin their source's memory)
+                self._raise_if_failed()
+                left = self._store.remaining(default=None)
+                slot = self._slots.acquire(timeout=None if left is None else max(0.0, left))
+                if not slot:
+                    raise DeadlineExceeded(f"{self._store.uri}: timed out waiting for a part upload slot "
+                                           f"(uploads too slow for the deadline)")
+            if self._upload is None:
+                self._upload = self._store.call("start upload", self._store._start_upload, self._name)
+                if self._upload.ordered:
+                    self._lane = ThreadPoolExecutor(1, thread_name_prefix="spotguard-lane")
+        except BaseException:
+            if slot:
+                self._slots.release()
+            self._release(bufs)
+            raise
         number = len(self._futures) + 1
         upload = self._upload
 
         def send() -> Any:
             try:
-                token = self._store.call(f"part {number} of {self._name}", upload.part, number,
-                                         memoryview(buf)[:fill], last)
-                self._store.count_uploaded(fill)
+                token = self._store.call(f"part {number} of {self._name}", upload.part, number, data, last)
+                self._store.count_uploaded(length)
                 return token
             finally:
-                self._pool.release(buf)
+                self._release(bufs)
+                if zc:
+                    self._slots.release()
 
         self._futures.append((self._lane or self._executor).submit(send))
 
@@ -314,23 +548,22 @@ class UploadStream(io.RawIOBase):
             return
         self._raise_if_failed()
         if self._upload is None:
-            data = memoryview(self._buf)[:self._fill] if self._buf is not None else memoryview(b"")
+            data, bufs, _zc, length = self._take_part()
             try:
                 self._store.call(f"put {self._name}", self._store._put, self._name, data)
-                self._store.count_uploaded(len(data))
+                self._store.count_uploaded(length)
             finally:
-                if self._buf is not None:
-                    self._pool.release(self._buf)
-                    self._buf = None
+                self._release(bufs)
         else:
-            if self._buf is not None and self._fill:
+            if self._plen:
                 self._send(last=True)
-            elif self._buf is not None:
-                self._pool.release(self._buf)
-                self._buf = None
+            else:
+                _data, bufs, _zc, _n = self._take_part()
+                self._release(bufs)
             tokens = [self._store.wait(f, f"upload of {self._name}") for f in self._futures]
             self._store.call(f"complete {self._name}", self._upload.complete, tokens, self._pos)
         self._done = True
+        self._source = None
         if self._lane is not None:
             self._lane.shutdown(wait=False)
         super().close()
@@ -340,15 +573,15 @@ class UploadStream(io.RawIOBase):
         if self._done:
             return
         self._done = True
+        self._source = None
         for f in self._futures:
             f.cancel()
         grace = time.monotonic() + 3.0
         for f in self._futures:
             with contextlib.suppress(BaseException):
                 f.result(timeout=max(0.0, grace - time.monotonic()))
-        if self._buf is not None:
-            self._pool.release(self._buf)
-            self._buf = None
+        _data, bufs, _zc, _n = self._take_part()
+        self._release(bufs)
         if self._upload is not None:
             try:
                 with self._store.thread_deadline(None):  # cleanup may outlive the notice by a little
@@ -381,6 +614,8 @@ class ObjectStorage(Storage):
     hidden_prefix: str | None = None
     min_part_size: int = 256 * 1024
     part_alignment: int = 1
+    #: the backend's ``Upload.part`` / ``_put`` accept ``Segments`` and send them without joining
+    zero_copy: bool = False
 
     def __init__(self, uri: str, *, part_size: int | None = None, concurrency: int | None = None,
                  max_attempts: int | None = None, backoff: float = 0.2, backoff_cap: float = 5.0,
@@ -391,6 +626,15 @@ class ObjectStorage(Storage):
         part = min(max(self.min_part_size, part), MAX_PART_SIZE)
         part -= part % self.part_alignment
         self.part_size = part
+        # zero-copy parts hold no buffer, so by default they are larger: fewer requests, ~15 % less CPU
+        # per byte than 16 MiB parts. A part size set explicitly applies to them too.
+        explicit = part_size is not None or bool(os.environ.get("SPOTGUARD_PART_SIZE", "").strip())
+        zpart = env_int("SPOTGUARD_ZERO_COPY_PART_SIZE", part if explicit else DEFAULT_ZERO_COPY_PART_SIZE)
+        zpart = min(max(part, zpart), MAX_PART_SIZE)
+        self.zero_copy_part_size = zpart - zpart % self.part_alignment
+        self.zero_copy_min = max(64 * 1024, min(part, MiB))  # smaller writes are cheaper to copy
+        if os.environ.get("SPOTGUARD_ZERO_COPY", "").strip() == "0":
+            self.zero_copy = False
         self.concurrency = min(MAX_CONCURRENCY,
                                max(1, concurrency or env_int("SPOTGUARD_UPLOAD_CONCURRENCY", DEFAULT_CONCURRENCY)))
         self.max_attempts = max(1, max_attempts or env_int("SPOTGUARD_MAX_ATTEMPTS", 10))
@@ -653,7 +897,8 @@ class ObjectStorage(Storage):
                 self._executor = None
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "part_size": self.part_size, "concurrency": self.concurrency}
+        return {**super().describe(), "part_size": self.part_size, "concurrency": self.concurrency,
+                "zero_copy": self.zero_copy}
 
 
 _UNSET: Any = object()
