@@ -36,8 +36,8 @@ from typing import Any, Callable
 from benchmarks._util import busy, main, print_result, run_torchrun
 
 STEP_TIMES = tuple(float(s) for s in os.environ.get("SG_BENCH_STEP_TIMES", "0.020,0.050").split(","))
-BLOCKS = int(os.environ.get("SG_BENCH_BLOCKS", "4"))
-BLOCK_STEPS = int(os.environ.get("SG_BENCH_BLOCK_STEPS", "40"))
+BLOCKS = int(os.environ.get("SG_BENCH_BLOCKS", "6"))
+BLOCK_STEPS = int(os.environ.get("SG_BENCH_BLOCK_STEPS", "80"))
 MICRO_STEPS = int(os.environ.get("SG_BENCH_MICRO_STEPS", "2000"))
 
 
