@@ -74,8 +74,7 @@ from ..storage import Storage, open_storage
 from ..storage.commit import (
     AlreadyCommitted,
     CommitRecord,
-    apply_retention,
-    commit,
+    commit_and_retain,
     newest_committed,
     prepare_attempt,
     step_dir,
@@ -694,22 +693,12 @@ class Hook:
             stage = "commit"
             outcome: Any = None
             if self._rank == 0:
-                try:
-                    rec = commit(self._storage, step, CommitRecord(
-                        step=step, world_size=self._world, reason=reason, notice_id=notice.id,
-                        seconds=round(time.monotonic() - t0, 3),
-                        extra={"notice_kind": notice.kind, "notice_source": notice.source,
-                               "deadline": to_rfc3339(notice.deadline), "spotguard": __version__},
-                    ))
-                    outcome = ("ok", rec.bytes)
-                    try:
-                        apply_retention(self._storage, self._keep)
-                    except Exception as exc:  # noqa: BLE001 - the commit stands
-                        self._log.warning("retention failed", error=repr(exc))
-                except AlreadyCommitted:
-                    outcome = ("ok", 0)
-                except Exception as exc:  # noqa: BLE001
-                    outcome = ("error", f"{type(exc).__name__}: {exc}")
+                outcome = commit_and_retain(self._storage, step, CommitRecord(
+                    step=step, world_size=self._world, reason=reason, notice_id=notice.id,
+                    seconds=round(time.monotonic() - t0, 3),
+                    extra={"notice_kind": notice.kind, "notice_source": notice.source,
+                           "deadline": to_rfc3339(notice.deadline), "spotguard": __version__},
+                ), self._keep, self._log)
             stage = "commit-barrier"
             # Every rank passes this only after the record is durable: no rank may exit before it.
             outcome = self._bcast0(outcome)

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from .. import __version__
-from ..storage.commit import AlreadyCommitted, CommitRecord, apply_retention, commit, prepare_attempt, step_dir
+from ..storage.commit import AlreadyCommitted, CommitRecord, commit_and_retain, prepare_attempt, step_dir
 from .dist import destroy_group, make_group, set_group_timeout
 
 if TYPE_CHECKING:
@@ -296,21 +296,11 @@ class PeriodicSaver:
                 if job.cancelled.is_set():
                     outcome = ("error", "cancelled before the commit")
                 else:
-                    try:
-                        rec = commit(storage, job.step, CommitRecord(
-                            step=job.step, world_size=h._world, reason="periodic", notice_id=None,
-                            seconds=round(time.monotonic() - job.started, 3),
-                            extra={"staging_seconds": round(job.staging_seconds, 4), "spotguard": __version__},
-                        ))
-                        outcome = ("ok", rec.bytes)
-                        try:
-                            apply_retention(storage, h._keep)
-                        except Exception as exc:  # noqa: BLE001 - the commit stands
-                            h._log.warning("retention failed", error=repr(exc))
-                    except AlreadyCommitted:
-                        outcome = ("ok", 0)
-                    except Exception as exc:  # noqa: BLE001
-                        outcome = ("error", f"{type(exc).__name__}: {exc}")
+                    outcome = commit_and_retain(storage, job.step, CommitRecord(
+                        step=job.step, world_size=h._world, reason="periodic", notice_id=None,
+                        seconds=round(time.monotonic() - job.started, 3),
+                        extra={"staging_seconds": round(job.staging_seconds, 4), "spotguard": __version__},
+                    ), h._keep, h._log)
             stage = "commit-barrier"
             outcome = self._bcast0(outcome)
             if outcome[0] != "ok":

@@ -449,3 +449,24 @@ def apply_retention(storage: Storage, keep: int | None) -> list[str]:
     if deleted:
         log.info("retention deleted checkpoints", storage=storage.uri, deleted=deleted, keep=keep, newest=newest.dir)
     return deleted
+
+
+def commit_and_retain(storage: Storage, step: int, record: CommitRecord, keep: int | None,
+                      log: Any) -> tuple[str, Any]:
+    """Rank 0's part of a save: commit, then retention; never raises.
+
+    Returns ``("ok", bytes)`` (``("ok", 0)`` when the step was already committed)
+    or ``("error", message)`` — the value every rank receives before leaving.
+    """
+    try:
+        rec = commit(storage, step, record)
+    except AlreadyCommitted:
+        return ("ok", 0)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank
+        return ("error", f"{type(exc).__name__}: {exc}")
+    try:
+        apply_retention(storage, keep)
+    except Exception as exc:  # noqa: BLE001 - the commit stands
+        log.warning("retention failed", error=repr(exc))
+    return ("ok", rec.bytes)
+
