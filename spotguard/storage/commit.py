@@ -382,10 +382,9 @@ def commit(storage: Storage, step: int, record: CommitRecord) -> CommitRecord:
     key = step_dir(step)
     if record.step != step:
         raise ValueError(f"commit record says step {record.step} but commit() was called for step {step}")
-    if storage.exists(join_key(key, COMMIT_NAME)):
-        raise AlreadyCommitted(step, key)
     present = {o.key[len(key) + 1:]: o for o in storage.list(key + "/")}
-    present.pop(COMMIT_NAME, None)
+    if present.pop(COMMIT_NAME, None) is not None:  # the listing shows it: no separate HEAD on the critical path
+        raise AlreadyCommitted(step, key)
     if not record.files:
         if not present:
             raise StorageError(f"nothing to commit: {storage.uri}/{key}/ holds no files")
