@@ -10,16 +10,31 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-__all__ = ["busy", "print_result", "run_torchrun", "main"]
+__all__ = ["busy", "cpu_seconds", "free_port", "print_result", "run_torchrun", "main"]
 
 RESULT_PREFIX = "BENCH_RESULT "
 REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (for servers the benchmark starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds() -> float:
+    """This process's CPU time, every thread, user + system."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def busy(seconds: float) -> None:

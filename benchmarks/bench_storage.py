@@ -51,7 +51,6 @@ import argparse
 import gc
 import json
 import os
-import resource
 import socket
 import subprocess
 import sys
@@ -60,6 +59,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+from benchmarks._util import cpu_seconds, free_port
 
 GiB = 1024 ** 3
 REPO = Path(__file__).resolve().parents[1]
@@ -75,17 +76,6 @@ def _boto_config() -> Any:
     from botocore.config import Config
 
     return Config(s3={"addressing_style": "path", "payload_signing_enabled": _sign()})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _cpu_seconds() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
 
 
 def _rss() -> int:
@@ -229,14 +219,14 @@ def rank_main(a: argparse.Namespace) -> None:
             row: dict[str, float] = {}
             for k in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
                 gc.collect()  # not inside a timed section: a collection there is noise, not the method
-                cpu0 = _cpu_seconds()
+                cpu0 = cpu_seconds()
                 if k.startswith("spotguard"):
                     row[k], mem = spotguard_round(state, a.rank, storages[k], r + 1)
                     if r and k == "spotguard":
                         extra = max(extra, mem)
                 else:
                     row[k] = raw_round(a.ack_port, tensors, a.rank, 1 if k == "raw1" else conns)
-                row[f"cpu_{k}"] = _cpu_seconds() - cpu0  # this rank's CPU (all threads), barriers included
+                row[f"cpu_{k}"] = cpu_seconds() - cpu0  # this rank's CPU (all threads), barriers included
             if r:  # round 0 warms every path up
                 rounds.append(row)
         out = {"rank": a.rank, "state_bytes": nbytes, "rounds": rounds, "connections": conns,
@@ -303,7 +293,7 @@ def run_method(method: str, size: float, env: dict[str, str], tmp: Path, reps: i
 
 
 def run_one(method: str, size: float, env: dict[str, str], tmp: Path, ack_port: int, rounds: int) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     run_id = uuid.uuid4().hex[:8]  # fresh prefixes: a committed checkpoint is never overwritten
     procs = []
     for r in range(2):
@@ -352,7 +342,7 @@ def run(sizes: list[float] | None = None) -> dict[str, Any]:
         sizes = [float(s) for s in os.environ.get("SPOTGUARD_BENCH_SIZES", "1").split(",") if s.strip()]
     reps = max(1, int(os.environ.get("SPOTGUARD_BENCH_REPS", "1") or 1))
     rounds = max(1, int(os.environ.get("SPOTGUARD_BENCH_ROUNDS", "7") or 7))
-    port, ack_port = _free_port(), _free_port()
+    port, ack_port = free_port(), free_port()
     sink = subprocess.Popen([sys.executable, "-m", "benchmarks.s3sink", "--port", str(port),
                              "--ack-port", str(ack_port)], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)

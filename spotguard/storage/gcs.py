@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from datetime import datetime
 from typing import Any, Iterable
 
-from .objstore import ObjectStorage, body_of, RawObject, Upload, missing_extra
+from .objstore import ObjectStorage, RawObject, Upload, missing_extra, request_body
 
 __all__ = ["GCSStorage", "GCSHTTPError", "UPLOADS_DIR"]
 
@@ -98,6 +98,7 @@ class GCSStorage(ObjectStorage):
     scheme = "gs"
     hidden_prefix = UPLOADS_DIR
     min_part_size = 256 * 1024
+    zero_copy = True  # parts go as SegmentReader bodies straight from tensor memory (requests streams them)
 
     def __init__(self, uri: str, *, session: Any = None, base_url: str | None = None, **kwargs: Any) -> None:
         super().__init__(uri, **kwargs)
@@ -154,8 +155,8 @@ class GCSStorage(ObjectStorage):
     def _put(self, name: str, data: memoryview) -> None:
         url = f"{self.base}/upload/storage/v1/b/{_q(self.bucket)}/o"
         self._req("POST", url, f"upload {name}", params={"uploadType": "media", "name": name},
-                  data=body_of(data), headers={"Content-Type": "application/octet-stream",
-                                                 "Content-Length": str(len(data))})
+                  data=request_body(data), headers={"Content-Type": "application/octet-stream",
+                                                      "Content-Length": str(len(data))})
 
     def _get(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
         headers = {}

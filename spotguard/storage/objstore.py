@@ -46,6 +46,7 @@ __all__ = [
     "SegmentReader",
     "ZeroCopySource",
     "env_int",
+    "request_body",
 ]
 
 T = TypeVar("T")
@@ -163,6 +164,24 @@ def body_of(data: "memoryview | Segments") -> Any:
     if isinstance(obj, (bytes, bytearray)) and len(data) == len(obj) and data.contiguous:
         return obj
     return data.tobytes()
+
+
+def request_body(data: "memoryview | Segments") -> Any:
+    """A part's request body, never a copy of a large part.
+
+    A whole pooled buffer goes as the bytearray itself; small data is copied
+    once (cheaper than a file-like body); anything else — tensor memory,
+    ``Segments`` — as a ``SegmentReader`` that hands the HTTP client views of
+    the ranges. Build one per attempt: a retry must start from byte 0. For
+    clients that send a file-like body with ``sendall`` per ``read``
+    (botocore/urllib3, requests); not for SDK calls that ``read()`` the whole
+    body into ``bytes`` (azure-storage-blob's ``upload_blob``).
+    """
+    if isinstance(data, memoryview) and isinstance(data.obj, (bytes, bytearray)) and len(data) == len(data.obj):
+        return body_of(data)
+    if len(data) < 64 * 1024:
+        return body_of(data)
+    return SegmentReader(data)
 
 
 class Segments:
@@ -533,7 +552,7 @@ class UploadStream(io.RawIOBase):
         def send() -> Any:
             try:
                 token = self._store.call(f"part {number} of {self._name}", upload.part, number, data, last)
-                self._store.count_uploaded(length)
+                self._store.count_uploaded(length, zero_copy=zc)
                 return token
             finally:
                 self._release(bufs)
@@ -648,11 +667,14 @@ class ObjectStorage(Storage):
         self._lock = threading.Lock()
         self.retries = 0  # requests retried since creation (observability, tests)
         self.bytes_uploaded = 0  # checkpoint bytes durable in the store (parts and small PUTs), since creation
+        self.zero_copy_bytes = 0  # of those, bytes in parts sent from the source's memory (not copied)
 
-    def count_uploaded(self, n: int) -> None:
+    def count_uploaded(self, n: int, zero_copy: bool = False) -> None:
         """Progress: ``n`` more bytes of a streamed upload were accepted by the store (thread-safe)."""
         with self._lock:
             self.bytes_uploaded += n
+            if zero_copy:
+                self.zero_copy_bytes += n
 
     # -- deadline ----------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable
 
-from .objstore import ObjectStorage, body_of, RawObject, SegmentReader, Segments, Upload, missing_extra
+from .objstore import ObjectStorage, RawObject, Upload, missing_extra, request_body
 
 __all__ = ["S3Storage"]
 
@@ -35,15 +35,6 @@ _RETRY_CODES = {
     "BadDigest",  # a body corrupted in flight
 }
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
-
-
-def _body(data: "memoryview | Segments") -> Any:
-    """A request body without copying: a pooled buffer as is, any other memory as a ``SegmentReader``."""
-    if isinstance(data, memoryview) and isinstance(data.obj, (bytes, bytearray)) and len(data) == len(data.obj):
-        return body_of(data)
-    if len(data) < 64 * 1024:
-        return body_of(data)  # small: one copy beats a file-like body
-    return SegmentReader(data)
 
 
 def _drop_expect(params: Any, **kwargs: Any) -> None:
@@ -80,7 +71,7 @@ class _S3Upload(Upload):
 
     def part(self, number: int, data: memoryview, last: bool) -> Any:
         r = self.store.client.upload_part(Bucket=self.store.bucket, Key=self.name, UploadId=self.upload_id,
-                                          PartNumber=number, Body=_body(data), ContentLength=len(data))
+                                          PartNumber=number, Body=request_body(data), ContentLength=len(data))
         return {"PartNumber": number, "ETag": r["ETag"]}
 
     def complete(self, tokens: list[Any], total: int) -> None:
@@ -171,7 +162,7 @@ class S3Storage(ObjectStorage):
         return super()._translate(exc, what)
 
     def _put(self, name: str, data: memoryview) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=name, Body=_body(data), ContentLength=len(data))
+        self.client.put_object(Bucket=self.bucket, Key=name, Body=request_body(data), ContentLength=len(data))
 
     def _get(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
         kw: dict[str, Any] = {}

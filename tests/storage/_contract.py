@@ -129,6 +129,8 @@ class ObjectStoreContract:
         assert torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"]) and out["meta"] == {"seed": 2}
         assert store.proxy.injected >= 4
         assert storage.retries >= 4
+        # every backend sends the tensor's parts from its memory, and a retried part from its first byte
+        assert storage.zero_copy_bytes >= sd["w"].nbytes  # type: ignore[attr-defined]
         assert not _incomplete(storage)
 
     def test_deadline_too_short_fails_cleanly_and_previous_commit_loads(self, store: Store) -> None:
