@@ -1,28 +1,43 @@
-"""Google Cloud Storage backend: JSON API over google-auth + requests, parallel composite uploads.
+"""Google Cloud Storage backend: JSON API over google-auth + requests; parallel parts by XML API multipart.
 
-Why composite uploads: a resumable upload takes its chunks strictly in order
-over one connection, which caps one rank at one stream. Instead each part is
-uploaded in parallel as a temporary object under ``<root>.spotguard-uploads/``
-(outside every ``step-*`` folder, so listings and commit records never see
-them), then joined with ``compose`` (32 sources a call, in a tree) into the
-final object, which appears atomically; the temporary objects are deleted.
-An interrupted upload leaves only temporary objects, which ``abort`` and the
-next ``prepare_attempt`` delete.
+Parallel uploads, two ways (``$SPOTGUARD_GCS_MULTIPART``):
+
+- ``xml`` (default on real GCS): the XML API's multipart upload — initiate,
+  PUT numbered parts in parallel, complete with the list of ETags, or abort.
+  No temporary objects: nothing for soft delete (7 days by default) or
+  Nearline/Coldline early deletion to bill, and no 32-source compose tree.
+  Unfinished uploads are listed (``GET /BUCKET?uploads``) and aborted by the
+  next ``prepare_attempt``.
+- ``compose`` (default with ``$STORAGE_EMULATOR_HOST``: the emulators have no
+  XML API): each part is uploaded as a temporary object under
+  ``<root>.spotguard-uploads/`` (outside every ``step-*`` folder, so listings
+  and commit records never see them), then joined with ``compose`` (32 sources
+  a call, in a tree) into the final object, which appears atomically; the
+  temporary objects are deleted. An interrupted upload leaves only temporary
+  objects, which ``abort`` and the next ``prepare_attempt`` delete.
+
+Why not resumable uploads: their chunks go strictly in order over one
+connection, which caps one rank at one stream.
 
 ``$STORAGE_EMULATOR_HOST`` (``http://127.0.0.1:9023`` or ``127.0.0.1:9023``)
 switches to an emulator without credentials; otherwise Application Default
-Credentials (``google.auth.default``). Requests are bounded by the deadline.
+Credentials (``google.auth.default``), whose bearer token both APIs accept.
+Requests are bounded by the deadline.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import urllib.parse
 import uuid
+from xml.etree import ElementTree
+from xml.sax.saxutils import escape
 from concurrent.futures import Future
 from datetime import datetime
 from typing import Any, Iterable
 
+from .base import StorageError
 from .objstore import ObjectStorage, RawObject, Upload, missing_extra, request_body
 
 __all__ = ["GCSStorage", "GCSHTTPError", "UPLOADS_DIR"]
@@ -32,11 +47,13 @@ _COMPOSE_MAX = 32
 
 
 class GCSHTTPError(Exception):
-    """A non-2xx answer from the JSON API."""
+    """A non-2xx answer from the JSON or XML API (``code``: the XML API's error code, if any)."""
 
     def __init__(self, status: int, text: str, what: str) -> None:
         super().__init__(f"HTTP {status} on {what}: {text[:300]}")
         self.status = status
+        m = re.search(r"<Code>([^<]*)</Code>", text or "")
+        self.code = m.group(1) if m else ""
 
 
 def _import() -> Any:
@@ -92,6 +109,54 @@ class _GCSUpload(Upload):
         self.store._delete(self.sent)
 
 
+def _xml_text(body: bytes, tag: str) -> list[str]:
+    """Every ``tag`` element's text in an XML API answer (namespaced or not)."""
+    root = ElementTree.fromstring(body)
+    return [el.text or "" for el in root.iter() if el.tag == tag or el.tag.endswith("}" + tag)]
+
+
+class _GCSXMLUpload(Upload):
+    """XML API multipart upload: parts in parallel, any order; ``complete`` lists them with their ETags."""
+
+    def __init__(self, store: "GCSStorage", name: str) -> None:
+        self.store, self.name = store, name
+        r = store._req("POST", store._xml_url(name), f"start upload {name}", params={"uploads": ""},
+                       headers={"Content-Type": "application/octet-stream", "Content-Length": "0"})
+        ids = _xml_text(r.content, "UploadId")
+        if not ids or not ids[0]:
+            raise GCSHTTPError(r.status_code, r.text, f"start upload {name}: no UploadId in the answer")
+        self.upload_id = ids[0]
+
+    def part(self, number: int, data: memoryview, last: bool) -> Any:
+        r = self.store._req("PUT", self.store._xml_url(self.name), f"part {number} of {self.name}",
+                            params={"partNumber": str(number), "uploadId": self.upload_id},
+                            data=request_body(data), headers={"Content-Length": str(len(data))})
+        etag = r.headers.get("ETag")
+        if not etag:
+            raise GCSHTTPError(r.status_code, "no ETag header", f"part {number} of {self.name}")
+        return (number, etag)
+
+    def complete(self, tokens: list[Any], total: int) -> None:
+        body = "<CompleteMultipartUpload>" + "".join(
+            f"<Part><PartNumber>{n}</PartNumber><ETag>{escape(etag)}</ETag></Part>" for n, etag in tokens
+        ) + "</CompleteMultipartUpload>"
+        try:
+            r = self.store._req("POST", self.store._xml_url(self.name), f"complete {self.name}",
+                                params={"uploadId": self.upload_id}, data=body.encode(),
+                                headers={"Content-Type": "application/xml"})
+        except (GCSHTTPError, FileNotFoundError) as exc:
+            # A retried complete whose first try succeeded: the upload is gone, the object is there.
+            gone = isinstance(exc, FileNotFoundError) or exc.code == "NoSuchUpload"
+            if gone and self.store._head(self.name) == total:
+                return
+            raise
+        if b"<Error>" in r.content:  # an error inside a 200, as S3 may answer a complete
+            raise GCSHTTPError(500, r.text, f"complete {self.name}")
+
+    def abort(self) -> None:
+        self.store._abort_xml(self.name, self.upload_id)
+
+
 class GCSStorage(ObjectStorage):
     """``gs://bucket/prefix``."""
 
@@ -100,11 +165,20 @@ class GCSStorage(ObjectStorage):
     min_part_size = 256 * 1024
     zero_copy = True  # parts go as SegmentReader bodies straight from tensor memory (requests streams them)
 
-    def __init__(self, uri: str, *, session: Any = None, base_url: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, uri: str, *, session: Any = None, base_url: str | None = None, multipart: str | None = None,
+                 **kwargs: Any) -> None:
+        emulator = os.environ.get("STORAGE_EMULATOR_HOST", "").strip()
+        mode = (multipart or os.environ.get("SPOTGUARD_GCS_MULTIPART", "").strip().lower()
+                or ("compose" if emulator else "xml"))
+        if mode not in ("xml", "compose"):
+            raise StorageError(f"$SPOTGUARD_GCS_MULTIPART={mode!r}: use 'xml' (XML API multipart uploads) or "
+                               "'compose' (parallel composite uploads)")
+        self.multipart = mode
+        if mode == "xml":
+            self.min_part_size = 5 * 1024 * 1024  # the XML API's minimum for every part but the last
         super().__init__(uri, **kwargs)
         requests = _import()
         self._requests = requests
-        emulator = os.environ.get("STORAGE_EMULATOR_HOST", "").strip()
         if base_url is None:
             if emulator:
                 base_url = emulator if "://" in emulator else f"http://{emulator}"
@@ -141,6 +215,11 @@ class GCSStorage(ObjectStorage):
 
     def _obj_url(self, name: str) -> str:
         return f"{self.base}/storage/v1/b/{_q(self.bucket)}/o/{_q(name)}"
+
+    def _xml_url(self, name: str = "") -> str:
+        """XML API, path style: ``https://storage.googleapis.com/BUCKET/OBJECT``."""
+        url = f"{self.base}/{_q(self.bucket)}"
+        return f"{url}/{urllib.parse.quote(name, safe='/')}" if name else url
 
     def _retryable(self, exc: BaseException) -> bool:
         rx = self._requests.exceptions
@@ -205,17 +284,53 @@ class GCSStorage(ObjectStorage):
         self._req("POST", f"{self._obj_url(dest)}/compose", f"compose {dest}", json=body)
 
     def _start_upload(self, name: str) -> Upload:
-        return _GCSUpload(self, name)
+        return _GCSXMLUpload(self, name) if self.multipart == "xml" else _GCSUpload(self, name)
+
+    def _xml_uploads(self, prefix: str) -> list[tuple[str, str]]:
+        """(object name, upload id) of every unfinished XML API multipart upload under ``prefix`` (full name)."""
+        out: list[tuple[str, str]] = []
+        params: dict[str, str] = {"uploads": "", "prefix": prefix}
+        while True:
+            r = self._req("GET", self._xml_url(), f"list uploads under {prefix}", params=params)
+            root = ElementTree.fromstring(r.content)
+            local = {el: el.tag.rsplit("}", 1)[-1] for el in root.iter()}
+            for up in (el for el, tag in local.items() if tag == "Upload"):
+                fields = {local[c]: c.text or "" for c in up}
+                if fields.get("Key") and fields.get("UploadId"):
+                    out.append((fields["Key"], fields["UploadId"]))
+            flags = {tag: el.text or "" for el, tag in local.items() if el is not root and tag in (
+                "IsTruncated", "NextKeyMarker", "NextUploadIdMarker")}
+            if flags.get("IsTruncated", "false").lower() != "true" or not flags.get("NextKeyMarker"):
+                return out
+            params = {"uploads": "", "prefix": prefix, "key-marker": flags["NextKeyMarker"],
+                      "upload-id-marker": flags.get("NextUploadIdMarker", "")}
+
+    def _abort_xml(self, name: str, upload_id: str) -> None:
+        try:
+            self._req("DELETE", self._xml_url(name), f"abort upload of {name}", ok=(200, 204),
+                      params={"uploadId": upload_id})
+        except FileNotFoundError:
+            pass  # already gone (a retried abort, or completed meanwhile)
 
     def incomplete_uploads(self, prefix: str = "") -> list[str]:
-        """Temporary part objects of unfinished uploads whose target is under root + ``prefix``."""
+        """Unfinished uploads whose target is under root + ``prefix``: XML API uploads (``name?uploadId=``)
+        and temporary part objects of composite uploads."""
         full = self.root + UPLOADS_DIR + prefix
-        return self.call(f"list {full}", lambda: [o.name for o in self._list(full)])
+        names = self.call(f"list {full}", lambda: [o.name for o in self._list(full)])
+        if self.multipart == "xml":
+            ups = self.call(f"list uploads under {self.root + prefix}", self._xml_uploads, self.root + prefix)
+            names += [f"{n}?uploadId={u}" for n, u in ups]
+        return names
 
     def _abort_uploads(self, prefix: str) -> int:
         names = [o.name for o in self._list(self.root + UPLOADS_DIR + prefix[len(self.root):])]
         self._delete(names)
-        return len({n.rsplit("/", 2)[0] for n in names})
+        count = len({n.rsplit("/", 2)[0] for n in names})
+        if self.multipart == "xml":
+            for name, upload_id in self._xml_uploads(prefix):
+                self._abort_xml(name, upload_id)
+                count += 1
+        return count
 
 
 def _mtime(text: str | None) -> float:
