@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out and trainer.is_world_process_zero():
         torch.save({"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
                     "steps": trainer.state.global_step}, args.out)
+    from _dist import leave_process_group  # examples/_dist.py, next to this script
+
+    leave_process_group()
     return 0
 
 

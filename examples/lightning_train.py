@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         opt = trainer.optimizers[0]
         torch.save({"model": model.net.state_dict(), "optimizer": opt.state_dict(), "steps": trainer.global_step},
                    args.out)
+    from _dist import leave_process_group  # examples/_dist.py, next to this script
+
+    leave_process_group()
     return 0
 
 

@@ -20,7 +20,8 @@ import uuid
 from typing import Any, Iterable
 
 from .base import StorageError
-from .objstore import ObjectStorage, body_of, RawObject, Upload, missing_extra, request_body
+from .objstore import (MemReader, ObjectStorage, RawObject, SegmentReader, Upload, body_of, missing_extra,
+                       request_body)
 
 __all__ = ["AzureStorage"]
 
@@ -32,6 +33,30 @@ def _import() -> Any:
     except ImportError as exc:
         raise missing_extra("Azure Blob storage (az://)", "azure", exc) from None
     return azure
+
+
+def _rewinding_transport() -> Any:
+    """azure-core's requests transport, rewinding our streamed bodies before every send.
+
+    Why: after a 401 with a ``WWW-Authenticate`` challenge (Azure AD: token
+    expired or revoked, tenant discovery) azure-core's bearer-token policy sends
+    the same request again without rewinding its body. A zero-copy block body
+    is a stream, so the resend would carry 0 bytes under the full
+    ``Content-Length`` and hang until the read timeout. Only spotguard's own
+    reader types are rewound; they always start at byte 0.
+    """
+    from azure.core.pipeline.transport import RequestsTransport
+
+    class _RewindingTransport(RequestsTransport):  # type: ignore[misc]
+        def send(self, request: Any, **kwargs: Any) -> Any:
+            body = getattr(request, "content", None)
+            if body is None:
+                body = getattr(request, "data", None)
+            if isinstance(body, (SegmentReader, MemReader)):
+                body.seek(0)
+            return super().send(request, **kwargs)
+
+    return _RewindingTransport()
 
 
 class _AzureUpload(Upload):
@@ -69,7 +94,9 @@ class AzureStorage(ObjectStorage):
     # part) are joined: upload_blob reads the whole body into bytes.
     zero_copy = True
 
-    def __init__(self, uri: str, *, service: Any = None, **kwargs: Any) -> None:
+    def __init__(self, uri: str, *, service: Any = None, credential: Any = None, account_url: str | None = None,
+                 **kwargs: Any) -> None:
+        """``credential`` / ``account_url``: a token credential and account instead of the environment's."""
         super().__init__(uri, **kwargs)
         azure = _import()
         self._exc = azure.core.exceptions
@@ -77,24 +104,27 @@ class AzureStorage(ObjectStorage):
             from azure.storage.blob import BlobServiceClient
 
             opts: dict[str, Any] = {"retry_total": 0, "max_single_put_size": 256 * 1024 * 1024,
-                                    "connection_timeout": 10, "read_timeout": self.request_timeout}
+                                    "connection_timeout": 10, "read_timeout": self.request_timeout,
+                                    "transport": _rewinding_transport()}
             conn = os.environ.get("AZURE_STORAGE_CONNECTION_STRING")
-            if conn:
+            if conn and credential is None:
                 service = BlobServiceClient.from_connection_string(conn, **opts)
             else:
-                url = os.environ.get("AZURE_STORAGE_ACCOUNT_URL")
+                url = account_url or os.environ.get("AZURE_STORAGE_ACCOUNT_URL")
                 account = os.environ.get("AZURE_STORAGE_ACCOUNT")
                 if not url and account:
                     url = f"https://{account}.blob.core.windows.net"
                 if not url:
                     raise StorageError("az:// storage needs $AZURE_STORAGE_CONNECTION_STRING, or "
                                        "$AZURE_STORAGE_ACCOUNT (with azure-identity for the credential)")
-                try:
-                    from azure.identity import DefaultAzureCredential
-                except ImportError as exc:
-                    raise StorageError(f"az:// without a connection string needs azure-identity ({exc}): "
-                                       "pip install azure-identity") from None
-                service = BlobServiceClient(url, credential=DefaultAzureCredential(), **opts)
+                if credential is None:
+                    try:
+                        from azure.identity import DefaultAzureCredential
+                    except ImportError as exc:
+                        raise StorageError(f"az:// without a connection string needs azure-identity ({exc}): "
+                                           "pip install azure-identity") from None
+                    credential = DefaultAzureCredential()
+                service = BlobServiceClient(url, credential=credential, **opts)
         self.service = service
         # the pool must hold as many connections as parallel block uploads
         self.container = service.get_container_client(self.bucket)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import urllib.parse
 import uuid
 from xml.etree import ElementTree
@@ -47,11 +48,15 @@ _COMPOSE_MAX = 32
 
 
 class GCSHTTPError(Exception):
-    """A non-2xx answer from the JSON or XML API (``code``: the XML API's error code, if any)."""
+    """A non-2xx answer from the JSON or XML API (``code``: the XML API's error code, if any).
 
-    def __init__(self, status: int, text: str, what: str) -> None:
+    ``token_refreshed``: a 401 after which the credentials were refreshed, so a retry may pass.
+    """
+
+    def __init__(self, status: int, text: str, what: str, token_refreshed: bool = False) -> None:
         super().__init__(f"HTTP {status} on {what}: {text[:300]}")
         self.status = status
+        self.token_refreshed = token_refreshed
         m = re.search(r"<Code>([^<]*)</Code>", text or "")
         self.code = m.group(1) if m else ""
 
@@ -166,7 +171,8 @@ class GCSStorage(ObjectStorage):
     zero_copy = True  # parts go as SegmentReader bodies straight from tensor memory (requests streams them)
 
     def __init__(self, uri: str, *, session: Any = None, base_url: str | None = None, multipart: str | None = None,
-                 **kwargs: Any) -> None:
+                 credentials: Any = None, **kwargs: Any) -> None:
+        """``credentials``: google-auth credentials instead of Application Default Credentials."""
         emulator = os.environ.get("STORAGE_EMULATOR_HOST", "").strip()
         mode = (multipart or os.environ.get("SPOTGUARD_GCS_MULTIPART", "").strip().lower()
                 or ("compose" if emulator else "xml"))
@@ -185,8 +191,10 @@ class GCSStorage(ObjectStorage):
             else:
                 base_url = "https://storage.googleapis.com"
         self.base = base_url.rstrip("/")
+        self._credentials: Any = None
+        self._refresh_lock = threading.Lock()
         if session is None:
-            if emulator:
+            if emulator and credentials is None:
                 session = requests.Session()
             else:
                 try:
@@ -194,9 +202,13 @@ class GCSStorage(ObjectStorage):
                     from google.auth.transport.requests import AuthorizedSession
                 except ImportError as exc:
                     raise missing_extra("Google Cloud Storage (gs://)", "gcs", exc) from None
-                creds, _project = google.auth.default(
-                    scopes=["https://www.googleapis.com/auth/devstorage.read_write"])
-                session = AuthorizedSession(creds)
+                if credentials is None:
+                    credentials, _project = google.auth.default(
+                        scopes=["https://www.googleapis.com/auth/devstorage.read_write"])
+                self._credentials = credentials
+                # No resend on 401 inside the session: it would resend a streamed (zero-copy) body from
+                # where the first send left it. _req refreshes and the retry builds a fresh body.
+                session = AuthorizedSession(credentials, refresh_status_codes=())
             adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=self.concurrency * 2 + 4,
                                                     max_retries=0)
             session.mount("http://", adapter)
@@ -206,12 +218,30 @@ class GCSStorage(ObjectStorage):
     # -- HTTP ------------------------------------------------------------------
 
     def _req(self, method: str, url: str, what: str, ok: tuple[int, ...] = (200,), **kw: Any) -> Any:
+        creds = self._credentials
+        token = getattr(creds, "token", None)
         r = self.session.request(method, url, timeout=(min(10.0, self.timeout()), self.timeout()), **kw)
         if r.status_code not in ok:
             if r.status_code == 404:
                 raise FileNotFoundError(f"{self.uri}: {what}: not found")
+            if r.status_code == 401 and creds is not None:
+                self._refresh(token)
+                raise GCSHTTPError(401, r.text, what, token_refreshed=True)
             raise GCSHTTPError(r.status_code, r.text, what)
         return r
+
+    def _refresh(self, rejected: Any) -> None:
+        """New credentials after a 401 (once for all the threads that saw the same token rejected)."""
+        with self._refresh_lock:
+            if getattr(self._credentials, "token", None) != rejected:
+                return  # another thread already refreshed
+            from google.auth.transport.requests import Request
+
+            try:
+                self._credentials.refresh(Request())
+            except Exception as exc:  # noqa: BLE001 - google.auth.exceptions.RefreshError and transport errors
+                raise StorageError(f"{self.uri}: GCS rejected the access token and refreshing it failed ({exc}); "
+                                   "check the VM's service account / Application Default Credentials") from exc
 
     def _obj_url(self, name: str) -> str:
         return f"{self.base}/storage/v1/b/{_q(self.bucket)}/o/{_q(name)}"
@@ -226,7 +256,7 @@ class GCSStorage(ObjectStorage):
         if isinstance(exc, (rx.ConnectionError, rx.Timeout, rx.ChunkedEncodingError, ConnectionError, TimeoutError)):
             return True
         if isinstance(exc, GCSHTTPError):
-            return exc.status >= 500 or exc.status in (408, 429)
+            return exc.status >= 500 or exc.status in (408, 429) or exc.token_refreshed
         return False
 
     # -- primitives ------------------------------------------------------------------

@@ -328,3 +328,70 @@ def test_complete_that_answers_200_with_an_error_body_fails(gcs: tuple[GCSStorag
         up.close()
     up.abort()
     assert "run/obj" not in fake.objects and fake.uploads == {}
+
+
+class _Creds:
+    """google-auth style credentials: ``token``, ``refresh(request)``, ``apply``/``before_request``."""
+
+    def __init__(self, fail_refresh: bool = False) -> None:
+        from google.auth import credentials
+
+        class C(credentials.Credentials):  # type: ignore[misc]
+            def refresh(inner, request: Any) -> None:  # noqa: N805
+                if fail_refresh:
+                    from google.auth.exceptions import RefreshError
+
+                    raise RefreshError("metadata server said no")
+                inner.refreshes += 1
+                inner.token = f"t{inner.refreshes + 1}"
+
+        self.c = C()
+        self.c.token = "t1"
+        self.c.refreshes = 0
+        self.c.expiry = None
+
+
+def _rejects_token(fake: FakeGCS, bad: str) -> Any:
+    def answer(request: Any) -> Any:
+        if request.headers.get("Authorization") == f"Bearer {bad}":
+            return 401, {"Content-Type": "application/xml"}, "<Error><Code>AuthenticationRequired</Code></Error>"
+        return fake._xml(request)
+    return answer
+
+
+def test_a_rejected_token_is_refreshed_once_and_the_part_resent_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 401 mid-save (token expired or revoked): refresh, then resend the part from its first byte.
+
+    google-auth's own 401 handling resends the request object as it is — a zero-copy body already
+    read to its end — so the backend turns it off and retries through its own loop instead.
+    """
+    pytest.importorskip("google.auth")
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    creds = _Creds().c
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as rsps:
+        fake = FakeGCS(rsps)
+        store = GCSStorage(f"gs://{BUCKET}/run", credentials=creds, base_url=BASE, part_size=5 * MiB,
+                           concurrency=3, backoff=0.01)
+        fake.fail.append({"method": "PUT", "match": r"partNumber=", "count": 3, "answer": _rejects_token(fake, "t1")})
+        data = bytes(range(256)) * (12 * MiB // 256)
+        with store.open_upload("obj") as up:
+            up.write(data)
+    assert fake.objects["run/obj"] == data
+    assert creds.refreshes == 1 and creds.token == "t2"
+
+
+def test_a_token_that_cannot_be_refreshed_fails_with_the_fix_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("google.auth")
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    creds = _Creds(fail_refresh=True).c
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as rsps:
+        fake = FakeGCS(rsps)
+        store = GCSStorage(f"gs://{BUCKET}/run", credentials=creds, base_url=BASE, part_size=5 * MiB,
+                           backoff=0.01)
+        fake.fail.append({"method": "PUT", "match": r"partNumber=", "count": 50, "answer": _rejects_token(fake, "t1")})
+        up = store.open_upload("obj")
+        with pytest.raises(Exception, match="refreshing it failed.*Application Default Credentials"):
+            up.write(b"q" * (12 * MiB))
+            up.close()
+        up.abort()
+    assert "run/obj" not in fake.objects and fake.uploads == {}
