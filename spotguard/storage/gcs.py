@@ -114,9 +114,16 @@ class _GCSUpload(Upload):
         self.store._delete(self.sent)
 
 
-def _xml_text(body: bytes, tag: str) -> list[str]:
-    """Every ``tag`` element's text in an XML API answer (namespaced or not)."""
-    root = ElementTree.fromstring(body)
+def _xml_root(r: Any, what: str) -> ElementTree.Element:
+    """The XML API answer's document; one that is not XML (a proxy's HTML page) is a retryable 502."""
+    try:
+        return ElementTree.fromstring(r.content)
+    except ElementTree.ParseError as exc:
+        raise GCSHTTPError(502, f"answer is not XML ({exc}): {r.text[:200]}", what) from None
+
+
+def _xml_text(root: ElementTree.Element, tag: str) -> list[str]:
+    """Every ``tag`` element's text (namespaced or not)."""
     return [el.text or "" for el in root.iter() if el.tag == tag or el.tag.endswith("}" + tag)]
 
 
@@ -125,9 +132,10 @@ class _GCSXMLUpload(Upload):
 
     def __init__(self, store: "GCSStorage", name: str) -> None:
         self.store, self.name = store, name
-        r = store._req("POST", store._xml_url(name), f"start upload {name}", params={"uploads": ""},
+        what = f"start upload {name}"
+        r = store._req("POST", store._xml_url(name) + "?uploads", what,  # the documented form: no "="
                        headers={"Content-Type": "application/octet-stream", "Content-Length": "0"})
-        ids = _xml_text(r.content, "UploadId")
+        ids = _xml_text(_xml_root(r, what), "UploadId")
         if not ids or not ids[0]:
             raise GCSHTTPError(r.status_code, r.text, f"start upload {name}: no UploadId in the answer")
         self.upload_id = ids[0]
@@ -319,10 +327,11 @@ class GCSStorage(ObjectStorage):
     def _xml_uploads(self, prefix: str) -> list[tuple[str, str]]:
         """(object name, upload id) of every unfinished XML API multipart upload under ``prefix`` (full name)."""
         out: list[tuple[str, str]] = []
-        params: dict[str, str] = {"uploads": "", "prefix": prefix}
+        params: dict[str, str] = {"prefix": prefix}
+        what = f"list uploads under {prefix}"
         while True:
-            r = self._req("GET", self._xml_url(), f"list uploads under {prefix}", params=params)
-            root = ElementTree.fromstring(r.content)
+            r = self._req("GET", f"{self._xml_url()}?uploads&{urllib.parse.urlencode(params)}", what)
+            root = _xml_root(r, what)
             local = {el: el.tag.rsplit("}", 1)[-1] for el in root.iter()}
             for up in (el for el, tag in local.items() if tag == "Upload"):
                 fields = {local[c]: c.text or "" for c in up}
@@ -332,7 +341,7 @@ class GCSStorage(ObjectStorage):
                 "IsTruncated", "NextKeyMarker", "NextUploadIdMarker")}
             if flags.get("IsTruncated", "false").lower() != "true" or not flags.get("NextKeyMarker"):
                 return out
-            params = {"uploads": "", "prefix": prefix, "key-marker": flags["NextKeyMarker"],
+            params = {"prefix": prefix, "key-marker": flags["NextKeyMarker"],
                       "upload-id-marker": flags.get("NextUploadIdMarker", "")}
 
     def _abort_xml(self, name: str, upload_id: str) -> None:

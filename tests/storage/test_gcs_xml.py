@@ -395,3 +395,19 @@ def test_a_token_that_cannot_be_refreshed_fails_with_the_fix_named(monkeypatch: 
             up.close()
         up.abort()
     assert "run/obj" not in fake.objects and fake.uploads == {}
+
+
+def test_an_answer_that_is_not_xml_is_retried_then_named(gcs: tuple[GCSStorage, FakeGCS]) -> None:
+    store, fake = gcs
+    html = (200, {"Content-Type": "text/html"}, "<html><body>proxy says hi</body>")
+    fake.fail.append({"method": "POST", "match": r"\?uploads$", "answer": html})  # once: retried
+    data = b"w" * (6 * MiB)
+    with store.open_upload("obj") as up:
+        up.write(data)
+    assert fake.objects["run/obj"] == data and store.retries >= 1
+    fake.fail.append({"method": "POST", "match": r"\?uploads$", "answer": html, "count": 50})
+    up = store.open_upload("obj2")
+    with pytest.raises(Exception, match="answer is not XML"):
+        up.write(data)
+        up.close()
+    up.abort()
