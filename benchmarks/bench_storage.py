@@ -140,8 +140,8 @@ def raw_round(ack_port: int, tensors: list[Any], rank: int, conns: int) -> float
     import torch.distributed as dist
 
     mine = [memoryview(t.numpy()).cast("B") for i, t in enumerate(tensors) if i % 2 == rank]
-    lanes = [mine[j::conns] for j in range(conns)]
-    socks = [socket.create_connection(("127.0.0.1", ack_port)) for lane in lanes if lane]
+    lanes = [lane for lane in (mine[j::conns] for j in range(conns)) if lane]
+    socks = [socket.create_connection(("127.0.0.1", ack_port)) for _ in lanes]
     errors: list[BaseException] = []
 
     def lane_main(sock: socket.socket, views: list[memoryview]) -> None:
@@ -153,7 +153,7 @@ def raw_round(ack_port: int, tensors: list[Any], rank: int, conns: int) -> float
     try:
         dist.barrier()
         t0 = time.monotonic()
-        threads = [threading.Thread(target=lane_main, args=(sk, ln)) for sk, ln in zip(socks, [x for x in lanes if x])]
+        threads = [threading.Thread(target=lane_main, args=(sk, ln)) for sk, ln in zip(socks, lanes)]
         for t in threads:
             t.start()
         for t in threads:
@@ -202,11 +202,10 @@ def rank_main(a: argparse.Namespace) -> None:
         from spotguard.storage.objstore import DEFAULT_CONCURRENCY, env_int
 
         conns = env_int("SPOTGUARD_UPLOAD_CONCURRENCY", DEFAULT_CONCURRENCY)
-        # Interleaved rounds in the same processes, so the reference and the uploader see the same
-        # machine: first a warm-up of each, then `rounds` rounds in rotating order.
-        # One storage per configuration for the run, as the hook keeps one per job; each save is the next
-        # step. "spotguard" is the default configuration (SPOTGUARD_UPLOAD_CONCURRENCY connections per
-        # rank, `conns`), "spotguard1" the same uploader with one connection per rank.
+        # Interleaved rounds in the same processes, so the references and the uploader see the same
+        # machine: a warm-up round, then `rounds` rounds in rotating order. One storage per
+        # configuration (the hook keeps one per job), each save the next step: "spotguard" with
+        # `conns` connections per rank (the default), "spotguard1" with one.
         from spotguard.storage import open_storage
         from spotguard.storage.s3 import S3Storage
 

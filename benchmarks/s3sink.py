@@ -8,11 +8,11 @@ keeps only small objects (< 1 MiB, e.g. ``.metadata``, ``COMMIT.json``) in
 memory; larger ones are counted and thrown away (GET returns zeros).
 One thread per connection; bodies are drained with ``recv_into`` one shared
 scratch buffer (releases the GIL), so it costs about as much CPU as the raw-socket
-reference it is compared with (``--raw-port``: a plain TCP discard server;
-``--ack-port``: the same, but each connection announces its length and gets a
-one-byte acknowledgement once every byte arrived, as an upload does).
+reference it is compared with (``--ack-port``: a plain TCP discard server where
+each connection announces its length and gets a one-byte acknowledgement once
+every byte arrived, as an upload does).
 
-    python -m benchmarks.s3sink --port 9000 [--raw-port 9001] [--ack-port 9002]
+    python -m benchmarks.s3sink --port 9000 [--ack-port 9002]
 """
 
 from __future__ import annotations
@@ -277,15 +277,6 @@ class Handler(socketserver.BaseRequestHandler):
             return
 
 
-class RawDiscard(socketserver.BaseRequestHandler):
-    """The reference: a plain TCP stream drained with recv_into, nothing else."""
-
-    def handle(self) -> None:
-        buf = _buf()
-        while self.request.recv_into(buf, CHUNK):
-            pass
-
-
 class AckedDiscard(socketserver.BaseRequestHandler):
     """The fair reference: like an upload, a sender's bytes count once the receiver has them all.
 
@@ -319,12 +310,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=9000)
-    ap.add_argument("--raw-port", type=int, default=0)
     ap.add_argument("--ack-port", type=int, default=0)
     a = ap.parse_args()
-    if a.raw_port:
-        raw = Server((a.host, a.raw_port), RawDiscard)
-        threading.Thread(target=raw.serve_forever, daemon=True).start()
     if a.ack_port:
         acked = Server((a.host, a.ack_port), AckedDiscard)
         threading.Thread(target=acked.serve_forever, daemon=True).start()

@@ -72,11 +72,10 @@ from ..notice import Notice
 from ..protocol import CheckpointDone, CheckpointFailed, CheckpointStarted
 from ..storage import Storage, open_storage
 from ..storage.commit import (
-    AlreadyCommitted,
     CommitRecord,
     commit_and_retain,
     newest_committed,
-    prepare_attempt,
+    prepare_status,
     step_dir,
 )
 from ..timefmt import to_rfc3339, utcnow
@@ -664,15 +663,7 @@ class Hook:
             left = notice.seconds_left()
             scope.enter_context(self._storage.deadline_at(
                 time.monotonic() + left - min(SAVE_MARGIN, max(0.0, left) / 2)))
-            status: Any = ("ok", None)
-            if self._rank == 0:
-                try:
-                    prepare_attempt(self._storage, step)
-                except AlreadyCommitted:
-                    status = ("already", None)
-                except Exception as exc:  # noqa: BLE001
-                    status = ("error", f"{type(exc).__name__}: {exc}")
-            status = self._bcast0(status)
+            status = self._bcast0(prepare_status(self._storage, step) if self._rank == 0 else None)
             if status[0] == "already":
                 return self._finish_ok(notice, step, uri, 0, t0, already=True)
             if status[0] == "error":

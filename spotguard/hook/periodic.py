@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from .. import __version__
-from ..storage.commit import AlreadyCommitted, CommitRecord, commit_and_retain, prepare_attempt, step_dir
+from ..storage.commit import CommitRecord, commit_and_retain, prepare_status, step_dir
 from .dist import destroy_group, make_group, set_group_timeout
 
 if TYPE_CHECKING:
@@ -257,15 +257,7 @@ class PeriodicSaver:
         uri = f"{storage.uri}/{key}"
         stage = "prepare"
         try:
-            status: Any = ("ok", None)
-            if h._rank == 0:
-                try:
-                    prepare_attempt(storage, job.step)
-                except AlreadyCommitted:
-                    status = ("already", None)
-                except Exception as exc:  # noqa: BLE001
-                    status = ("error", f"{type(exc).__name__}: {exc}")
-            status = self._bcast0(status)
+            status = self._bcast0(prepare_status(storage, job.step) if h._rank == 0 else None)
             if status[0] == "already":
                 job.committed = True
                 return

@@ -450,6 +450,21 @@ def apply_retention(storage: Storage, keep: int | None) -> list[str]:
     return deleted
 
 
+def prepare_status(storage: Storage, step: int) -> tuple[str, Any]:
+    """Rank 0's part of starting a save: ``prepare_attempt``; never raises.
+
+    Returns ``("ok", None)``, ``("already", None)`` (the step is committed) or
+    ``("error", message)`` — the value every rank receives before writing.
+    """
+    try:
+        prepare_attempt(storage, step)
+    except AlreadyCommitted:
+        return ("already", None)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank
+        return ("error", f"{type(exc).__name__}: {exc}")
+    return ("ok", None)
+
+
 def commit_and_retain(storage: Storage, step: int, record: CommitRecord, keep: int | None,
                       log: Any) -> tuple[str, Any]:
     """Rank 0's part of a save: commit, then retention; never raises.

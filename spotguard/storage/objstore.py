@@ -109,16 +109,14 @@ def split_bucket_uri(uri: str, scheme: str) -> tuple[str, str]:
 # --- memory -------------------------------------------------------------------
 
 
-class MemReader(io.RawIOBase):
-    """A read-only, seekable file over a memoryview: SDKs that want a stream get one without a copy."""
+class _MemoryFile(io.RawIOBase):
+    """What both memory-backed readers share: read-only, seekable, ``len()`` = ``_size`` bytes."""
 
-    def __init__(self, data: memoryview | bytes | bytearray) -> None:
-        super().__init__()
-        self._mv = memoryview(data).cast("B")
-        self._pos = 0
+    _size = 0
+    _pos = 0
 
     def __len__(self) -> int:
-        return len(self._mv)
+        return self._size
 
     def readable(self) -> bool:
         return True
@@ -129,9 +127,21 @@ class MemReader(io.RawIOBase):
     def tell(self) -> int:
         return self._pos
 
+    def _seek_target(self, offset: int, whence: int) -> int:
+        return {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence] + offset
+
+
+class MemReader(_MemoryFile):
+    """A read-only, seekable file over a memoryview: SDKs that want a stream get one without a copy."""
+
+    def __init__(self, data: memoryview | bytes | bytearray) -> None:
+        super().__init__()
+        self._mv = memoryview(data).cast("B")
+        self._size = len(self._mv)
+        self._pos = 0
+
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._mv)}[whence]
-        self._pos = max(0, base + offset)
+        self._pos = max(0, self._seek_target(offset, whence))
         return self._pos
 
     def readinto(self, b: Any) -> int:
@@ -207,7 +217,7 @@ class Segments:
         return bytes(self)
 
 
-class SegmentReader(io.RawIOBase):
+class SegmentReader(_MemoryFile):
     """A seekable file over ``Segments`` whose ``read`` returns memoryviews of the ranges, not copies.
 
     ``read(n)`` returns up to ``max(n, READ_CHUNK)`` bytes, never across a
@@ -232,21 +242,8 @@ class SegmentReader(io.RawIOBase):
         self._pos = 0
         self._seg = 0
 
-    def __len__(self) -> int:
-        return self._size
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = min(max(0, base + offset), self._size)
+        self._pos = min(max(0, self._seek_target(offset, whence)), self._size)
         self._seg = 0
         while self._seg + 1 < len(self._views) and self._starts[self._seg + 1] <= self._pos:
             self._seg += 1
