@@ -29,6 +29,7 @@ __all__ = [
     "DrillOk",
     "ErrorReply",
     "Subscribe",
+    "pod_identity",
     "Ack",
     "CheckpointStarted",
     "CheckpointDone",
@@ -124,6 +125,28 @@ class Subscribe(Message):
     local_rank: int = 0
     world_size: int = 1
     job: str = ""
+    # Optional (added later, forward compatible: older daemons ignore them): the trainer's
+    # Kubernetes pod, from the downward API, for the daemon's Events (--kubernetes-node-actions).
+    pod: str = ""
+    namespace: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        for key in ("pod", "namespace"):  # outside Kubernetes the line stays exactly v1's
+            if not d[key]:
+                del d[key]
+        return d
+
+
+def pod_identity(env: Optional[Mapping[str, str]] = None) -> tuple[str, str]:
+    """The trainer's pod name and namespace from the downward API env (``SPOTGUARD_POD_NAME`` /
+    ``SPOTGUARD_POD_NAMESPACE``, else ``POD_NAME`` / ``POD_NAMESPACE``); ``("", "")`` outside Kubernetes."""
+    import os
+
+    env = os.environ if env is None else env
+    name = env.get("SPOTGUARD_POD_NAME") or env.get("POD_NAME") or ""
+    namespace = env.get("SPOTGUARD_POD_NAMESPACE") or env.get("POD_NAMESPACE") or ""
+    return name.strip()[:253], namespace.strip()[:63]
 
 
 @dataclass

@@ -42,6 +42,7 @@ from ..protocol import (
     encode,
 )
 from ..timefmt import to_rfc3339, utcnow
+from .actions import ActionError, ActionRunner
 from .book import Entry, NoticeBook
 from .config import ConfigError, DaemonConfig, add_arguments as _add_config_arguments
 from .metrics import Metrics, MetricsServer
@@ -130,6 +131,8 @@ class Daemon:
         self._side_tasks: set[asyncio.Task[Any]] = set()
         self._signals: list[int] = []
         self._shut = False
+        # Cluster actions (webhooks, Kubernetes, ASG lifecycle): off the delivery path, see actions/.
+        self.actions = ActionRunner([], node=self.node, counter=self.metrics.actions)
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -164,6 +167,7 @@ class Daemon:
         except ServerStartError as exc:
             self.server = None
             raise StartupError(str(exc)) from None
+        await self._start_actions()
         # Only now: the socket is ours, so no live daemon is using the state file beside it.
         self._persisted = self.state.load()
         if cfg.metrics_port:
@@ -199,6 +203,7 @@ class Daemon:
             loop = asyncio.get_running_loop()
             for sig in self._signals:
                 loop.remove_signal_handler(sig)
+        await self.actions.close()  # a webhook still in flight gets a bounded moment
         tasks = [*self._watcher_tasks.values(), *self._tasks, *self._side_tasks]
         if self._termination_task is not None and self._termination_task is not asyncio.current_task():
             tasks.append(self._termination_task)
@@ -217,6 +222,15 @@ class Daemon:
         if self.ready.is_set():  # a failed start is reported by main's one error line only
             log.info("daemon.stopped", exit_code=self.exit_code, reason=self.shutting_down or "requested")
         self.stopped.set()
+
+    async def _start_actions(self) -> None:
+        from .actions.registry import build_actions
+
+        try:
+            self.actions.actions = build_actions(self.config)
+            await self.actions.start()
+        except ActionError as exc:
+            raise StartupError(str(exc)) from None
 
     @staticmethod
     async def _close_watcher(w: Watcher) -> None:
@@ -308,6 +322,7 @@ class Daemon:
             log.info("notice.cancelled", notice_id=notice_id, source=event.source, detail=event.detail[:500])
             self.metrics.cancels.labels(event.source).inc()
             self.server.broadcast(CancelMsg(id=notice_id))
+            self.actions.cancelled(notice_id)
             self._save_state()
             self._progress.set()
             return None
@@ -332,6 +347,7 @@ class Daemon:
             log.info("notice.delivered", notice_id=notice.id, subscribers=0,
                      detail="no subscriber yet; replayed to each one that subscribes before it expires")
         self.sd.status(self._sd_status())
+        self.actions.notice(entry)  # after the fan-out was queued: an action never delays it
         if notice.source == "signal" and notice.kind == "termination" and self._termination_task is None:
             self._termination_task = asyncio.create_task(self._terminate(notice), name="spotguard-termination")
         return entry
@@ -442,6 +458,7 @@ class Daemon:
             if self.server.send(client, NoticeMsg(notice=entry.notice), entry.id, None):
                 self.book.queued(entry.id, client.id, live=False)
                 log.info("notice.replayed", notice_id=entry.id, **client.log_fields())
+        self.actions.remember(client)
         self._progress.set()
         self.sd.status(self._sd_status())
 
@@ -471,6 +488,7 @@ class Daemon:
         if self.config.azure_ack_after_checkpoint and self.book.ready_for_approval(entry):
             entry.approved = True
             self._spawn(self._approve(entry))
+        self.actions.progress([entry])
         self._progress.set()
 
     async def _approve(self, entry: Entry) -> None:
@@ -544,6 +562,7 @@ class Daemon:
         self.metrics.disconnects.labels(_disconnect_label(reason)).inc()
         for entry in self.book.client_gone(client.id):
             self._log_delivered(entry)
+        self.actions.progress(self.book.active.values())
         self._progress.set()
         if client.subscribed:
             self.sd.status(self._sd_status())

@@ -34,6 +34,7 @@ from ..protocol import (
     Subscribe,
     decode,
     encode,
+    pod_identity,
 )
 
 __all__ = [
@@ -143,10 +144,13 @@ class Subscription:
     """
 
     def __init__(self, path: Optional[str] = None, *, pid: Optional[int] = None, rank: int = 0,
-                 local_rank: int = 0, world_size: int = 1, job: str = "", timeout: float = 5.0) -> None:
+                 local_rank: int = 0, world_size: int = 1, job: str = "", timeout: float = 5.0,
+                 pod: Optional[str] = None, namespace: Optional[str] = None) -> None:
         self.path = path or default_socket_path()
+        env_pod, env_ns = pod_identity()
         self.subscribe_msg = Subscribe(pid=os.getpid() if pid is None else pid, rank=rank, local_rank=local_rank,
-                                       world_size=world_size, job=job)
+                                       world_size=world_size, job=job, pod=env_pod if pod is None else pod,
+                                       namespace=env_ns if namespace is None else namespace)
         self.timeout = timeout
         self.hello: Optional[Hello] = None
         self.reader: Optional[asyncio.StreamReader] = None

@@ -49,6 +49,13 @@ class DaemonConfig:
     node: str = ""
     ping_interval: float = 10.0
     send_queue: int = 256
+    # Cluster actions (spotguard/daemon/actions), all off by default.
+    webhook_url: Optional[str] = None
+    webhook_headers_file: Optional[str] = None
+    webhook_template: Optional[str] = None
+    slack_webhook_url: Optional[str] = None
+    kubernetes_node_actions: bool = False
+    asg_lifecycle_hook: Optional[str] = None  # "auto" (DescribeLifecycleHooks) or a hook name
 
     # Resolved by ``validate``: numeric gid for ``socket_group``.
     socket_gid: Optional[int] = None
@@ -90,7 +97,8 @@ class DaemonConfig:
                 env_raw = env.get(opt.env)
                 if env_raw is None or not env_raw.strip():
                     continue  # an empty env var (systemd Environment=X=) counts as unset
-                raw, origin = env_raw, f"{opt.env}={env_raw!r}"
+                # A secret (a webhook URL) is never echoed in the error line.
+                raw, origin = env_raw, opt.env if opt.secret else f"{opt.env}={env_raw!r}"
             values[opt.dest] = opt.parse(raw, origin)
         return cls(**values).validate(create_socket_dir=create_socket_dir)
 
@@ -112,12 +120,13 @@ def _resolve_group(name: str) -> int:
 @dataclass(frozen=True)
 class _Opt:
     flag: str
-    kind: str  # str|float|int|flag|choice|url
+    kind: str  # str|float|int|flag|choice|url|endpoint
     help: str
     choices: tuple[str, ...] = ()
     minimum: Optional[float] = None
     maximum: Optional[float] = None
     strictly_positive: bool = False
+    secret: bool = False
 
     @property
     def dest(self) -> str:
@@ -151,6 +160,11 @@ class _Opt:
             if parsed.scheme not in ("http", "https") or not parsed.netloc:
                 raise ConfigError(f"{where}: expected a base URL like http://127.0.0.1:8999")
             return text.rstrip("/")
+        if self.kind == "endpoint":
+            parsed = urlparse(text)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname:
+                raise ConfigError(f"{where}: expected an http(s):// URL")
+            return text
         if self.kind == "str":
             if not text:
                 raise ConfigError(f"{where}: must not be empty")
@@ -195,6 +209,19 @@ _OPTIONS: tuple[_Opt, ...] = (
          maximum=3600),
     _Opt("send-queue", "int", "messages queued per client before a slow client is dropped (default 256)",
          minimum=1, maximum=1000000),
+    # Cluster actions (docs/deploy.md "Cluster actions"): each off unless given.
+    _Opt("webhook-url", "endpoint", "POST a JSON document to this URL once a notice's checkpoint outcome is "
+         "known (its path and query are never logged)", secret=True),
+    _Opt("webhook-headers-file", "str", "file of 'Name: value' lines added to --webhook-url requests "
+         "(e.g. Authorization; values never logged)"),
+    _Opt("webhook-template", "str", "JSON file with $id, $kind, $step, $status, $summary ... placeholders: "
+         "the --webhook-url body instead of the default document"),
+    _Opt("slack-webhook-url", "endpoint", "Slack-compatible incoming webhook ({\"text\": ...}) sent with the "
+         "checkpoint outcome", secret=True),
+    _Opt("kubernetes-node-actions", "flag", "on a cloud preemption/termination notice taint and cordon --node, "
+         "and put an Event on each subscriber's pod after its checkpoint (in-cluster service account)"),
+    _Opt("asg-lifecycle-hook", "str", "on an Auto Scaling Terminated notice, heartbeat this terminating "
+         "lifecycle hook ('auto': discover it) and complete it with CONTINUE once every subscriber committed"),
 )
 
 DEFAULTS = DaemonConfig()
@@ -208,7 +235,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(f"--{opt.flag}", dest=opt.dest, action=argparse.BooleanOptionalAction,
                                 default=None, help=f"{opt.help} [env {opt.env}]")
         else:
-            metavar = {"choice": "{" + ",".join(opt.choices) + "}", "url": "URL", "float": "SECONDS",
+            metavar = {"choice": "{" + ",".join(opt.choices) + "}", "url": "URL", "endpoint": "URL",
+                       "float": "SECONDS",
                        "int": "N"}.get(opt.kind, {"socket": "PATH", "dmi-root": "DIR"}.get(opt.flag,
                                                                                        opt.flag.split("-")[-1].upper()))
             if opt.flag == "metrics-port":

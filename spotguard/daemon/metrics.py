@@ -68,6 +68,8 @@ class Metrics:
                                    ["reason"], registry=r)
         self.watcher_restarts = Counter("spotguard_watcher_restarts", "Watcher loops restarted after a crash",
                                         ["source"], registry=r)
+        self.actions = Counter("spotguard_actions", "Cluster actions (webhook, slack, kubernetes, asg) by phase "
+                               "(notice/outcome) and result (ok/failed)", ["action", "phase", "result"], registry=r)
         self._watchers: list[Any] = []
         r.register(_WatcherCollector(lambda: self._watchers))
 

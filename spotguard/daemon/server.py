@@ -257,6 +257,8 @@ class Client:
         if self.info is not None:
             d.update(pid=self.info.pid, rank=self.info.rank, local_rank=self.info.local_rank,
                      world_size=self.info.world_size, job=self.info.job)
+            if self.info.pod:
+                d.update(pod=self.info.pod, namespace=self.info.namespace)
         d["queued"] = self.queue.qsize()
         return d
 

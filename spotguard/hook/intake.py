@@ -319,9 +319,10 @@ class NoticeIntake:
                 self._log.warning("daemon speaks another protocol version", daemon_version=msg.version,
                                   ours=protocol.VERSION)
             self.hello = msg
+            pod, namespace = protocol.pod_identity()  # downward API: the daemon's Events name this pod
             out += protocol.encode(
                 protocol.Subscribe(pid=os.getpid(), rank=self.rank, local_rank=self.local_rank,
-                                   world_size=self.world_size, job=self.job)
+                                   world_size=self.world_size, job=self.job, pod=pod, namespace=namespace)
             ) + protocol.encode(protocol.StatusRequest())  # its reply marks the end of the replay
             self.connected.set()
             self._log.info("subscribed to spotguard daemon", node=msg.node, cloud=msg.cloud,

@@ -116,7 +116,22 @@ SAMPLES: dict[str, tuple[str, object, list[str], object]] = {
     "node": ("env-node", "env-node", ["--node", "flag-node"], "flag-node"),
     "ping-interval": ("3", 3.0, ["--ping-interval", "4"], 4.0),
     "send-queue": ("32", 32, ["--send-queue", "64"], 64),
+    "webhook-url": ("https://hooks.example/a?token=x", "https://hooks.example/a?token=x",
+                    ["--webhook-url", "http://127.0.0.1:1/"], "http://127.0.0.1:1/"),
+    "webhook-headers-file": ("/etc/h-env", "/etc/h-env", ["--webhook-headers-file", "/etc/h"], "/etc/h"),
+    "webhook-template": ("/etc/t-env", "/etc/t-env", ["--webhook-template", "/etc/t"], "/etc/t"),
+    "slack-webhook-url": ("https://hooks.slack.example/services/T/B/x", "https://hooks.slack.example/services/T/B/x",
+                          ["--slack-webhook-url", "http://127.0.0.1:2"], "http://127.0.0.1:2"),
+    "kubernetes-node-actions": ("yes", True, ["--no-kubernetes-node-actions"], False),
+    "asg-lifecycle-hook": ("auto", "auto", ["--asg-lifecycle-hook", "drain-hook"], "drain-hook"),
 }
+
+
+def test_a_bad_secret_url_from_env_is_not_echoed() -> None:
+    secret = "ftp://hooks.example/services/T0/B0/s3cr3t-t0ken"
+    with pytest.raises(ConfigError) as err:
+        parse([], {"SPOTGUARD_SLACK_WEBHOOK_URL": secret})
+    assert "SPOTGUARD_SLACK_WEBHOOK_URL" in str(err.value) and "s3cr3t" not in str(err.value)
 
 
 def test_samples_cover_every_option() -> None:

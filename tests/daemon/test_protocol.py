@@ -86,3 +86,14 @@ def test_encode_decode_and_limits() -> None:
         decode(b"x" * (MAX_LINE + 1))
     with pytest.raises(ProtocolError):
         encode(Subscribe(job="j" * MAX_LINE))
+
+
+def test_subscribe_pod_fields_are_optional_and_round_trip() -> None:
+    from spotguard.protocol import pod_identity
+
+    line = encode(Subscribe(pid=7, job="j", pod="train-0", namespace="ml"))
+    msg = decode(line)
+    assert isinstance(msg, Subscribe) and (msg.pod, msg.namespace) == ("train-0", "ml")
+    assert decode(b'{"type":"subscribe","pid":1}') == Subscribe(pid=1)  # an older hook: no pod fields
+    assert pod_identity({"SPOTGUARD_POD_NAME": "a", "POD_NAME": "b", "POD_NAMESPACE": "ns"}) == ("a", "ns")
+    assert pod_identity({}) == ("", "")

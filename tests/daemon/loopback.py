@@ -1,0 +1,88 @@
+"""A real HTTP server on 127.0.0.1 for the cluster-action tests: records every request,
+answers with a programmable script (status sequence, delay, hang)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Optional
+
+from aiohttp import web
+
+
+@dataclass
+class Seen:
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+Handler = Callable[[web.Request, Seen], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class LoopbackServer:
+    """``statuses``: answers in order (the last one repeats); ``delay``: seconds before answering;
+    ``hang``: never answer (until the server stops); ``handler``: full control instead."""
+
+    statuses: list[int] = field(default_factory=lambda: [200])
+    delay: float = 0.0
+    hang: bool = False
+    handler: Optional[Handler] = None
+    requests: list[Seen] = field(default_factory=list)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    _runner: Optional[web.AppRunner] = None
+    _release: asyncio.Event = field(default_factory=asyncio.Event)
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        seen = Seen(request.method, request.path, request.query_string, dict(request.headers), await request.read())
+        self.requests.append(seen)
+        self.arrived.set()
+        if self.hang:
+            await self._release.wait()
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.handler is not None:
+            return await self.handler(request, seen)
+        status = self.statuses[min(len(self.requests) - 1, len(self.statuses) - 1)]
+        return web.json_response({"ok": status < 300}, status=status)
+
+    async def wait_requests(self, n: int, timeout: float = 10.0) -> list[Seen]:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while len(self.requests) < n:
+            self.arrived.clear()
+            left = end - loop.time()
+            if left <= 0:
+                raise AssertionError(f"expected {n} requests, got {len(self.requests)}")
+            try:
+                await asyncio.wait_for(self.arrived.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        return self.requests
+
+    async def __aenter__(self) -> "LoopbackServer":
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self._release.set()
+        assert self._runner is not None
+        await self._runner.cleanup()
