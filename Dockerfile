@@ -19,9 +19,11 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY spotguard ./spotguard
 # Install step (replayed by the tests): the package with its runtime
-# dependencies and nothing else; fail the build if torch slipped in.
+# dependencies and the cluster actions' clients (kubernetes_asyncio for
+# --kubernetes-node-actions, boto3 for --asg-lifecycle-hook), nothing else;
+# fail the build if torch slipped in.
 RUN python -m venv /opt/spotguard \
-    && /opt/spotguard/bin/pip install --no-cache-dir /src \
+    && /opt/spotguard/bin/pip install --no-cache-dir "/src[kubernetes,aws]" \
     && /opt/spotguard/bin/spotguard daemon --help > /dev/null \
     && if /opt/spotguard/bin/python -c "import torch" 2>/dev/null; then echo "torch must not be in the daemon image" >&2; exit 1; fi \
     && /opt/spotguard/bin/python -m compileall -q /opt/spotguard

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional
 
@@ -24,6 +25,18 @@ class Seen:
 
 
 Handler = Callable[[web.Request, Seen], Awaitable[web.StreamResponse]]
+
+
+async def serve(handle: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                ssl_context: Optional[ssl.SSLContext] = None) -> tuple[web.AppRunner, int]:
+    """Every path and method to ``handle``, on 127.0.0.1 and a free port."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
 
 @dataclass
@@ -73,13 +86,7 @@ class LoopbackServer:
         return self.requests
 
     async def __aenter__(self) -> "LoopbackServer":
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner, self.port = await serve(self._handle)
         return self
 
     async def __aexit__(self, *exc: Any) -> None:

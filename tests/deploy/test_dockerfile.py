@@ -140,7 +140,7 @@ def test_install_step_in_clean_venv(tmp_path: Path) -> None:
             shutil.copy2(p, src / item)
     venv = tmp_path / "opt-spotguard"
     base_python = getattr(sys, "_base_executable", None) or sys.executable
-    cmd = cmd.replace("/opt/spotguard", str(venv)).replace(" /src", f" {src}")
+    cmd = re.sub(r'(?<=[\s"\'])/src\b', str(src), cmd.replace("/opt/spotguard", str(venv)))
     cmd = re.sub(r"^python ", shlex.quote(base_python) + " ", cmd)
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, f"install step failed:\n{cmd}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
