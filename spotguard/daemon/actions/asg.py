@@ -1,0 +1,206 @@
+"""AWS Auto Scaling lifecycle hook: hold ``Terminating:Wait`` until the checkpoint is safe.
+
+The twin of the Azure approval (``--azure-ack-after-checkpoint``). When a
+terminating lifecycle hook holds an instance, IMDS's ``target-lifecycle-state``
+reads ``Terminated`` and the AWS watcher yields a ``termination`` notice. Then:
+
+* at the notice: ``DescribeAutoScalingInstances`` (instance id and region from the
+  identity document) gives the group; the hook is the one named by
+  ``--asg-lifecycle-hook`` or, with ``auto``, every ``autoscaling:EC2_INSTANCE_TERMINATING``
+  hook of the group (``DescribeLifecycleHooks``); ``RecordLifecycleActionHeartbeat``
+  now and every third of the hook's ``HeartbeatTimeout`` while the checkpoint runs;
+* at the outcome: every subscriber committed (or none was subscribed) →
+  ``CompleteLifecycleAction`` with ``CONTINUE``, and the instance terminates now
+  instead of at the timeout. A failed or missing checkpoint completes nothing: the
+  heartbeats stop and the hook's own timeout applies its ``DefaultResult``, as the
+  Azure event is left to start at its ``NotBefore``.
+
+boto3 is synchronous: every call runs in the action's own threads, never on the event loop.
+The endpoint honours ``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_AUTO_SCALING`` (boto3 itself).
+IAM: ``autoscaling:DescribeAutoScalingInstances``, ``autoscaling:DescribeLifecycleHooks``,
+``autoscaling:RecordLifecycleActionHeartbeat``, ``autoscaling:CompleteLifecycleAction``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ...logs import get_logger
+from ...notice import Notice
+from ..book import Entry
+from . import Action, ActionError, Outcome
+
+__all__ = ["AsgLifecycleAction", "is_asg_notice"]
+
+log = get_logger("spotguard.actions.asg")
+
+TERMINATING = "autoscaling:EC2_INSTANCE_TERMINATING"
+IAM_FIX = ("allow autoscaling:DescribeAutoScalingInstances, DescribeLifecycleHooks, RecordLifecycleActionHeartbeat "
+           "and CompleteLifecycleAction in the instance profile (docs/deploy.md)")
+
+
+def is_asg_notice(notice: Notice) -> bool:
+    """The AWS watcher's notice for ``target-lifecycle-state`` = ``Terminated``."""
+    return (notice.source == "aws" and notice.kind == "termination"
+            and (notice.key.startswith("asg|") or notice.detail.startswith("target-lifecycle-state=")))
+
+
+@dataclass
+class _Target:
+    instance_id: str
+    group: str
+    hooks: list[tuple[str, int]]  # (name, HeartbeatTimeout seconds)
+
+
+class AsgLifecycleAction(Action):
+    name = "asg"
+
+    def __init__(self, hook_name: Optional[str] = None, *, heartbeat_cap: float = 300.0) -> None:
+        self.hook_name = hook_name
+        self.heartbeat_cap = heartbeat_cap
+        self._boto3: Any = None
+        self._config: Any = None
+        self._client: Any = None
+        self._targets: dict[str, asyncio.Future[Optional[_Target]]] = {}
+        self._heartbeats: dict[str, asyncio.Task[None]] = {}
+        # Its own threads: a hung AWS call never holds up the loop's default executor at daemon exit.
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="spotguard-asg")
+
+    async def _run(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kw))
+
+    def wants(self, notice: Notice) -> bool:
+        return is_asg_notice(notice)
+
+    async def start(self) -> None:
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise ActionError("--asg-lifecycle-hook needs boto3: pip install 'spotguard[aws]' (the spotguard image "
+                              "has it)") from None
+        self._boto3 = boto3
+        self._config = Config(connect_timeout=3, read_timeout=5, retries={"mode": "standard", "max_attempts": 3})
+
+    def _autoscaling(self, region: Optional[str]) -> Any:
+        if self._client is None:
+            region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+            self._client = self._boto3.client("autoscaling", region_name=region, config=self._config)
+        return self._client
+
+    # --- the notice ------------------------------------------------------------------
+
+    async def on_notice(self, entry: Entry, node: str) -> Optional[bool]:
+        notice = entry.notice
+        fut: asyncio.Future[Optional[_Target]] = asyncio.get_running_loop().create_future()
+        self._targets[notice.id] = fut
+        identity = getattr(entry.watcher, "identity", None) or {}
+        instance_id = identity.get("instanceId") or (node if node.startswith("i-") else "")
+        if not instance_id:
+            log.error("asg.no_instance_id", notice_id=notice.id,
+                      fix="the AWS watcher could not read the identity document; check IMDS access")
+            fut.set_result(None)
+            return False
+        try:
+            target = await self._run(self._resolve, instance_id, identity.get("region"))
+        except Exception as exc:
+            target = None
+            self._log_error("asg.resolve_failed", notice.id, exc)
+        fut.set_result(target)
+        if target is None:
+            return False
+        log.info("asg.holding", notice_id=notice.id, instance_id=target.instance_id, group=target.group,
+                 hooks=[h for h, _ in target.hooks])
+        first = asyncio.get_running_loop().create_future()
+        self._heartbeats[notice.id] = asyncio.create_task(self._heartbeat(notice, target, first))
+        return await first
+
+    def _resolve(self, instance_id: str, region: Optional[str]) -> Optional[_Target]:
+        asg = self._autoscaling(region)
+        found = asg.describe_auto_scaling_instances(InstanceIds=[instance_id]).get("AutoScalingInstances", [])
+        if not found:
+            log.error("asg.not_in_group", instance_id=instance_id,
+                      detail="DescribeAutoScalingInstances does not list this instance")
+            return None
+        group = found[0]["AutoScalingGroupName"]
+        kw: dict[str, Any] = {"AutoScalingGroupName": group}
+        if self.hook_name:
+            kw["LifecycleHookNames"] = [self.hook_name]
+        hooks = [(h["LifecycleHookName"], int(h.get("HeartbeatTimeout") or 3600))
+                 for h in asg.describe_lifecycle_hooks(**kw).get("LifecycleHooks", [])
+                 if h.get("LifecycleTransition") == TERMINATING]
+        if not hooks:
+            log.error("asg.no_hook", group=group, hook=self.hook_name or "auto",
+                      fix=f"create a terminating lifecycle hook on {group} (aws autoscaling put-lifecycle-hook "
+                          f"--lifecycle-transition {TERMINATING} ...) or fix --asg-lifecycle-hook")
+            return None
+        return _Target(instance_id, group, hooks)
+
+    async def _heartbeat(self, notice: Notice, target: _Target, first: asyncio.Future[bool]) -> None:
+        interval = max(1.0, min(self.heartbeat_cap, min(t for _, t in target.hooks) / 3))
+        while True:
+            ok = True
+            for hook, _ in target.hooks:
+                try:
+                    await self._run(self._autoscaling(None).record_lifecycle_action_heartbeat,
+                                            LifecycleHookName=hook, AutoScalingGroupName=target.group,
+                                            InstanceId=target.instance_id)
+                    log.info("asg.heartbeat", notice_id=notice.id, hook=hook, group=target.group)
+                except Exception as exc:
+                    ok = False
+                    self._log_error("asg.heartbeat_failed", notice.id, exc)
+            if not first.done():
+                first.set_result(ok)
+            await asyncio.sleep(interval)
+
+    def _stop_heartbeat(self, notice_id: str) -> None:
+        task = self._heartbeats.pop(notice_id, None)
+        if task is not None:
+            task.cancel()
+
+    def cancelled(self, notice_id: str) -> None:
+        self._stop_heartbeat(notice_id)
+
+    # --- the outcome -----------------------------------------------------------------
+
+    async def on_outcome(self, outcome: Outcome) -> Optional[bool]:
+        notice = outcome.notice
+        fut = self._targets.pop(notice.id, None)
+        target = await fut if fut is not None else None
+        self._stop_heartbeat(notice.id)
+        if target is None:
+            return None if fut is None else False
+        if outcome.status not in ("committed", "no_subscribers"):
+            log.warning("asg.not_completing", notice_id=notice.id, status=outcome.status, group=target.group,
+                        detail="the checkpoint is not safe: heartbeats stop and the hook's timeout applies its "
+                               "DefaultResult")
+            return None
+        ok = True
+        for hook, _ in target.hooks:
+            try:
+                await self._run(self._autoscaling(None).complete_lifecycle_action,
+                                        LifecycleHookName=hook, AutoScalingGroupName=target.group,
+                                        InstanceId=target.instance_id, LifecycleActionResult="CONTINUE")
+                log.info("asg.completed", notice_id=notice.id, hook=hook, group=target.group, result="CONTINUE",
+                         status=outcome.status)
+            except Exception as exc:
+                ok = False
+                self._log_error("asg.complete_failed", notice.id, exc)
+        return ok
+
+    @staticmethod
+    def _log_error(event: str, notice_id: str, exc: Exception) -> None:
+        code = getattr(exc, "response", {}).get("Error", {}).get("Code", "") if hasattr(exc, "response") else ""
+        fix = IAM_FIX if code in ("AccessDenied", "AccessDeniedException", "UnauthorizedOperation") else None
+        log.error(event, notice_id=notice_id, error=f"{type(exc).__name__}: {str(exc)[:300]}", code=code or None,
+                  fix=fix)
+
+    async def close(self) -> None:
+        for notice_id in list(self._heartbeats):
+            self._stop_heartbeat(notice_id)
+        self._pool.shutdown(wait=False, cancel_futures=True)
