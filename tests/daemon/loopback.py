@@ -93,3 +93,20 @@ class LoopbackServer:
         self._release.set()
         assert self._runner is not None
         await self._runner.cleanup()
+
+
+async def assert_notices_prompt(push: Callable[[Any], Awaitable[None]], sub: Any, make: Callable[[str], Any],
+                                prefix: str, n: int = 3, bound: float = 1.0) -> list[float]:
+    """While an action's server hangs: ``n`` more notices each reach the subscriber within ``bound``
+    seconds of the watcher yielding them (the usual sub-millisecond fan-out, with room for a loaded box)."""
+    import time
+
+    lat = []
+    for i in range(n):
+        nid = f"{prefix}{i + 1}"
+        t0 = time.monotonic()
+        await push(make(nid))
+        assert (await sub.next_notice(timeout=5)).id == nid
+        lat.append(time.monotonic() - t0)
+    assert max(lat) < bound, lat
+    return lat
