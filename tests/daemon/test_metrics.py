@@ -85,4 +85,12 @@ async def test_metrics_port_in_use_is_startup_error(sock_path: str) -> None:
 def test_own_registry() -> None:
     a, b = Metrics(), Metrics()  # no "Duplicated timeseries" from a global registry
     a.notices.labels("aws", "preemption").inc()
-    assert b"spotguard_notices_total{" not in b.render()
+    assert b'spotguard_notices_total{kind="preemption",source="aws"} 0.0' in b.render()
+
+
+def test_notice_series_start_at_zero() -> None:
+    """Every source x kind is exported before its first notice, so that Prometheus' increase()
+    counts the first one (deploy/prometheus/spotguard-alerts.yaml relies on it)."""
+    text = Metrics().render().decode()
+    assert text.count("spotguard_notices_total{") == 20
+    assert 'spotguard_notices_total{kind="termination",source="gcp"} 0.0' in text

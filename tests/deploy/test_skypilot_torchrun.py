@@ -254,3 +254,65 @@ def test_recipe_end_to_end_two_nodes(short_tmp: Path) -> None:
         assert "world=2 sum=3" in out, out[-3000:]
         assert f"socket={short_tmp}/{name}/spotguard.sock" in out, "each node's trainer talks to its own daemon"
         assert daemon_gone(short_tmp / name / "spotguard.sock")
+
+
+# ---------------------------------------------------------------- SkyPilot: the real package
+
+SKYPILOT_PY = REPO / ".tools" / "skypilot" / "bin" / "python"
+LOAD_WITH_SKY = """
+import json, sys
+import sky
+from sky.utils import schemas
+task = sky.Task.from_yaml(sys.argv[1])
+(res,) = list(task.resources)
+jr_schema = schemas._get_single_resources_schema()["properties"]["job_recovery"]["anyOf"]
+known = sorted(next(s for s in jr_schema if s.get("type") == "object")["properties"])
+print(json.dumps({"version": sky.__version__, "job_recovery": res.job_recovery, "known": known,
+                  "use_spot": res.use_spot, "num_nodes": task.num_nodes, "name": task.name}))
+"""
+
+
+def skypilot_version() -> str:
+    m = re.search(r"^SKYPILOT_VERSION := (\S+)$", (REPO / "Makefile").read_text(), re.M)
+    assert m, "Makefile pins SKYPILOT_VERSION"
+    return m.group(1)
+
+
+def test_skypilot_task_loads_with_the_real_package() -> None:
+    """`sky.Task.from_yaml` (the pinned skypilot, its own venv from `make skypilot-tools`) accepts the
+    task, and every job_recovery field is one the package's schema knows (its client side lets unknown
+    ones through to the server, so a misspelt field would pass from_yaml alone)."""
+    if not SKYPILOT_PY.exists():
+        log = REPO / ".tools" / "skypilot-install.log"
+        why = log.read_text()[-800:] if log.exists() else "`make skypilot-tools` has not run"
+        pytest.skip(f"skypilot=={skypilot_version()} is not installed in .tools/skypilot: {why}")
+    proc = run([str(SKYPILOT_PY), "-c", LOAD_WITH_SKY, str(SKY)], timeout=120)
+    got = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
+    assert got["version"] == skypilot_version()
+    jr = got["job_recovery"]
+    assert set(jr) <= set(got["known"]), f"fields SkyPilot does not know: {set(jr) - set(got['known'])}"
+    assert jr["recover_on_exit_codes"] == [143] and jr["max_restarts_on_errors"] >= 1
+    assert got["use_spot"] is True and got["num_nodes"] == sky()["num_nodes"]
+
+
+STUB_PREEMPTED_TORCHRUN = """#!/usr/bin/env bash
+# The trainers got a spot notice, committed their checkpoint and exited: torchrun reports 1.
+spotguard drill --socket "${SPOTGUARD_SOCKET}" --kind "${NOTICE_KIND}" --deadline-in 60 > /dev/null
+exit 1
+"""
+
+
+@pytest.mark.parametrize("kind, code", [("preemption", 143), ("termination", 143), ("rebalance", 1), ("", 1)])
+def test_skypilot_run_exits_143_only_after_a_spot_notice(short_tmp: Path, kind: str, code: int) -> None:
+    """143 is in job_recovery.recover_on_exit_codes: a recovery, not one of max_restarts_on_errors."""
+    task = sky()
+    env = stub_env(short_tmp)
+    stub = short_tmp / "bin" / "torchrun"
+    stub.write_text(STUB_PREEMPTED_TORCHRUN if kind else "#!/usr/bin/env bash\nexit 1\n")
+    env.update({k: str(v) for k, v in task["envs"].items()})
+    env.update(SPOTGUARD_CLOUD="none", SKYPILOT_NODE_IPS="10.1.2.3", SKYPILOT_NUM_NODES="1",
+               SKYPILOT_NUM_GPUS_PER_NODE="1", NOTICE_KIND=kind)
+    proc = run_script(["bash", "-c", task["run"]], env, short_tmp)
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert code in task["resources"]["job_recovery"]["recover_on_exit_codes"] or code == 1
+    assert daemon_gone(short_tmp / ".spotguard" / "spotguard.sock")

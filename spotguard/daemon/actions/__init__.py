@@ -187,6 +187,10 @@ class ActionRunner:
         for a in self.actions:
             await a.start()
             log.info("action.enabled", action=a.name)
+            if self._counter is not None:  # exported at 0, so increase() sees the first failure
+                for phase in ("notice", "outcome"):
+                    for result in ("ok", "failed"):
+                        self._counter.labels(a.name, phase, result)
 
     # --- hooks called by the daemon (synchronous, never wait) ------------------
 
