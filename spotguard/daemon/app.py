@@ -203,7 +203,6 @@ class Daemon:
             loop = asyncio.get_running_loop()
             for sig in self._signals:
                 loop.remove_signal_handler(sig)
-        await self.actions.close()  # a webhook still in flight gets a bounded moment
         tasks = [*self._watcher_tasks.values(), *self._tasks, *self._side_tasks]
         if self._termination_task is not None and self._termination_task is not asyncio.current_task():
             tasks.append(self._termination_task)
@@ -211,6 +210,7 @@ class Daemon:
             t.cancel()
         if self.server is not None:
             await self.server.close()
+        await self.actions.close()  # a webhook still in flight gets a bounded moment (actions.DRAIN_SECONDS)
         if tasks:
             await asyncio.wait(tasks, timeout=2.0)
         closes = [asyncio.ensure_future(self._close_watcher(w)) for w in self.watchers]
@@ -606,6 +606,7 @@ class Daemon:
             "last_notice": None if last is None else last.to_wire(),
             "notices_total": self.book.total,
             "azure_ack_after_checkpoint": self.config.azure_ack_after_checkpoint,
+            "actions": [a.name for a in self.actions.actions],
             "shutting_down": self.shutting_down,
         }
 

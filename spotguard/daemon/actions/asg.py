@@ -24,9 +24,8 @@ IAM: ``autoscaling:DescribeAutoScalingInstances``, ``autoscaling:DescribeLifecyc
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -68,11 +67,30 @@ class AsgLifecycleAction(Action):
         self._client: Any = None
         self._targets: dict[str, asyncio.Future[Optional[_Target]]] = {}
         self._heartbeats: dict[str, asyncio.Task[None]] = {}
-        # Its own threads: a hung AWS call never holds up the loop's default executor at daemon exit.
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="spotguard-asg")
 
-    async def _run(self, fn: Any, *args: Any, **kw: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kw))
+    @staticmethod
+    async def _run(fn: Any, *args: Any, **kw: Any) -> Any:
+        """``fn`` in a daemon thread of its own: a hung AWS call can hold neither the loop nor the
+        daemon's exit (an executor's threads are joined at interpreter exit; these are not)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def settle(ok: bool, value: Any) -> None:
+            if not fut.done():
+                fut.set_result(value) if ok else fut.set_exception(value)
+
+        def work() -> None:
+            try:
+                result, ok = fn(*args, **kw), True
+            except BaseException as exc:  # handed to the awaiting task
+                result, ok = exc, False
+            try:
+                loop.call_soon_threadsafe(settle, ok, result)
+            except RuntimeError:  # the loop is gone: the daemon stopped meanwhile
+                pass
+
+        threading.Thread(target=work, name="spotguard-asg", daemon=True).start()
+        return await fut
 
     def wants(self, notice: Notice) -> bool:
         return is_asg_notice(notice)
@@ -203,4 +221,3 @@ class AsgLifecycleAction(Action):
     async def close(self) -> None:
         for notice_id in list(self._heartbeats):
             self._stop_heartbeat(notice_id)
-        self._pool.shutdown(wait=False, cancel_futures=True)
