@@ -208,6 +208,8 @@ class ActionRunner:
         wanted = [a for a in self.actions if a.wants(entry.notice)]
         if not wanted or entry.id in self._tracked:
             return
+        for nid in [n for n, t in self._tracked.items() if t.done and t.entry.notice.seconds_left() < -3600]:
+            del self._tracked[nid]  # a long-lived daemon keeps only recent notices
         tracked = _Tracked(entry, self._node())
         self._tracked[entry.id] = tracked
         for a in wanted:

@@ -167,8 +167,9 @@ class WebhookAction(Action):
         self._secrets = [s for s in (url, parts.path, parts.query, *self.headers.values()) if len(s) > 3]
 
     async def start(self) -> None:
-        # trust_env=False: a proxy must be chosen knowingly; the daemon's other sessions are proxy-free too.
-        self._session = aiohttp.ClientSession(trust_env=False)
+        # trust_env: an outbound webhook may need HTTPS_PROXY (NO_PROXY honoured); the metadata
+        # watchers keep their own proxy-free sessions.
+        self._session = aiohttp.ClientSession(trust_env=True)
 
     def payload(self, outcome: Outcome) -> Any:
         if self.slack:
