@@ -233,3 +233,22 @@ def test_render_and_redact() -> None:
     assert redact_url("https://hooks.slack.com/services/T/B/secret?x=1") == "https://hooks.slack.com"
     assert redact_url("http://user:pw@127.0.0.1:8080/p") == "http://127.0.0.1:8080"
     assert os.environ.get("SPOTGUARD_WEBHOOK_URL") is None
+
+
+async def test_no_subscriber_is_an_outcome_at_once_and_a_cancel_sends_nothing(sock_path: str) -> None:
+    from spotguard.notice import Cancel
+
+    async with LoopbackServer() as hook:
+        w = FakeWatcher("aws")
+        async with running_daemon(sock_path, [w], webhook_url=hook.url):
+            await w.push(make_notice("aws-alone"))
+            (req,) = await hook.wait_requests(1)
+            assert req.json()["outcome"]["status"] == "no_subscribers"
+            assert "no trainer subscribed on this node" in req.json()["summary"]
+            a = await Subscription(sock_path).open()
+            await w.push(make_notice("aws-sched", kind="termination", in_seconds=2.5))
+            await a.next_notice(timeout=5)
+            await w.push(Cancel(id="aws-sched", source="aws"))  # withdrawn before any report
+            await asyncio.sleep(2.5)  # past the outcome's deadline timer: it was cancelled too
+            assert len(hook.requests) == 1
+            await a.close()
