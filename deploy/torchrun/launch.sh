@@ -21,6 +21,9 @@ NNODES_MIN="${NNODES_MIN:-1}"
 NNODES_MAX="${NNODES_MAX:-4}"
 NPROC_PER_NODE="${NPROC_PER_NODE:-gpu}"
 MAX_RESTARTS="${MAX_RESTARTS:-100}"
+# Extra rendezvous settings, e.g. RDZV_CONF=last_call_timeout=10 (how long a round that has
+# NNODES_MIN nodes waits for more before it starts; torchrun's default is 30 s).
+RDZV_CONF="${RDZV_CONF:-}"
 export SPOTGUARD_STORAGE
 export SPOTGUARD_SOCKET="${SPOTGUARD_SOCKET:-/run/spotguard/spotguard.sock}"
 
@@ -54,5 +57,5 @@ torchrun \
   --rdzv-backend=c10d \
   --rdzv-endpoint="${RDZV_HOST}:${RDZV_PORT}" \
   --rdzv-id="${RDZV_ID}" \
-  --rdzv-conf=is_host=false \
+  --rdzv-conf="is_host=false${RDZV_CONF:+,${RDZV_CONF}}" \
   "$@"

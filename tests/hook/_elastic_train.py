@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import json
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,7 @@ def main() -> int:
     p.add_argument("--pass", dest="pass_", choices=("sampler", "loader"), default="loader")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--fsdp", action="store_true")
+    p.add_argument("--step-time", type=float, default=0.0, help="extra sleep per step (simulated work)")
     args = p.parse_args()
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -131,6 +133,8 @@ def main() -> int:
                 print(json.dumps({"step": step, "loss": loss.item(), "lr": opt.param_groups[0]["lr"],
                                   "last_epoch": sched.last_epoch}), flush=True)
             step += 1
+            if args.step_time > 0:
+                time.sleep(args.step_time)
             if step >= args.steps:
                 break
 
