@@ -69,6 +69,63 @@ def make_references(tmp: Path, steps: int, worlds: tuple[int, ...]) -> dict[str,
 
 def check_epochs(records: Path, references: dict[str, Any], steps: int) -> None:
     """Every step's global batch is the uninterrupted run's; each sample exactly once per epoch."""
+    seen = ids_by_step(records)
+    assert sorted(seen) == list(range(steps))
+    for s, ids in seen.items():
+        assert sorted(ids) == references["ids"][s], s
+    for epoch in range(steps // PER_EPOCH):
+        got = Counter(i for s in range(epoch * PER_EPOCH, (epoch + 1) * PER_EPOCH) for i in seen[s])
+        assert got == Counter(range(SAMPLES)), f"epoch {epoch}: repeated or skipped samples"
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return make_references(tmp_path_factory.mktemp("elastic-ref"), STEPS, (1, 2, 4))
+
+
+@pytest.mark.parametrize("passed,workers,wrap,chain", [
+    # (what the hook is given, DataLoader workers, model wrapper, [(ranks, step during which rank 0 is preempted)])
+    ("loader", 1, "ddp", [(2, 4), (1, 9), (4, None)]),  # the issue's 2 -> 1 -> 4; a prefetching worker
+    ("sampler", 0, "ddp", [(1, 3), (2, 8), (4, None)]),  # DDP 1 -> 2 and 2 -> 4
+    ("loader", 0, "fsdp", [(2, 3), (1, 7), (2, 12), (4, None)]),  # FSDP2 (fully_shard) 2 -> 1, 1 -> 2, 2 -> 4
+], ids=["ddp-2-1-4-loader", "ddp-1-2-4-sampler", "fsdp2-2-1-2-4"])
+def test_elastic_resume_chain(references: dict[str, Any], tmp_path: Path, passed: str, workers: int, wrap: str,
+                              chain: list[tuple[int, Any]]) -> None:
+    store, records = tmp_path / "store", tmp_path / "ids"
+    common = ["--storage", str(store), "--pass", passed, "--workers", str(workers)]
+    if wrap == "fsdp":
+        common.append("--fsdp")
+    expect_start, prev, tally = 0, 0, {}
+    for i, (nproc, stop) in enumerate(chain):
+        extra = ["--stop-at", str(stop)] if stop is not None else ["--out", str(tmp_path / "final.pt")]
+        run = run_job(tmp_path, f"leg{i}", nproc, common + extra, records)
+        assert run.proc.returncode == (1 if stop is not None else 0), run.tail()
+        resumes = [e for e in run.lines() if "resume" in e]
+        assert sorted(e["rank"] for e in resumes) == list(range(nproc)), run.tail()
+        for e in resumes:
+            assert e["resume"] == expect_start, resumes
+            if expect_start:  # scheduler state equals the uninterrupted run's after step expect_start - 1
+                ref = references["steps"][expect_start - 1]
+                assert (e["last_epoch"], e["lr"]) == (ref["last_epoch"], ref["lr"]), (e, ref)
+                assert e["sampler"]["consumed"] == (expect_start % PER_EPOCH) * GLOBAL_BATCH
+        if expect_start:
+            elastic = {e["rank"]: e for e in run.events("elastic_resume")}
+            assert sorted(elastic) == list(range(nproc)), run.tail()
+            assert all(set(e["global"]) == {"scheduler", "data"} for e in elastic.values())
+            assert all(e["old_world_size"] == prev for e in elastic.values())
+            # per-rank state (declared with scope=): ranks that existed keep their own, new ranks start fresh
+            assert [elastic[r]["per_rank_own" if r < prev else "per_rank_fresh"] for r in range(nproc)] == \
+                [["tally"]] * nproc
+            assert {e["rank"]: e["tally"] for e in resumes} == {r: tally[r] if r < prev else 0
+                                                                 for r in range(nproc)}
+            assert [elastic[r]["rng"] for r in range(nproc)] == ["own" if r < prev else "derived"
+                                                                 for r in range(nproc)]
+            probes = [e["rng"] for e in sorted(resumes, key=lambda e: e["rank"])]
+            assert len(set(probes)) == nproc, probes  # no rank got a copy of another's stream
+        prev = nproc
+        if stop is not None:  # steps each rank's own lineage trained, as its checkpointed per-rank state says
+            tally = {e["rank"]: e["tally"] + stop + 1 - expect_start for e in resumes}
+            expect_start = stop + 1
     check_epochs(records, references, STEPS)
     final = torch.load(tmp_path / "final.pt", weights_only=True)
     ref4 = references["out"][4]
