@@ -25,6 +25,11 @@ MAX_RESTARTS="${MAX_RESTARTS:-100}"
 # NNODES_MIN nodes waits for more before it starts; torchrun's default is 30 s).
 RDZV_CONF="${RDZV_CONF:-}"
 export SPOTGUARD_STORAGE
+# torch 2.13's c10d rendezvous shares its TCPStore and caches the bootstrap info of the
+# first round: when a node joins a running job and the old rank-0 agent stays rank 0, that
+# agent never publishes MASTER_ADDR for the new round and the joining node waits for it
+# until it times out (tests/hook/test_elastic_recipe.py). Not sharing the store avoids it.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 export SPOTGUARD_SOCKET="${SPOTGUARD_SOCKET:-/run/spotguard/spotguard.sock}"
 
 if [ "$#" -lt 1 ]; then

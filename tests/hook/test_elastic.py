@@ -107,7 +107,7 @@ def test_elastic_resume_chain(references: dict[str, Any], tmp_path: Path, passed
             if expect_start:  # scheduler state equals the uninterrupted run's after step expect_start - 1
                 ref = references["steps"][expect_start - 1]
                 assert (e["last_epoch"], e["lr"]) == (ref["last_epoch"], ref["lr"]), (e, ref)
-                assert e["sampler"]["consumed"] == (expect_start % PER_EPOCH) * GLOBAL_BATCH
+                assert e["sampler"]["consumed"] == ((expect_start - 1) % PER_EPOCH + 1) * GLOBAL_BATCH
         if expect_start:
             elastic = {e["rank"]: e for e in run.events("elastic_resume")}
             assert sorted(elastic) == list(range(nproc)), run.tail()
