@@ -98,7 +98,7 @@ def test_elastic_recipe_two_nodes_one_preempted_then_back(references: dict[str, 
                 NNODES_MIN="1", NNODES_MAX="2", NPROC_PER_NODE="1", MAX_RESTARTS="3",
                 RDZV_CONF="last_call_timeout=3", RDZV_ID="elastic-test", SPOTGUARD_CLOUD="none",
                 SPOTGUARD_STORAGE=f"file://{short_tmp}/ckpt")
-    args = ["--steps", str(STEPS), "--records", str(records), "--step-time", "0.3", "--out", str(out)]
+    args = ["--steps", str(STEPS), "--records", str(records), "--step-time", "0.5", "--out", str(out)]
     store = subprocess.Popen([str(STORE)], env=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     nodes: list[Node] = []
     try:
