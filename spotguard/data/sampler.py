@@ -57,7 +57,7 @@ def _world() -> tuple[int, int]:
 
 
 def _deal(rest: list[int], world: int, drop_last: bool) -> list[int]:
-    """``DistributedSampler``'s even split, applied to what is left of the epoch: pad or cut to a multiple of ``world``."""
+    """``DistributedSampler``'s even split of what is left of the epoch: pad or cut to a multiple of ``world``."""
     n = len(rest)
     if drop_last:
         return rest[: (n // world) * world]
