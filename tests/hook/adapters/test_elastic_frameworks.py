@@ -1,4 +1,4 @@
-"""Frameworks on another world size (2 -> 1 and 1 -> 2 ranks): the committed checkpoint resumes at its step and
+"""Lightning, HF Trainer and Accelerate on another world size (2 -> 1 and 1 -> 2 ranks): the committed checkpoint resumes at its step and
 the run finishes its steps; Lightning's per-rank RNG follows the elastic rule (own, or derived for a new rank).
 See docs/frameworks.md, "Elastic resume"."""
 
@@ -60,3 +60,10 @@ def test_lightning_resumes_on_another_world_size(tmp_path: Path, before: int, af
 @pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
 def test_hf_trainer_resumes_on_another_world_size(tmp_path: Path, before: int, after: int) -> None:
     preempt_then_resume("hf_trainer_train.py", tmp_path, before, after)
+
+
+@needs("accelerate")
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+def test_accelerate_resumes_on_another_world_size(tmp_path: Path, before: int, after: int) -> None:
+    stop, resumed = preempt_then_resume("accelerate_train.py", tmp_path, before, after)
+    assert sorted(losses(resumed)) == list(range(stop, STEPS))
