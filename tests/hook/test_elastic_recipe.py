@@ -1,11 +1,11 @@
 """The elastic recipe end to end on loopback: ``deploy/torchrun/rendezvous-store.sh`` + two "nodes" running
 ``deploy/torchrun/launch.sh`` (real elastic torchrun, ``--nnodes=1:2``, c10d rendezvous, one daemon each).
 
-Node B is preempted (its torchrun agent gets SIGTERM, as when its VM goes): every rank agrees, commits, exits
-143; node A's agent restarts its worker, which resumes alone (2 -> 1 ranks). Then B comes back: A's agent sees
-a node waiting, SIGTERMs its worker for the new round (spotguard commits on that SIGTERM too), and both
-resume (1 -> 2). The state rules of test_elastic.py hold at each resume, and the final weights are within
-20x the float noise between uninterrupted 1- and 2-rank runs.
+Two ranks per node. Node B is preempted (its torchrun agent gets SIGTERM, as when its VM goes): every rank
+agrees, commits, exits 143; node A's agent restarts its workers, which resume alone (4 -> 2 ranks). Then B
+comes back: A's agent sees a node waiting, SIGTERMs its workers for the new round (spotguard commits on that
+SIGTERM too), and all resume (2 -> 4). The state rules of test_elastic.py hold at each resume, and the final
+weights are within 20x the float noise between uninterrupted 2- and 4-rank runs.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .test_elastic import GLOBAL_BATCH, SAMPLES, SCRIPT, check_epochs, make_refe
 LAUNCH = REPO / "deploy" / "torchrun" / "launch.sh"
 STORE = REPO / "deploy" / "torchrun" / "rendezvous-store.sh"
 STEPS = 36
+PER_NODE = 2  # ranks per "node": the job runs on 4, then 2, then 4 ranks
 PER_EPOCH = SAMPLES // GLOBAL_BATCH
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -82,7 +83,7 @@ def wait_until(pred: Any, timeout: float, what: str, nodes: list[Node]) -> None:
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return make_references(tmp_path_factory.mktemp("recipe-ref"), STEPS, (1, 2))
+    return make_references(tmp_path_factory.mktemp("recipe-ref"), STEPS, (PER_NODE, 2 * PER_NODE))
 
 
 def test_elastic_recipe_two_nodes_one_preempted_then_back(references: dict[str, Any], short_tmp: Path) -> None:
@@ -95,7 +96,7 @@ def test_elastic_recipe_two_nodes_one_preempted_then_back(references: dict[str, 
     base = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
     base.update(PATH=f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", PYTHON=sys.executable,
                 OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RDZV_PORT=str(port), RDZV_HOST="127.0.0.1",
-                NNODES_MIN="1", NNODES_MAX="2", NPROC_PER_NODE="1", MAX_RESTARTS="3",
+                NNODES_MIN="1", NNODES_MAX="2", NPROC_PER_NODE=str(PER_NODE), MAX_RESTARTS="3",
                 RDZV_CONF="last_call_timeout=3", RDZV_ID="elastic-test", SPOTGUARD_CLOUD="none",
                 SPOTGUARD_STORAGE=f"file://{short_tmp}/ckpt")
     args = ["--steps", str(STEPS), "--records", str(records), "--step-time", "0.5", "--out", str(out)]
@@ -111,7 +112,7 @@ def test_elastic_recipe_two_nodes_one_preempted_then_back(references: dict[str, 
         os.kill(b.agent_pid(), signal.SIGTERM)  # node B is going away
         assert b.wait(90) != 0
         # leg 2: A alone (its agent restarted the worker after the agreed exit)
-        wait_until(lambda: any(e.get("resume", 0) > 0 and e.get("world") == 1 for e in a.lines()), 120,
+        wait_until(lambda: any(e.get("resume", 0) > 0 and e.get("world") == PER_NODE for e in a.lines()), 120,
                    "node A resuming alone", nodes)
         wait_until(lambda: any("loss" in e for e in a.lines()[-3:]), 60, "node A training alone", nodes)
         b2 = Node(short_tmp, "b2", base, args)  # node B (a new VM) comes back
@@ -126,17 +127,19 @@ def test_elastic_recipe_two_nodes_one_preempted_then_back(references: dict[str, 
 
     resumes = [e for n in nodes for e in n.lines() if "resume" in e]
     legs = sorted({(e["resume"], e["world"]) for e in resumes})
-    assert [w for _, w in legs] == [2, 1, 2], legs  # 2 ranks, then 1, then 2 again
+    n = PER_NODE
+    assert [w for _, w in legs] == [2 * n, n, 2 * n], legs  # two nodes, then one, then two again
     for e in resumes:
         if e["resume"]:
             ref = references["steps"][e["resume"] - 1]
             assert (e["last_epoch"], e["lr"]) == (ref["last_epoch"], ref["lr"]), (e, ref)
             assert e["sampler"]["consumed"] == ((e["resume"] - 1) % PER_EPOCH + 1) * GLOBAL_BATCH
     elastic = [e for n in nodes for e in n.lines() if e.get("event") == "elastic_resume"]
-    assert {(e["old_world_size"], e["world_size"]) for e in elastic} == {(2, 1), (1, 2)}, elastic
-    assert {e["rank"]: e["rng"] for e in elastic if e["world_size"] == 2} == {0: "own", 1: "derived"}
+    assert {(e["old_world_size"], e["world_size"]) for e in elastic} == {(2 * n, n), (n, 2 * n)}, elastic
+    assert {e["rank"]: e["rng"] for e in elastic if e["world_size"] == 2 * n} == \
+        {r: "own" if r < n else "derived" for r in range(2 * n)}
     check_epochs(records, references, STEPS)
     final = torch.load(out, weights_only=True)
-    diff, noise = rel_diff(references["out"][2]["model"], final["model"]), references["noise"]
-    print(f"elastic recipe 2->1->2 nodes: relative weight difference {diff:.3g}, noise {noise:.3g}")
+    diff, noise = rel_diff(references["out"][2 * n]["model"], final["model"]), references["noise"]
+    print(f"elastic recipe 2->1->2 nodes ({PER_NODE} ranks each): relative weight difference {diff:.3g}, noise {noise:.3g}")
     assert diff <= 20 * noise, (diff, noise)
