@@ -21,7 +21,15 @@ NNODES_MIN="${NNODES_MIN:-1}"
 NNODES_MAX="${NNODES_MAX:-4}"
 NPROC_PER_NODE="${NPROC_PER_NODE:-gpu}"
 MAX_RESTARTS="${MAX_RESTARTS:-100}"
+# Extra rendezvous settings, e.g. RDZV_CONF=last_call_timeout=10 (how long a round that has
+# NNODES_MIN nodes waits for more before it starts; torchrun's default is 30 s).
+RDZV_CONF="${RDZV_CONF:-}"
 export SPOTGUARD_STORAGE
+# torch 2.13's c10d rendezvous shares its TCPStore and caches the bootstrap info of the
+# first round: when a node joins a running job and the old rank-0 agent stays rank 0, that
+# agent never publishes MASTER_ADDR for the new round and the joining node waits for it
+# until it times out (tests/hook/test_elastic_recipe.py). Not sharing the store avoids it.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 export SPOTGUARD_SOCKET="${SPOTGUARD_SOCKET:-/run/spotguard/spotguard.sock}"
 
 if [ "$#" -lt 1 ]; then
@@ -54,5 +62,5 @@ torchrun \
   --rdzv-backend=c10d \
   --rdzv-endpoint="${RDZV_HOST}:${RDZV_PORT}" \
   --rdzv-id="${RDZV_ID}" \
-  --rdzv-conf=is_host=false \
+  --rdzv-conf="is_host=false${RDZV_CONF:+,${RDZV_CONF}}" \
   "$@"

@@ -51,6 +51,7 @@ def install_preemption_hook(
     keep: int | None = None,
     exit_code: int = 143,
     on_notice: Callable[[Notice], Any] | None = None,
+    scope: Mapping[str, str] | None = None,
 ) -> Any:
     """Turn a termination notice into a committed checkpoint and a clean exit; returns the hook.
 
@@ -72,6 +73,11 @@ def install_preemption_hook(
     deadline (cut off there regardless), else aborted (multipart uploads
     aborted, nothing committed); then the emergency checkpoint is written.
     See docs/storage.md.
+
+    ``scope``: for a resume on another world size, ``{"key": "global" | "per_rank"}``
+    overrides the default scope of a state-dict entry (schedulers, scalers and
+    stateful objects are global, loaders per rank; see docs/frameworks.md
+    "Elastic resume"). Plain-PyTorch dicts only.
     """
     period = parse_every(every)
     sock = os.fspath(socket) if socket is not None else None
@@ -84,7 +90,9 @@ def install_preemption_hook(
             configure_logging(os.environ.get("SPOTGUARD_LOG_FORMAT", "json"),
                               os.environ.get("SPOTGUARD_LOG_LEVEL", "info"))
         return Hook(trainer, storage, socket=sock, keep=keep, exit_code=exit_code, on_notice=on_notice,
-                    every=period)
+                    every=period, scope=scope)
+    if scope is not None:
+        raise TypeError("scope= applies to a dict of stateful objects only (frameworks keep their own state)")
     adapter = adapters.find(trainer)
     if adapter is not None:
         return adapter.load()(trainer, storage, socket=sock, every=every, keep=keep, exit_code=exit_code,

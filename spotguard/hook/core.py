@@ -90,7 +90,8 @@ from .dist import (
     set_group_timeout,
     teardown,
 )
-from .state import RESERVED_PREFIX, Objects, Snapshot, classify, pack, restore_rng, tracked_buffers, unpack
+from . import elastic
+from .state import Objects, Snapshot, classify, pack, tracked_buffers, unpack
 from .dist import destroy_group, guard_destroy, unguard_destroy
 from .periodic import PERIODIC_SETTLED, PeriodicSaver, stage_state_dict
 
@@ -173,6 +174,7 @@ class Hook:
         signals: bool = True,
         intake: bool = True,
         every: float | None = None,
+        scope: Mapping[str, str] | None = None,
     ) -> None:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be a positive integer or None, got {keep!r}")
@@ -180,7 +182,7 @@ class Hook:
             raise ValueError(f"exit_code must be an integer in 0..255, got {exit_code!r}")
         if every is not None and (isinstance(every, bool) or not isinstance(every, (int, float)) or not every > 0):
             raise ValueError(f"every must be a positive number of seconds or None, got {every!r}")
-        self._objs: Objects = classify(state)
+        self._objs: Objects = classify(state, scope)
         self._storage: Storage = storage if isinstance(storage, Storage) else open_storage(storage)
         self._keep = keep
         self._exit_code = exit_code
@@ -767,7 +769,7 @@ class Hook:
     # --------------------------------------------------------- state <-> DCP
 
     def _rank_key(self, rank: int) -> str:
-        return f"{RESERVED_PREFIX}rank{rank}"
+        return elastic.rank_key(rank)
 
     def _write(self, key: str, snap: Optional[Snapshot]) -> None:
         """Write this rank's part of the checkpoint under folder ``key`` (every rank; raise on failure).
@@ -818,14 +820,15 @@ class Hook:
 
         o = self._objs
         meta = self._storage.dcp_reader(dirkey).read_metadata()
-        rkey = self._rank_key(self._rank)
-        has_rank = rkey in meta.state_dict_metadata
+        saved = elastic.saved_ranks(meta.state_dict_metadata)
+        src = elastic.source_rank(saved, self._rank)
+        rkey = self._rank_key(src) if src is not None else None
         sd: dict[str, Any] = {}
         for k, m in o.models.items():
             sd[k] = get_model_state_dict(m)
         for k, opt in o.optimizers.items():
             sd[k] = get_optimizer_state_dict(o.models[o.owner[k]], opt)  # fake step() on a fresh optimizer
-        if has_rank:
+        if rkey is not None:
             sd[rkey] = b""
         try:
             with warnings.catch_warnings():
@@ -842,26 +845,29 @@ class Hook:
             set_model_state_dict(m, sd[k])
         for k, opt in o.optimizers.items():
             set_optimizer_state_dict(o.models[o.owner[k]], opt, sd[k])
-        if not has_rank:
-            self._log.warning("checkpoint has no per-rank state for this rank (world size changed?): "
-                              "RNG, loader and scheduler states not restored", dir=dirkey)
+        if rkey is None:
+            self._log.warning("checkpoint has no per-rank state at all: only model and optimizer restored",
+                              dir=dirkey)
             return
         per = unpack(sd[rkey])
-        for group_name, objs in (("schedulers", o.schedulers), ("scalers", o.scalers), ("stateful", o.stateful),
-                                 ("loaders", o.loaders)):
-            saved = per.get(group_name, {})
-            for k, obj in objs.items():
-                if k in saved:
-                    obj.load_state_dict(saved[k])
-                else:
-                    self._log.warning("checkpoint has no state for object", key=k, role=group_name, dir=dirkey)
-        for mk, bufs in per.get("buffers", {}).items():
+        own = src == self._rank
+        done = elastic.restore(per, own=own, source=src, scope=o.scope, roles={
+            "schedulers": o.schedulers, "scalers": o.scalers, "stateful": o.stateful, "loaders": o.loaders})
+        for mk, bufs in per.get("buffers", {}).items():  # global: under DDP rank 0 broadcasts them
             live = self._buffers.get(mk, {})
             with torch.no_grad():
                 for name, val in bufs.items():
                     if name in live:
                         live[name].copy_(val)
-        restore_rng(per.get("rng", {}))  # last: nothing after this may draw random numbers
+        if done.missing:
+            self._log.warning("checkpoint has no state for object", keys=done.missing, dir=dirkey)
+        old_world = int(per.get("world_size", len(saved)))
+        elastic.restore_rng_for(per, done, step=int(per.get("step", 0)), rank=self._rank)  # last
+        if old_world != self._world or not own:
+            self._log.info(ev.ELASTIC_RESUME, dir=dirkey, old_world_size=old_world, world_size=self._world,
+                           resharded=[*o.models, *o.optimizers],
+                           dropped_ranks=[r for r in saved if r >= self._world] if self._rank == 0 else [],
+                           **done.fields())
 
     # ----------------------------------------------------------- start / exit
 

@@ -8,6 +8,9 @@ is known, ``notice_id``. Fields per event:
 
 - ``hook_installed``: world_size, storage, objects (key -> role), socket, pid
 - ``resumed``: step, uri, from_notice_id (the notice the checkpoint was written for, or null)
+- ``elastic_resume`` (only when the world size changed or the rank is new): dir, old_world_size,
+  world_size, resharded (model/optimizer keys), dropped_ranks (rank 0), state_from_rank, global,
+  per_rank_own, per_rank_fresh, missing, rng ("own" | "derived")
 - ``notice_seen``: notice_id, kind, source, via ("daemon" | "signal"), deadline, seconds_left
 - ``notice_ignored``: notice_id, reason
 - ``notice_cancelled``: notice_id
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 HOOK_INSTALLED = "hook_installed"
 RESUMED = "resumed"
+ELASTIC_RESUME = "elastic_resume"
 NOTICE_SEEN = "notice_seen"
 NOTICE_IGNORED = "notice_ignored"
 NOTICE_CANCELLED = "notice_cancelled"

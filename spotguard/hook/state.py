@@ -20,8 +20,24 @@ Classification rule (by type and protocol, never by key name), first match wins:
 6. Anything else with ``state_dict``/``load_state_dict`` -> **stateful** (EMA,
    metrics, counters): read at the boundary like schedulers, saved per rank.
 
+A plain ``torch.utils.data.DataLoader`` (no ``state_dict``) built on a
+``spotguard.data.ElasticDistributedSampler`` is accepted as a **loader**: the
+hook keeps the sampler (whose state is the global data position) and attaches
+the loader to it, so the position counts the batches the training loop took,
+not what prefetching workers pulled.
+
 Schedulers, scalers, loaders, stateful objects and RNG states are small and are
 saved per rank (rank-unique key), so no rank's copy is ever deduplicated away.
+
+Scope, for a resume on another world size (``spotguard.hook.elastic``): each
+object is **global** (equal on every rank: restored on every rank, a new rank
+takes rank 0's copy) or **per_rank** (a rank that existed takes its own copy, a
+new rank starts from the object as constructed). Defaults: schedulers, scalers
+and stateful objects are global; loaders are per_rank; an object whose class has
+``spotguard_scope = "global"`` or ``"per_rank"`` says so itself (the elastic
+sampler is global); the hook's ``scope={"key": "per_rank"}`` keyword wins over
+both. Models and optimizers are resharded by DCP; RNG is per rank (new ranks get
+a derived stream, see ``elastic.derive_rng``).
 """
 
 from __future__ import annotations
@@ -45,9 +61,13 @@ __all__ = [
     "tracked_buffers",
     "pack",
     "unpack",
+    "GLOBAL",
+    "PER_RANK",
 ]
 
 RESERVED_PREFIX = "__spotguard__"
+GLOBAL, PER_RANK = "global", "per_rank"
+_SCOPED_ROLES = ("schedulers", "scalers", "loaders", "stateful")
 
 
 @dataclass
@@ -61,6 +81,7 @@ class Objects:
     loaders: dict[str, Any] = field(default_factory=dict)
     stateful: dict[str, Any] = field(default_factory=dict)
     owner: dict[str, str] = field(default_factory=dict)  # optimizer key -> model key
+    scope: dict[str, str] = field(default_factory=dict)  # key -> GLOBAL | PER_RANK (non-model objects)
 
     def roles(self) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -99,12 +120,43 @@ def _params_of(model: torch.nn.Module) -> set[int]:
     return {id(p) for p in model.parameters()}
 
 
-def classify(state: Mapping[str, Any]) -> Objects:
-    """Split the user's dict by role (see the module docstring); TypeError names any key it cannot use."""
+def _elastic_sampler_of(obj: Any) -> Any:
+    """The ``ElasticDistributedSampler`` under a plain (stateless) ``DataLoader``, else None."""
+    from torch.utils.data import DataLoader  # noqa: PLC0415
+
+    if not isinstance(obj, DataLoader) or _stateful(obj):
+        return None
+    from ..data import ElasticDistributedSampler  # noqa: PLC0415
+
+    for cand in (getattr(obj, "sampler", None), getattr(getattr(obj, "batch_sampler", None), "sampler", None)):
+        if isinstance(cand, ElasticDistributedSampler):
+            return cand
+    return None
+
+
+def _scope_of(key: str, role: str, obj: Any, override: Mapping[str, str]) -> str:
+    if key in override:
+        return override[key]
+    declared = getattr(type(obj), "spotguard_scope", None)
+    if declared in (GLOBAL, PER_RANK):
+        return str(declared)
+    return PER_RANK if role == "loaders" else GLOBAL
+
+
+def classify(state: Mapping[str, Any], scope: Mapping[str, str] | None = None) -> Objects:
+    """Split the user's dict by role and scope (see the module docstring); TypeError names any key it cannot use."""
     if not isinstance(state, Mapping):
         raise TypeError(f"expected a dict of stateful objects, got {type(state).__name__}")
+    scope = dict(scope or {})
+    for key, value in scope.items():
+        if value not in (GLOBAL, PER_RANK):
+            raise ValueError(f"scope[{key!r}] must be {GLOBAL!r} or {PER_RANK!r}, got {value!r}")
     objs = Objects()
     for key, obj in state.items():
+        sampler = _elastic_sampler_of(obj)
+        if sampler is not None:
+            sampler.attach(obj)
+            obj = sampler
         if not isinstance(key, str) or not key:
             raise TypeError(f"state keys must be non-empty strings, got {key!r}")
         if key.startswith(RESERVED_PREFIX) or "." in key:
@@ -128,6 +180,14 @@ def classify(state: Mapping[str, Any]) -> Objects:
                 "stateful objects (model, optimizer, scheduler, GradScaler, a stateful data loader "
                 "such as torchdata's StatefulDataLoader, or your own object with those two methods)."
             )
+    for key in scope:
+        if key not in state:
+            raise ValueError(f"scope names {key!r}, which is not a key of the state dict")
+    for role in _SCOPED_ROLES:
+        for key, obj in getattr(objs, role).items():
+            objs.scope[key] = _scope_of(key, role, obj, scope)
+    for key in set(scope) & (set(objs.models) | set(objs.optimizers)):
+        raise ValueError(f"scope[{key!r}]: models and optimizers are resharded by DCP and take no scope")
     if len(objs.scalers) > 1:
         raise TypeError(f"at most one GradScaler is supported, got {list(objs.scalers)}")
     params = {k: _params_of(m) for k, m in objs.models.items()}

@@ -61,19 +61,25 @@ def _state(info: CheckpointInfo, chosen: str | None) -> str:
     return text
 
 
+def _world(info: CheckpointInfo) -> str:
+    """Ranks that wrote the checkpoint (any world size can load it: elastic resume)."""
+    return str(info.record.world_size) if info.record is not None else "-"
+
+
 def render_table(infos: list[CheckpointInfo], chosen: str | None) -> str:
-    rows = [("STEP", "SIZE", "TIME (UTC)", "STATE")]
+    rows = [("STEP", "WORLD", "SIZE", "TIME (UTC)", "STATE")]
     for info in infos:
         rows.append((
             str(info.step),
+            _world(info),
             human_size(info.bytes),
             _when(info).strftime("%Y-%m-%d %H:%M:%S"),
             _state(info, chosen),
         ))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    w = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = []
     for r in rows:
-        lines.append(f"{r[0]:>{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}".rstrip())
+        lines.append(f"{r[0]:>{w[0]}}  {r[1]:>{w[1]}}  {r[2]:>{w[2]}}  {r[3]:<{w[3]}}  {r[4]}".rstrip())
     return "\n".join(lines)
 
 
@@ -87,6 +93,7 @@ def _to_json(info: CheckpointInfo, chosen: str | None) -> dict[str, Any]:
         "newest": info.dir == chosen,
         "problem": info.problem,
         "bytes": info.bytes,
+        "world_size": info.record.world_size if info.record is not None else None,
         "time": to_rfc3339(_when(info)),
         "record": info.record.to_dict() if info.record is not None else None,
     }

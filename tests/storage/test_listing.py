@@ -41,7 +41,7 @@ def populated(tmp_path: pathlib.Path) -> pathlib.Path:
         key = prepare_attempt(s, step)
         s.write_bytes(f"{key}/__0_0.distcp", b"x" * 3000)
         s.write_bytes(f"{key}/.metadata", b"m" * 72)
-        commit(s, step, CommitRecord(step=step, reason="periodic"))
+        commit(s, step, CommitRecord(step=step, reason="periodic", world_size=step // 50))
     key = prepare_attempt(s, 300)
     s.write_bytes(f"{key}/__0_0.distcp", b"x" * 10)
     key = prepare_attempt(s, 250)  # committed, then a shard truncated
@@ -57,8 +57,9 @@ def test_table(populated: pathlib.Path) -> None:
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0] == f"checkpoints under {populated.as_uri()}"
-    assert lines[1].split() == ["STEP", "SIZE", "TIME", "(UTC)", "STATE"]
+    assert lines[1].split() == ["STEP", "WORLD", "SIZE", "TIME", "(UTC)", "STATE"]
     rows = {line.split()[0]: line for line in lines[2:6]}
+    assert [rows[s].split()[1] for s in ("100", "200", "300")] == ["2", "4", "-"]  # world size that wrote it
     assert "3.0 KiB" in rows["100"] and rows["100"].endswith("committed")
     assert rows["200"].endswith("committed, newest")
     assert "incomplete (truncated shard __0_0.distcp: 5 of 2048 bytes)" in rows["250"]
@@ -75,6 +76,7 @@ def test_json_and_file_uri(populated: pathlib.Path) -> None:
     assert [c["step"] for c in doc["checkpoints"]] == [100, 200, 250, 300]
     assert by_step[200]["committed"] and by_step[200]["newest"] and by_step[200]["bytes"] == 3072
     assert by_step[200]["record"]["reason"] == "periodic"
+    assert by_step[200]["world_size"] == 4 and by_step[300]["world_size"] is None
     assert by_step[250]["state"] == "incomplete" and "truncated" in by_step[250]["problem"]
     assert by_step[300]["latest"] and by_step[300]["record"] is None
     assert by_step[100]["time"].endswith("Z")

@@ -49,6 +49,8 @@ import torch.distributed as dist
 
 from ...notice import Notice
 from ...storage import Storage
+from ..elastic import derive_rng
+from ..events import ELASTIC_RESUME
 from ..state import capture_rng, pack, restore_rng, unpack
 from ._base import FrameworkHook
 from ._files import staging_dir, upload_dir
@@ -187,11 +189,16 @@ class LightningHook(FrameworkHook):
         if not st:
             return
         states = unpack(st["rng"]) if st.get("rng") else []
-        if st.get("world_size") == self._world and self._rank < len(states):
+        if self._rank < len(states):  # the rank existed: its own streams (same rule as the plain hook)
             restore_rng(states[self._rank])
+            how = "own"
+        elif states:  # a new rank (the job grew): derived streams, never a copy of another rank's
+            derive_rng(states[0], int(getattr(self.trainer, "global_step", 0)), self._rank)
+            how = "derived"
         else:
-            self._log.warning("checkpoint RNG states are for another world size: not restored",
-                              saved=st.get("world_size"), now=self._world)
+            how = "none"
+        if st.get("world_size") != self._world:
+            self._log.info(ELASTIC_RESUME, old_world_size=st.get("world_size"), world_size=self._world, rng=how)
 
     # ------------------------------------------------------------- writing
 
