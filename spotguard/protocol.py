@@ -34,6 +34,7 @@ __all__ = [
     "CheckpointDone",
     "CheckpointFailed",
     "Drill",
+    "DrillCancel",
     "StatusRequest",
     "Unknown",
     "encode",
@@ -164,6 +165,14 @@ class Drill(Message):
 
 
 @dataclass
+class DrillCancel(Message):
+    """Withdraw a drill by id (``spotguard drill --cancel ID``): subscribers get a ``cancel``; reply ``drill_ok``."""
+
+    type: ClassVar[str] = "drill_cancel"
+    id: str = ""
+
+
+@dataclass
 class StatusRequest(Message):
     type: ClassVar[str] = "status"
 
@@ -182,14 +191,14 @@ class Unknown(Message):
 
 AnyMessage = Union[
     Hello, NoticeMsg, CancelMsg, Ping, StatusReply, DrillOk, ErrorReply,
-    Subscribe, Ack, CheckpointStarted, CheckpointDone, CheckpointFailed, Drill,
+    Subscribe, Ack, CheckpointStarted, CheckpointDone, CheckpointFailed, Drill, DrillCancel,
     StatusRequest, Unknown,
 ]
 
 # "status" names both the request (client->daemon) and the reply (daemon->client).
 _FROM_CLIENT: dict[str, type[Message]] = {
     m.type: m
-    for m in (Subscribe, Ack, CheckpointStarted, CheckpointDone, CheckpointFailed, Drill, StatusRequest)
+    for m in (Subscribe, Ack, CheckpointStarted, CheckpointDone, CheckpointFailed, Drill, DrillCancel, StatusRequest)
 }
 _FROM_DAEMON: dict[str, type[Message]] = {
     m.type: m for m in (Hello, NoticeMsg, CancelMsg, Ping, StatusReply, DrillOk, ErrorReply)

@@ -27,11 +27,14 @@ import os
 import pathlib
 from typing import Any, Callable, Optional
 
+import torch.distributed as dist
+
 from ...notice import Notice
-from ...storage import Storage, open_storage
+from ...storage import Storage, StorageError, open_storage
 from ...storage.commit import newest_committed
 from .. import events as ev
 from ..core import Hook
+from ..preflight import probe_writable, unwritable_message
 from ._files import download_dir
 
 __all__ = ["FrameworkHook"]
@@ -50,6 +53,7 @@ class FrameworkHook(Hook):
     """Base of the Lightning / Hugging Face / Accelerate adapters (see the module docstring)."""
 
     framework = "framework"
+    _launcher_check = False  # the trainer creates the process group itself (inside fit/train)
 
     def __init__(
         self,
@@ -68,9 +72,16 @@ class FrameworkHook(Hook):
         _configure_logging()
         self._storage = storage if isinstance(storage, Storage) else open_storage(storage)
         self._armed = False
+        if not (arm or (dist.is_available() and dist.is_initialized())):
+            # Arming (with its collective probe) waits for the trainer's process group: probe this
+            # rank's access now, so a wrong path or missing credentials fail at install.
+            err = probe_writable(self._storage)
+            if err:
+                raise StorageError(unwritable_message(self._storage.uri, [(int(os.environ.get("RANK", "0") or 0), err)]))
+            self._probed = True
         self._init_kw: dict[str, Any] = dict(socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice)
-        # (local path handed to the framework, step, notice id of its commit record, storage folder)
-        self._latest: Optional[tuple[str, int, Optional[str], str]] = None
+        # (local path handed to the framework, step, notice id of its commit record, storage folder, lineage)
+        self._latest: Optional[tuple[str, int, Optional[str], str, Optional[str]]] = None
         self._last_boundary: Optional[int] = None
         self._early: list[Notice] = []  # notify() before the core is armed
         if arm:
@@ -108,7 +119,9 @@ class FrameworkHook(Hook):
         if folder is None:
             folder = download_dir(self._storage, info.dir)
         target = str(self._resume_target(pathlib.Path(folder)))
-        self._latest = (target, info.step, info.record.notice_id if info.record else None, info.dir)
+        rec = info.record
+        self._latest = (target, info.step, rec.notice_id if rec else None, info.dir,
+                        (rec.extra.get("lineage") if rec else None) or None)
         return target
 
     def notify(self, notice: Notice) -> None:
@@ -152,11 +165,17 @@ class FrameworkHook(Hook):
                 os.path.realpath(resumed_from) == os.path.realpath(self._latest[0]):
             from_notice = self._latest[2]
             uri = f"{self._storage.uri}/{self._latest[3]}"
+            self._resumed_dir = self._latest[3]
+            if self._latest[4]:
+                self._lineage = self._latest[4]
         elif resumed_from is not None:
             uri = str(resumed_from)
         if from_notice:
             self._committed_ids.add(from_notice)
         self._resumed = True
+        if resumed_from is None:
+            self._warn_unresumed()
+        self._fresh_checked = True
         self._log.info(ev.RESUMED, step=step if resumed_from else 0, uri=uri, from_notice_id=from_notice,
                        seconds=0.0, framework=self.framework)
         self._agree_at_start()
