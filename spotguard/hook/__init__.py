@@ -87,7 +87,7 @@ def install_preemption_hook(
                     every=period)
     adapter = adapters.find(trainer)
     if adapter is not None:
-        return adapter.load()(trainer, storage, socket=sock, every=every, keep=keep, exit_code=exit_code,
+        return adapter.load()(trainer, storage, socket=sock, every=period, keep=keep, exit_code=exit_code,
                               on_notice=on_notice)
     raise TypeError(
         f"install_preemption_hook does not know {type(trainer).__module__}.{type(trainer).__qualname__}; "

@@ -124,6 +124,18 @@ def _env_seconds(name: str, default: float) -> float:
 
 
 QUIESCE_PERIODIC_TIMEOUT = _env_seconds("SPOTGUARD_PERIODIC_DRAIN", 60.0)
+# Framework adapters take ``every=`` checkpoints synchronously, in the framework's own format, through the
+# notice path with a synthetic notice: its id prefix keeps it out of daemon reports and commit records.
+PERIODIC_NOTICE_PREFIX = "periodic-"
+PERIODIC_SYNC_TIMEOUT = 600.0
+
+
+def periodic_notice(step: int) -> Notice:
+    """The synthetic notice an adapter's ``every=`` checkpoint is written under (never sent anywhere)."""
+    now = utcnow()
+    return Notice(id=f"{PERIODIC_NOTICE_PREFIX}{step}", source="signal", kind="maintenance",
+                  deadline=now + timedelta(seconds=PERIODIC_SYNC_TIMEOUT), received_at=now,
+                  detail="every= safety-net checkpoint")
 #: exit code when the emergency save failed (nothing committed for this stop: progress since the last
 #: commit is lost). EX_TEMPFAIL from sysexits.h: "try again later" — launchers restart on it like on 143,
 #: and it tells the user apart from 143 ("stopped for a notice, nothing lost").
@@ -676,6 +688,10 @@ class Hook:
     def _carry_out(self, plan: tuple[Notice, list[str], str], snap: Optional[Snapshot]) -> None:
         """Exit (replay), emergency save + exit (never returns), or an ordinary save and keep training."""
         notice, ids, action = plan
+        if action == "periodic":  # a framework adapter's every= checkpoint: no notice involved
+            self._save(notice, "periodic", snap)
+            set_group_timeout(self._group, 1800.0)
+            return
         if action == "exit":
             self._exit(notice, None)
         if action == "emergency":
@@ -691,6 +707,8 @@ class Hook:
                 self._seen.add(i)
 
     def _report(self, msg: Any) -> None:
+        if str(getattr(msg, "id", "")).startswith(PERIODIC_NOTICE_PREFIX):
+            return  # about no daemon notice
         if self._intake is not None:
             try:
                 self._intake.report(msg)
@@ -751,11 +769,12 @@ class Hook:
             outcome: Any = None
             if self._rank == 0:
                 outcome = commit_and_retain(self._storage, step, CommitRecord(
-                    step=step, world_size=self._world, reason=reason, notice_id=notice.id,
+                    step=step, world_size=self._world, reason=reason,
+                    notice_id=None if reason == "periodic" else notice.id,
                     seconds=round(time.monotonic() - t0, 3),
-                    extra={"notice_kind": notice.kind, "notice_source": notice.source,
-                           "deadline": to_rfc3339(notice.deadline), "spotguard": __version__,
-                           "lineage": self._lineage},
+                    extra={"spotguard": __version__, "lineage": self._lineage} if reason == "periodic" else
+                    {"notice_kind": notice.kind, "notice_source": notice.source,
+                     "deadline": to_rfc3339(notice.deadline), "spotguard": __version__, "lineage": self._lineage},
                 ), self._keep, self._log)
             stage = "commit-barrier"
             # Every rank passes this only after the record is durable: no rank may exit before it.

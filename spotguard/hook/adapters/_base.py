@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import time
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from ...notice import Notice
 from ...storage import Storage, StorageError, open_storage
 from ...storage.commit import newest_committed
 from .. import events as ev
-from ..core import Hook
+from ..core import Hook, periodic_notice
 from ..preflight import probe_writable, unwritable_message
 from ._files import download_dir
 
@@ -64,6 +65,7 @@ class FrameworkHook(Hook):
         exit_code: int = 143,
         on_notice: Callable[[Notice], Any] | None = None,
         arm: bool = True,
+        every: float | None = None,
     ) -> None:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be a positive integer or None, got {keep!r}")
@@ -84,6 +86,12 @@ class FrameworkHook(Hook):
         self._latest: Optional[tuple[str, int, Optional[str], str, Optional[str]]] = None
         self._last_boundary: Optional[int] = None
         self._early: list[Notice] = []  # notify() before the core is armed
+        # every=: the framework writes its own checkpoint at a boundary (synchronously: its format
+        # cannot be staged and uploaded in the background like the plain hook's DCP state).
+        from .. import parse_every  # noqa: PLC0415 - the package imports this module
+
+        self._every: Optional[float] = parse_every(every)
+        self._every_due = float("inf")
         if arm:
             self._arm()
 
@@ -95,6 +103,7 @@ class FrameworkHook(Hook):
             return
         Hook.__init__(self, state or {}, self._storage, **self._init_kw)
         self._armed = True
+        self._restart_every()
         early, self._early = self._early, []
         for notice in early:
             self._receive(notice, via="api")
@@ -143,6 +152,34 @@ class FrameworkHook(Hook):
 
     def range(self, total: int) -> Any:
         raise TypeError(f"hook.range() is for the plain-PyTorch dict; the {self.framework} trainer owns the loop")
+
+    # ------------------------------------------------------------ every=
+
+    def _restart_every(self) -> None:
+        if self._every is not None:
+            self._every_due = time.monotonic() + self._every
+
+    def _periodic_flags(self) -> tuple[int, int]:
+        """(due, busy) for the flag reduction: due once ``every`` seconds passed since the last commit."""
+        if self._every is None or self._torn_down or self._closed:
+            return 0, 0
+        return (1 if time.monotonic() >= self._every_due else 0), 0
+
+    def _maybe_periodic(self, snap: Any) -> None:
+        """At a boundary with no notice and some rank due: every rank writes the framework's checkpoint now."""
+        if self._every is None or self._torn_down or self._closed or not self._agree.flags[0]:
+            return
+        self._internal = True
+        try:
+            self._carry_out((periodic_notice(self._count), [], "periodic"), snap)
+        finally:
+            self._internal = False
+        self._restart_every()  # also after a failure: retry one period later, not at every step
+
+    def _finish_ok(self, notice: Notice, step: int, uri: str, nbytes: int, t0: float, already: bool = False) -> Any:
+        res = super()._finish_ok(notice, step, uri, nbytes, t0, already)
+        self._restart_every()
+        return res
 
     # ------------------------------------------------------------ for subclasses
 
