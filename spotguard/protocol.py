@@ -1,7 +1,7 @@
 """Socket protocol v1: one dataclass per message type, shared by daemon, hook and CLI.
 
 Newline-delimited UTF-8 JSON objects, each with ``"type"``; at most 64 KiB a line
-(SPEC.md "Socket protocol"). ``decode`` validates field types so that a bad line
+(docs/architecture.md; README "Run the daemon"). ``decode`` validates field types so that a bad line
 is a ``ProtocolError`` naming the problem, never a crash further in.
 """
 

@@ -1,4 +1,4 @@
-"""Unix-socket fan-out server speaking protocol v1 (SPEC.md "Socket protocol").
+"""Unix-socket fan-out server speaking protocol v1 (``spotguard.protocol``).
 
 Design rules, each from a way a sidecar can hurt the job it protects:
 - every client has its own bounded send queue and writer task, so a subscriber

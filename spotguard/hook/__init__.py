@@ -1,4 +1,4 @@
-"""``install_preemption_hook``: one line in training code (SPEC.md "Python API").
+"""``install_preemption_hook``: one line in training code (docs/api.md).
 
 Dispatches on the trainer's type: a dict of stateful objects gets the plain
 PyTorch ``Hook``; framework trainers go through ``adapters`` (matched by type

@@ -1,6 +1,6 @@
 """The plain-PyTorch hook: notice -> agreed step -> committed DCP checkpoint -> clean exit.
 
-Shape of one iteration with no loop change (see SPEC.md "Python API")::
+Shape of one iteration with no loop change (see docs/api.md)::
 
     fwd/bwd ... [pre-hook: BOUNDARY] opt.step() [post-hook: DECIDE] sched.step() ...
 

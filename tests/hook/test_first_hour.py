@@ -41,6 +41,7 @@ def committed_steps(uri: str) -> list[int]:
 # -- item 4 ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_hook_before_init_process_group_is_refused_under_torchrun(tmp_path: Path) -> None:
     store = tmp_path / "ckpt"
     run = first(tmp_path, "early", ["--install-before-init", "--storage", str(store)])
@@ -50,6 +51,21 @@ def test_hook_before_init_process_group_is_refused_under_torchrun(tmp_path: Path
     assert all("init_process_group" in e and "WORLD_SIZE=2" in e for e in errors.values()), errors
     assert not any("installed_before_init" in e for e in run.lines())
     assert not store.exists() or committed_steps(str(store)) == []
+
+
+def test_hook_before_init_process_group_is_refused_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The short version of the torchrun test above: the launcher's environment without a process group."""
+    import torch
+
+    from spotguard import install_preemption_hook
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    net = torch.nn.Linear(2, 1)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        install_preemption_hook({"model": net, "optimizer": torch.optim.SGD(net.parameters(), lr=0.1)},
+                                storage=str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
 
 
 # -- item 2 ---------------------------------------------------------------------------------------
@@ -74,6 +90,7 @@ def test_plain_paths_and_known_uris_stay_allowed(ok: str) -> None:
     assert check_uri(ok) == ok
 
 
+@pytest.mark.slow
 def test_storage_uri_typo_under_torchrun_fails_at_install_and_writes_nothing(tmp_path: Path) -> None:
     run = first(tmp_path, "typo", ["--storage", "s3:/bucket/run"])
     assert run.wait(90) != 0, run.tail()
@@ -87,6 +104,7 @@ def test_storage_uri_typo_under_torchrun_fails_at_install_and_writes_nothing(tmp
 # -- item 7 ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_unwritable_local_storage_fails_at_install_not_at_the_emergency(tmp_path: Path) -> None:
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the checkpoint folder's parent should be\n")
@@ -98,6 +116,28 @@ def test_unwritable_local_storage_fails_at_install_not_at_the_emergency(tmp_path
     assert run.steps() == []  # no training that would only find out during a notice
 
 
+def test_unwritable_storage_fails_at_install_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The short version: one process, a storage path whose parent is a file."""
+    import torch
+
+    from spotguard import install_preemption_hook
+    from spotguard.storage import StorageError
+
+    monkeypatch.setenv("SPOTGUARD_SOCKET", str(tmp_path / "none.sock"))
+    (tmp_path / "file").write_text("x")
+    net = torch.nn.Linear(2, 1)
+    with pytest.raises(StorageError, match="not writable from rank"):
+        install_preemption_hook({"model": net, "optimizer": torch.optim.SGD(net.parameters(), lr=0.1)},
+                                storage=str(tmp_path / "file" / "ckpt"))
+    ok = install_preemption_hook({"model": net, "optimizer": torch.optim.SGD(net.parameters(), lr=0.1)},
+                                 storage=str(tmp_path / "good"))
+    try:
+        assert [o.key for o in ok.storage.list()] == []  # the probe object was deleted again
+    finally:
+        ok.close()
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 class TestUnwritableS3:
     kind = "s3"
@@ -120,6 +160,7 @@ class TestUnwritableS3:
 # -- item 8 ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_forgotten_resume_warns_and_never_claims_another_runs_checkpoint(tmp_path: Path) -> None:
     store = str(tmp_path / "ckpt")
     one = first(tmp_path, "one", ["--storage", store, "--notify-at", "4"])
@@ -153,6 +194,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "spotguard", *args], capture_output=True, text=True, timeout=30)
 
 
+@pytest.mark.slow
 def test_drill_replayed_to_a_new_job_claims_nothing_and_can_be_cancelled(short_tmp: Path, tmp_path: Path) -> None:
     store = tmp_path / "fresh"
     with running_daemon(short_tmp / "d.sock", tmp_path / "daemon.log") as d:
@@ -176,6 +218,7 @@ def test_drill_replayed_to_a_new_job_claims_nothing_and_can_be_cancelled(short_t
         assert ok.steps() == list(range(6)) and ok.events("exit") == []
 
 
+@pytest.mark.slow
 def test_replayed_rebalance_never_stops_a_restarted_job(short_tmp: Path, tmp_path: Path) -> None:
     store = tmp_path / "ckpt"
     with running_daemon(short_tmp / "d.sock", tmp_path / "daemon.log") as d:
@@ -203,3 +246,26 @@ def test_replayed_rebalance_never_stops_a_restarted_job(short_tmp: Path, tmp_pat
         assert {e["rank"] for e in ignored} == {0, 1}, two.tail()
         wait_until(lambda: any(n["id"] == nid for n in query_status(d.socket)["active_notices"]), 5,
                    "the rebalance notice still active (it was really replayed)")
+
+
+# -- item 12: credentials per store ---------------------------------------------------------------
+
+
+def test_gs_without_credentials_is_one_storage_error_naming_the_fix(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "CLOUDSDK_CONFIG": str(tmp_path / "gcloud"),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+           "GCE_METADATA_HOST": "127.0.0.1:9", "GCE_METADATA_IP": "127.0.0.1:9"}  # no metadata server here
+    code = ("from spotguard.storage import open_storage, StorageError\n"
+            "try:\n    open_storage('gs://bucket/run')\n"
+            "except StorageError as exc:\n    print('STORAGE_ERROR', exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and "STORAGE_ERROR gs:// needs Google credentials" in out.stdout, out.stdout + out.stderr
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in out.stdout and "Traceback" not in out.stderr
+
+
+def test_azure_extra_brings_azure_identity_for_managed_identity() -> None:
+    import tomllib
+
+    meta = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    extra = meta["project"]["optional-dependencies"]["azure"]
+    assert any(r.startswith("azure-identity") for r in extra), extra

@@ -22,7 +22,7 @@ from ._torchrun import REPO, TorchRun
 
 SLOW = Path(__file__).resolve().parent / "_slow_script.py"
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def readme_script() -> str:

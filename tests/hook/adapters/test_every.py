@@ -17,7 +17,7 @@ from spotguard.storage.commit import scan
 
 from ._jobs import Job, losses
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 CASES = [
     pytest.param("lightning_train.py", "lightning.ckpt", "lightning", id="lightning"),
