@@ -55,7 +55,11 @@ def install_preemption_hook(
     """Turn a termination notice into a committed checkpoint and a clean exit; returns the hook.
 
     Call after ``torch.distributed.init_process_group`` (on every rank) and
-    before training; then ``start = hook.resume()``.
+    before training; then ``start = hook.resume()`` (or ``for step in hook.range(total)``).
+    Checked here, so a mistake fails now rather than during a notice: a dict hook
+    under a launcher's ``WORLD_SIZE`` > 1 without a process group (RuntimeError), a
+    malformed storage URI (``StorageURIError``, a ValueError), a storage every rank
+    cannot write and delete a small object in (``StorageError``). Reference: docs/api.md.
 
     ``on_notice(notice)`` runs on a background thread for every notice; return
     ``False`` to make the hook ignore that notice.
@@ -71,7 +75,9 @@ def install_preemption_hook(
     own throughput says it ends within half of the time left before the
     deadline (cut off there regardless), else aborted (multipart uploads
     aborted, nothing committed); then the emergency checkpoint is written.
-    See docs/storage.md.
+    See docs/storage.md. Framework trainers (Lightning, Hugging Face, Accelerate)
+    honour ``every`` too: the framework writes its own checkpoint at a boundary,
+    synchronously, committed with reason ``periodic``.
     """
     period = parse_every(every)
     sock = os.fspath(socket) if socket is not None else None
