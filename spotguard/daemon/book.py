@@ -103,7 +103,9 @@ class NoticeBook:
         return [e.notice for e in self.active.values()]
 
     def expire(self, now: Optional[datetime] = None) -> list[Entry]:
-        """Drop notices whose deadline passed more than ``expire_margin`` ago (the VM survived); drills at their deadline.
+        """Drop notices whose deadline passed more than ``expire_margin`` ago (the VM survived).
+
+        Drills go at their deadline (no margin: see ``add``).
 
         Measured on the monotonic clock from when each notice was seen, so a wall-clock
         jump neither expires a live notice early nor keeps a dead one forever. ``now``

@@ -9,10 +9,11 @@ import subprocess
 import time
 from pathlib import Path
 
+from spotguard.daemon.book import NoticeBook
 from spotguard.daemon.client import Subscription, _fmt_status
 from spotguard.protocol import CancelMsg
 
-from .conftest import REPO
+from .conftest import REPO, make_notice
 from .test_client_cli import CLI, run_cli
 
 
@@ -132,3 +133,12 @@ def test_status_never_shows_negative_seconds_left() -> None:
                                  "deadline": "2026-12-03T07:00:00.000Z", "seconds_left": -12.5, "expires_in": 47.5}]}
     text = _fmt_status(state)
     assert "deadline passed 12.5s ago, replayed 48s more" in text and "-12.5" not in text
+
+
+def test_book_expires_drills_at_their_deadline_and_cloud_notices_after_the_margin() -> None:
+    book = NoticeBook(expire_margin=60)
+    book.add(make_notice("drill-past", source="drill", in_seconds=-0.5))
+    book.add(make_notice("aws-past", source="aws", in_seconds=-0.5))
+    book.add(make_notice("drill-future", source="drill", in_seconds=30))
+    assert [e.id for e in book.expire()] == ["drill-past"]
+    assert {n.id for n in book.notices()} == {"aws-past", "drill-future"}

@@ -79,7 +79,8 @@ class FrameworkHook(Hook):
             # rank's access now, so a wrong path or missing credentials fail at install.
             err = probe_writable(self._storage)
             if err:
-                raise StorageError(unwritable_message(self._storage.uri, [(int(os.environ.get("RANK", "0") or 0), err)]))
+                rank = int(os.environ.get("RANK", "0") or 0)
+                raise StorageError(unwritable_message(self._storage.uri, [(rank, err)]))
             self._probed = True
         self._init_kw: dict[str, Any] = dict(socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice)
         # (local path handed to the framework, step, notice id of its commit record, storage folder, lineage)
