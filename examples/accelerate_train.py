@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--storage", default=None)
+    p.add_argument("--every", default=None, help="safety-net checkpoints, e.g. 15m (default: none)")
     p.add_argument("--step-time", type=float, default=0.0)
     p.add_argument("--out", default=None, help="rank 0 writes the final model+optimizer state here")
     p.add_argument("--no-hook", action="store_true", help="uninterrupted reference run without spotguard")
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_hook:
         from spotguard import install_preemption_hook
 
-        hook = install_preemption_hook(accelerator, storage=args.storage)  # <- the spotguard line
+        hook = install_preemption_hook(accelerator, storage=args.storage, every=args.every)  # <- the spotguard line
         start = hook.resume()
 
     model.train()

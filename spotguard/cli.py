@@ -7,7 +7,9 @@ and is imported only when chosen, so ``spotguard daemon`` never imports torch.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -44,17 +46,53 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _unknown_options(parser: argparse.ArgumentParser, name: str, extras: list[str]) -> str:
+    """One line naming each unknown option, the closest real one, and where the list is."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+    known = [o for a in sub._actions for o in a.option_strings]
+    parts = []
+    after_unknown = False
+    for arg in extras:
+        flag = arg.split("=", 1)[0]
+        if not flag.startswith("-"):
+            if not after_unknown:  # else: the value of the unknown option before it
+                parts.append(f"unexpected argument {arg!r}")
+            after_unknown = False
+            continue
+        after_unknown = "=" not in arg
+        near = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        parts.append(f"unknown option {flag}" + (f" (did you mean {near[0]}?)" if near else ""))
+    return f"spotguard {name}: error: {'; '.join(parts)}; `spotguard {name} --help` lists the options"
+
+
+def _quiet_broken_pipe() -> int:
+    """stdout's reader went away (``spotguard status | grep -q active``): no traceback, exit 141 like `cat`."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not raise again
+    except (OSError, ValueError):
+        pass
+    return 141  # 128 + SIGPIPE
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in SUBCOMMANDS else None)
-    args = parser.parse_args(argv)
-    mod = importlib.import_module(args._module)
-    runner = getattr(mod, f"{args._name}_main", None) or mod.main
     try:
-        return int(runner(args) or 0)
+        args, extras = parser.parse_known_args(argv)
+        if extras:
+            print(_unknown_options(parser, args._name, extras), file=sys.stderr)
+            return EXIT_USAGE
+        mod = importlib.import_module(args._module)
+        runner = getattr(mod, f"{args._name}_main", None) or mod.main
+        code = int(runner(args) or 0)
+        sys.stdout.flush()
+        return code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
 
 
 if __name__ == "__main__":

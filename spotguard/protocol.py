@@ -1,7 +1,7 @@
 """Socket protocol v1: one dataclass per message type, shared by daemon, hook and CLI.
 
 Newline-delimited UTF-8 JSON objects, each with ``"type"``; at most 64 KiB a line
-(SPEC.md "Socket protocol"). ``decode`` validates field types so that a bad line
+(docs/architecture.md; README "Run the daemon"). ``decode`` validates field types so that a bad line
 is a ``ProtocolError`` naming the problem, never a crash further in.
 """
 
@@ -35,6 +35,7 @@ __all__ = [
     "CheckpointDone",
     "CheckpointFailed",
     "Drill",
+    "DrillCancel",
     "StatusRequest",
     "Unknown",
     "encode",
@@ -187,6 +188,14 @@ class Drill(Message):
 
 
 @dataclass
+class DrillCancel(Message):
+    """Withdraw a drill by id (``spotguard drill --cancel ID``): subscribers get a ``cancel``; reply ``drill_ok``."""
+
+    type: ClassVar[str] = "drill_cancel"
+    id: str = ""
+
+
+@dataclass
 class StatusRequest(Message):
     type: ClassVar[str] = "status"
 
@@ -205,14 +214,14 @@ class Unknown(Message):
 
 AnyMessage = Union[
     Hello, NoticeMsg, CancelMsg, Ping, StatusReply, DrillOk, ErrorReply,
-    Subscribe, Ack, CheckpointStarted, CheckpointDone, CheckpointFailed, Drill,
+    Subscribe, Ack, CheckpointStarted, CheckpointDone, CheckpointFailed, Drill, DrillCancel,
     StatusRequest, Unknown,
 ]
 
 # "status" names both the request (client->daemon) and the reply (daemon->client).
 _FROM_CLIENT: dict[str, type[Message]] = {
     m.type: m
-    for m in (Subscribe, Ack, CheckpointStarted, CheckpointDone, CheckpointFailed, Drill, StatusRequest)
+    for m in (Subscribe, Ack, CheckpointStarted, CheckpointDone, CheckpointFailed, Drill, DrillCancel, StatusRequest)
 }
 _FROM_DAEMON: dict[str, type[Message]] = {
     m.type: m for m in (Hello, NoticeMsg, CancelMsg, Ping, StatusReply, DrillOk, ErrorReply)

@@ -1,6 +1,6 @@
 """Time formats used on the wire and by the clouds.
 
-The wire format is RFC 3339 UTC with milliseconds and a ``Z`` suffix (SPEC.md).
+The wire format is RFC 3339 UTC with milliseconds and a ``Z`` suffix (socket protocol v1).
 AWS scheduled events and Azure use RFC 1123 dates; parse them here, once.
 """
 

@@ -32,6 +32,7 @@ from ..protocol import (
     CheckpointFailed,
     CheckpointStarted,
     Drill,
+    DrillCancel,
     DrillOk,
     ErrorReply,
     Hello,
@@ -523,12 +524,32 @@ class Daemon:
         reply = StatusReply(state=self.status(compact=True))
         return reply if _fits(reply) else ErrorReply(error="status too large for one line")
 
+    def _drill_refusal(self, client: Client) -> Optional[Message]:
+        if drill_allowed(client.peer, self.uid):
+            return None
+        uid = None if client.peer is None else client.peer.uid
+        log.warning("drill.refused", peer_uid_allowed=False, daemon_uid=self.uid, **client.log_fields())
+        return ErrorReply(error=f"drill refused: peer uid {uid} is neither root nor the daemon's uid "
+                                f"{self.uid}; run `spotguard drill` as root or as uid {self.uid}")
+
+    def on_drill_cancel(self, client: Client, msg: DrillCancel) -> Message:
+        """Withdraw an active drill: subscribers get ``cancel`` and it is no longer replayed."""
+        refused = self._drill_refusal(client)
+        if refused is not None:
+            return refused
+        entry = self.book.get(msg.id)
+        if entry is None or entry.notice.source != "drill":
+            active = [e.id for e in self.book.active.values() if e.notice.source == "drill"]
+            return ErrorReply(error=f"no active drill {msg.id!r} (active drills: {', '.join(active) or 'none'}); "
+                                    "`spotguard status` lists them")
+        log.info("drill.cancel_requested", notice_id=msg.id, **client.log_fields())
+        self.ingest(Cancel(id=msg.id, source="drill", detail="cancelled with spotguard drill --cancel"))
+        return DrillOk(id=msg.id, deadline=to_rfc3339(entry.notice.deadline))
+
     def on_drill(self, client: Client, msg: Drill) -> Message:
-        if not drill_allowed(client.peer, self.uid):
-            uid = None if client.peer is None else client.peer.uid
-            log.warning("drill.refused", peer_uid_allowed=False, daemon_uid=self.uid, **client.log_fields())
-            return ErrorReply(error=f"drill refused: peer uid {uid} is neither root nor the daemon's uid "
-                                    f"{self.uid}; run `spotguard drill` as root or as uid {self.uid}")
+        refused = self._drill_refusal(client)
+        if refused is not None:
+            return refused
         if msg.kind not in KINDS:
             return ErrorReply(error=f"drill refused: unknown kind {msg.kind!r} (one of {', '.join(KINDS)})")
         if not 0 < msg.deadline_in <= MAX_DRILL_DEADLINE:

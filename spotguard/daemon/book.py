@@ -83,7 +83,10 @@ class NoticeBook:
         while len(self._seen) > self.remember:
             self._seen.popitem(last=False)
         entry = Entry(notice=notice, watcher=watcher)
-        entry.expires_monotonic = entry.seen_monotonic + notice.seconds_left() + self.expire_margin
+        # A drill's deadline is invented: nothing happens after it, so it must not hold the node (and
+        # make every restarted job exit) for a margin. A cloud deadline is approximate: keep the margin.
+        margin = 0.0 if notice.source == "drill" else self.expire_margin
+        entry.expires_monotonic = entry.seen_monotonic + notice.seconds_left() + margin
         self.active[notice.id] = entry
         self.last = notice
         self.total += 1
@@ -101,6 +104,8 @@ class NoticeBook:
 
     def expire(self, now: Optional[datetime] = None) -> list[Entry]:
         """Drop notices whose deadline passed more than ``expire_margin`` ago (the VM survived).
+
+        Drills go at their deadline (no margin: see ``add``).
 
         Measured on the monotonic clock from when each notice was seen, so a wall-clock
         jump neither expires a live notice early nor keeps a dead one forever. ``now``
@@ -208,6 +213,7 @@ class NoticeBook:
         out = []
         for e in self.active.values():
             item: dict[str, Any] = {**e.notice.to_wire(), "seconds_left": round(e.notice.seconds_left(), 3),
+                                    "expires_in": round(max(0.0, e.expires_monotonic - time.monotonic()), 3),
                                     "approved": e.approved}
             if compact:
                 item["detail"] = item["detail"][:200]

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import os
+import stat
 import sys
 from typing import Any, AsyncIterator, Optional
 
@@ -23,6 +24,7 @@ from ..protocol import (
     CheckpointFailed,
     CheckpointStarted,
     Drill,
+    DrillCancel,
     DrillOk,
     ErrorReply,
     Hello,
@@ -62,6 +64,19 @@ def default_socket_path() -> str:
 
 
 def _unavailable(path: str, why: str) -> DaemonUnavailable:
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = None
+    if mode is not None and not stat.S_ISSOCK(mode):
+        # The daemon refuses to replace anything that is not a socket: suggesting
+        # `spotguard daemon --socket PATH` would only lead to a second refusal.
+        what = "a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode) else "not a socket"
+        return DaemonUnavailable(
+            f"{path} is {what}, not the daemon's socket ({why}); point --socket / SPOTGUARD_SOCKET at the "
+            f"daemon's socket (default {DEFAULT_SOCKET}), or move {path} away before starting "
+            f"`spotguard daemon --socket {path}`"
+        )
     return DaemonUnavailable(
         f"no spotguard daemon answering on {path} ({why}); start one with `spotguard daemon --socket {path}` "
         "(or `systemctl start spotguard`), or point --socket / SPOTGUARD_SOCKET at its socket"
@@ -267,7 +282,11 @@ def add_drill_arguments(parser: argparse.ArgumentParser) -> None:
     _add_common(parser)
     parser.add_argument("--kind", choices=KINDS, default="preemption", help="notice kind (default preemption)")
     parser.add_argument("--deadline-in", type=float, default=30.0, metavar="SECONDS",
-                        help="deadline of the synthetic notice, seconds from now (default 30)")
+                        help="deadline of the synthetic notice, seconds from now (default 30); the drill "
+                             "expires at that deadline")
+    parser.add_argument("--cancel", default=None, metavar="ID",
+                        help="withdraw the active drill ID (printed by `spotguard drill`, listed by "
+                             "`spotguard status`): subscribers get a cancel and it is no longer replayed")
     parser.add_argument("--json", action="store_true", help="print the reply as JSON")
 
 
@@ -297,8 +316,14 @@ def _fmt_status(state: dict[str, Any]) -> str:
     active = state.get("active_notices") or []
     lines.append(f"active:      {len(active)}")
     for n in active:
-        lines.append(f"  {n['id']} {n['source']}/{n['kind']} deadline {n['deadline']} "
-                     f"({n.get('seconds_left', 0):.1f}s left)")
+        left = n.get("seconds_left", 0)
+        if isinstance(left, (int, float)) and left < 0:
+            until = n.get("expires_in")
+            tail = f", replayed {until:.0f}s more" if isinstance(until, (int, float)) else ""
+            when = f"deadline passed {-left:.1f}s ago{tail}"
+        else:
+            when = f"{left:.1f}s left"
+        lines.append(f"  {n['id']} {n['source']}/{n['kind']} deadline {n['deadline']} ({when})")
     last = state.get("last_notice")
     if last:
         lines.append(f"last notice: {last['id']} {last['source']}/{last['kind']} received {last['received_at']} "
@@ -334,6 +359,16 @@ def status_main(args: argparse.Namespace) -> int:
 
 
 def drill_main(args: argparse.Namespace) -> int:
+    if args.cancel is not None:
+        reply = _ask("drill", args, DrillCancel(id=args.cancel))
+        if reply is None:
+            return 1
+        assert isinstance(reply, DrillOk)
+        if args.json:
+            print(json.dumps({"id": reply.id, "cancelled": True}))
+        else:
+            print(f"drill {reply.id} cancelled", file=sys.stderr)
+        return 0
     if not args.deadline_in > 0:
         print("spotguard drill: --deadline-in must be greater than 0", file=sys.stderr)
         return 2

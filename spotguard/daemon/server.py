@@ -1,4 +1,4 @@
-"""Unix-socket fan-out server speaking protocol v1 (SPEC.md "Socket protocol").
+"""Unix-socket fan-out server speaking protocol v1 (``spotguard.protocol``).
 
 Design rules, each from a way a sidecar can hurt the job it protects:
 - every client has its own bounded send queue and writer task, so a subscriber
@@ -31,6 +31,7 @@ from ..protocol import (
     CheckpointFailed,
     CheckpointStarted,
     Drill,
+    DrillCancel,
     ErrorReply,
     Hello,
     Message,
@@ -213,6 +214,8 @@ class Handler(Protocol):
     def on_status(self, client: "Client") -> Message: ...
 
     def on_drill(self, client: "Client", msg: Drill) -> Message: ...
+
+    def on_drill_cancel(self, client: "Client", msg: DrillCancel) -> Message: ...
 
     def on_delivered(self, client: "Client", notice_id: str, latency: Optional[float]) -> None: ...
 
@@ -540,6 +543,8 @@ class Server:
             self.send(client, self.handler.on_status(client))
         elif isinstance(msg, Drill):
             self.send(client, self.handler.on_drill(client, msg))
+        elif isinstance(msg, DrillCancel):
+            self.send(client, self.handler.on_drill_cancel(client, msg))
         elif isinstance(msg, REPORTS):
             self.handler.on_report(client, msg)
         elif isinstance(msg, Unknown):

@@ -1,4 +1,4 @@
-"""``install_preemption_hook``: one line in training code (SPEC.md "Python API").
+"""``install_preemption_hook``: one line in training code (docs/api.md).
 
 Dispatches on the trainer's type: a dict of stateful objects gets the plain
 PyTorch ``Hook``; framework trainers go through ``adapters`` (matched by type
@@ -56,7 +56,11 @@ def install_preemption_hook(
     """Turn a termination notice into a committed checkpoint and a clean exit; returns the hook.
 
     Call after ``torch.distributed.init_process_group`` (on every rank) and
-    before training; then ``start = hook.resume()``.
+    before training; then ``start = hook.resume()`` (or ``for step in hook.range(total)``).
+    Checked here, so a mistake fails now rather than during a notice: a dict hook
+    under a launcher's ``WORLD_SIZE`` > 1 without a process group (RuntimeError), a
+    malformed storage URI (``StorageURIError``, a ValueError), a storage every rank
+    cannot write and delete a small object in (``StorageError``). Reference: docs/api.md.
 
     ``on_notice(notice)`` runs on a background thread for every notice; return
     ``False`` to make the hook ignore that notice.
@@ -72,7 +76,9 @@ def install_preemption_hook(
     own throughput says it ends within half of the time left before the
     deadline (cut off there regardless), else aborted (multipart uploads
     aborted, nothing committed); then the emergency checkpoint is written.
-    See docs/storage.md.
+    See docs/storage.md. Framework trainers (Lightning, Hugging Face, Accelerate)
+    honour ``every`` too: the framework writes its own checkpoint at a boundary,
+    synchronously, committed with reason ``periodic``.
 
     ``scope``: for a resume on another world size, ``{"key": "global" | "per_rank"}``
     overrides the default scope of a state-dict entry (schedulers, scalers and
@@ -95,7 +101,7 @@ def install_preemption_hook(
         raise TypeError("scope= applies to a dict of stateful objects only (frameworks keep their own state)")
     adapter = adapters.find(trainer)
     if adapter is not None:
-        return adapter.load()(trainer, storage, socket=sock, every=every, keep=keep, exit_code=exit_code,
+        return adapter.load()(trainer, storage, socket=sock, every=period, keep=keep, exit_code=exit_code,
                               on_notice=on_notice)
     raise TypeError(
         f"install_preemption_hook does not know {type(trainer).__module__}.{type(trainer).__qualname__}; "

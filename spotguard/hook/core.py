@@ -1,6 +1,6 @@
 """The plain-PyTorch hook: notice -> agreed step -> committed DCP checkpoint -> clean exit.
 
-Shape of one iteration with no loop change (see SPEC.md "Python API")::
+Shape of one iteration with no loop change (see docs/api.md)::
 
     fwd/bwd ... [pre-hook: BOUNDARY] opt.step() [post-hook: DECIDE] sched.step() ...
 
@@ -58,6 +58,7 @@ import socket as _socket
 import sys
 import threading
 import time
+import uuid
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -70,8 +71,10 @@ from .. import __version__
 from ..logs import get_logger
 from ..notice import Notice
 from ..protocol import CheckpointDone, CheckpointFailed, CheckpointStarted
-from ..storage import Storage, open_storage
+from ..storage import Storage, StorageError, open_storage
+from ..storage.base import join_key
 from ..storage.commit import (
+    COMMIT_NAME,
     CommitRecord,
     commit_and_retain,
     newest_committed,
@@ -94,8 +97,9 @@ from . import elastic
 from .state import Objects, Snapshot, classify, pack, tracked_buffers, unpack
 from .dist import destroy_group, guard_destroy, unguard_destroy
 from .periodic import PERIODIC_SETTLED, PeriodicSaver, stage_state_dict
+from .preflight import check_launcher, probe_writable, unwritable_message
 
-__all__ = ["Hook", "Preempted", "SIGNAL_GRACE"]
+__all__ = ["Hook", "Preempted", "SIGNAL_GRACE", "EXIT_SAVE_FAILED"]
 
 SIGNAL_GRACE = 30.0  # torchrun's default --shutdown-timeout: what a SIGTERM leaves us
 # Storage requests of a notice-driven save stop this long before the notice deadline (at most half
@@ -121,6 +125,22 @@ def _env_seconds(name: str, default: float) -> float:
 
 
 QUIESCE_PERIODIC_TIMEOUT = _env_seconds("SPOTGUARD_PERIODIC_DRAIN", 60.0)
+# Framework adapters take ``every=`` checkpoints synchronously, in the framework's own format, through the
+# notice path with a synthetic notice: its id prefix keeps it out of daemon reports and commit records.
+PERIODIC_NOTICE_PREFIX = "periodic-"
+PERIODIC_SYNC_TIMEOUT = 600.0
+
+
+def periodic_notice(step: int) -> Notice:
+    """The synthetic notice an adapter's ``every=`` checkpoint is written under (never sent anywhere)."""
+    now = utcnow()
+    return Notice(id=f"{PERIODIC_NOTICE_PREFIX}{step}", source="signal", kind="maintenance",
+                  deadline=now + timedelta(seconds=PERIODIC_SYNC_TIMEOUT), received_at=now,
+                  detail="every= safety-net checkpoint")
+#: exit code when the emergency save failed (nothing committed for this stop: progress since the last
+#: commit is lost). EX_TEMPFAIL from sysexits.h: "try again later" — launchers restart on it like on 143,
+#: and it tells the user apart from 143 ("stopped for a notice, nothing lost").
+EXIT_SAVE_FAILED = 75
 LEVEL_NONE, LEVEL_CHECKPOINT, LEVEL_EMERGENCY, LEVEL_REPLAY = 0, 1, 2, 3
 _ACTIONS = {0: "none", 1: "checkpoint", 2: "emergency", 3: "exit"}
 
@@ -162,6 +182,10 @@ def _env_float(name: str) -> Optional[float]:
 class Hook:
     """Emergency checkpointing for a dict of stateful objects (see the module docstring)."""
 
+    # A dict hook under a launcher must come after init_process_group; framework adapters
+    # arm later, once their trainer has created the group.
+    _launcher_check = True
+
     def __init__(
         self,
         state: Mapping[str, Any],
@@ -182,6 +206,8 @@ class Hook:
             raise ValueError(f"exit_code must be an integer in 0..255, got {exit_code!r}")
         if every is not None and (isinstance(every, bool) or not isinstance(every, (int, float)) or not every > 0):
             raise ValueError(f"every must be a positive number of seconds or None, got {every!r}")
+        if self._launcher_check:
+            check_launcher(dist.is_available() and dist.is_initialized())
         self._objs: Objects = classify(state, scope)
         self._storage: Storage = storage if isinstance(storage, Storage) else open_storage(storage)
         self._keep = keep
@@ -194,6 +220,8 @@ class Hook:
         self._group = make_group() if self._dist else None
         self._agree = Agreement(self._group)
         self._log = get_logger("spotguard.hook", component="hook", rank=self._rank)
+        if not getattr(self, "_probed", False):
+            self._probe_storage()
         self._torn_down = False  # the user destroyed the process group (or the hook quiesced for exit)
         self._late: Optional[tuple[int, int]] = None  # the last flag reduction, settled at teardown
         # periodic safety-net checkpoints: their own gloo group, created here (collective, every rank)
@@ -204,6 +232,11 @@ class Hook:
         self._count = 0
         self._resumed = False
         self._resumed_step = 0
+        self._resumed_dir: Optional[str] = None  # the committed folder this run's state came from
+        # Which run wrote a checkpoint (COMMIT.json extra "lineage"): inherited on resume, so a second run
+        # on the same storage that never resumed cannot pass another run's checkpoint off as its own.
+        self._lineage = uuid.uuid4().hex
+        self._fresh_checked = False
         self._explicit = False
         self._implicit_counted = False
         self._internal = False
@@ -242,6 +275,19 @@ class Hook:
             objects=self._objs.roles(), socket=getattr(self._intake, "socket_path", None),
         )
 
+    def _probe_storage(self) -> None:
+        """Every rank writes and deletes a small object; any failure is one StorageError on every rank."""
+        err = probe_writable(self._storage)
+        if self._dist:
+            allv: list[Any] = [None] * self._world
+            dist.all_gather_object(allv, err, group=self._group)
+        else:
+            allv = [err]
+        errors = [(r, e) for r, e in enumerate(allv) if e]
+        if errors:
+            raise StorageError(unwritable_message(self._storage.uri, errors))
+        self._probed = True
+
     # ------------------------------------------------------------------ public
 
     @property
@@ -268,7 +314,9 @@ class Hook:
             if self._rank == 0:
                 try:
                     info = newest_committed(self._storage)
-                    found = None if info is None else (info.dir, info.step, info.record.notice_id if info.record else None)
+                    found = None if info is None else (
+                        info.dir, info.step, info.record.notice_id if info.record else None,
+                        (info.record.extra.get("lineage") if info.record else None) or None)
                 except Exception as exc:  # noqa: BLE001 - shared with peers, then raised
                     found = ("error", f"{type(exc).__name__}: {exc}")
             found = self._bcast0(found)
@@ -276,9 +324,12 @@ class Hook:
                 raise RuntimeError(f"spotguard: cannot list checkpoints in {self._storage.uri}: {found[1]}")
             step, from_notice = 0, None
             if found is not None:
-                dirkey, step, from_notice = found
+                dirkey, step, from_notice, lineage = found
                 t0 = time.monotonic()
                 self._load(dirkey)
+                self._resumed_dir = dirkey
+                if isinstance(lineage, str):
+                    self._lineage = lineage
                 if from_notice:
                     self._committed_ids.add(from_notice)
                 self._log.info(ev.RESUMED, step=step, uri=f"{self._storage.uri}/{dirkey}",
@@ -289,6 +340,7 @@ class Hook:
             self._internal = False
         self._count = self._resumed_step = step
         self._resumed = True
+        self._fresh_checked = True
         self._agree_at_start()
         return step
 
@@ -411,6 +463,8 @@ class Hook:
 
     def _decide(self) -> None:
         """End of an iteration as the hook sees it: count, snapshot, launch the flag reduction."""
+        if not self._fresh_checked:
+            self._warn_unresumed()
         if self._torn_down:  # the process group is gone: count, but launch nothing
             self._count += 1
             return
@@ -439,6 +493,8 @@ class Hook:
         self._remove_step_hooks()
 
     def _explicit_boundary(self, *, final: bool) -> None:
+        if not self._fresh_checked:
+            self._warn_unresumed()
         if self._torn_down:  # after destroy_process_group(): no collective any more
             return
         res = self._agree.collect()
@@ -450,6 +506,22 @@ class Hook:
         if not final:
             level, deadline_ms = self._local_level()
             self._agree.launch(level, deadline_ms, self._periodic_flags())
+
+    def _warn_unresumed(self) -> None:
+        """First step without ``hook.resume()`` (rank 0, once): say so if the storage already holds a checkpoint."""
+        self._fresh_checked = True
+        if self._rank != 0:
+            return
+        try:
+            info = newest_committed(self._storage)
+        except Exception as exc:  # noqa: BLE001 - a warning must never stop training
+            self._log.debug("unresumed check failed", error=repr(exc))
+            return
+        if info is not None:
+            self._log.warning(ev.NOT_RESUMED, uri=f"{self._storage.uri}/{info.dir}", committed_step=info.step,
+                              step=self._count,
+                              fix="call start = hook.resume() before the first step (or iterate hook.range(total)), "
+                                  "or give this run its own storage prefix; its checkpoints are not this run's")
 
     # ---------------------------------------------------------------- notices
 
@@ -501,6 +573,10 @@ class Hook:
             if notice.id in self._seen:
                 return
             self._seen.add(notice.id)
+        if not notice.emergency and notice.id in self._committed_ids:
+            self._log.info(ev.NOTICE_IGNORED, notice_id=notice.id, kind=notice.kind,
+                           reason="replayed; its checkpoint is already committed")
+            return
         self._log.info(ev.NOTICE_SEEN, notice_id=notice.id, kind=notice.kind, source=notice.source, via=via,
                        deadline=to_rfc3339(notice.deadline), seconds_left=round(notice.seconds_left(), 3))
         if self._on_notice_cb is not None:
@@ -524,7 +600,9 @@ class Hook:
 
     def _level_of(self, n: Notice) -> int:
         if n.id in self._committed_ids:
-            return LEVEL_REPLAY
+            # Already checkpointed for it: an emergency replay means "exit, the VM is going"; a
+            # rebalance/maintenance replay means nothing (they never stop a job).
+            return LEVEL_REPLAY if n.emergency else LEVEL_NONE
         return LEVEL_EMERGENCY if n.emergency else LEVEL_CHECKPOINT
 
     def _local_level(self) -> tuple[int, int]:
@@ -612,6 +690,10 @@ class Hook:
     def _carry_out(self, plan: tuple[Notice, list[str], str], snap: Optional[Snapshot]) -> None:
         """Exit (replay), emergency save + exit (never returns), or an ordinary save and keep training."""
         notice, ids, action = plan
+        if action == "periodic":  # a framework adapter's every= checkpoint: no notice involved
+            self._save(notice, "periodic", snap)
+            set_group_timeout(self._group, 1800.0)
+            return
         if action == "exit":
             self._exit(notice, None)
         if action == "emergency":
@@ -627,6 +709,8 @@ class Hook:
                 self._seen.add(i)
 
     def _report(self, msg: Any) -> None:
+        if str(getattr(msg, "id", "")).startswith(PERIODIC_NOTICE_PREFIX):
+            return  # about no daemon notice
         if self._intake is not None:
             try:
                 self._intake.report(msg)
@@ -665,7 +749,7 @@ class Hook:
             left = notice.seconds_left()
             scope.enter_context(self._storage.deadline_at(
                 time.monotonic() + left - min(SAVE_MARGIN, max(0.0, left) / 2)))
-            status = self._bcast0(prepare_status(self._storage, step) if self._rank == 0 else None)
+            status = self._bcast0(self._prepare_status(step) if self._rank == 0 else None)
             if status[0] == "already":
                 return self._finish_ok(notice, step, uri, 0, t0, already=True)
             if status[0] == "error":
@@ -687,10 +771,12 @@ class Hook:
             outcome: Any = None
             if self._rank == 0:
                 outcome = commit_and_retain(self._storage, step, CommitRecord(
-                    step=step, world_size=self._world, reason=reason, notice_id=notice.id,
+                    step=step, world_size=self._world, reason=reason,
+                    notice_id=None if reason == "periodic" else notice.id,
                     seconds=round(time.monotonic() - t0, 3),
-                    extra={"notice_kind": notice.kind, "notice_source": notice.source,
-                           "deadline": to_rfc3339(notice.deadline), "spotguard": __version__},
+                    extra={"spotguard": __version__, "lineage": self._lineage} if reason == "periodic" else
+                    {"notice_kind": notice.kind, "notice_source": notice.source,
+                     "deadline": to_rfc3339(notice.deadline), "spotguard": __version__, "lineage": self._lineage},
                 ), self._keep, self._log)
             stage = "commit-barrier"
             # Every rank passes this only after the record is durable: no rank may exit before it.
@@ -704,6 +790,29 @@ class Hook:
             return self._fail(notice, step, f"{stage}: {type(exc).__name__}: {exc}", t0, peers_ok=False)
         finally:
             scope.close()
+
+    def _prepare_status(self, step: int, storage: Optional[Storage] = None) -> tuple[str, Any]:
+        """Rank 0: ``prepare_status``, except that "already committed" counts only for this run's own checkpoint.
+
+        A step folder committed by another run (another lineage in its record) that this run never
+        resumed from is not this run's state: claiming it would report ``committed`` for bytes that
+        are not ours. That is an error naming the fix.
+        """
+        storage = storage or self._storage
+        status = prepare_status(storage, step)
+        key = step_dir(step)
+        if status[0] != "already" or key == self._resumed_dir:
+            return status
+        try:
+            rec = CommitRecord.from_json(storage.read_bytes(join_key(key, COMMIT_NAME)))
+            theirs = rec.extra.get("lineage")
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            return ("error", f"{key} is committed but its record cannot be read: {type(exc).__name__}: {exc}")
+        if theirs == self._lineage:
+            return status
+        return ("error", f"{self._storage.uri}/{key} is already committed by another run (lineage {theirs}) that "
+                         "this run never resumed from; call hook.resume() before training, or give this run its "
+                         "own storage prefix")
 
     def _finish_ok(self, notice: Notice, step: int, uri: str, nbytes: int, t0: float, already: bool = False) -> _Result:
         secs = round(time.monotonic() - t0, 3)
@@ -733,11 +842,18 @@ class Hook:
     def _exit(self, notice: Notice, result: Optional[_Result]) -> NoReturn:
         """Teardown without hanging, then raise Preempted (os._exit if teardown itself hung)."""
         self._exiting = True
-        code = self._exit_code
         peers_ok = result.peers_ok if result is not None else True
         method, secs = teardown(self._group, peers_ok=peers_ok)
         self._log.info(ev.TEARDOWN, notice_id=notice.id, method=method, seconds=round(secs, 3))
-        committed = bool(result.committed) if result is not None else True
+        # No save (result None): a replay of the notice our checkpoint was written for, or a notice
+        # already active at start. This run's state is committed only if it came from a checkpoint
+        # and did not move since; a run with no checkpoint had nothing to save and claims nothing.
+        nothing = result is None and self._resumed_dir is None and self._count == 0
+        if result is not None:
+            committed = bool(result.committed)
+        else:
+            committed = self._resumed_dir is not None and self._count == self._resumed_step
+        code = self._exit_code if committed or nothing else EXIT_SAVE_FAILED
         self._flush_intake()
         # From here the process is leaving: a late SIGTERM (torchrun tells the others
         # once one rank exits) must not turn our code into -15 during interpreter exit.
@@ -748,7 +864,7 @@ class Hook:
                 pass
         self._prev_handlers.clear()
         self._log.info(ev.EXIT, notice_id=notice.id, code=code, step=self._count, committed=committed,
-                       **self._timing(notice))
+                       nothing_to_save=nothing, **self._timing(notice))
         self.close()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -877,6 +993,12 @@ class Hook:
         if it is not None and os.path.exists(it.socket_path):
             if it.wait_connected(1.0):
                 it.replayed.wait(1.0)  # every active notice the daemon replays has been received
+        with self._lock:  # rebalance/maintenance replays received before resume() knew they were ours
+            ours = [i for i, n in self._pending.items() if not n.emergency and i in self._committed_ids]
+            for nid in ours:
+                del self._pending[nid]
+        for nid in ours:
+            self._log.info(ev.NOTICE_IGNORED, notice_id=nid, reason="replayed; its checkpoint is already committed")
         level, deadline_ms = self._local_level()
         if self._dist:
             level, deadline_ms = self._agree.blocking(level, deadline_ms)

@@ -20,7 +20,11 @@ is known, ``notice_id``. Fields per event:
 - ``checkpoint_committed``: notice_id, step, uri, bytes, seconds, seconds_left
 - ``checkpoint_failed``: notice_id, step, error, seconds
 - ``teardown``: notice_id, method ("destroy" | "abort" | "none" | "timeout"), seconds
-- ``exit``: notice_id, code, step, committed (bool), seconds_since_notice, seconds_left
+- ``exit``: notice_id, code (143 / ``exit_code=`` when nothing was lost, 75 when the save failed), step,
+  committed (bool: a checkpoint of this run's state at ``step`` is committed), nothing_to_save (bool: the
+  notice came before the first step and no checkpoint exists), seconds_since_notice, seconds_left
+- ``not_resumed``: uri, committed_step, step, fix (rank 0, once: training started without ``hook.resume()``
+  while the storage already holds a committed checkpoint)
 - ``notice_after_last_step``: notice_id, step (the job finished its work; exit code unchanged)
 """
 
@@ -39,6 +43,7 @@ CHECKPOINT_FAILED = "checkpoint_failed"
 TEARDOWN = "teardown"
 EXIT = "exit"
 NOTICE_AFTER_LAST_STEP = "notice_after_last_step"
+NOT_RESUMED = "not_resumed"
 
 TIMELINE: tuple[str, ...] = (
     NOTICE_SEEN,

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from .. import __version__
-from ..storage.commit import CommitRecord, commit_and_retain, prepare_status, step_dir
+from ..storage.commit import CommitRecord, commit_and_retain, step_dir
 from .dist import destroy_group, make_group, set_group_timeout
 
 if TYPE_CHECKING:
@@ -257,7 +257,7 @@ class PeriodicSaver:
         uri = f"{storage.uri}/{key}"
         stage = "prepare"
         try:
-            status = self._bcast0(prepare_status(storage, job.step) if h._rank == 0 else None)
+            status = self._bcast0(h._prepare_status(job.step, storage) if h._rank == 0 else None)
             if status[0] == "already":
                 job.committed = True
                 return
@@ -291,7 +291,8 @@ class PeriodicSaver:
                     outcome = commit_and_retain(storage, job.step, CommitRecord(
                         step=job.step, world_size=h._world, reason="periodic", notice_id=None,
                         seconds=round(time.monotonic() - job.started, 3),
-                        extra={"staging_seconds": round(job.staging_seconds, 4), "spotguard": __version__},
+                        extra={"staging_seconds": round(job.staging_seconds, 4), "spotguard": __version__,
+                               "lineage": h._lineage},
                     ), h._keep, h._log)
             stage = "commit-barrier"
             outcome = self._bcast0(outcome)

@@ -207,12 +207,20 @@ class GCSStorage(ObjectStorage):
             else:
                 try:
                     import google.auth
+                    import google.auth.exceptions
                     from google.auth.transport.requests import AuthorizedSession
                 except ImportError as exc:
                     raise missing_extra("Google Cloud Storage (gs://)", "gcs", exc) from None
                 if credentials is None:
-                    credentials, _project = google.auth.default(
-                        scopes=["https://www.googleapis.com/auth/devstorage.read_write"])
+                    try:
+                        credentials, _project = google.auth.default(
+                            scopes=["https://www.googleapis.com/auth/devstorage.read_write"])
+                    except google.auth.exceptions.DefaultCredentialsError as exc:
+                        raise StorageError(
+                            f"gs:// needs Google credentials and none were found ({exc}): attach a service "
+                            "account to the VM, set GOOGLE_APPLICATION_CREDENTIALS to a key file, or run "
+                            "`gcloud auth application-default login`; for an emulator set STORAGE_EMULATOR_HOST"
+                        ) from None
                 self._credentials = credentials
                 # No resend on 401 inside the session: it would resend a streamed (zero-copy) body from
                 # where the first send left it. _req refreshes and the retry builds a fresh body.

@@ -14,7 +14,7 @@ import structlog
 from torch.distributed.checkpoint import FileSystemWriter
 
 from spotguard.hook import Hook, Preempted, events
-from spotguard.hook.core import SAVE_MARGIN
+from spotguard.hook.core import EXIT_SAVE_FAILED, SAVE_MARGIN
 from spotguard.notice import Notice
 from spotguard.storage.commit import COMMIT_NAME, newest_committed, scan, step_dir
 from spotguard.storage.local import LocalStorage
@@ -75,7 +75,7 @@ def test_failed_save_reports_checkpoint_failed_and_keeps_previous(tmp_path: Path
                 one_iteration(s)
     finally:
         h.close()
-    assert info.value.code == 143 and not info.value.committed and info.value.step == 5
+    assert info.value.code == EXIT_SAVE_FAILED == 75 and not info.value.committed and info.value.step == 5
     failed = [e for e in logs if e["event"] == events.CHECKPOINT_FAILED]
     assert len(failed) == 1 and failed[0]["notice_id"] == n.id
     assert "CheckpointException" in failed[0]["error"] and "injected" in failed[0]["error"]

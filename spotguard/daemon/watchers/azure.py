@@ -44,7 +44,7 @@ HEADERS = {"Metadata": "true"}
 MIN_REQUEST_SPACING = 0.25
 
 _KINDS = {"Preempt": "preemption", "Terminate": "termination"}
-# Minimum notice per event type (CLOUD_FACTS.md): the deadline when NotBefore is
+# Minimum notice per event type (Azure Scheduled Events docs): the deadline when NotBefore is
 # "" (event already started) or unreadable.
 MIN_NOTICE: dict[str, timedelta] = {
     "Preempt": timedelta(seconds=30),

@@ -25,13 +25,17 @@ from __future__ import annotations
 
 import os
 import pathlib
+import time
 from typing import Any, Callable, Optional
 
+import torch.distributed as dist
+
 from ...notice import Notice
-from ...storage import Storage, open_storage
+from ...storage import Storage, StorageError, open_storage
 from ...storage.commit import newest_committed
 from .. import events as ev
-from ..core import Hook
+from ..core import Hook, periodic_notice
+from ..preflight import probe_writable, unwritable_message
 from ._files import download_dir
 
 __all__ = ["FrameworkHook"]
@@ -50,6 +54,7 @@ class FrameworkHook(Hook):
     """Base of the Lightning / Hugging Face / Accelerate adapters (see the module docstring)."""
 
     framework = "framework"
+    _launcher_check = False  # the trainer creates the process group itself (inside fit/train)
 
     def __init__(
         self,
@@ -60,6 +65,7 @@ class FrameworkHook(Hook):
         exit_code: int = 143,
         on_notice: Callable[[Notice], Any] | None = None,
         arm: bool = True,
+        every: float | None = None,
     ) -> None:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be a positive integer or None, got {keep!r}")
@@ -68,11 +74,25 @@ class FrameworkHook(Hook):
         _configure_logging()
         self._storage = storage if isinstance(storage, Storage) else open_storage(storage)
         self._armed = False
+        if not (arm or (dist.is_available() and dist.is_initialized())):
+            # Arming (with its collective probe) waits for the trainer's process group: probe this
+            # rank's access now, so a wrong path or missing credentials fail at install.
+            err = probe_writable(self._storage)
+            if err:
+                rank = int(os.environ.get("RANK", "0") or 0)
+                raise StorageError(unwritable_message(self._storage.uri, [(rank, err)]))
+            self._probed = True
         self._init_kw: dict[str, Any] = dict(socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice)
-        # (local path handed to the framework, step, notice id of its commit record, storage folder)
-        self._latest: Optional[tuple[str, int, Optional[str], str]] = None
+        # (local path handed to the framework, step, notice id of its commit record, storage folder, lineage)
+        self._latest: Optional[tuple[str, int, Optional[str], str, Optional[str]]] = None
         self._last_boundary: Optional[int] = None
         self._early: list[Notice] = []  # notify() before the core is armed
+        # every=: the framework writes its own checkpoint at a boundary (synchronously: its format
+        # cannot be staged and uploaded in the background like the plain hook's DCP state).
+        from .. import parse_every  # noqa: PLC0415 - the package imports this module
+
+        self._every: Optional[float] = parse_every(every)
+        self._every_due = float("inf")
         if arm:
             self._arm()
 
@@ -84,6 +104,7 @@ class FrameworkHook(Hook):
             return
         Hook.__init__(self, state or {}, self._storage, **self._init_kw)
         self._armed = True
+        self._restart_every()
         early, self._early = self._early, []
         for notice in early:
             self._receive(notice, via="api")
@@ -108,7 +129,9 @@ class FrameworkHook(Hook):
         if folder is None:
             folder = download_dir(self._storage, info.dir)
         target = str(self._resume_target(pathlib.Path(folder)))
-        self._latest = (target, info.step, info.record.notice_id if info.record else None, info.dir)
+        rec = info.record
+        self._latest = (target, info.step, rec.notice_id if rec else None, info.dir,
+                        (rec.extra.get("lineage") if rec else None) or None)
         return target
 
     def notify(self, notice: Notice) -> None:
@@ -131,6 +154,34 @@ class FrameworkHook(Hook):
     def range(self, total: int) -> Any:
         raise TypeError(f"hook.range() is for the plain-PyTorch dict; the {self.framework} trainer owns the loop")
 
+    # ------------------------------------------------------------ every=
+
+    def _restart_every(self) -> None:
+        if self._every is not None:
+            self._every_due = time.monotonic() + self._every
+
+    def _periodic_flags(self) -> tuple[int, int]:
+        """(due, busy) for the flag reduction: due once ``every`` seconds passed since the last commit."""
+        if self._every is None or self._torn_down or self._closed:
+            return 0, 0
+        return (1 if time.monotonic() >= self._every_due else 0), 0
+
+    def _maybe_periodic(self, snap: Any) -> None:
+        """At a boundary with no notice and some rank due: every rank writes the framework's checkpoint now."""
+        if self._every is None or self._torn_down or self._closed or not self._agree.flags[0]:
+            return
+        self._internal = True
+        try:
+            self._carry_out((periodic_notice(self._count), [], "periodic"), snap)
+        finally:
+            self._internal = False
+        self._restart_every()  # also after a failure: retry one period later, not at every step
+
+    def _finish_ok(self, notice: Notice, step: int, uri: str, nbytes: int, t0: float, already: bool = False) -> Any:
+        res = super()._finish_ok(notice, step, uri, nbytes, t0, already)
+        self._restart_every()
+        return res
+
     # ------------------------------------------------------------ for subclasses
 
     def _resume_target(self, folder: pathlib.Path) -> pathlib.Path:
@@ -152,11 +203,17 @@ class FrameworkHook(Hook):
                 os.path.realpath(resumed_from) == os.path.realpath(self._latest[0]):
             from_notice = self._latest[2]
             uri = f"{self._storage.uri}/{self._latest[3]}"
+            self._resumed_dir = self._latest[3]
+            if self._latest[4]:
+                self._lineage = self._latest[4]
         elif resumed_from is not None:
             uri = str(resumed_from)
         if from_notice:
             self._committed_ids.add(from_notice)
         self._resumed = True
+        if resumed_from is None:
+            self._warn_unresumed()
+        self._fresh_checked = True
         self._log.info(ev.RESUMED, step=step if resumed_from else 0, uri=uri, from_notice_id=from_notice,
                        seconds=0.0, framework=self.framework)
         self._agree_at_start()

@@ -66,14 +66,16 @@ class AccelerateHook(FrameworkHook):
     range = Hook.range
 
     def __init__(self, accelerator: Any, storage: str | Storage | None = None, *, socket: str | None = None,
-                 keep: int | None = None, exit_code: int = 143, on_notice: Optional[Any] = None) -> None:
+                 keep: int | None = None, exit_code: int = 143, on_notice: Optional[Any] = None,
+                 every: Optional[float] = None) -> None:
         state = _prepared_state(accelerator)
         if not any(k.startswith("optimizer") for k in state):
             raise TypeError(
                 "install_preemption_hook(accelerator) needs the prepared optimizer: call it after "
                 "accelerator.prepare(model, optimizer, ...)"
             )
-        super().__init__(storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice, arm=False)
+        super().__init__(storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice, arm=False,
+                         every=every)
         self.accelerator = accelerator
         self._arm(state)
 
@@ -149,4 +151,5 @@ class AccelerateHook(FrameworkHook):
 
 def install(accelerator: Any, storage: Any = None, *, socket: str | None = None, every: Any = None,
             keep: int | None = None, exit_code: int = 143, on_notice: Any = None) -> AccelerateHook:
-    return AccelerateHook(accelerator, storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice)
+    return AccelerateHook(accelerator, storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice,
+                          every=every)

@@ -44,6 +44,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from ...storage import Storage
+from ..core import periodic_notice
 from ._base import FrameworkHook
 from ._files import upload_dir
 
@@ -78,8 +79,10 @@ class HFTrainerHook(FrameworkHook):
     framework = "transformers"
 
     def __init__(self, trainer: Any, storage: str | Storage | None = None, *, socket: str | None = None,
-                 keep: int | None = None, exit_code: int = 143, on_notice: Optional[Any] = None) -> None:
-        super().__init__(storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice, arm=False)
+                 keep: int | None = None, exit_code: int = 143, on_notice: Optional[Any] = None,
+                 every: Optional[float] = None) -> None:
+        super().__init__(storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice, arm=False,
+                         every=every)
         self.trainer = trainer
         self._plan_pending: Optional[tuple[Any, list[str], str]] = None
         self._jit_disabled = self._disable_jit_checkpoint()
@@ -126,6 +129,11 @@ class HFTrainerHook(FrameworkHook):
         final = bool(state.max_steps) and state.max_steps > 0 and step >= state.max_steps
         self._count = step
         res = self._agree.collect()
+        if res is not None and res[0] == 0 and not final and self._every is not None and self._agree.flags[0]:
+            # every=: some rank is due: every rank has the Trainer write checkpoint-<step> now (on_save uploads)
+            self._plan_pending = (periodic_notice(step), [], "periodic")
+            control.should_save = True
+            return
         if res is not None and res[0] > 0:
             self._internal = True
             try:
@@ -144,7 +152,7 @@ class HFTrainerHook(FrameworkHook):
                 return  # the next agreement starts after the commit (on_save)
         if not final:
             level, deadline_ms = self._local_level()
-            self._agree.launch(level, deadline_ms)
+            self._agree.launch(level, deadline_ms, self._periodic_flags())
 
     def _on_save(self, control: Any) -> None:
         plan, self._plan_pending = self._plan_pending, None
@@ -155,8 +163,10 @@ class HFTrainerHook(FrameworkHook):
             self._carry_out(plan, None)  # an emergency never returns: Preempted
         finally:
             self._internal = False
+        if plan[2] == "periodic":
+            self._restart_every()  # also after a failure: retry one period later
         level, deadline_ms = self._local_level()
-        self._agree.launch(level, deadline_ms)
+        self._agree.launch(level, deadline_ms, self._periodic_flags())
 
     # ------------------------------------------------------------- writing
 
@@ -182,4 +192,5 @@ class HFTrainerHook(FrameworkHook):
 
 def install(trainer: Any, storage: Any = None, *, socket: str | None = None, every: Any = None,
             keep: int | None = None, exit_code: int = 143, on_notice: Any = None) -> HFTrainerHook:
-    return HFTrainerHook(trainer, storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice)
+    return HFTrainerHook(trainer, storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice,
+                         every=every)

@@ -118,10 +118,11 @@ class LightningHook(FrameworkHook):
 
     def __init__(self, trainer: Any, storage: str | Storage | None = None, *, socket: str | None = None,
                  keep: int | None = None, exit_code: int = 143,
-                 on_notice: Optional[Any] = None) -> None:
+                 on_notice: Optional[Any] = None, every: Optional[float] = None) -> None:
         root = _root_package(trainer)
         callback_cls = importlib.import_module(f"{root}.callbacks").Callback
-        super().__init__(storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice, arm=False)
+        super().__init__(storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice, arm=False,
+                         every=every)
         self.trainer = trainer
         self._saving = False
         self._pending_rng: Optional[dict[str, Any]] = None
@@ -230,5 +231,6 @@ class LightningHook(FrameworkHook):
 
 def install(trainer: Any, storage: Any = None, *, socket: str | None = None, every: Any = None,
             keep: int | None = None, exit_code: int = 143, on_notice: Any = None) -> LightningHook:
-    return LightningHook(trainer, storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice)
+    return LightningHook(trainer, storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice,
+                         every=every)
 

@@ -1,0 +1,112 @@
+"""Model set-ups the API reference says work (``docs/api.md`` "Works with"), for ``torchrun --nproc-per-node 2``.
+
+``--variant two-opts`` (two models, two optimizers, GAN-style), ``compile`` (``torch.compile`` under DDP),
+``fsdp2`` (``fully_shard`` on a CPU device mesh). ``--phase pre`` first runs the uninterrupted reference
+loop without spotguard (``{"ref": step, "hex": loss}`` lines), then the same loop with the hook and a
+notice handed to every rank at step ``--notify-at`` (exits 143); ``--phase resume`` resumes and runs to
+``--steps`` (``{"step": step, "hex": loss}``). Rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def build(variant: str) -> tuple[dict[str, Any], Callable[[torch.Tensor], torch.Tensor]]:
+    torch.manual_seed(0)
+    if variant == "two-opts":
+        gen, disc = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+        g, d = DDP(gen), DDP(disc)
+        opt_d = torch.optim.Adam(disc.parameters(), lr=1e-2)
+        opt_g = torch.optim.SGD(gen.parameters(), lr=0.05, momentum=0.9)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            opt_d.zero_grad()
+            d(g(x).detach()).pow(2).mean().backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            loss = (d(g(x)) - 1).pow(2).mean()
+            loss.backward()
+            opt_g.step()
+            return loss
+
+        return {"gen": g, "disc": d, "opt_d": opt_d, "opt_g": opt_g}, step
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    if variant == "compile":
+        model: Any = DDP(torch.compile(net, backend="eager"))
+    elif variant == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in (net[0], net[2]):
+            fully_shard(layer, mesh=mesh)
+        model = fully_shard(net, mesh=mesh)
+    else:
+        raise SystemExit(f"unknown variant {variant}")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+
+    def step1(x: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        sched.step()
+        return loss
+
+    return {"model": model, "optimizer": opt, "scheduler": sched}, step1
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 2 + dist.get_rank()))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--variant", required=True)
+    p.add_argument("--phase", choices=("pre", "resume"), required=True)
+    p.add_argument("--storage", required=True)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--notify-at", type=int, default=4)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+
+    def out(**kw: Any) -> None:
+        if rank == 0:
+            print(json.dumps(kw), flush=True)
+
+    if args.phase == "pre":
+        _, step = build(args.variant)
+        for i in range(args.steps):
+            out(ref=i, hex=step(batch(i)).item().hex())
+
+    from spotguard import install_preemption_hook
+    from spotguard.notice import Notice
+    from spotguard.timefmt import utcnow
+
+    state, step = build(args.variant)
+    hook = install_preemption_hook(state, storage=args.storage)
+    start = hook.resume()
+    for i in range(start, args.steps):
+        if args.phase == "pre" and i == args.notify_at:
+            now = utcnow()
+            hook.notify(Notice(id="drill-models", source="drill", kind="preemption",
+                               deadline=now + timedelta(seconds=30), received_at=now))
+        out(step=i, hex=step(batch(i)).item().hex())
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
