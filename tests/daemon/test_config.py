@@ -116,7 +116,24 @@ SAMPLES: dict[str, tuple[str, object, list[str], object]] = {
     "node": ("env-node", "env-node", ["--node", "flag-node"], "flag-node"),
     "ping-interval": ("3", 3.0, ["--ping-interval", "4"], 4.0),
     "send-queue": ("32", 32, ["--send-queue", "64"], 64),
+    "sigterm-notice": ("1", True, ["--no-sigterm-notice"], False),
+    "azure-vm-name": ("vm-env", "vm-env", ["--azure-vm-name", "vm-flag"], "vm-flag"),
+    "health-stale-after": ("30", 30.0, ["--health-stale-after", "45"], 45.0),
 }
+
+
+def test_sigterm_is_not_a_notice_by_default() -> None:
+    import argparse
+
+    from spotguard.daemon.config import DaemonConfig, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = DaemonConfig.from_args(parser.parse_args([]), env={}, create_socket_dir=False)
+    assert cfg.sigterm_notice is False and cfg.azure_vm_name == "" and cfg.health_stale_after == 120.0
+    on = DaemonConfig.from_args(parser.parse_args([]), env={"SPOTGUARD_SIGTERM_NOTICE": "yes"},
+                                create_socket_dir=False)
+    assert on.sigterm_notice is True
 
 
 def test_samples_cover_every_option() -> None:

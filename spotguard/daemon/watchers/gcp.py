@@ -81,7 +81,19 @@ class _TokenBucket:
         return wait
 
 
+# GKE's metadata server (what pods see under Workload Identity, and on Autopilot) serves a subset
+# of the instance metadata: ``instance/preempted`` answers 404 there, forever.
+GKE_METADATA_FIX = (
+    "this looks like the GKE metadata server (Workload Identity / Autopilot), which does not serve "
+    "instance/preempted: run the daemon as the hostNetwork DaemonSet (deploy/kubernetes/daemonset), "
+    "which reaches the VM's own metadata server; GKE Autopilot forbids hostNetwork (no notices there, "
+    "see docs/deploy.md)"
+)
+
+
 def _status_fault(status: int, path: str) -> Fault:
+    if status == 404:
+        return Fault("http_404", f"metadata server answered 404 on {path}", GKE_METADATA_FIX)
     if status == 503:
         return Fault(
             "http_503", f"metadata server answered 503 on {path}", "brief unavailability during maintenance; retrying"
@@ -128,7 +140,10 @@ class GcpWatcher(HttpWatcher):
         self._active: dict[str, _Active] = {}
         self._yielded: set[str] = set()
         self._occurrences = itertools.count(1)
-        self._healthy_paths: dict[str, bool] = {PREEMPTED: True, MAINTENANCE: True}
+        self._warned: set[str] = set()
+        self.health.require(PREEMPTED, MAINTENANCE)
+        # A hanging GET answers at least every wait_timeout_sec: allow two of them, and a margin.
+        self.health.stale_floor = 2 * self.wait_timeout_sec + 30
 
     async def _get(self, path: str, params: dict[str, str], timeout: float) -> Resp:
         return await request(
@@ -163,21 +178,23 @@ class GcpWatcher(HttpWatcher):
                     pass
 
     def _error(self, path: str, fault: Fault) -> None:
-        self.health.error(fault.reason, fault.message)
-        self._healthy_paths[path] = False
+        was_ok = self.health.paths[path].ok if path in self.health.paths else True
+        self.health.error(fault.reason, fault.message, fault.fix, path=path)
         fields: dict[str, Any] = {"reason": fault.reason, "error": fault.message, "path": path}
         if fault.fix:
             fields["fix"] = fault.fix
-        log.warning("gcp_poll_error", **fields)
+        # One warning when a path turns bad (or its reason changes), then debug: a GKE 404 is forever.
+        if was_ok or fault.reason not in self._warned:
+            log.warning("gcp_poll_error", **fields)
+        else:
+            log.debug("gcp_poll_error", **fields)
+        self._warned.add(fault.reason)
 
     def _ok(self, path: str) -> None:
-        if not self._healthy_paths.get(path, True):
+        ph = self.health.paths.get(path)
+        if ph is not None and not ph.ok and ph.last_error is not None:
             log.info("gcp_poll_recovered", path=path)
-        self._healthy_paths[path] = True
-        if all(self._healthy_paths.values()):
-            self.health.ok()
-        else:
-            self.health.polls += 1
+        self.health.ok(path)
 
     async def events(self) -> AsyncIterator[WatchEvent]:
         """Run both hanging GETs in the background and yield what they find until ``close``."""
