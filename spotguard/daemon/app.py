@@ -614,6 +614,7 @@ class Daemon:
             "shutting_down": self.shutting_down,
             "healthy": healthy,
             "problems": problems,
+            "checkpoint_pending": self.checkpoint_pending(),
             "log_write_errors": self.metrics.log_write_errors(),
         }
 
@@ -628,6 +629,19 @@ class Daemon:
             if problem is not None:
                 problems.append(problem)
         return not problems, problems
+
+    def checkpoint_pending(self) -> dict[str, Any]:
+        """For ``spotguard wait-checkpoint``: the active emergency notices, and the connected
+        subscribers that have not reported ``checkpoint_done``/``checkpoint_failed`` for each."""
+        notices = [e for e in self.book.active.values() if e.notice.emergency]
+        waiting: list[dict[str, Any]] = []
+        subs = [] if self.server is None else self.server.subscribers()
+        for c in subs:
+            late = [e.id for e in notices
+                    if (r := e.reports.get(c.id)) is None or r.state not in ("checkpoint_done", "checkpoint_failed")]
+            if late:
+                waiting.append({**c.describe(), "notices": late})
+        return {"notices": [e.id for e in notices], "count": len(waiting), "subscribers": waiting[:32]}
 
     def _health(self) -> tuple[bool, dict[str, Any]]:
         ok, problems = self.health()

@@ -97,20 +97,22 @@ class WatcherHealth:
             ph.ok, ph.last_error, ph.fix = False, message, fix
 
     def problem(self, now: Optional[float] = None) -> Optional[str]:
-        """Why this watcher cannot see notices (one line with the fix), or None when it can."""
+        """Why this watcher cannot see notices (each blind path with its fix, ``; ``-joined), or None."""
         if not self.expects_answers:
             return None
         now = time.monotonic() if now is None else now
+        out: list[str] = []
         for name in sorted(self.required):
             ph = self.paths.get(name) or _PathHealth()
             why = f": {ph.last_error}" if ph.last_error else ""
-            fix = f"; fix: {ph.fix}" if ph.fix else ""
+            fix = f" (fix: {ph.fix})" if ph.fix else ""
             if ph.last_ok_monotonic is None:
-                return f"{self.source} {name}: no good answer yet{why}{fix}"
+                out.append(f"{self.source} {name}: no good answer yet{why}{fix}")
+                continue
             age = now - ph.last_ok_monotonic
             if age > max(self.stale_after, self.stale_floor):
-                return f"{self.source} {name}: no good answer for {age:.0f}s{why}{fix}"
-        return None
+                out.append(f"{self.source} {name}: no good answer for {age:.0f}s{why}{fix}")
+        return "; ".join(out) or None
 
     def seeing(self) -> bool:
         return self.problem() is None
