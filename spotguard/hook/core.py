@@ -94,9 +94,8 @@ from .state import RESERVED_PREFIX, Objects, Snapshot, classify, pack, restore_r
 from .dist import destroy_group, guard_destroy, unguard_destroy
 from .periodic import PERIODIC_SETTLED, PeriodicSaver, stage_state_dict
 
-__all__ = ["Hook", "Preempted", "SIGNAL_GRACE"]
+__all__ = ["Hook", "Preempted", "SIGNAL_GRACE", "EMERGENCY_LEAD"]
 
-SIGNAL_GRACE = 30.0  # torchrun's default --shutdown-timeout: what a SIGTERM leaves us
 # Storage requests of a notice-driven save stop this long before the notice deadline (at most half
 # of what is left): the bounded teardown (barrier + destroy, ~0.1 s), the exit (~0.15 s with
 # gc.freeze) and the report to the daemon must still fit before the VM goes.
@@ -120,6 +119,13 @@ def _env_seconds(name: str, default: float) -> float:
 
 
 QUIESCE_PERIODIC_TIMEOUT = _env_seconds("SPOTGUARD_PERIODIC_DRAIN", 60.0)
+# What a SIGTERM leaves us before the SIGKILL: torchrun's default --shutdown-timeout (30 s); set it
+# per platform (GKE pods: 15 s of the node's 30 s; a pod's terminationGracePeriodSeconds; SLURM GraceTime).
+SIGNAL_GRACE = _env_seconds("SPOTGUARD_SIGNAL_GRACE", 30.0)
+# An emergency notice further off than this (GCP GPU host maintenance: about an hour; Azure Terminate:
+# 5-15 min) does not stop training at once: the emergency checkpoint starts this long before the
+# deadline, so it commits before the window opens with a safety margin.
+EMERGENCY_LEAD = _env_seconds("SPOTGUARD_EMERGENCY_LEAD", 300.0)
 LEVEL_NONE, LEVEL_CHECKPOINT, LEVEL_EMERGENCY, LEVEL_REPLAY = 0, 1, 2, 3
 _ACTIONS = {0: "none", 1: "checkpoint", 2: "emergency", 3: "exit"}
 
@@ -512,6 +518,9 @@ class Hook:
                 return
         with self._lock:
             self._pending[notice.id] = notice
+        if notice.emergency and notice.seconds_left() > EMERGENCY_LEAD:
+            self._log.info(ev.NOTICE_DEFERRED, notice_id=notice.id, kind=notice.kind, lead=EMERGENCY_LEAD,
+                           acts_in=round(notice.seconds_left() - EMERGENCY_LEAD, 3))
 
     def _on_cancel(self, notice_id: str) -> None:
         with self._lock:
@@ -523,7 +532,9 @@ class Hook:
     def _level_of(self, n: Notice) -> int:
         if n.id in self._committed_ids:
             return LEVEL_REPLAY
-        return LEVEL_EMERGENCY if n.emergency else LEVEL_CHECKPOINT
+        if not n.emergency:
+            return LEVEL_CHECKPOINT
+        return LEVEL_EMERGENCY if n.seconds_left() <= EMERGENCY_LEAD else LEVEL_NONE  # far: keep training
 
     def _local_level(self) -> tuple[int, int]:
         if not self._pending:  # fast path: a dict truth test, no lock
