@@ -23,6 +23,8 @@ NPROC_PER_NODE="${NPROC_PER_NODE:-gpu}"
 MAX_RESTARTS="${MAX_RESTARTS:-100}"
 export SPOTGUARD_STORAGE
 export SPOTGUARD_SOCKET="${SPOTGUARD_SOCKET:-/run/spotguard/spotguard.sock}"
+# The hook's SIGTERM path: torchrun SIGKILLs its workers 30 s after its own SIGTERM.
+export SPOTGUARD_SIGNAL_GRACE="${SPOTGUARD_SIGNAL_GRACE:-30}"
 
 if [ "$#" -lt 1 ]; then
   echo "usage: $0 TRAIN_SCRIPT [ARGS...]" >&2
@@ -45,6 +47,11 @@ if ! spotguard status --socket "${SPOTGUARD_SOCKET}" --timeout 2 > /dev/null 2>&
   done
 fi
 spotguard status --socket "${SPOTGUARD_SOCKET}" --timeout 5
+# Blind to notices (metadata unreachable, a 404-only metadata server)? Say so, train anyway:
+# the hook still acts on SIGTERM.
+if ! spotguard status --check --socket "${SPOTGUARD_SOCKET}" --timeout 5; then
+  echo "WARNING: the spotguard daemon cannot see termination notices (see above); training with SIGTERM handling only" >&2
+fi
 
 # Not `exec`: the trap above must stop the job's own daemon after torchrun.
 torchrun \
