@@ -279,6 +279,9 @@ def _fmt_status(state: dict[str, Any]) -> str:
     ]
     if state.get("shutting_down"):
         lines.append(f"state:       shutting down ({state.get('shutting_down')})")
+    if "healthy" in state:
+        lines.append("health:      sees notices" if state["healthy"] else "health:      BLIND")
+        lines.extend(f"  {p}" for p in state.get("problems") or [])
     watchers = state.get("watchers") or []
     lines.append(f"watchers:    {len(watchers)}")
     for w in watchers:
