@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from spotguard.launch import Emulator, start_daemon, start_emulator
+from spotguard.launch import Emulator, query_status, start_daemon, start_emulator
 
 CLI = [sys.executable, "-m", "spotguard"]
 FIX_WORDS = {"aws": "/latest/api/token", "gcp": "GKE metadata server", "azure": "/metadata/scheduledevents"}
@@ -105,3 +105,62 @@ def test_health_fails_again_when_answers_stop(emulator: Emulator, sockdir: str) 
 def test_status_check_without_daemon_fails(sockdir: str) -> None:
     out = check(os.path.join(sockdir, "nobody.sock"))
     assert out.returncode == 1 and "no spotguard daemon" in out.stderr
+
+
+# --- the same details through a real daemon process -----------------------------------------
+
+
+def _state(emu: Emulator) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{emu.url}/_emulator/state", timeout=5) as r:  # noqa: S310
+        return dict(json.loads(r.read()))
+
+
+def _first_notice(sock: str, timeout: float = 20.0) -> dict[str, Any]:
+    return dict(until(lambda: (s := query_status(sock))["active_notices"] and s["active_notices"][0], timeout,
+                      "a notice in the daemon"))
+
+
+def test_real_daemon_polls_a_good_path_on_time_beside_a_failing_one(emulator: Emulator, sockdir: str) -> None:
+    spot, rebalance = "/latest/meta-data/spot/instance-action", "/latest/meta-data/events/recommendations/rebalance"
+    emulator.control("fault", {"mode": "status", "cloud": "aws", "path": rebalance, "status": 500})
+    sock = os.path.join(sockdir, "p.sock")
+    d = start_daemon(sock, cloud="aws", metadata_url=emulator.url, extra_args=["--poll-interval", "0.2"])
+    try:
+        until(lambda: _state(emulator)["requests"].get(f"GET {spot}", 0) > 0, 15, "first spot poll")
+        c0, t0 = _state(emulator)["requests"], time.monotonic()
+        until(lambda: _state(emulator)["requests"].get(f"GET {spot}", 0) >= c0[f"GET {spot}"] + 10, 15, "10 polls")
+        c1, t1 = _state(emulator)["requests"], time.monotonic()
+        spot_interval = (t1 - t0) / (c1[f"GET {spot}"] - c0[f"GET {spot}"])
+        assert spot_interval < 0.5, f"spot polled every {spot_interval:.3f}s beside a failing rebalance path"
+        assert c1.get(f"GET {rebalance}", 0) - c0.get(f"GET {rebalance}", 0) < c1[f"GET {spot}"] - c0[f"GET {spot}"]
+        emulator.notice("aws", "preemption", 120)
+        assert _first_notice(sock)["kind"] == "preemption"
+    finally:
+        d.stop()
+
+
+def test_real_daemon_azure_vm_name_option_delivers_without_compute(emulator: Emulator, sockdir: str) -> None:
+    emulator.control("fault", {"mode": "status", "cloud": "azure", "path": "/metadata/instance/compute",
+                               "status": 500})
+    sock = os.path.join(sockdir, "a.sock")
+    d = start_daemon(sock, cloud="azure", metadata_url=emulator.url, env={"SPOTGUARD_AZURE_VM_NAME": "vm-0"})
+    try:
+        emulator.notice("azure", "preemption", 60)
+        notice = _first_notice(sock)
+        assert notice["kind"] == "preemption" and notice["source"] == "azure"
+        assert check(sock).returncode == 0
+        assert _state(emulator)["requests"].get("GET /metadata/instance/compute", 0) == 0
+    finally:
+        d.stop()
+
+
+def test_real_daemon_gcp_gpu_maintenance_deadline_is_the_window(emulator: Emulator, sockdir: str) -> None:
+    sock = os.path.join(sockdir, "g.sock")
+    d = start_daemon(sock, cloud="gcp", metadata_url=emulator.url)
+    try:
+        rec = emulator.notice("gcp", "termination", 3600)
+        notice = _first_notice(sock)
+        assert notice["kind"] == "termination"
+        assert 3500 < notice["seconds_left"] <= 3600 and notice["deadline"][:19] == rec["deadline"][:19], notice
+    finally:
+        d.stop()
