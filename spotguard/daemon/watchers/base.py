@@ -34,9 +34,10 @@ class _PathHealth:
 class WatcherHealth:
     """Counters read by ``status``, ``/healthz`` and the Prometheus collector; written only by the watcher.
 
-    ``healthy`` is the state of the last answers. ``seeing()`` is what health checks use: a
-    metadata watcher (``expects_answers``) sees notices only once every path it ``require``d has
-    had a good answer, and only while none has gone ``stale_after`` seconds without one. A 404
+    ``healthy`` is the state of the last answers. ``problem()`` is what health checks use (None:
+    sees notices): a metadata watcher (``expects_answers``) sees notices only once every path it
+    ``require``d has had a good answer, and only while none has gone ``stale_after`` seconds
+    (at least ``stale_floor``) without one. A 404
     where a notice path must exist (GKE's metadata server under Workload Identity) or a token PUT
     that never returns (EKS hop limit) is a watcher that answers nothing: blind, and said so.
     """
