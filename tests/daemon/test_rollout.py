@@ -112,10 +112,17 @@ def test_sigterm_notice_option_restores_the_termination_notice(sockdir: str) -> 
 # --- logging can never block or break delivery -----------------------------------------
 
 
+def _close_stdout_and_stderr() -> None:
+    os.close(1)
+    os.close(2)
+
+
 def _daemon_with_output(sock: str, out: Any) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
+    closed = out is None  # no stdout/stderr at all (fds 1 and 2 closed before exec)
     return subprocess.Popen([*CLI, "daemon", "--cloud", "none", "--socket", sock, "--log-level", "debug"],
-                            stdout=out, stderr=out, env=env, cwd=REPO)
+                            stdout=None if closed else out, stderr=None if closed else out, env=env, cwd=REPO,
+                            preexec_fn=_close_stdout_and_stderr if closed else None)
 
 
 def _wait_serving(sock: str, proc: subprocess.Popen[bytes]) -> None:
@@ -130,12 +137,14 @@ def _wait_serving(sock: str, proc: subprocess.Popen[bytes]) -> None:
     raise AssertionError("daemon did not serve")
 
 
-@pytest.mark.parametrize("stream", ["closed-pipe", "dev-full"])
+@pytest.mark.parametrize("stream", ["closed-pipe", "dev-full", "closed-fds"])
 async def test_a_failing_log_stream_never_stops_a_notice(sockdir: str, stream: str) -> None:
     sock = os.path.join(sockdir, "l.sock")
     if stream == "dev-full":
         out: Any = open("/dev/full", "wb")  # noqa: SIM115 - handed to the child
         expected = "ENOSPC"
+    elif stream == "closed-fds":
+        out, expected = None, "dropped"  # no stream to write to: every line dropped, counted
     else:
         r, w = os.pipe()
         os.close(r)  # nobody will ever read: every write is EPIPE
@@ -143,7 +152,7 @@ async def test_a_failing_log_stream_never_stops_a_notice(sockdir: str, stream: s
     proc = _daemon_with_output(sock, out)
     if stream == "dev-full":
         out.close()
-    else:
+    elif out is not None:
         os.close(out)
     try:
         _wait_serving(sock, proc)
