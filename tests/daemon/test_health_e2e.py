@@ -75,6 +75,8 @@ def test_healthz_is_503_against_a_404_only_server_and_200_against_a_working_one(
         status, body = until(lambda: (r := healthz(port))[1]["problems"] and r, 15, "a reported problem")
         assert status == 503 and body["ok"] is False and body["serving"] is True, body
         assert body["seeing_notices"][cloud] is False
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:  # noqa: S310
+            assert f'spotguard_watcher_seeing_notices{{source="{cloud}"}} 0.0' in r.read().decode()
         assert any(cloud in p and FIX_WORDS[cloud] in p for p in body["problems"]), body["problems"]
         blind = check(sock)
         assert blind.returncode == 1, blind
