@@ -65,6 +65,9 @@ __all__ = ["Daemon", "StartupError", "add_arguments", "main"]
 log = get_logger("spotguard.daemon")
 
 MAX_DRILL_DEADLINE = 24 * 3600.0
+# Seconds: an emergency notice further off than this is not waited for by ``wait-checkpoint``
+# until its checkpoint starts (the hook's default SPOTGUARD_EMERGENCY_LEAD).
+FAR_NOTICE = 300.0
 
 
 def _fits(msg: Message) -> bool:
@@ -637,8 +640,17 @@ class Daemon:
         waiting: list[dict[str, Any]] = []
         subs = [] if self.server is None else self.server.subscribers()
         for c in subs:
-            late = [e.id for e in notices
-                    if (r := e.reports.get(c.id)) is None or r.state not in ("checkpoint_done", "checkpoint_failed")]
+            late = []
+            for e in notices:
+                r = e.reports.get(c.id)
+                state = "queued" if r is None else r.state
+                if state in ("checkpoint_done", "checkpoint_failed"):
+                    continue
+                # A far notice (a GCP GPU maintenance window an hour out) is not being checkpointed yet:
+                # the hook keeps training until SPOTGUARD_EMERGENCY_LEAD before it. Wait only for one
+                # that is near, or whose checkpoint has started.
+                if state == "checkpoint_started" or e.notice.seconds_left() <= FAR_NOTICE:
+                    late.append(e.id)
             if late:
                 waiting.append({**c.describe(), "notices": late})
         return {"notices": [e.id for e in notices], "count": len(waiting), "subscribers": waiting[:32]}

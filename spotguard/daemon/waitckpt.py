@@ -6,7 +6,9 @@ signals the unit. Used there, this command holds the SIGTERM (and the grace
 countdown that ends in SIGKILL) back until every subscriber of the local daemon
 reported ``checkpoint_done`` / ``checkpoint_failed`` for the active emergency
 notice, or left. With no emergency notice active it returns at once, so an
-ordinary pod deletion or ``systemctl stop`` is not delayed.
+ordinary pod deletion or ``systemctl stop`` is not delayed; a far notice (more
+than 5 minutes out: a GCP GPU maintenance window) is waited for only once a
+trainer has started its checkpoint, since the hook keeps training until then.
 
 Exit codes: 0 every subscriber reported (or none was waited for), 1 the daemon
 cannot be reached, 3 ``--timeout`` passed with subscribers still writing.

@@ -208,6 +208,24 @@ async def test_wait_checkpoint_returns_at_once_without_notice_and_waits_for_ever
         d.stop()
 
 
+async def test_wait_checkpoint_does_not_wait_for_a_far_notice_until_its_checkpoint_starts(sockdir: str) -> None:
+    """A GPU host maintenance an hour out: trainers keep training, so a preStop is not held for it."""
+    sock = os.path.join(sockdir, "f.sock")
+    d = start_daemon(sock)
+    try:
+        async with Subscription(sock, rank=0) as a:
+            notice_id = drill(sock, kind="termination", deadline_in=3600)
+            assert (await a.next_notice(timeout=10)).id == notice_id
+            rc, _, _, took = finish(wait_cli(sock, 30))
+            assert rc == 0 and took < 10
+            await a.checkpoint_started(notice_id, step=9)  # the lead time came: now it is written
+            await a.status()
+            rc, _, err, _ = finish(wait_cli(sock, 0.5))
+            assert rc == 3 and notice_id in err
+    finally:
+        d.stop()
+
+
 def test_wait_checkpoint_without_daemon_says_so(sockdir: str) -> None:
     rc, _, err, _ = finish(wait_cli(os.path.join(sockdir, "none.sock"), 1))
     assert rc == 1 and "no spotguard daemon" in err
