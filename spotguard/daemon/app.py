@@ -56,7 +56,7 @@ from .logsink import LogSink
 from .metrics import Metrics, MetricsServer
 from .persist import NoticeState, state_path_for
 from .sdnotify import SdNotifier
-from .server import Client, Server, ServerStartError, drill_allowed
+from .server import Client, Server, ServerStartError, SocketInUse, drill_allowed
 from .watchers.base import Backoff, Watcher
 from .watchers.signal import SignalWatcher
 
@@ -68,6 +68,8 @@ MAX_DRILL_DEADLINE = 24 * 3600.0
 # Seconds: an emergency notice further off than this is not waited for by ``wait-checkpoint``
 # until its checkpoint starts (the hook's default SPOTGUARD_EMERGENCY_LEAD).
 FAR_NOTICE = 300.0
+# Seconds ``spotguard daemon`` waits for a predecessor still serving its socket (an overlapping rollout).
+TAKEOVER_WAIT = 5.0
 
 
 def _fits(msg: Message) -> bool:
@@ -107,7 +109,7 @@ class Daemon:
                  metrics: Optional[Metrics] = None, notifier: Optional[SdNotifier] = None,
                  install_signals: bool = True, restart_backoff: tuple[float, float] = (0.5, 30.0),
                  expire_margin: float = 60.0, housekeeping_interval: float = 1.0,
-                 write_timeout: float = 10.0, state_path: Optional[str] = "") -> None:
+                 write_timeout: float = 10.0, state_path: Optional[str] = "", takeover_wait: float = 0.0) -> None:
         self.config = config
         self.book = NoticeBook(expire_margin=expire_margin)
         # Active notices survive a daemon restart with their ids ("" = next to the socket, None = off).
@@ -125,6 +127,7 @@ class Daemon:
         self.restart_backoff = restart_backoff
         self.housekeeping_interval = housekeeping_interval
         self.write_timeout = write_timeout
+        self.takeover_wait = takeover_wait
         self.server: Optional[Server] = None
         self.metrics_server: Optional[MetricsServer] = None
         self.uid = os.getuid()
@@ -174,7 +177,7 @@ class Daemon:
                              ping_interval=cfg.ping_interval, write_timeout=self.write_timeout,
                              socket_gid=cfg.socket_gid)
         try:
-            await self.server.start()
+            await self._start_server(self.server)
         except ServerStartError as exc:
             self.server = None
             raise StartupError(str(exc)) from None
@@ -202,6 +205,22 @@ class Daemon:
                  pid=os.getpid(), uid=self.uid, metrics_port=cfg.metrics_port or None, version=__version__)
         self.sd.ready(self._sd_status())
         self.ready.set()
+
+    async def _start_server(self, server: Server) -> None:
+        """Bind the socket; a predecessor still stopping on it (a rollout that overlaps) gets
+        ``takeover_wait`` seconds to go (it stops in <= 2 s), then ``SocketInUse`` stands."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.takeover_wait
+        while True:
+            try:
+                await server.start()
+                return
+            except SocketInUse:
+                if loop.time() >= end:
+                    raise
+                log.debug("socket.busy_waiting", socket=self.config.socket,
+                          detail="another daemon still serves this socket; waiting for it to stop")
+                await asyncio.sleep(0.1)
 
     async def shutdown(self) -> None:
         """Idempotent: stop serving, stop watchers, remove the socket."""
@@ -709,7 +728,7 @@ def main(args: argparse.Namespace) -> int:
     configure_logging(cfg.log_format, cfg.log_level, stream=sink)  # type: ignore[arg-type]
 
     async def _run() -> int:
-        return await Daemon(cfg, metrics=Metrics(log_sink=sink)).run()
+        return await Daemon(cfg, metrics=Metrics(log_sink=sink), takeover_wait=TAKEOVER_WAIT).run()
 
     try:
         return asyncio.run(_run())

@@ -94,6 +94,20 @@ def test_sigterm_is_a_clean_stop_within_2s_and_trainers_keep_their_subscription(
         old.stop()
 
 
+def test_overlapping_successor_takes_the_socket_once_the_predecessor_stops(spawn_daemon: Any) -> None:
+    """A rollout that starts the new daemon before the old one is gone (surge): it waits, then serves."""
+    old = spawn_daemon()
+    new = spawn_daemon("--log-level", "debug", sock=old.sock, wait_ready=False)
+    end = time.monotonic() + 20
+    while "socket.busy_waiting" not in new.stderr_now():  # its log file: polled
+        assert new.proc.poll() is None and time.monotonic() < end, new.stderr_now()
+        time.sleep(0.02)
+    old.proc.send_signal(signal.SIGTERM)
+    assert old.proc.wait(10) == 0
+    new.wait_notify("READY=1")
+    assert query_status(new.sock)["pid"] == new.proc.pid
+
+
 def test_sigterm_notice_option_restores_the_termination_notice(sockdir: str) -> None:
     sock = os.path.join(sockdir, "n.sock")
     d = start_daemon(sock, env={"SPOTGUARD_SIGTERM_NOTICE": "1", "SPOTGUARD_SIGTERM_GRACE": "1"})
