@@ -144,6 +144,7 @@ class AwsWatcher(PollingWatcher):
         self.identity: dict[str, Any] = {}
         self.imdsv1 = False  # True once fallen back to tokenless requests
         self._token_backoff = Backoff(base=0.2, cap=backoff_cap)
+        self._identity_backoff = Backoff(base=0.2, cap=backoff_cap)
         self._token_lock = asyncio.Lock()
         self._token_fault: Optional[Fault] = None
         self._token: Optional[str] = None
@@ -318,7 +319,7 @@ class AwsWatcher(PollingWatcher):
             log.debug("aws_identity_unavailable", reason=fault.reason, error=fault.message)
             if self._identity_attempts >= _IDENTITY_ATTEMPTS:
                 return None
-            await self._sleep(self._token_backoff.next_delay())
+            await self._sleep(self._identity_backoff.next_delay())
             return []
         return None if self.node is not None else []
 
