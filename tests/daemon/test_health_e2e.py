@@ -72,7 +72,10 @@ def test_healthz_is_503_against_a_404_only_server_and_200_against_a_working_one(
     d = start_daemon(sock, cloud=cloud, metadata_url=emulator.url,
                      extra_args=["--metrics-port", str(port), "--poll-interval", "0.1"])
     try:
-        status, body = until(lambda: (r := healthz(port))[1]["problems"] and r, 15, "a reported problem")
+        assert healthz(port)[0] == 503  # nothing answered yet: blind until proven otherwise
+        # 503 from the start; once the first answers (404s) are in, the problem names the cause.
+        status, body = until(lambda: FIX_WORDS[cloud] in " ".join((r := healthz(port))[1]["problems"]) and r, 20,
+                             "the 404s reported with their cause")
         assert status == 503 and body["ok"] is False and body["serving"] is True, body
         assert body["seeing_notices"][cloud] is False
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:  # noqa: S310
