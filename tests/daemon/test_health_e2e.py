@@ -136,7 +136,7 @@ def test_real_daemon_polls_a_good_path_on_time_beside_a_failing_one(emulator: Em
         until(lambda: _state(emulator)["requests"].get(f"GET {spot}", 0) >= c0[f"GET {spot}"] + 10, 15, "10 polls")
         c1, t1 = _state(emulator)["requests"], time.monotonic()
         spot_interval = (t1 - t0) / (c1[f"GET {spot}"] - c0[f"GET {spot}"])
-        assert spot_interval < 0.5, f"spot polled every {spot_interval:.3f}s beside a failing rebalance path"
+        assert spot_interval < 0.8, f"spot polled every {spot_interval:.3f}s beside a failing rebalance path"
         assert c1.get(f"GET {rebalance}", 0) - c0.get(f"GET {rebalance}", 0) < c1[f"GET {spot}"] - c0[f"GET {spot}"]
         emulator.notice("aws", "preemption", 120)
         assert _first_notice(sock)["kind"] == "preemption"
