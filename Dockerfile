@@ -55,12 +55,16 @@ USER 10001:10001
 # published port could not reach them anyway.
 VOLUME ["/run/spotguard"]
 
-# Exit 0 only when the daemon answers a `status` request on its socket.
-HEALTHCHECK --interval=30s --timeout=5s --start-period=10s --retries=3 \
-    CMD ["spotguard", "status", "--timeout", "3"]
+# Healthy only while the daemon serves its socket AND every metadata watcher has
+# had a good answer recently ("I can see notices"); a blind one prints the cause
+# and the fix. Start period: Azure's Scheduled Events can take up to 2 minutes
+# to answer the first request.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=180s --retries=3 \
+    CMD ["spotguard", "status", "--check", "--timeout", "3"]
 
-# The daemon handles SIGTERM itself (it becomes a "termination" notice, then a
-# clean exit), so it can run as PID 1 without an init.
+# The daemon handles SIGTERM itself (a clean stop within 2 s: trainers keep
+# training and reconnect to the next daemon; --sigterm-notice makes it a
+# "termination" notice instead), so it can run as PID 1 without an init.
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["spotguard"]
 CMD ["daemon", "--cloud", "auto"]

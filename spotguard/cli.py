@@ -23,6 +23,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "status": ("spotguard.daemon.client", "print a running daemon's state"),
     "demo": ("spotguard.demo", "the whole story on one machine"),
     "checkpoints": ("spotguard.storage.listing", "list checkpoints under a storage URI"),
+    "wait-checkpoint": ("spotguard.daemon.waitckpt",
+                        "block until every local trainer reported its checkpoint for the active notice"),
 }
 
 EXIT_USAGE = 2

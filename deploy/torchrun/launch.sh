@@ -31,6 +31,8 @@ export SPOTGUARD_STORAGE
 # until it times out (tests/hook/test_elastic_recipe.py). Not sharing the store avoids it.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 export SPOTGUARD_SOCKET="${SPOTGUARD_SOCKET:-/run/spotguard/spotguard.sock}"
+# The hook's SIGTERM path: torchrun SIGKILLs its workers 30 s after its own SIGTERM.
+export SPOTGUARD_SIGNAL_GRACE="${SPOTGUARD_SIGNAL_GRACE:-30}"
 
 if [ "$#" -lt 1 ]; then
   echo "usage: $0 TRAIN_SCRIPT [ARGS...]" >&2
@@ -53,6 +55,11 @@ if ! spotguard status --socket "${SPOTGUARD_SOCKET}" --timeout 2 > /dev/null 2>&
   done
 fi
 spotguard status --socket "${SPOTGUARD_SOCKET}" --timeout 5
+# Blind to notices (metadata unreachable, a 404-only metadata server)? Say so, train anyway:
+# the hook still acts on SIGTERM.
+if ! spotguard status --check --socket "${SPOTGUARD_SOCKET}" --timeout 5; then
+  echo "WARNING: the spotguard daemon cannot see termination notices (see above); training with SIGTERM handling only" >&2
+fi
 
 # Not `exec`: the trap above must stop the job's own daemon after torchrun.
 torchrun \

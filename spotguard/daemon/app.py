@@ -1,10 +1,18 @@
 """``spotguard daemon``: watchers -> notice book -> Unix-socket fan-out, plus operations.
 
 The daemon must outlive everything that can go wrong around it: a watcher that
-raises is logged and restarted with backoff; a bad client is dropped alone.
-Its own SIGTERM (kubelet, shutdown scripts, SLURM) becomes a ``termination``
-notice, and it keeps serving until every subscriber reported its checkpoint
-(or left) or the grace deadline passed, then exits 0.
+raises is logged and restarted with backoff; a bad client is dropped alone; a
+log stream that fails or stalls costs log lines, never a notice (``logsink.py``:
+notices are broadcast first, then logged).
+
+Its own SIGTERM is, by default, a clean stop in well under 2 s: a DaemonSet
+rollout, ``helm upgrade`` or ``systemctl restart spotguard`` must never stop
+training; trainers keep training, their intakes reconnect to the successor on
+the same socket path (which is removed on exit, and the active notices' state
+file kept). With ``--sigterm-notice`` (for set-ups where the trainer gets no
+signal of its own) the SIGTERM becomes a ``termination`` notice and the daemon
+keeps serving until every subscriber reported its checkpoint (or left) or the
+grace deadline passed, then exits 0.
 """
 
 from __future__ import annotations
@@ -46,10 +54,11 @@ from ..timefmt import to_rfc3339, utcnow
 from .actions import ActionError, ActionRunner
 from .book import Entry, NoticeBook
 from .config import ConfigError, DaemonConfig, add_arguments as _add_config_arguments
+from .logsink import LogSink
 from .metrics import Metrics, MetricsServer
 from .persist import NoticeState, state_path_for
 from .sdnotify import SdNotifier
-from .server import Client, Server, ServerStartError, drill_allowed
+from .server import Client, Server, ServerStartError, SocketInUse, drill_allowed
 from .watchers.base import Backoff, Watcher
 from .watchers.signal import SignalWatcher
 
@@ -58,6 +67,11 @@ __all__ = ["Daemon", "StartupError", "add_arguments", "main"]
 log = get_logger("spotguard.daemon")
 
 MAX_DRILL_DEADLINE = 24 * 3600.0
+# Seconds: an emergency notice further off than this is not waited for by ``wait-checkpoint``
+# until its checkpoint starts (the hook's default SPOTGUARD_EMERGENCY_LEAD).
+FAR_NOTICE = 300.0
+# Seconds ``spotguard daemon`` waits for a predecessor still serving its socket (an overlapping rollout).
+TAKEOVER_WAIT = 5.0
 
 
 def _fits(msg: Message) -> bool:
@@ -97,7 +111,7 @@ class Daemon:
                  metrics: Optional[Metrics] = None, notifier: Optional[SdNotifier] = None,
                  install_signals: bool = True, restart_backoff: tuple[float, float] = (0.5, 30.0),
                  expire_margin: float = 60.0, housekeeping_interval: float = 1.0,
-                 write_timeout: float = 10.0, state_path: Optional[str] = "") -> None:
+                 write_timeout: float = 10.0, state_path: Optional[str] = "", takeover_wait: float = 0.0) -> None:
         self.config = config
         self.book = NoticeBook(expire_margin=expire_margin)
         # Active notices survive a daemon restart with their ids ("" = next to the socket, None = off).
@@ -115,6 +129,7 @@ class Daemon:
         self.restart_backoff = restart_backoff
         self.housekeeping_interval = housekeeping_interval
         self.write_timeout = write_timeout
+        self.takeover_wait = takeover_wait
         self.server: Optional[Server] = None
         self.metrics_server: Optional[MetricsServer] = None
         self.uid = os.getuid()
@@ -159,12 +174,14 @@ class Daemon:
         self.cloud = await self._resolve_cloud()
         built = self._given_watchers if self._given_watchers is not None else await self._build_watchers(self.cloud)
         self.watchers = [*built, self.signal_watcher]
+        for w in self.watchers:
+            w.health.stale_after = cfg.health_stale_after
         self.metrics.set_watchers(self.watchers)
         self.server = Server(cfg.socket, self, max_subscribers=cfg.max_subscribers, queue_size=cfg.send_queue,
                              ping_interval=cfg.ping_interval, write_timeout=self.write_timeout,
                              socket_gid=cfg.socket_gid)
         try:
-            await self.server.start()
+            await self._start_server(self.server)
         except ServerStartError as exc:
             self.server = None
             raise StartupError(str(exc)) from None
@@ -194,6 +211,22 @@ class Daemon:
         self.sd.ready(self._sd_status())
         self.ready.set()
 
+    async def _start_server(self, server: Server) -> None:
+        """Bind the socket; a predecessor still stopping on it (a rollout that overlaps) gets
+        ``takeover_wait`` seconds to go (it stops in <= 2 s), then ``SocketInUse`` stands."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.takeover_wait
+        while True:
+            try:
+                await server.start()
+                return
+            except SocketInUse:
+                if loop.time() >= end:
+                    raise
+                log.debug("socket.busy_waiting", socket=self.config.socket,
+                          detail="another daemon still serves this socket; waiting for it to stop")
+                await asyncio.sleep(0.1)
+
     async def shutdown(self) -> None:
         """Idempotent: stop serving, stop watchers, remove the socket."""
         if self._shut:
@@ -209,14 +242,15 @@ class Daemon:
             tasks.append(self._termination_task)
         for t in tasks:
             t.cancel()
+        # Bounded all along (a successor is waiting for the socket path): <= ~1.5 s in all.
         if self.server is not None:
-            await self.server.close()
+            await self.server.close(flush_timeout=0.3)
         await self.actions.close()  # a webhook still in flight gets a bounded moment (actions.DRAIN_SECONDS)
         if tasks:
-            await asyncio.wait(tasks, timeout=2.0)
+            await asyncio.wait(tasks, timeout=0.4)
         closes = [asyncio.ensure_future(self._close_watcher(w)) for w in self.watchers]
         if closes:
-            await asyncio.wait(closes, timeout=2.0)
+            await asyncio.wait(closes, timeout=0.4)
         if self.metrics_server is not None:
             await self.metrics_server.close()
         self.sd.close()
@@ -269,7 +303,8 @@ class Daemon:
         try:
             from .watchers.registry import build_watchers
 
-            result = build_watchers(cloud, self.config.metadata_url, self.config.poll_interval)
+            result = build_watchers(cloud, self.config.metadata_url, self.config.poll_interval,
+                                    azure_vm_name=self.config.azure_vm_name or None)
             if inspect.isawaitable(result):
                 result = await result
         except Exception as exc:
@@ -320,9 +355,9 @@ class Daemon:
             entry = self.book.cancel(notice_id)
             if entry is None:
                 return None
+            self.server.broadcast(CancelMsg(id=notice_id))
             log.info("notice.cancelled", notice_id=notice_id, source=event.source, detail=event.detail[:500])
             self.metrics.cancels.labels(event.source).inc()
-            self.server.broadcast(CancelMsg(id=notice_id))
             self.actions.cancelled(notice_id)
             self._save_state()
             self._progress.set()
@@ -334,16 +369,18 @@ class Daemon:
         entry = self.book.add(notice, watcher)
         if entry is None:
             return None
+        # Delivery first: nothing (a log line, a state file, a metric) may stand between a notice and its
+        # subscribers.
+        sent = self.server.broadcast(NoticeMsg(notice=notice), notice.id, notice.received_at.timestamp())
+        for c in sent:
+            self.book.queued(notice.id, c.id, live=True)
+        entry.broadcast_to = len(sent)
         if notice.key:
             self._save_state()
         self.metrics.notices.labels(notice.source, notice.kind).inc()
         log.info("notice.seen", notice_id=notice.id, source=notice.source, kind=notice.kind,
                  deadline=to_rfc3339(notice.deadline), received_at=to_rfc3339(notice.received_at),
-                 seconds_left=round(notice.seconds_left(), 3), detail=notice.detail[:500])
-        sent = self.server.broadcast(NoticeMsg(notice=notice), notice.id, notice.received_at.timestamp())
-        for c in sent:
-            self.book.queued(notice.id, c.id, live=True)
-        entry.broadcast_to = len(sent)
+                 seconds_left=round(notice.seconds_left(), 3), detail=notice.detail[:500], subscribers=len(sent))
         if not sent:
             log.info("notice.delivered", notice_id=notice.id, subscribers=0,
                      detail="no subscriber yet; replayed to each one that subscribes before it expires")
@@ -385,6 +422,13 @@ class Daemon:
 
     def _on_sigterm(self) -> None:
         if self._stop.is_set():
+            return
+        if not self.config.sigterm_notice:
+            # A rollout, an upgrade, a restart: the trainers are not going anywhere.
+            log.info("signal.received", signal="SIGTERM", detail="clean stop; trainers keep training and reconnect "
+                     "to the next daemon on this socket (--sigterm-notice makes SIGTERM a termination notice)")
+            self.shutting_down = self.shutting_down or "SIGTERM"
+            self.request_stop(0)
             return
         notice = self.signal_watcher.trigger(self.config.sigterm_grace)
         if notice is None:
@@ -609,6 +653,7 @@ class Daemon:
             watchers.append(d)
         last = self.book.last
         subscribers = [] if server is None else [c.describe() for c in server.subscribers()]
+        healthy, problems = self.health()
         return {
             "daemon_version": __version__,
             "protocol_version": VERSION,
@@ -628,16 +673,57 @@ class Daemon:
             "notices_total": self.book.total,
             "azure_ack_after_checkpoint": self.config.azure_ack_after_checkpoint,
             "actions": [a.name for a in self.actions.actions],
+            "sigterm_notice": self.config.sigterm_notice,
             "shutting_down": self.shutting_down,
+            "healthy": healthy,
+            "problems": problems,
+            "checkpoint_pending": self.checkpoint_pending(),
+            "log_write_errors": self.metrics.log_write_errors(),
         }
 
+    def health(self) -> tuple[bool, list[str]]:
+        """Healthy = serving the socket and every metadata watcher sees notices; else the problems,
+        one line each with its fix (what /healthz and ``spotguard status --check`` report)."""
+        problems: list[str] = []
+        if not (self.server is not None and self.server.serving and not self._stop.is_set()):
+            problems.append(f"not serving {self.config.socket}" + (" (shutting down)" if self._stop.is_set() else ""))
+        for w in self.watchers:
+            problem = w.health.problem()
+            if problem is not None:
+                problems.append(problem)
+        return not problems, problems
+
+    def checkpoint_pending(self) -> dict[str, Any]:
+        """For ``spotguard wait-checkpoint``: the active emergency notices, and the connected
+        subscribers that have not reported ``checkpoint_done``/``checkpoint_failed`` for each."""
+        notices = [e for e in self.book.active.values() if e.notice.emergency]
+        waiting: list[dict[str, Any]] = []
+        subs = [] if self.server is None else self.server.subscribers()
+        for c in subs:
+            late = []
+            for e in notices:
+                r = e.reports.get(c.id)
+                state = "queued" if r is None else r.state
+                if state in ("checkpoint_done", "checkpoint_failed"):
+                    continue
+                # A far notice (a GCP GPU maintenance window an hour out) is not being checkpointed yet:
+                # the hook keeps training until SPOTGUARD_EMERGENCY_LEAD before it. Wait only for one
+                # that is near, or whose checkpoint has started.
+                if state == "checkpoint_started" or e.notice.seconds_left() <= FAR_NOTICE:
+                    late.append(e.id)
+            if late:
+                waiting.append({**c.describe(), "notices": late})
+        return {"notices": [e.id for e in notices], "count": len(waiting), "subscribers": waiting[:32]}
+
     def _health(self) -> tuple[bool, dict[str, Any]]:
-        serving = self.server is not None and self.server.serving and not self._stop.is_set()
-        return serving, {
+        ok, problems = self.health()
+        return ok, {
             "socket": self.config.socket,
-            "serving": serving,
+            "serving": self.server is not None and self.server.serving and not self._stop.is_set(),
             "cloud": self.cloud,
             "watchers": {w.source: w.health.healthy for w in self.watchers},
+            "seeing_notices": {w.source: w.health.problem() is None for w in self.watchers},
+            "problems": problems,
             "subscribers": 0 if self.server is None else len(self.server.subscribers()),
         }
 
@@ -679,16 +765,19 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"spotguard daemon: error: {exc}", file=sys.stderr)
         return 2
-    configure_logging(cfg.log_format, cfg.log_level)
+    sink = LogSink.for_stderr()
+    configure_logging(cfg.log_format, cfg.log_level, stream=sink)  # type: ignore[arg-type]
 
     async def _run() -> int:
-        return await Daemon(cfg).run()
+        return await Daemon(cfg, metrics=Metrics(log_sink=sink), takeover_wait=TAKEOVER_WAIT).run()
 
     try:
         return asyncio.run(_run())
     except StartupError as exc:
-        print(f"spotguard daemon: error: {exc}", file=sys.stderr)
+        sink.write(f"spotguard daemon: error: {exc}\n")
         return 2
+    finally:
+        sink.close(timeout=1.0)
 
 
 def _standalone(argv: Optional[list[str]] = None) -> int:

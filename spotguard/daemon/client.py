@@ -276,6 +276,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 def add_status_arguments(parser: argparse.ArgumentParser) -> None:
     _add_common(parser)
     parser.add_argument("--json", action="store_true", help="print the raw status object as JSON")
+    parser.add_argument("--check", action="store_true",
+                        help="health check: exit 0 only if the daemon serves and every metadata watcher sees "
+                             "notices, else print why (with the fix) and exit 1")
 
 
 def add_drill_arguments(parser: argparse.ArgumentParser) -> None:
@@ -299,6 +302,9 @@ def _fmt_status(state: dict[str, Any]) -> str:
     ]
     if state.get("shutting_down"):
         lines.append(f"state:       shutting down ({state.get('shutting_down')})")
+    if "healthy" in state:
+        lines.append("health:      sees notices" if state["healthy"] else "health:      BLIND")
+        lines.extend(f"  {p}" for p in state.get("problems") or [])
     watchers = state.get("watchers") or []
     lines.append(f"watchers:    {len(watchers)}")
     for w in watchers:
@@ -351,11 +357,31 @@ def status_main(args: argparse.Namespace) -> int:
     if reply is None:
         return 1
     assert isinstance(reply, StatusReply)
+    if getattr(args, "check", False):
+        return _check(reply.state, args.json)
     if args.json:
         print(json.dumps(reply.state, indent=2, sort_keys=True))
     else:
         print(_fmt_status(reply.state))
     return 0
+
+
+def _check(state: dict[str, Any], as_json: bool) -> int:
+    """``status --check``: the daemon's own verdict (``healthy``, ``problems``), as an exit code."""
+    healthy = state.get("healthy")
+    problems = [str(p) for p in state.get("problems") or []]
+    if healthy is None:  # a daemon from before health checks: its watchers' last answers
+        problems = [f"{w.get('source')}: {w.get('last_error')}" for w in state.get("watchers") or []
+                    if not w.get("healthy")]
+        healthy = not problems
+    if as_json:
+        print(json.dumps({"healthy": bool(healthy), "problems": problems}))
+    elif healthy:
+        print(f"ok: serving {state.get('socket')}, cloud {state.get('cloud')}, every watcher sees notices")
+    else:
+        for p in problems:
+            print(f"spotguard status --check: {p}", file=sys.stderr)
+    return 0 if healthy else 1
 
 
 def drill_main(args: argparse.Namespace) -> int:

@@ -40,6 +40,8 @@ class DaemonConfig:
     log_format: str = "json"
     log_level: str = "info"
     azure_ack_after_checkpoint: bool = False
+    # Off: a SIGTERM to the daemon (rollout, upgrade, restart) is a clean stop, never a notice.
+    sigterm_notice: bool = False
     # Kubernetes' default terminationGracePeriodSeconds is 30: leave 5 s to exit.
     sigterm_grace: float = 25.0
     dmi_root: str = "/sys/class/dmi/id"
@@ -47,6 +49,12 @@ class DaemonConfig:
     max_subscribers: int = 256
     # "" = a watcher's node name (e.g. the instance id) if it has one, else the hostname.
     node: str = ""
+    # Azure: the VM name Scheduled Events' ``Resources`` are matched against ("" = read it from
+    # IMDS ``instance/compute``). Not ``node``: a Kubernetes node name (``...-vmss000000``) is not
+    # the name Scheduled Events list for a scale-set instance (``..._0``).
+    azure_vm_name: str = ""
+    # Seconds without a good metadata answer after which /healthz and ``status --check`` fail.
+    health_stale_after: float = 120.0
     ping_interval: float = 10.0
     send_queue: int = 256
     # Cluster actions (spotguard/daemon/actions), all off by default.
@@ -199,12 +207,20 @@ _OPTIONS: tuple[_Opt, ...] = (
     _Opt("log-level", "choice", "debug, info (default), warning, error", choices=LOG_LEVELS),
     _Opt("azure-ack-after-checkpoint", "flag",
          "approve the Azure event (StartRequests) once every subscriber reported checkpoint_done"),
-    _Opt("sigterm-grace", "float", "deadline in seconds of the notice made from the daemon's own SIGTERM "
-         "(default 25)", minimum=0, maximum=86400),
+    _Opt("sigterm-notice", "flag",
+         "turn the daemon's own SIGTERM into a termination notice (off: SIGTERM is a clean stop in <= 2 s and "
+         "trainers keep training; on only where the trainer gets no signal of its own, see docs/deploy.md)"),
+    _Opt("sigterm-grace", "float", "deadline in seconds of the notice made from the daemon's own SIGTERM with "
+         "--sigterm-notice (default 25)", minimum=0, maximum=86400),
     _Opt("dmi-root", "str", "directory of the DMI files used by --cloud auto (default /sys/class/dmi/id)"),
     _Opt("socket-group", "str", "group (name or gid) given the socket, so non-root trainers can connect"),
     _Opt("max-subscribers", "int", "most subscribers at once (default 256)", minimum=1, maximum=100000),
     _Opt("node", "str", "node name sent in hello (default: the hostname)"),
+    _Opt("azure-vm-name", "str", "Azure VM name to match Scheduled Events against (default: read from IMDS "
+         "instance/compute, needed once before any event is delivered); set it where that endpoint is "
+         "unavailable"),
+    _Opt("health-stale-after", "float", "seconds without a good metadata answer before /healthz and "
+         "`spotguard status --check` fail (default 120)", strictly_positive=True, maximum=86400),
     _Opt("ping-interval", "float", "seconds between pings to clients (default 10)", strictly_positive=True,
          maximum=3600),
     _Opt("send-queue", "int", "messages queued per client before a slow client is dropped (default 256)",

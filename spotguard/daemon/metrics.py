@@ -37,20 +37,45 @@ class _WatcherCollector:
         polls = CounterMetricFamily("spotguard_polls", "Metadata polls (ok or failed) by source", labels=["source"])
         healthy = GaugeMetricFamily("spotguard_watcher_healthy", "1 if the watcher's last poll succeeded",
                                     labels=["source"])
+        seeing = GaugeMetricFamily("spotguard_watcher_seeing_notices",
+                                   "1 if every path of the watcher answered well recently (what /healthz checks)",
+                                   labels=["source"])
         for w in self._watchers():
             h = w.health
             polls.add_metric([h.source], h.polls)
             healthy.add_metric([h.source], 1.0 if h.healthy else 0.0)
+            seeing.add_metric([h.source], 1.0 if h.problem() is None else 0.0)
             for reason, n in sorted(h.errors_by_reason.items()):
                 errors.add_metric([h.source, reason], n)
-        return [errors, polls, healthy]
+        return [errors, polls, healthy, seeing]
+
+
+class _LogSinkCollector:
+    """The log stream's failures (``logsink.LogSink``), read at each scrape."""
+
+    def __init__(self, sink: Any) -> None:
+        self._sink = sink
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        errors = CounterMetricFamily("spotguard_log_write_errors", "Log lines lost to a failing log stream, by errno",
+                                     labels=["reason"])
+        for reason, n in sorted(self._sink.write_errors.items()):
+            errors.add_metric([reason], n)
+        dropped = CounterMetricFamily("spotguard_log_lines_dropped",
+                                      "Log lines dropped because the log stream did not keep up")
+        dropped.add_metric([], self._sink.dropped)
+        return [errors, dropped]
 
 
 class Metrics:
     """All ``spotguard_`` daemon metrics, in a registry of their own (no global state)."""
 
-    def __init__(self) -> None:
+    def __init__(self, log_sink: Any = None) -> None:
         self.registry = CollectorRegistry()
+        self.log_sink = log_sink
         r = self.registry
         self.notices = Counter("spotguard_notices", "Notices seen, by source and kind", ["source", "kind"],
                                registry=r)
@@ -79,6 +104,14 @@ class Metrics:
                                "(notice/outcome) and result (ok/failed)", ["action", "phase", "result"], registry=r)
         self._watchers: list[Any] = []
         r.register(_WatcherCollector(lambda: self._watchers))
+        if log_sink is not None:
+            r.register(_LogSinkCollector(log_sink))
+
+    def log_write_errors(self) -> dict[str, int]:
+        """Log lines lost so far, by errno name (``dropped``: the stream did not keep up)."""
+        if self.log_sink is None:
+            return {}
+        return {**self.log_sink.write_errors, **({"dropped": self.log_sink.dropped} if self.log_sink.dropped else {})}
 
     def set_watchers(self, watchers: Sequence[Any]) -> None:
         self._watchers = list(watchers)

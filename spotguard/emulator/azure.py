@@ -71,14 +71,21 @@ def _check(request: web.Request, known: frozenset[str]) -> Optional[web.Response
     return None
 
 
-def _event(rec: NoticeRecord, version: str) -> dict[str, Any]:
+def _not_before(state: EmulatorState, rec: NoticeRecord) -> str:
+    """RFC 1123 as documented; ``azure_iso_dates`` serves ISO 8601 (``2016-09-19T18:29:47Z``), also seen."""
+    if state.config.azure_iso_dates:
+        return rec.deadline.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return to_rfc1123(rec.deadline)
+
+
+def _event(state: EmulatorState, rec: NoticeRecord, version: str) -> dict[str, Any]:
     out: dict[str, Any] = {
         "EventId": rec.id,
         "EventType": rec.event_type,
         "ResourceType": "VirtualMachine",
         "Resources": list(rec.resources),
         "EventStatus": "Scheduled" if rec.status == "active" else "Started",
-        "NotBefore": to_rfc1123(rec.deadline) if rec.status == "active" else "",
+        "NotBefore": _not_before(state, rec) if rec.status == "active" else "",
         "Description": rec.description,
     }
     if version >= "2020-07-01":
@@ -88,7 +95,7 @@ def _event(rec: NoticeRecord, version: str) -> dict[str, Any]:
 
 
 def _document(state: EmulatorState, version: str) -> dict[str, Any]:
-    events = [_event(rec, version) for rec in state.azure_events()]
+    events = [_event(state, rec, version) for rec in state.azure_events()]
     return {"DocumentIncarnation": state.azure_incarnation, "Events": events}
 
 

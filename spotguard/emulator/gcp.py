@@ -67,6 +67,9 @@ def _tree(state: EmulatorState) -> Tree:
     instance = tree["instance"]
     assert isinstance(instance, dict)
     instance.update(state.gcp_values())
+    upcoming = state.gcp_upcoming_maintenance()
+    if upcoming is not None:
+        instance["upcoming-maintenance"] = json.dumps(upcoming, indent=2)
     return tree
 
 

@@ -119,12 +119,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--azure-vm-name", default=EmulatorConfig.azure_vm_name, help="Azure compute name (default vm-0)")
     parser.add_argument("--asg", action="store_true", help="AWS: instance is in an Auto Scaling group")
     parser.add_argument("--aws-imdsv1", action="store_true", help="AWS: serve GETs without a token (IMDSv1)")
+    parser.add_argument("--aws-recompute-time", action="store_true",
+                        help="AWS: recompute the spot notice's time on every request (now + its length, whole "
+                             "seconds), as amazon-ec2-metadata-mock does")
+    parser.add_argument("--aws-rebalance-lead", type=float, default=0.0, metavar="SECONDS",
+                        help="AWS: precede each spot notice by a rebalance recommendation this long (0 = off)")
     parser.add_argument("--log-format", choices=("json", "console"), default="json", help="stderr log format")
 
 
 async def serve(args: argparse.Namespace, stop: Optional[asyncio.Event] = None) -> int:
     """Bind, announce, serve until ``stop`` (SIGTERM/SIGINT in the CLI), shut down."""
-    cfg = EmulatorConfig(azure_vm_name=args.azure_vm_name, asg=args.asg, aws_imdsv1=args.aws_imdsv1)
+    if args.aws_rebalance_lead < 0:
+        print("spotguard emulate: --aws-rebalance-lead must be >= 0", file=sys.stderr)
+        return 2
+    cfg = EmulatorConfig(azure_vm_name=args.azure_vm_name, asg=args.asg, aws_imdsv1=args.aws_imdsv1,
+                         aws_recompute_time=args.aws_recompute_time, aws_rebalance_lead=args.aws_rebalance_lead)
     app = create_app(cfg)
     try:
         runner, bound = await _start(app, args.host, args.port)

@@ -99,10 +99,14 @@ class EmulatorConfig:
     aws_imdsv1: bool = False
     aws_token_max_ttl: Optional[float] = None
     aws_recompute_time: bool = False
+    # Seconds a spot notice is preceded by a rebalance recommendation (0 = off), as
+    # amazon-ec2-metadata-mock and AWS Fault Injection Service do.
+    aws_rebalance_lead: float = 0.0
     aws_disabled: bool = False
     gcp_ignore_wait: bool = False
     asg: bool = False
     azure_rate_limit: int = 5
+    azure_iso_dates: bool = False  # NotBefore in ISO 8601 instead of the documented RFC 1123
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -119,6 +123,9 @@ class EmulatorConfig:
             elif key == "aws_token_max_ttl":
                 if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                     raise ControlError("aws_token_max_ttl must be a positive number or null")
+            elif key == "aws_rebalance_lead":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                    raise ControlError("aws_rebalance_lead must be a number of seconds >= 0 (0 = off)")
             elif key == "azure_rate_limit":
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise ControlError("azure_rate_limit must be an integer >= 0 (0 = off)")
@@ -145,6 +152,7 @@ class NoticeRecord:
     resources: list[str] = field(default_factory=list)  # Azure
     event_source: str = "Platform"  # Azure
     duration: int = -1  # Azure DurationInSeconds
+    visible_from: Optional[datetime] = None  # AWS spot preceded by a rebalance: served from then on
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -205,7 +213,6 @@ class EmulatorState:
         self.azure_throttled = 0
         self._azure_window: Deque[float] = collections.deque()
         self._ids = itertools.count(1)
-        self._recompute = itertools.count(0)
         self._gcp_changed = asyncio.Event()
         self._request_seen = asyncio.Event()
         self.closing = asyncio.Event()
@@ -248,6 +255,12 @@ class EmulatorState:
         if cloud == "aws" and kind == "preemption":
             for old in self._active("aws", "preemption"):
                 old.status = "canceled"  # one spot notice at a time, the newest wins
+            lead = float(self.config.aws_rebalance_lead)
+            if lead > 0:
+                # The recommendation now, the interruption notice ``lead`` seconds later.
+                self.add_notice("aws", "rebalance")
+                rec.visible_from = now + timedelta(seconds=lead)
+                rec.deadline = rec.deadline + timedelta(seconds=lead)
         if cloud == "aws" and kind == "rebalance":
             for old in self._active("aws", "rebalance"):
                 old.status = "canceled"
@@ -361,15 +374,17 @@ class EmulatorState:
         return True
 
     def aws_spot(self) -> Optional[NoticeRecord]:
-        active = self._active("aws", "preemption")
+        now = utcnow()
+        active = [r for r in self._active("aws", "preemption") if r.visible_from is None or r.visible_from <= now]
         return active[-1] if active else None
 
     def aws_spot_time(self, rec: NoticeRecord) -> str:
-        """The spot ``time``; with ``aws_recompute_time`` it shifts a few ms on every request."""
+        """The spot ``time``; with ``aws_recompute_time`` it is recomputed on every request as
+        amazon-ec2-metadata-mock does: now + the notice's length, in whole seconds (so it moves on)."""
         if not self.config.aws_recompute_time:
             return rec.deadline.strftime("%Y-%m-%dT%H:%M:%SZ")
-        shifted = rec.deadline + timedelta(milliseconds=1 + next(self._recompute) % 9)
-        return to_rfc3339(shifted)
+        length = rec.deadline - (rec.visible_from or rec.created)
+        return (utcnow() + length).strftime("%Y-%m-%dT%H:%M:%SZ")
 
     def aws_rebalance(self) -> Optional[NoticeRecord]:
         active = self._active("aws", "rebalance")
@@ -393,6 +408,23 @@ class EmulatorState:
             elif rec.kind == "maintenance":
                 event = "MIGRATE_ON_HOST_MAINTENANCE"
         return {"preempted": "TRUE" if preempted else "FALSE", "maintenance-event": event}
+
+    def gcp_upcoming_maintenance(self) -> Optional[dict[str, Any]]:
+        """``instance/upcoming-maintenance`` while a host maintenance is announced (None = 404):
+        the window opens at the notice's deadline (GPU VMs are told about an hour ahead)."""
+        recs = [r for r in self._active("gcp") if r.kind in ("termination", "maintenance")]
+        if not recs:
+            return None
+        rec = min(recs, key=lambda r: r.deadline)
+        start = rec.deadline.strftime("%Y-%m-%dT%H:%M:%SZ")
+        return {
+            "maintenanceType": "SCHEDULED",
+            "canReschedule": False,
+            "windowStartTime": start,
+            "windowEndTime": (rec.deadline + timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "latestWindowStartTime": start,
+            "maintenanceStatus": "PENDING",
+        }
 
     def _gcp_notify(self) -> None:
         """Wake every hanging GET; each re-renders and decides whether its value changed."""

@@ -99,9 +99,8 @@ from .dist import destroy_group, guard_destroy, unguard_destroy
 from .periodic import PERIODIC_SETTLED, PeriodicSaver, stage_state_dict
 from .preflight import check_launcher, probe_writable, unwritable_message
 
-__all__ = ["Hook", "Preempted", "SIGNAL_GRACE", "EXIT_SAVE_FAILED"]
+__all__ = ["Hook", "Preempted", "SIGNAL_GRACE", "EMERGENCY_LEAD", "EXIT_SAVE_FAILED"]
 
-SIGNAL_GRACE = 30.0  # torchrun's default --shutdown-timeout: what a SIGTERM leaves us
 # Storage requests of a notice-driven save stop this long before the notice deadline (at most half
 # of what is left): the bounded teardown (barrier + destroy, ~0.1 s), the exit (~0.15 s with
 # gc.freeze) and the report to the daemon must still fit before the VM goes.
@@ -125,6 +124,13 @@ def _env_seconds(name: str, default: float) -> float:
 
 
 QUIESCE_PERIODIC_TIMEOUT = _env_seconds("SPOTGUARD_PERIODIC_DRAIN", 60.0)
+# What a SIGTERM leaves us before the SIGKILL: torchrun's default --shutdown-timeout (30 s); set it
+# per platform (GKE pods: 15 s of the node's 30 s; a pod's terminationGracePeriodSeconds; SLURM GraceTime).
+SIGNAL_GRACE = _env_seconds("SPOTGUARD_SIGNAL_GRACE", 30.0)
+# An emergency notice further off than this (GCP GPU host maintenance: about an hour; Azure Terminate:
+# 5-15 min) does not stop training at once: the emergency checkpoint starts this long before the
+# deadline, so it commits before the window opens with a safety margin.
+EMERGENCY_LEAD = _env_seconds("SPOTGUARD_EMERGENCY_LEAD", 300.0)
 # Framework adapters take ``every=`` checkpoints synchronously, in the framework's own format, through the
 # notice path with a synthetic notice: its id prefix keeps it out of daemon reports and commit records.
 PERIODIC_NOTICE_PREFIX = "periodic-"
@@ -137,6 +143,8 @@ def periodic_notice(step: int) -> Notice:
     return Notice(id=f"{PERIODIC_NOTICE_PREFIX}{step}", source="signal", kind="maintenance",
                   deadline=now + timedelta(seconds=PERIODIC_SYNC_TIMEOUT), received_at=now,
                   detail="every= safety-net checkpoint")
+
+
 #: exit code when the emergency save failed (nothing committed for this stop: progress since the last
 #: commit is lost). EX_TEMPFAIL from sysexits.h: "try again later" — launchers restart on it like on 143,
 #: and it tells the user apart from 143 ("stopped for a notice, nothing lost").
@@ -590,6 +598,9 @@ class Hook:
                 return
         with self._lock:
             self._pending[notice.id] = notice
+        if notice.emergency and notice.seconds_left() > EMERGENCY_LEAD:
+            self._log.info(ev.NOTICE_DEFERRED, notice_id=notice.id, kind=notice.kind, lead=EMERGENCY_LEAD,
+                           acts_in=round(notice.seconds_left() - EMERGENCY_LEAD, 3))
 
     def _on_cancel(self, notice_id: str) -> None:
         with self._lock:
@@ -603,7 +614,9 @@ class Hook:
             # Already checkpointed for it: an emergency replay means "exit, the VM is going"; a
             # rebalance/maintenance replay means nothing (they never stop a job).
             return LEVEL_REPLAY if n.emergency else LEVEL_NONE
-        return LEVEL_EMERGENCY if n.emergency else LEVEL_CHECKPOINT
+        if not n.emergency:
+            return LEVEL_CHECKPOINT
+        return LEVEL_EMERGENCY if n.seconds_left() <= EMERGENCY_LEAD else LEVEL_NONE  # far: keep training
 
     def _local_level(self) -> tuple[int, int]:
         if not self._pending:  # fast path: a dict truth test, no lock

@@ -13,6 +13,9 @@ is known, ``notice_id``. Fields per event:
   per_rank_own, per_rank_fresh, missing, rng ("own" | "derived")
 - ``notice_seen``: notice_id, kind, source, via ("daemon" | "signal"), deadline, seconds_left
 - ``notice_ignored``: notice_id, reason
+- ``notice_deferred``: notice_id, kind, lead, acts_in (an emergency notice further off than
+  ``SPOTGUARD_EMERGENCY_LEAD``: training goes on; the emergency checkpoint starts ``lead`` s before
+  the deadline)
 - ``notice_cancelled``: notice_id
 - ``agreed``: notice_id, step (completed iterations the checkpoint stands for), flag (0-3), kind,
   action ("emergency" | "checkpoint" | "exit" | "none"), seconds_since_notice, seconds_left
@@ -35,6 +38,7 @@ RESUMED = "resumed"
 ELASTIC_RESUME = "elastic_resume"
 NOTICE_SEEN = "notice_seen"
 NOTICE_IGNORED = "notice_ignored"
+NOTICE_DEFERRED = "notice_deferred"
 NOTICE_CANCELLED = "notice_cancelled"
 AGREED = "agreed"
 CHECKPOINT_STARTED = "checkpoint_started"

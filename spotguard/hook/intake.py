@@ -62,7 +62,7 @@ class NoticeIntake:
         job: str,
         on_notice: Callable[[Notice], None],
         on_cancel: Callable[[str], None] | None = None,
-        backoff_max: float = 5.0,
+        backoff_max: float = 2.0,
     ) -> None:
         self.socket_path: str = resolve_socket_path(socket_path)
         self.rank = rank

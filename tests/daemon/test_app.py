@@ -181,7 +181,7 @@ def _sigterm_and_get_notice(dp: DaemonProc, sub: Subscription) -> "asyncio.Futur
 
 
 async def test_sigterm_becomes_termination_notice_and_exit_after_checkpoint(spawn_daemon) -> None:
-    dp = spawn_daemon("--sigterm-grace", "20")
+    dp = spawn_daemon("--sigterm-notice", "--sigterm-grace", "20")
     sub = await Subscription(dp.sock, rank=0).open()
     t0 = time.monotonic()
     notice = await _sigterm_and_get_notice(dp, sub)
@@ -200,7 +200,7 @@ async def test_sigterm_becomes_termination_notice_and_exit_after_checkpoint(spaw
 
 
 async def test_sigterm_exits_by_deadline_when_nobody_reports(spawn_daemon) -> None:
-    dp = spawn_daemon("--sigterm-grace", "1.5")
+    dp = spawn_daemon("--sigterm-notice", "--sigterm-grace", "1.5")
     sub = await Subscription(dp.sock).open()
     t0 = time.monotonic()
     notice = await _sigterm_and_get_notice(dp, sub)
@@ -213,7 +213,7 @@ async def test_sigterm_exits_by_deadline_when_nobody_reports(spawn_daemon) -> No
 
 
 async def test_sigterm_with_no_subscriber_exits_at_once(spawn_daemon) -> None:
-    dp = spawn_daemon("--sigterm-grace", "30")
+    dp = spawn_daemon("--sigterm-notice", "--sigterm-grace", "30")
     t0 = time.monotonic()
     dp.proc.send_signal(signal.SIGTERM)
     assert await asyncio.to_thread(dp.proc.wait, 10) == 0

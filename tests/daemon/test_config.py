@@ -124,6 +124,9 @@ SAMPLES: dict[str, tuple[str, object, list[str], object]] = {
                           ["--slack-webhook-url", "http://127.0.0.1:2"], "http://127.0.0.1:2"),
     "kubernetes-node-actions": ("yes", True, ["--no-kubernetes-node-actions"], False),
     "asg-lifecycle-hook": ("auto", "auto", ["--asg-lifecycle-hook", "drain-hook"], "drain-hook"),
+    "sigterm-notice": ("1", True, ["--no-sigterm-notice"], False),
+    "azure-vm-name": ("vm-env", "vm-env", ["--azure-vm-name", "vm-flag"], "vm-flag"),
+    "health-stale-after": ("30", 30.0, ["--health-stale-after", "45"], 45.0),
 }
 
 
@@ -132,6 +135,20 @@ def test_a_bad_secret_url_from_env_is_not_echoed() -> None:
     with pytest.raises(ConfigError) as err:
         parse([], {"SPOTGUARD_SLACK_WEBHOOK_URL": secret})
     assert "SPOTGUARD_SLACK_WEBHOOK_URL" in str(err.value) and "s3cr3t" not in str(err.value)
+
+
+def test_sigterm_is_not_a_notice_by_default() -> None:
+    import argparse
+
+    from spotguard.daemon.config import DaemonConfig, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = DaemonConfig.from_args(parser.parse_args([]), env={}, create_socket_dir=False)
+    assert cfg.sigterm_notice is False and cfg.azure_vm_name == "" and cfg.health_stale_after == 120.0
+    on = DaemonConfig.from_args(parser.parse_args([]), env={"SPOTGUARD_SIGTERM_NOTICE": "yes"},
+                                create_socket_dir=False)
+    assert on.sigterm_notice is True
 
 
 def test_samples_cover_every_option() -> None:

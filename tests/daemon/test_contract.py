@@ -71,7 +71,7 @@ async def test_real_daemon_configured_by_env_only_and_flags_win(sockdir: str) ->
     notify.bind(nsock)
     port = _free_port()
     env = _clean_env(SPOTGUARD_SOCKET=path, SPOTGUARD_CLOUD="none", SPOTGUARD_METRICS_PORT=str(port),
-                     SPOTGUARD_SIGTERM_GRACE="7", SPOTGUARD_NODE="env-node", SPOTGUARD_PING_INTERVAL="0.05",
+                     SPOTGUARD_SIGTERM_GRACE="7", SPOTGUARD_SIGTERM_NOTICE="1", SPOTGUARD_NODE="env-node", SPOTGUARD_PING_INTERVAL="0.05",
                      NOTIFY_SOCKET=nsock, PYTHONUNBUFFERED="1")
     log_path = os.path.join(sockdir, "env.log")
     with open(log_path, "wb") as log_file:
@@ -143,7 +143,7 @@ async def test_foreign_uid_cannot_connect_unless_in_the_socket_group(sockdir: st
 
 
 async def test_json_logs_carry_notice_id_on_every_timeline_line(spawn_daemon) -> None:
-    dp = spawn_daemon("--sigterm-grace", "20")
+    dp = spawn_daemon("--sigterm-notice", "--sigterm-grace", "20")
     a = await Subscription(dp.sock, rank=0, world_size=2, job="tl").open()
     b = await Subscription(dp.sock, rank=1, world_size=2, job="tl").open()
     # A maintenance drill (ordinary checkpoint, training goes on): a report on an
@@ -193,7 +193,7 @@ async def test_json_logs_carry_notice_id_on_every_timeline_line(spawn_daemon) ->
 
 
 async def test_sigterm_keeps_serving_until_every_subscriber_is_done(spawn_daemon) -> None:
-    dp = spawn_daemon("--sigterm-grace", "30")
+    dp = spawn_daemon("--sigterm-notice", "--sigterm-grace", "30")
     a = await Subscription(dp.sock, rank=0, world_size=2, job="j").open()
     b = await Subscription(dp.sock, rank=1, world_size=2, job="j").open()
     t0 = time.monotonic()

@@ -287,7 +287,7 @@ async def test_sigterm_grace_waits_on_monotonic_time(sockdir: str, monkeypatch: 
     from spotguard import notice as notice_mod
 
     sock = os.path.join(sockdir, "t.sock")
-    async with running_daemon(sock, sigterm_grace=1.5) as d:
+    async with running_daemon(sock, sigterm_grace=1.5, sigterm_notice=True) as d:
         async with Subscription(sock, rank=0) as sub:
             loop = asyncio.get_running_loop()
             t0 = loop.time()

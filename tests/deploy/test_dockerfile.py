@@ -94,6 +94,7 @@ def test_structure() -> None:
     user = final["USER"][-1]
     assert user.split(":")[0] not in ("root", "0"), "runtime must not run as root"
     assert "HEALTHCHECK" in final and "spotguard" in final["HEALTHCHECK"][0] and "status" in final["HEALTHCHECK"][0]
+    assert "--check" in final["HEALTHCHECK"][0], "the health check is 'I can see notices', not just 'I answer'"
     assert any("/run/spotguard" in v for v in final["VOLUME"])
     assert json.loads(final["ENTRYPOINT"][0]) == ["spotguard"]
     assert json.loads(final["CMD"][0])[0] == "daemon"

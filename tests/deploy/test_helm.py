@@ -51,7 +51,7 @@ def test_helm_lint() -> None:
 
 @pytest.mark.parametrize("values", [None, {"hostNetwork": False, "priorityClassName": "",
                                            "podAnnotations": {"a": "b"}, "nodeSelector": {"spot": "true"},
-                                           "daemon": {"cloud": "aws", "logFormat": "console", "sigtermGrace": 20,
+                                           "daemon": {"cloud": "aws", "logFormat": "console", "sigtermGrace": 20, "sigtermNotice": True,
                                                       "metricsPort": 0, "extraEnv": [{"name": "SPOTGUARD_POLL_INTERVAL", "value": "1"}]},
                                            "imagePullSecrets": [{"name": "regcred"}]}],
                          ids=["defaults", "overrides"])
@@ -70,7 +70,11 @@ def test_chart_renders_valid(values: dict[str, Any] | None, tmp_path: Path) -> N
         c = next(c for c in spec["containers"] if c["name"] == "spotguard")
         env = {e["name"]: e.get("value") for e in c["env"]}
         assert env["SPOTGUARD_POLL_INTERVAL"] == "1" and env["SPOTGUARD_METRICS_PORT"] == "0"
+        assert env["SPOTGUARD_SIGTERM_NOTICE"] == "1" and env["SPOTGUARD_SIGTERM_GRACE"] == "20"
         assert c["args"] == ["daemon", "--cloud", "aws"]
+    else:
+        c = next(c for c in spec["containers"] if c["name"] == "spotguard")
+        assert "SPOTGUARD_SIGTERM_NOTICE" not in {e["name"] for e in c["env"]}  # SIGTERM is a clean stop
 
 
 def test_chart_matches_kustomize_daemonset(tmp_path: Path) -> None:
@@ -83,5 +87,6 @@ def test_chart_matches_kustomize_daemonset(tmp_path: Path) -> None:
     for name in ("spotguard", "socket-dir"):
         ca = next(c for c in a["initContainers"] + a["containers"] if c["name"] == name)
         cb = next(c for c in b["initContainers"] + b["containers"] if c["name"] == name)
-        for key in ("args", "command", "env", "volumeMounts", "startupProbe", "livenessProbe", "resources", "securityContext"):
+        for key in ("args", "command", "env", "volumeMounts", "startupProbe", "readinessProbe", "livenessProbe",
+                    "lifecycle", "resources", "securityContext"):
             assert ca.get(key) == cb.get(key), f"{name}.{key}"

@@ -84,7 +84,8 @@ def test_kustomize_renders(variant: str) -> None:
     images = [c["image"] for d in docs if d["kind"] != "ServiceAccount"
               for c in pod_spec(d).get("initContainers", []) + pod_spec(d)["containers"]]
     assert all(":" in i.rsplit("/", 1)[-1] for i in images), f"untagged images: {images}"
-    assert any(i.rsplit("/", 1)[-1].startswith("spotguard:") for i in images)
+    if variant != "pytorchjob":  # its workers use the node's DaemonSet
+        assert any(i.rsplit("/", 1)[-1].startswith("spotguard:") for i in images)
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -120,7 +121,7 @@ def test_schema_validation_is_really_validating() -> None:
 # ---------------------------------------------------------------- the contract
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ("sidecar", "daemonset"))
 def test_spotguard_container_is_locked_down_and_sized(variant: str) -> None:
     for doc in render(variant):
         if doc["kind"] == "ServiceAccount":
@@ -139,8 +140,14 @@ def test_spotguard_container_is_locked_down_and_sized(variant: str) -> None:
         req, lim = c["resources"]["requests"], c["resources"]["limits"]
         assert MEASURED_RSS_MIB < mib(req["memory"]) <= mib(lim["memory"]) <= 4 * MEASURED_RSS_MIB
         assert 1 <= millicores(req["cpu"]) <= 100 and millicores(lim["cpu"]) >= 100
-        for probe in ("startupProbe", "livenessProbe"):
-            assert c[probe]["exec"]["command"][:2] == ["spotguard", "status"]
+        # Every probe is the health check "I can see notices" (exit 1 while a watcher is blind).
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["exec"]["command"][:3] == ["spotguard", "status", "--check"], probe
+        # Startup covers Azure's up-to-2-minute first Scheduled Events answer.
+        start = c["startupProbe"]
+        assert start["periodSeconds"] * start["failureThreshold"] >= 150
+        # SIGTERM is a clean stop: no variant may turn it into a notice (a rollout would stop training).
+        assert env_of(c).get("SPOTGUARD_SIGTERM_NOTICE", "0") in ("0", "false", "")
         assert env_of(c)["SPOTGUARD_SOCKET"] == f"{SOCKET_DIR}/spotguard.sock"
         assert {"name": "spotguard-run", "mountPath": SOCKET_DIR} in c["volumeMounts"]
         # No other container in the pod is privileged or may escalate.
@@ -149,7 +156,7 @@ def test_spotguard_container_is_locked_down_and_sized(variant: str) -> None:
             assert not osc.get("privileged") and osc.get("allowPrivilegeEscalation") is False, other["name"]
 
 
-@pytest.mark.parametrize("variant", ("sidecar", "pytorchjob"))
+@pytest.mark.parametrize("variant", ("sidecar",))
 def test_native_sidecar_shares_socket_with_trainer(variant: str) -> None:
     (doc,) = render(variant)
     spec = pod_spec(doc)
@@ -169,6 +176,35 @@ def test_native_sidecar_shares_socket_with_trainer(variant: str) -> None:
     assert psc.get("fsGroup") == SPOTGUARD_UID or SPOTGUARD_UID in psc.get("supplementalGroups", [])
     # Sized to the notice: longer than the 25 s a GCP/Azure checkpoint may take, within AWS's 120 s.
     assert 25 <= spec["terminationGracePeriodSeconds"] <= 120
+    assert_trainer_termination_ordering(spec, t)
+
+
+def assert_trainer_termination_ordering(spec: dict[str, Any], trainer: dict[str, Any]) -> None:
+    """preStop waits for the active notice's checkpoint within the grace period; the hook's SIGTERM
+    grace fits both the pod's grace period and torchrun's 30 s."""
+    cmd = trainer["lifecycle"]["preStop"]["exec"]["command"]
+    assert cmd[:2] == ["spotguard", "wait-checkpoint"]
+    assert float(cmd[cmd.index("--timeout") + 1]) < spec["terminationGracePeriodSeconds"]
+    grace = float(env_of(trainer)["SPOTGUARD_SIGNAL_GRACE"])
+    assert 0 < grace <= min(30, spec["terminationGracePeriodSeconds"])
+
+
+def test_pytorchjob_uses_the_node_daemonset() -> None:
+    """The recommended Kubernetes mode (docs/deploy.md): workers share the DaemonSet's hostPath socket."""
+    (job,) = render("pytorchjob")
+    spec = pod_spec(job)
+    assert not [c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == "spotguard"]
+    vols = {v["name"]: v for v in spec["volumes"]}
+    ds_spec = pod_spec(next(d for d in render("daemonset") if d["kind"] == "DaemonSet"))
+    ds_vol = {v["name"]: v for v in ds_spec["volumes"]}["spotguard-run"]["hostPath"]["path"]
+    assert vols["spotguard-run"]["hostPath"] == {"path": ds_vol, "type": "Directory"}
+    assert SPOTGUARD_UID in spec["securityContext"]["supplementalGroups"]
+    (worker,) = [c for c in spec["containers"] if c["name"] == "pytorch"]
+    assert env_of(worker)["SPOTGUARD_SOCKET"] == f"{SOCKET_DIR}/spotguard.sock"
+    assert {"name": "spotguard-run", "mountPath": SOCKET_DIR} in worker["volumeMounts"]
+    # GKE: 15 s at node shutdown.
+    assert spec["terminationGracePeriodSeconds"] == 15 and env_of(worker)["SPOTGUARD_SIGNAL_GRACE"] == "15"
+    assert_trainer_termination_ordering(spec, worker)
 
 
 def test_job_restarts_after_preemption() -> None:
@@ -198,6 +234,10 @@ def test_daemonset_host_network_and_host_socket() -> None:
     assert isc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
     assert isc["readOnlyRootFilesystem"] is True and isc["allowPrivilegeEscalation"] is False
     assert f"{SPOTGUARD_UID}:{SPOTGUARD_UID}" in " ".join(init["command"])
+    # A drain waits for the trainers' checkpoint within the grace period; a rollout does not wait.
+    cmd = spotguard_container(spec)["lifecycle"]["preStop"]["exec"]["command"]
+    assert cmd[:2] == ["spotguard", "wait-checkpoint"]
+    assert float(cmd[cmd.index("--timeout") + 1]) < spec["terminationGracePeriodSeconds"]
     sel = ds["spec"]["selector"]["matchLabels"]
     assert sel.items() <= ds["spec"]["template"]["metadata"]["labels"].items()
 

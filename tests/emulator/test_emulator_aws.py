@@ -114,13 +114,34 @@ async def test_spot_stop_action_has_no_termination_time(emu: Emulator, http: aio
     assert (await _get(http, emu, "/latest/meta-data/spot/termination-time", token))[0] == 404
 
 
-async def test_recompute_time_shifts_each_request(emu: Emulator, http: aiohttp.ClientSession, aws_token: GetToken) -> None:
+async def test_recompute_time_moves_with_the_clock_in_whole_seconds(emu: Emulator, http: aiohttp.ClientSession,
+                                                                     aws_token: GetToken) -> None:
+    """Like amazon-ec2-metadata-mock: ``time`` = now + the notice's length, whole seconds, on every request."""
     token = await aws_token()
     emu.configure(aws_recompute_time=True)
+    emu.notice("aws", "preemption", 120)
+    texts, asked = [], []
+    for _ in range(2):
+        asked.append(utcnow())
+        texts.append(json.loads((await _get(http, emu, SPOT, token))[2])["time"])
+        await asyncio.sleep(1.1)  # the clock must move on by a whole second (what is tested)
+    first, second = (parse_rfc3339(t) for t in texts)
+    assert all(t.endswith("Z") and "." not in t for t in texts), texts  # whole seconds
+    assert -1.5 < (first - asked[0]).total_seconds() - 120 < 1.5
+    assert second - first >= timedelta(seconds=1), texts  # recomputed: it moved on
+
+
+async def test_rebalance_recommendation_comes_before_the_spot_notice(emu: Emulator, http: aiohttp.ClientSession,
+                                                                     aws_token: GetToken) -> None:
+    token = await aws_token()
+    emu.configure(aws_rebalance_lead=1.0)
     rec = emu.notice("aws", "preemption", 120)
-    times = [parse_rfc3339(json.loads((await _get(http, emu, SPOT, token))[2])["time"]) for _ in range(3)]
-    assert len(set(times)) == 3
-    assert all(timedelta(0) < t - rec.deadline < timedelta(milliseconds=20) for t in times)
+    assert (await _get(http, emu, "/latest/meta-data/events/recommendations/rebalance", token))[0] == 200
+    assert (await _get(http, emu, SPOT, token))[0] == 404  # not yet
+    await asyncio.sleep(1.1)
+    status, _, body = await _get(http, emu, SPOT, token)
+    assert status == 200 and json.loads(body)["action"] == "terminate"
+    assert abs((parse_rfc3339(json.loads(body)["time"]) - rec.deadline).total_seconds()) < 1.0
 
 
 async def test_rebalance_recommendation(emu: Emulator, http: aiohttp.ClientSession, aws_token: GetToken) -> None:

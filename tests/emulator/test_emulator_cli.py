@@ -58,3 +58,26 @@ def test_emulate_process_lifecycle(how: str) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def test_emulate_flags_like_amazon_ec2_metadata_mock() -> None:
+    """--aws-recompute-time and --aws-rebalance-lead reach the served documents."""
+    from spotguard.launch import start_emulator
+
+    emu = start_emulator(extra_args=["--aws-recompute-time", "--aws-rebalance-lead", "30"])
+    try:
+        config = emu.control("config")["config"]
+        assert config["aws_recompute_time"] is True and config["aws_rebalance_lead"] == 30.0
+        emu.notice("aws", "preemption", 120)
+        with urllib.request.urlopen(f"{emu.url}/_emulator/state", timeout=10) as r:  # noqa: S310
+            state = json.loads(r.read())
+        kinds = sorted(n["kind"] for n in state["notices"] if n["status"] == "active")
+        assert kinds == ["preemption", "rebalance"]  # the recommendation first; the spot notice 30 s later
+    finally:
+        emu.stop()
+
+
+def test_emulate_rejects_a_negative_rebalance_lead() -> None:
+    out = subprocess.run([sys.executable, "-m", "spotguard", "emulate", "--port", "0", "--aws-rebalance-lead", "-1"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "--aws-rebalance-lead" in out.stderr

@@ -149,3 +149,18 @@ async def test_shutdown_releases_hanging_get(http: aiohttp.ClientSession) -> Non
     assert time.monotonic() - t0 < 1.5
     status = (await asyncio.wait_for(task, 2))[0]
     assert status == 200
+
+
+async def test_upcoming_maintenance_window_while_maintenance_is_announced(emu: Emulator,
+                                                                         http: aiohttp.ClientSession) -> None:
+    upcoming = emu.url + "/computeMetadata/v1/instance/upcoming-maintenance"
+    assert (await _get(http, upcoming))[0] == 404  # nothing announced
+    rec = emu.notice("gcp", "termination", 3600)  # a GPU VM: told about an hour ahead
+    status, etag, _, body = await _get(http, upcoming)
+    doc = json.loads(body)
+    assert status == 200 and etag
+    assert doc["maintenanceType"] == "SCHEDULED" and doc["canReschedule"] is False
+    assert doc["windowStartTime"] == rec.deadline.strftime("%Y-%m-%dT%H:%M:%SZ") == doc["latestWindowStartTime"]
+    assert doc["windowEndTime"] > doc["windowStartTime"]
+    emu.cancel("gcp")
+    assert (await _get(http, upcoming))[0] == 404

@@ -1,8 +1,8 @@
 """AWS EC2 instance metadata (IMDS) watcher.
 
 Polls the spot interruption notice, the rebalance recommendation, scheduled
-events and the Auto Scaling target lifecycle state, all four concurrently so a
-poll cycle costs one round trip. Speaks IMDSv2 (session token, refreshed well
+events and the Auto Scaling target lifecycle state, each path on its own
+schedule and backoff (``polling.py``), so one failing path never delays another. Speaks IMDSv2 (session token, refreshed well
 before it expires, re-fetched on 401) and detects the container hop-limit trap:
 a token PUT that times out gets one clear warning naming the fix, then IMDSv1
 is used only if the instance answers tokenless GETs.
@@ -11,10 +11,12 @@ Notice ids (see ``stable_id``) are stable across polls of one notice and unique
 per occurrence (the daemon never re-sends an id it has seen):
 
 * spot ``instance-action``: ``action`` + the ``time`` of the first sighting + when
-  that was. Some mocks recompute ``time`` on every request, so the first sighting
-  (its id and deadline) is remembered for as long as the notice stays present; a
-  later notice with the same action and time (second precision) is still new.
-* rebalance: the first ``noticeTime`` + when it was first seen, remembered the same way.
+  that was. amazon-ec2-metadata-mock recomputes ``time`` (now + 2 min, whole
+  seconds) on every request, so the first sighting (its id and deadline) is
+  remembered for as long as the notice stays present, and the content key a
+  restarted daemon matches its persisted notices by is the action alone.
+* rebalance: the first ``noticeTime`` + when it was first seen, remembered the same way
+  (key ``rebalance``).
 * scheduled events: the ``EventId`` (``EventId`` + ``termination`` once the
   event escalates, see ``TERMINATION_THRESHOLD``).
 * ASG ``Terminated``: the time it was first seen, remembered while it lasts.
@@ -38,7 +40,7 @@ from ...notice import Cancel, Notice, WatchEvent, stable_id
 from ...timefmt import parse_rfc1123, parse_rfc3339, to_rfc3339, utcnow
 from .base import Backoff
 from .http import Fault, Resp, parse_json, reject_html, request, retry_after
-from .polling import CycleResult, PollingWatcher
+from .polling import PollingWatcher
 
 __all__ = ["AwsWatcher", "TERMINATION_THRESHOLD", "HOP_LIMIT_FIX"]
 
@@ -55,7 +57,9 @@ PATH_IDENTITY = "/latest/dynamic/instance-identity/document"
 TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
 
-HOP_LIMIT_FIX = "set the instance's metadata HttpPutResponseHopLimit to 2 or use host networking"
+HOP_LIMIT_FIX = ("set the instance's metadata HttpPutResponseHopLimit to 2 (aws ec2 modify-instance-metadata-options "
+                 "--http-put-response-hop-limit 2; AL2023 node groups and Karpenter default to 1) or use host "
+                 "networking (the hostNetwork DaemonSet)")
 
 # A scheduled stop/retirement/system-maintenance whose NotBefore is this close is
 # treated as a termination (emergency checkpoint), not a softer maintenance notice.
@@ -75,14 +79,6 @@ class _Seen:
 
     key: str
     id: str
-
-
-def _time_key(text: Any) -> str:
-    """A notice time for the content key, to the second: some mocks add milliseconds on every request."""
-    try:
-        return to_rfc3339(parse_rfc3339(text).replace(microsecond=0))
-    except (ValueError, TypeError, OverflowError):
-        return str(text)[:100]
 
 
 def _status_fault(resp: Resp, path: str) -> Fault:
@@ -139,7 +135,8 @@ class AwsWatcher(PollingWatcher):
     ) -> None:
         if not 1 <= token_ttl <= 21600:
             raise ValueError(f"token_ttl must be within 1..21600 seconds, got {token_ttl}")
-        super().__init__(base_url, poll_interval, Backoff(base=min(0.2, poll_interval), cap=backoff_cap))
+        super().__init__(base_url, poll_interval, lambda: Backoff(base=min(0.2, poll_interval), cap=backoff_cap))
+        self.health.require(PATH_SPOT, PATH_REBALANCE, PATH_SCHEDULED, PATH_ASG)
         self.token_ttl = token_ttl
         self.put_timeout = put_timeout
         self.request_timeout = request_timeout
@@ -147,6 +144,9 @@ class AwsWatcher(PollingWatcher):
         self.identity: dict[str, Any] = {}
         self.imdsv1 = False  # True once fallen back to tokenless requests
         self._token_backoff = Backoff(base=0.2, cap=backoff_cap)
+        self._identity_backoff = Backoff(base=0.2, cap=backoff_cap)
+        self._token_lock = asyncio.Lock()
+        self._token_fault: Optional[Fault] = None
         self._token: Optional[str] = None
         self._token_expires = 0.0  # monotonic
         self._token_refresh_at = 0.0  # monotonic
@@ -172,7 +172,12 @@ class AwsWatcher(PollingWatcher):
 
     # ------------------------------------------------------------------ session
     async def _acquire_token(self) -> bool:
-        """Make sure requests can be authenticated (token or IMDSv1); False if not this cycle."""
+        """Make sure requests can be authenticated (token or IMDSv1); False if not now (then
+        ``_token_fault`` says why). One PUT at a time, whichever path asks."""
+        async with self._token_lock:
+            return await self._acquire_token_locked()
+
+    async def _acquire_token_locked(self) -> bool:
         if self.imdsv1:
             return True
         now = time.monotonic()
@@ -188,7 +193,7 @@ class AwsWatcher(PollingWatcher):
         except Fault as fault:
             if fault.reason == "timeout":
                 return await self._on_put_timeout(have_valid)
-            self._error(fault, path=PATH_TOKEN)
+            self._token_fault = Fault(fault.reason, f"token PUT {PATH_TOKEN}: {fault.message}", fault.fix)
             self._next_refresh_try = time.monotonic() + self._token_backoff.next_delay()
             return have_valid
         token = resp.text.strip()
@@ -198,7 +203,8 @@ class AwsWatcher(PollingWatcher):
                 if resp.status != 200
                 else Fault("bad_token", "IMDS returned an empty token")
             )
-            self._error(bad, path=PATH_TOKEN)
+            self._token_fault = Fault(bad.reason, f"token PUT {PATH_TOKEN}: {bad.message}", bad.fix,
+                                      bad.retry_after)
             self._next_refresh_try = time.monotonic() + self._token_backoff.next_delay()
             return have_valid
         ttl = float(self.token_ttl)
@@ -214,6 +220,7 @@ class AwsWatcher(PollingWatcher):
         # Refresh half-way for short tokens, five minutes ahead for long ones.
         self._token_refresh_at = got + ttl - min(ttl / 2.0, 300.0)
         self._next_refresh_try = 0.0
+        self._token_fault = None
         self._token_backoff.reset()
         log.debug("aws_token_acquired", ttl=ttl)
         return True
@@ -221,7 +228,8 @@ class AwsWatcher(PollingWatcher):
     async def _on_put_timeout(self, have_valid: bool) -> bool:
         """Hop-limit case: the PUT reply never reaches a container behind one more hop."""
         message = f"IMDSv2 token PUT got no answer within {self.put_timeout:g}s"
-        self.health.error("token_put_timeout", message)
+        self._token_fault = Fault("token_put_timeout", message + " (the PUT response hop limit of 1, seen from a "
+                                  "container without host networking?)", HOP_LIMIT_FIX)
         if not self._hop_warned:
             self._hop_warned = True
             log.warning(
@@ -263,55 +271,57 @@ class AwsWatcher(PollingWatcher):
         return await self._request("GET", path, headers=self._auth_headers(), timeout=self.request_timeout)
 
     # ------------------------------------------------------------------ polling
-    async def _cycle(self, result: CycleResult) -> None:
+    def _paths(self) -> list[str]:
+        return [PATH_SPOT, PATH_REBALANCE, PATH_SCHEDULED, PATH_ASG, PATH_IDENTITY]
+
+    async def _authed_get(self, path: str) -> Resp:
+        """A GET with the session token; one fresh token and one retry on 401."""
         if not await self._acquire_token():
-            result.ok = False
-            return
-        paths = [PATH_SPOT, PATH_REBALANCE, PATH_SCHEDULED, PATH_ASG]
-        if self.node is None and self._identity_attempts < _IDENTITY_ATTEMPTS:
-            self._identity_attempts += 1
-            paths.append(PATH_IDENTITY)
-        answers: dict[str, Resp | BaseException] = dict(
-            zip(paths, await asyncio.gather(*(self._get(p) for p in paths), return_exceptions=True), strict=True)
-        )
-        unauthorized = [p for p, r in answers.items() if isinstance(r, Resp) and r.status == 401]
-        if unauthorized:
-            # Expired or revoked token (or IMDSv1 switched off): one fresh session, one retry.
+            raise self._token_fault or Fault("no_token", "no IMDSv2 session token yet")
+        used = self._token
+        resp = await self._get(path)
+        if resp.status != 401:
+            return resp
+        # Expired or revoked token (or IMDSv1 switched off): one fresh session, one retry.
+        async with self._token_lock:
             if self.imdsv1:
                 self.imdsv1 = False
                 log.warning("aws_imdsv1_refused", error="IMDS now requires a token; back to IMDSv2")
-            self._token = None
-            self._token_expires = self._token_refresh_at = self._next_refresh_try = 0.0
-            log.info("aws_token_rejected", paths=unauthorized)
-            if await self._acquire_token():
-                retried = await asyncio.gather(*(self._get(p) for p in unauthorized), return_exceptions=True)
-                answers.update(zip(unauthorized, retried, strict=True))
+            if self._token == used:  # not already replaced by another path's retry
+                self._token = None
+                self._token_expires = self._token_refresh_at = self._next_refresh_try = 0.0
+                log.info("aws_token_rejected", path=path)
+        if not await self._acquire_token():
+            raise self._token_fault or Fault("no_token", "no IMDSv2 session token")
+        return await self._get(path)
+
+    async def _poll(self, path: str) -> Optional[list[WatchEvent]]:
+        if path == PATH_IDENTITY:
+            return await self._poll_identity()
+        answer = await self._authed_get(path)
         now = utcnow()
-        for path, answer in answers.items():
-            try:
-                if isinstance(answer, asyncio.CancelledError):
-                    raise answer
-                if isinstance(answer, Fault):
-                    raise answer
-                if isinstance(answer, BaseException):
-                    raise Fault("internal", f"{path}: {answer!r}")
-                if path == PATH_IDENTITY:
-                    self._handle_identity(answer)
-                    continue
-                if path == PATH_SPOT:
-                    result.events.extend(self._handle_spot(answer, now))
-                elif path == PATH_REBALANCE:
-                    result.events.extend(self._handle_rebalance(answer, now))
-                elif path == PATH_SCHEDULED:
-                    result.events.extend(self._handle_scheduled(answer, now))
-                elif path == PATH_ASG:
-                    result.events.extend(self._handle_asg(answer, now))
-            except Fault as fault:
-                if path == PATH_IDENTITY:
-                    log.debug("aws_identity_unavailable", reason=fault.reason, error=fault.message)
-                    continue
-                result.retry_after = max(result.retry_after, fault.retry_after)
-                self._error(fault, path=path)
+        if path == PATH_SPOT:
+            return self._handle_spot(answer, now)
+        if path == PATH_REBALANCE:
+            return self._handle_rebalance(answer, now)
+        if path == PATH_SCHEDULED:
+            return self._handle_scheduled(answer, now)
+        return self._handle_asg(answer, now)
+
+    async def _poll_identity(self) -> Optional[list[WatchEvent]]:
+        """Best effort, a few attempts (paced like any path): the instance id for ``hello`` and logs."""
+        if self.node is not None or self._identity_attempts >= _IDENTITY_ATTEMPTS:
+            return None
+        self._identity_attempts += 1
+        try:
+            self._handle_identity(await self._authed_get(PATH_IDENTITY))
+        except Fault as fault:
+            log.debug("aws_identity_unavailable", reason=fault.reason, error=fault.message)
+            if self._identity_attempts >= _IDENTITY_ATTEMPTS:
+                return None
+            await self._sleep(self._identity_backoff.next_delay())
+            return []
+        return None if self.node is not None else []
 
     def _emit(self, notice: Notice) -> list[WatchEvent]:
         if notice.id in self._yielded:
@@ -373,7 +383,10 @@ class AwsWatcher(PollingWatcher):
             deadline=self._deadline(doc.get("time"), now, SPOT_NOTICE, PATH_SPOT, notice_id),
             received_at=now,
             detail=resp.text.strip(),
-            key=f"spot|{action}|{_time_key(doc.get('time'))}",
+            # Not the time: amazon-ec2-metadata-mock recomputes it (now + 2 min, whole seconds) on every
+            # request, so after a daemon restart the same notice shows another time. AWS never withdraws a
+            # spot notice, and the persisted entry expires a minute after its deadline.
+            key=f"spot|{action}",
         )
         self._spot = _Seen(key=action, id=notice.id)
         return self._emit(notice)
@@ -398,7 +411,7 @@ class AwsWatcher(PollingWatcher):
             deadline=now + SPOT_NOTICE,
             received_at=now,
             detail=resp.text.strip(),
-            key=f"rebalance|{_time_key(doc['noticeTime'])}",
+            key="rebalance",
         )
         self._rebalance = _Seen(key="rebalance", id=notice.id)
         return self._emit(notice)

@@ -8,9 +8,11 @@ approvals, retries) goes through one pacer that spaces request starts at least
 interval or error storm; a 429 also honours ``Retry-After``.
 
 Scheduled events are broadcast to a whole availability/scale set, so only events
-whose ``Resources`` name this VM are delivered; the name comes from
-``/metadata/instance/compute`` and, until it is known, events stay pending (not
-dropped, and logged). Notice ids derive from ``EventId``; an event that
+whose ``Resources`` name this VM are delivered; the name is ``--azure-vm-name``
+or comes from ``/metadata/instance/compute`` and, until it is known, events stay
+pending (not dropped, and logged) and the watcher reports itself blind. The
+compute and events paths poll on their own schedules (``polling.py``): a failing
+``compute`` never slows the events poll. ``NotBefore`` is read as RFC 1123 or ISO 8601. Notice ids derive from ``EventId``; an event that
 disappears from the document yields ``Cancel``.
 """
 
@@ -18,8 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any, Mapping, Optional
 
 from ...logs import get_logger
@@ -27,9 +30,9 @@ from ...notice import Cancel, Notice, WatchEvent, stable_id
 from ...timefmt import parse_rfc1123, to_rfc3339, utcnow
 from .base import Backoff
 from .http import Fault, Resp, parse_json, reject_html, request, retry_after
-from .polling import CycleResult, PollingWatcher
+from .polling import PollingWatcher
 
-__all__ = ["AzureWatcher", "MIN_NOTICE", "MIN_REQUEST_SPACING"]
+__all__ = ["AzureWatcher", "MIN_NOTICE", "MIN_REQUEST_SPACING", "VM_NAME_FIX", "parse_azure_date"]
 
 
 log = get_logger("spotguard.watchers.azure")
@@ -54,6 +57,31 @@ MIN_NOTICE: dict[str, timedelta] = {
     "Redeploy": timedelta(minutes=10),
 }
 _UNKNOWN_TYPE_NOTICE = timedelta(seconds=30)  # the shortest: safest for a type we do not know
+
+
+VM_NAME_FIX = ("events name VMs and this VM's name is unknown until IMDS instance/compute answers: pass "
+               "--azure-vm-name (SPOTGUARD_AZURE_VM_NAME), the name Scheduled Events list in Resources")
+
+_FRACTION = re.compile(r"(\.\d{6})\d+")
+
+
+def parse_azure_date(text: str) -> datetime:
+    """``NotBefore``: RFC 1123 (``Mon, 19 Sep 2016 18:29:47 GMT``, documented) or ISO 8601
+    (``2016-09-19T18:29:47Z``, also seen, with .NET's 7-digit fractions); no offset means UTC."""
+    try:
+        return parse_rfc1123(text)
+    except ValueError:
+        pass
+    s = str(text).strip()
+    if s[-1:] in ("Z", "z"):
+        s = s[:-1] + "+00:00"
+    try:
+        dt = datetime.fromisoformat(_FRACTION.sub(r"\1", s))
+    except ValueError:
+        raise ValueError(f"not an RFC 1123 or ISO 8601 date: {text!r}") from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.astimezone(timezone.utc)
 
 
 class _Pacer:
@@ -109,7 +137,9 @@ class AzureWatcher(PollingWatcher):
         vm_name: Optional[str] = None,
         min_request_spacing: float = MIN_REQUEST_SPACING,
     ) -> None:
-        super().__init__(base_url, poll_interval, Backoff(base=0.25, cap=backoff_cap))
+        super().__init__(base_url, poll_interval, lambda: Backoff(base=0.25, cap=backoff_cap))
+        # Without the VM name no event can be matched to this VM: blind until it is known.
+        self.health.require(PATH_EVENTS, *(() if vm_name else (PATH_COMPUTE,)))
         self.api_version = api_version
         self.request_timeout = request_timeout
         self.vm_name: Optional[str] = vm_name
@@ -148,32 +178,34 @@ class AzureWatcher(PollingWatcher):
     def _started_details(self) -> dict[str, Any]:
         return {"api_version": self.api_version}
 
-    async def _cycle(self, result: CycleResult) -> None:
-        if self.vm_name is None:
-            try:
+    def _paths(self) -> list[str]:
+        return [PATH_COMPUTE, PATH_EVENTS]
+
+    async def _poll(self, path: str) -> Optional[list[WatchEvent]]:
+        if path == PATH_COMPUTE:
+            if self.vm_name is None:
                 await self._fetch_name()
-            except Fault as fault:
-                result.retry_after = max(result.retry_after, fault.retry_after)
-                self._error(fault, path=PATH_COMPUTE)
-        try:
-            resp = await self._request("GET", PATH_EVENTS, self.api_version)
-            if resp.status != 200:
-                raise _status_fault(resp, PATH_EVENTS)
-            doc = self._json(resp, PATH_EVENTS)
-            incarnation, events = self._validate(doc, resp.text)
-            result.events = self._process(incarnation, events)
-        except Fault as fault:
-            result.retry_after = max(result.retry_after, fault.retry_after)
-            self._error(fault, path=PATH_EVENTS)
+            self.health.release(PATH_COMPUTE)
+            return None  # known (or given): never asked again
+        resp = await self._request("GET", PATH_EVENTS, self.api_version)
+        if resp.status != 200:
+            raise _status_fault(resp, PATH_EVENTS)
+        doc = self._json(resp, PATH_EVENTS)
+        incarnation, events = self._validate(doc, resp.text)
+        return self._process(incarnation, events)
 
     async def _fetch_name(self) -> None:
-        resp = await self._request("GET", PATH_COMPUTE, COMPUTE_API_VERSION)
+        try:
+            resp = await self._request("GET", PATH_COMPUTE, COMPUTE_API_VERSION)
+        except Fault as fault:
+            raise Fault(fault.reason, fault.message, fault.fix or VM_NAME_FIX) from None
         if resp.status != 200:
-            raise _status_fault(resp, PATH_COMPUTE)
+            fault = _status_fault(resp, PATH_COMPUTE)
+            raise Fault(fault.reason, fault.message, fault.fix or VM_NAME_FIX, fault.retry_after)
         doc = self._json(resp, PATH_COMPUTE)
         name = doc.get("name") if isinstance(doc, dict) else None
         if not isinstance(name, str) or not name:
-            raise Fault("bad_json", f"{PATH_COMPUTE}: no VM name in {resp.text[:200]!r}")
+            raise Fault("bad_json", f"{PATH_COMPUTE}: no VM name in {resp.text[:200]!r}", VM_NAME_FIX)
         self.vm_name = name
         log.info("azure_identity", node=name)
 
@@ -204,6 +236,7 @@ class AzureWatcher(PollingWatcher):
                     "azure_events_pending",
                     error="VM name unknown yet: cannot tell which events concern this VM; keeping them pending",
                     pending=len(events),
+                    fix=VM_NAME_FIX,
                     event_ids=[e["EventId"] for e in events],
                     incarnation=incarnation,
                 )
@@ -261,7 +294,7 @@ class AzureWatcher(PollingWatcher):
         if not not_before:  # "" once the event has started
             return now + default
         try:
-            return parse_rfc1123(not_before)
+            return parse_azure_date(not_before)
         except ValueError:
             self._error(
                 Fault("bad_date", f"event {event['EventId']}: unreadable NotBefore {not_before!r}"),

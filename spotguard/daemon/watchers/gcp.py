@@ -11,24 +11,32 @@ Notice ids: path + value + the ETag at which the value turned on + the time it w
 first seen (the ETag is content-derived, so it alone would repeat for a second
 occurrence); the notice is remembered while the value stays on, and a value
 going back yields ``Cancel``.
+
+Deadlines: ``preempted`` 30 s; ``maintenance-event`` the start of the window in
+``instance/upcoming-maintenance`` when that answers (GPU VMs hear of host
+maintenance about an hour ahead), else 60 s. A 404 on a notice path is what GKE's
+metadata server (Workload Identity, Autopilot) answers: logged with the fix, and
+the watcher is reported blind to health checks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, AsyncIterator, Optional
 
 from ...logs import get_logger
 from ...notice import Cancel, Notice, WatchEvent, stable_id
-from ...timefmt import to_rfc3339, utcnow
+from ...timefmt import parse_rfc3339, to_rfc3339, utcnow
 from .base import Backoff
 from .http import Fault, HttpWatcher, Resp, is_html, reject_html, request
 
-__all__ = ["GcpWatcher", "PATH_PREFIX", "PREEMPTED", "MAINTENANCE"]
+__all__ = ["GcpWatcher", "PATH_PREFIX", "PREEMPTED", "MAINTENANCE", "UPCOMING", "GKE_METADATA_FIX",
+           "parse_window_start"]
 
 
 log = get_logger("spotguard.watchers.gcp")
@@ -37,6 +45,9 @@ PATH_PREFIX = "/computeMetadata/v1/"
 PREEMPTED = "instance/preempted"
 MAINTENANCE = "instance/maintenance-event"
 NAME = "instance/name"
+UPCOMING = "instance/upcoming-maintenance"
+# How long the upcoming-maintenance read may hold a maintenance notice back before the fixed 60 s is used.
+UPCOMING_TIMEOUT = 1.0
 HEADERS = {"Metadata-Flavor": "Google"}
 
 # value -> (kind, notice length); values absent here (FALSE, NONE) mean "no notice".
@@ -81,7 +92,19 @@ class _TokenBucket:
         return wait
 
 
+# GKE's metadata server (what pods see under Workload Identity, and on Autopilot) serves a subset
+# of the instance metadata: ``instance/preempted`` answers 404 there, forever.
+GKE_METADATA_FIX = (
+    "this looks like the GKE metadata server (Workload Identity / Autopilot), which does not serve "
+    "instance/preempted: run the daemon as the hostNetwork DaemonSet (deploy/kubernetes/daemonset), "
+    "which reaches the VM's own metadata server; GKE Autopilot forbids hostNetwork (no notices there, "
+    "see docs/deploy.md)"
+)
+
+
 def _status_fault(status: int, path: str) -> Fault:
+    if status == 404:
+        return Fault("http_404", f"metadata server answered 404 on {path}", GKE_METADATA_FIX)
     if status == 503:
         return Fault(
             "http_503", f"metadata server answered 503 on {path}", "brief unavailability during maintenance; retrying"
@@ -95,6 +118,24 @@ def _status_fault(status: int, path: str) -> Fault:
     if status == 429:
         return Fault("http_429", f"metadata server throttled {path}")
     return Fault(f"http_{status}", f"metadata server answered {status} on {path}")
+
+
+def parse_window_start(text: str) -> Optional[datetime]:
+    """``windowStartTime`` (or the snake_case ``window_start_time``) of an upcoming-maintenance document."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    for key in ("windowStartTime", "window_start_time", "latestWindowStartTime", "latest_window_start_time"):
+        value = doc.get(key)
+        if isinstance(value, str) and value:
+            try:
+                return parse_rfc3339(value)
+            except ValueError:
+                return None
+    return None
 
 
 class GcpWatcher(HttpWatcher):
@@ -128,7 +169,11 @@ class GcpWatcher(HttpWatcher):
         self._active: dict[str, _Active] = {}
         self._yielded: set[str] = set()
         self._occurrences = itertools.count(1)
-        self._healthy_paths: dict[str, bool] = {PREEMPTED: True, MAINTENANCE: True}
+        self._warned: set[str] = set()
+        self._windows: dict[str, tuple[datetime, str]] = {}  # path -> (window start, raw upcoming-maintenance)
+        self.health.require(PREEMPTED, MAINTENANCE)
+        # A hanging GET answers at least every wait_timeout_sec: allow two of them, and a margin.
+        self.health.stale_floor = 2 * self.wait_timeout_sec + 30
 
     async def _get(self, path: str, params: dict[str, str], timeout: float) -> Resp:
         return await request(
@@ -163,21 +208,23 @@ class GcpWatcher(HttpWatcher):
                     pass
 
     def _error(self, path: str, fault: Fault) -> None:
-        self.health.error(fault.reason, fault.message)
-        self._healthy_paths[path] = False
+        was_ok = self.health.paths[path].ok if path in self.health.paths else True
+        self.health.error(fault.reason, fault.message, fault.fix, path=path)
         fields: dict[str, Any] = {"reason": fault.reason, "error": fault.message, "path": path}
         if fault.fix:
             fields["fix"] = fault.fix
-        log.warning("gcp_poll_error", **fields)
+        # One warning when a path turns bad (or its reason changes), then debug: a GKE 404 is forever.
+        if was_ok or fault.reason not in self._warned:
+            log.warning("gcp_poll_error", **fields)
+        else:
+            log.debug("gcp_poll_error", **fields)
+        self._warned.add(fault.reason)
 
     def _ok(self, path: str) -> None:
-        if not self._healthy_paths.get(path, True):
+        ph = self.health.paths.get(path)
+        if ph is not None and not ph.ok and ph.last_error is not None:
             log.info("gcp_poll_recovered", path=path)
-        self._healthy_paths[path] = True
-        if all(self._healthy_paths.values()):
-            self.health.ok()
-        else:
-            self.health.polls += 1
+        self.health.ok(path)
 
     async def events(self) -> AsyncIterator[WatchEvent]:
         """Run both hanging GETs in the background and yield what they find until ``close``."""
@@ -257,9 +304,31 @@ class GcpWatcher(HttpWatcher):
             if not new_etag and not warned_no_etag:
                 warned_no_etag = True
                 log.warning("gcp_no_etag", path=path, error="response without ETag; falling back to paced plain GETs")
+            if path == MAINTENANCE and value in _ON_VALUES[MAINTENANCE]:
+                active = self._active.get(path)
+                if active is None or active.value != value:
+                    await self._read_window()
             self._observe(path, value, new_etag or "", resp.text.strip())
             bucket = changed if new_etag and new_etag != etag else unproductive
             etag = new_etag or None
+
+    async def _read_window(self) -> None:
+        """``instance/upcoming-maintenance`` (best effort, <= ``UPCOMING_TIMEOUT``): GPU VMs are told about
+        host maintenance about an hour ahead, and the window's start, not a fixed 60 s, is the deadline."""
+        try:
+            resp = await self._get(UPCOMING, {}, UPCOMING_TIMEOUT)
+        except Fault as fault:
+            log.info("gcp_upcoming_maintenance_unavailable", reason=fault.reason, error=fault.message,
+                     assumed="60s from now")
+            return
+        if resp.status != 200:
+            log.info("gcp_upcoming_maintenance_unavailable", status=resp.status, assumed="60s from now")
+            return
+        start = parse_window_start(resp.text)
+        if start is None:
+            log.warning("gcp_upcoming_maintenance_unreadable", body=resp.text[:300], assumed="60s from now")
+            return
+        self._windows[MAINTENANCE] = (start, " ".join(resp.text.split())[:1000])
 
     def _parse(self, path: str, resp: Resp) -> str:
         if resp.status != 200:
@@ -284,15 +353,19 @@ class GcpWatcher(HttpWatcher):
         if on is None:
             return
         kind, length = on
+        deadline, detail = now + length, f"{path}={raw}"
+        window = self._windows.pop(path, None)
+        if window is not None and window[0] > now:
+            deadline, detail = window[0], f"{detail}; {UPCOMING}={window[1]}"
         notice = Notice(
             # The ETag is content-derived (the same value has the same ETag every time),
             # so the first-seen time tells two occurrences apart; remembered while on.
             id=stable_id("gcp", path, value, etag, now.isoformat(), next(self._occurrences)),
             source="gcp",
             kind=kind,
-            deadline=now + length,
+            deadline=deadline,
             received_at=now,
-            detail=f"{path}={raw}",
+            detail=detail,
             key=f"{path}|{value}|{etag}",
         )
         self._active[path] = _Active(value=value, id=notice.id)

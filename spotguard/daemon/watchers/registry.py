@@ -14,7 +14,8 @@ __all__ = ["build_watchers", "CLOUDS"]
 CLOUDS: tuple[str, ...] = ("aws", "gcp", "azure", "none")
 
 
-def build_watchers(cloud: str, metadata_url: Optional[str], poll_interval: Optional[float]) -> list[Watcher]:
+def build_watchers(cloud: str, metadata_url: Optional[str], poll_interval: Optional[float], *,
+                   azure_vm_name: Optional[str] = None) -> list[Watcher]:
     """``metadata_url`` replaces each cloud's link-local base (the watcher appends the
     standard paths); ``poll_interval`` None keeps each cloud's default (AWS 0.5 s,
     Azure 1 s). GCP does not poll: it uses hanging GETs, so it ignores the interval."""
@@ -37,6 +38,7 @@ def build_watchers(cloud: str, metadata_url: Optional[str], poll_interval: Optio
             AzureWatcher(
                 base_url=base or "http://169.254.169.254",
                 poll_interval=poll_interval if poll_interval is not None else 1.0,
+                vm_name=azure_vm_name or None,
             )
         ]
     raise ValueError(f"unknown cloud {cloud!r} (one of {', '.join(CLOUDS)})")

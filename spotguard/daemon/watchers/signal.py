@@ -1,9 +1,11 @@
-"""The daemon's own SIGTERM as a notice source.
+"""The daemon's own SIGTERM as a notice source, with ``--sigterm-notice`` only.
 
-Kubelet graceful shutdown, GCP shutdown scripts and SLURM all SIGTERM the daemon
-together with the trainer; turning that signal into a ``termination`` notice
-(deadline ``--sigterm-grace``) gives trainers the same emergency path as a cloud
-notice. The daemon installs the signal handler and calls ``trigger``.
+By default a SIGTERM to the daemon is a clean stop (a rollout, an upgrade, a
+restart must never stop training; trainers get their own SIGTERM at shutdown).
+Where a trainer gets no signal of its own, ``--sigterm-notice`` turns the
+daemon's SIGTERM into a ``termination`` notice (deadline ``--sigterm-grace``),
+the same emergency path as a cloud notice. The daemon installs the signal
+handler and calls ``trigger``.
 """
 
 from __future__ import annotations

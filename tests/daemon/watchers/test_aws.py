@@ -22,7 +22,8 @@ def watcher(url: str, **kw: Any) -> AwsWatcher:
     return AwsWatcher(url, **{**FAST, **kw})
 
 
-async def test_spot_interruption_is_a_preemption_with_the_notice_deadline(emu: Emulator, collect: Callable) -> None:
+async def test_spot_interruption_is_a_preemption_with_the_notice_deadline(emu: Emulator, collect: Callable,
+                                                                         wait_until: Any) -> None:
     w = watcher(emu.url)
     c = collect(w)
     rec = emu.notice("aws", "preemption", 120)
@@ -31,8 +32,8 @@ async def test_spot_interruption_is_a_preemption_with_the_notice_deadline(emu: E
     # The emulator's spot time has second precision.
     assert abs((n.deadline - rec.deadline).total_seconds()) < 1.0
     assert '"action": "terminate"' in n.detail
-    assert w.node == "i-0123456789abcdef0"
-    assert w.health.healthy
+    # The identity document is its own path (best effort, never in the notice's way).
+    await wait_until(lambda: w.node == "i-0123456789abcdef0" and w.health.healthy, what="identity and health")
 
 
 async def test_same_notice_polled_100_times_is_yielded_once_even_if_time_is_recomputed(
