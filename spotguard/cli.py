@@ -89,7 +89,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         mod = importlib.import_module(args._module)
         runner = getattr(mod, f"{args._name}_main", None) or mod.main
         code = int(runner(args) or 0)
-        sys.stdout.flush()
+        if sys.stdout is not None:  # None when the process was started with fd 1 closed (a daemon's log stream)
+            sys.stdout.flush()
         return code
     except KeyboardInterrupt:
         return 130
