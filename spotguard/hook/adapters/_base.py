@@ -29,10 +29,9 @@ from typing import Any, Callable, Optional
 
 from ...notice import Notice
 from ...storage import Storage, open_storage
-from ...storage.commit import newest_committed
 from .. import events as ev
 from ..core import Hook
-from ._files import download_dir
+from ...storage.verify import latest_verified
 
 __all__ = ["FrameworkHook"]
 
@@ -100,13 +99,11 @@ class FrameworkHook(Hook):
         Object stores: the committed folder is downloaded to ``$SPOTGUARD_CACHE``
         (default ``~/.cache/spotguard``) first; a complete copy there is reused.
         """
-        info = newest_committed(self._storage)
-        if info is None:
+        found = latest_verified(self._storage, self._log)  # a damaged one is skipped for the previous
+        if found is None:
             self._latest = None
             return None
-        folder = self._storage.local_path(info.dir)
-        if folder is None:
-            folder = download_dir(self._storage, info.dir)
+        info, folder = found
         target = str(self._resume_target(pathlib.Path(folder)))
         self._latest = (target, info.step, info.record.notice_id if info.record else None, info.dir)
         return target

@@ -41,7 +41,9 @@ from ...storage import Storage
 from ..core import Hook
 from ..state import Snapshot, capture_rng, restore_rng
 from ._base import FrameworkHook
-from ._files import download_dir, staging_dir, upload_dir
+from ...storage.integrity import DamagedCheckpoint
+from ...storage.verify import verified_folder
+from ._files import staging_dir, upload_dir
 
 __all__ = ["AccelerateHook", "install"]
 
@@ -139,12 +141,18 @@ class AccelerateHook(FrameworkHook):
             if stage is not None:
                 shutil.rmtree(stage, ignore_errors=True)
 
-    def _load(self, dirkey: str) -> None:
-        folder = self._storage.local_path(dirkey)
-        if folder is None:
-            folder = download_dir(self._storage, dirkey)
+    def _load(self, dirkey: str, digests: Any = None) -> Optional[DamagedCheckpoint]:
+        """Every rank: verify (or download verified), agree, then let Accelerate load; damage is returned."""
+        damage: Optional[DamagedCheckpoint] = None
+        try:
+            folder = verified_folder(self._storage, dirkey, self._log)
+        except DamagedCheckpoint as exc:
+            damage = exc
+        if not self._all_ok(damage is None):
+            return damage or DamagedCheckpoint(f"{self._storage.uri}/{dirkey}", "another rank found it damaged")
         with self._explicit_dirs():
             self.accelerator.load_state(os.fspath(folder))
+        return None
 
 
 def install(accelerator: Any, storage: Any = None, *, socket: str | None = None, every: Any = None,
