@@ -65,6 +65,69 @@ def crc32c_b64(chunks: Iterable[Any]) -> str:
     return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
 
 
+_POLY = 0x82F63B78  # CRC32C, reflected
+
+
+def _times(mat: list[int], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _square(mat: list[int]) -> list[int]:
+    return [_times(mat, mat[n]) for n in range(32)]
+
+
+def _shift_operator(nbytes: int) -> list[int]:
+    """The GF(2) matrix that advances a CRC32C over ``nbytes`` zero bytes (zlib's crc32_combine, as a matrix)."""
+    odd = [_POLY] + [1 << n for n in range(31)]  # one zero bit
+    even = _square(odd)  # two
+    odd = _square(even)  # four
+    op = [1 << n for n in range(32)]  # identity
+    n = nbytes
+    while n:
+        even = _square(odd)
+        if n & 1:
+            op = [_times(even, v) for v in op]
+        n >>= 1
+        if not n:
+            break
+        odd = _square(even)
+        if n & 1:
+            op = [_times(odd, v) for v in op]
+        n >>= 1
+    return op
+
+
+_BLOCK_OP: list[int] | None = None
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32C of A+B from crc(A), crc(B) and len(B): part checksums from block checksums, no second pass."""
+    global _BLOCK_OP
+    if len2 == BLOCK_SIZE:
+        if _BLOCK_OP is None:
+            _BLOCK_OP = _shift_operator(BLOCK_SIZE)
+        op = _BLOCK_OP
+    else:
+        op = _shift_operator(len2)
+    return _times(op, crc1) ^ crc2
+
+
+def crc32c_of_blocks(crcs: Iterable[int], size: int) -> int:
+    """The CRC32C of ``size`` bytes whose consecutive ``BLOCK_SIZE`` blocks have CRCs ``crcs`` (the last may be short)."""
+    out, done = 0, 0
+    for c in crcs:
+        n = min(BLOCK_SIZE, size - done)
+        out = c if done == 0 else crc32c_combine(out, c, n)
+        done += n
+    return out
+
+
 class DamagedCheckpoint(StorageError):
     """A committed checkpoint whose bytes do not match its record, or that holds something unsafe."""
 
@@ -120,6 +183,17 @@ class Checksummer:
                 self._done.append("%08x" % self._crc)
                 self._crc = self._fill = 0
         self.size += n
+
+    def crc_of_span(self, start: int, end: int) -> int | None:
+        """CRC32C of bytes [start, end) from the block CRCs, or None if the span is not block-aligned
+        or not fed yet (``end`` may be the current size, ending in the partial block)."""
+        if start % BLOCK_SIZE or end > self.size or (end % BLOCK_SIZE and end != self.size):
+            return None
+        first, last = start // BLOCK_SIZE, -(-end // BLOCK_SIZE)
+        crcs = [int(b, 16) for b in self._done[first:last]]
+        if last > len(self._done):  # ends in the block being filled
+            crcs.append(self._crc)
+        return crc32c_of_blocks(crcs, end - start)
 
     def digest(self) -> FileDigest:
         blocks = list(self._done)

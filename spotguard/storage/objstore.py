@@ -16,6 +16,7 @@ save fails clearly, nothing is committed, and the previous commit is untouched.
 from __future__ import annotations
 
 import abc
+import base64
 import contextlib
 import io
 import os
@@ -344,6 +345,14 @@ class Upload(abc.ABC):
     def abort(self) -> None:
         """Discard every part sent so far (no orphaned parts left billing)."""
 
+    def expect_crc(self, number: int, crc_b64: str) -> None:
+        """Part ``number``'s CRC32C, already known from the stream's block checksums (no second pass)."""
+        self.__dict__.setdefault("_crcs", {})[number] = crc_b64
+
+    def crc_of(self, number: int, data: "memoryview | Segments") -> str:
+        """Part ``number``'s base64 CRC32C for the store to check: known already, else computed now."""
+        return self.__dict__.get("_crcs", {}).get(number) or part_crc32c(data)
+
 
 class ZeroCopySource(abc.ABC):
     """Memory a stream may send from directly instead of copying (see ``UploadStream.zero_copy``)."""
@@ -378,6 +387,7 @@ class UploadStream(io.RawIOBase):
         self._name = name
         self._key = key  # relative key: what the store's write log records on close
         self._sum = Checksummer()  # the file's checksum, computed as the bytes go out
+        self._part_off = 0  # file offset of the part being built
         self._pool = pool
         self._executor = executor
         # the part being built: finished ranges, the pool buffers they use, the active copy buffer
@@ -556,6 +566,10 @@ class UploadStream(io.RawIOBase):
             raise
         number = len(self._futures) + 1
         upload = self._upload
+        crc = self._sum.crc_of_span(self._part_off, self._part_off + length)  # from the block CRCs
+        if crc is not None:
+            upload.expect_crc(number, base64.b64encode(crc.to_bytes(4, "big")).decode("ascii"))
+        self._part_off += length
 
         def send() -> Any:
             try:

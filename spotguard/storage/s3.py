@@ -70,7 +70,7 @@ class _S3Upload(Upload):
         self.store, self.name, self.upload_id = store, name, upload_id
 
     def part(self, number: int, data: memoryview, last: bool) -> Any:
-        crc = part_crc32c(data)  # S3 refuses a part whose bytes do not match it (BadDigest)
+        crc = self.crc_of(number, data)  # S3 refuses a part whose bytes do not match it (BadDigest)
         r = self.store.client.upload_part(Bucket=self.store.bucket, Key=self.name, UploadId=self.upload_id,
                                           PartNumber=number, Body=request_body(data), ContentLength=len(data),
                                           ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc)
