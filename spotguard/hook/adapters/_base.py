@@ -31,6 +31,7 @@ from ...notice import Notice
 from ...storage import Storage, open_storage
 from .. import events as ev
 from ..core import Hook
+from ...logs import get_logger
 from ...storage.verify import latest_verified
 
 __all__ = ["FrameworkHook"]
@@ -99,7 +100,8 @@ class FrameworkHook(Hook):
         Object stores: the committed folder is downloaded to ``$SPOTGUARD_CACHE``
         (default ``~/.cache/spotguard``) first; a complete copy there is reused.
         """
-        found = latest_verified(self._storage, self._log)  # a damaged one is skipped for the previous
+        log = getattr(self, "_log", None) or get_logger("spotguard.hook", component="hook")  # before arming too
+        found = latest_verified(self._storage, log)  # a damaged one is skipped for the previous
         if found is None:
             self._latest = None
             return None

@@ -21,9 +21,10 @@ from typing import Callable, Optional
 from ...storage import Storage
 from ...storage.base import join_key
 from ...storage.commit import COMMIT_NAME, CheckpointInfo, checkpoint_info
+from ...storage.integrity import Checksummer
 from ...storage.verify import download_checkpoint
 
-__all__ = ["cache_root", "upload_dir", "download_dir", "staging_dir"]
+__all__ = ["cache_root", "upload_dir", "download_dir", "staging_dir", "report_local"]
 
 
 def cache_root() -> pathlib.Path:
@@ -57,6 +58,30 @@ def upload_dir(storage: Storage, local: str | os.PathLike[str], key: str,
         if rel == COMMIT_NAME or (select is not None and not select(rel)):
             continue
         storage.write_bytes(join_key(key, rel), path.read_bytes())
+        done.append(rel)
+    return done
+
+
+def report_local(storage: Storage, key: str, select: Optional[Callable[[str], bool]] = None) -> list[str]:
+    """A framework wrote straight into local folder ``key``: put this rank's files (``select``) in the write log.
+
+    The framework's writer cannot checksum as it streams, so each of this rank's
+    files is read back once (from the page cache) right after this rank wrote it;
+    the commit record then names what the ranks report, as for every other path.
+    """
+    root = storage.local_path(key)
+    done: list[str] = []
+    if root is None or not root.is_dir():
+        return done
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if rel == COMMIT_NAME or (select is not None and not select(rel)):
+            continue
+        summer = Checksummer()
+        with open(path, "rb") as f:
+            while chunk := f.read(16 << 20):
+                summer.update(chunk)
+        storage.write_log.note(join_key(key, rel), summer.digest())
         done.append(rel)
     return done
 

@@ -43,7 +43,7 @@ from ..state import Snapshot, capture_rng, restore_rng
 from ._base import FrameworkHook
 from ...storage.integrity import DamagedCheckpoint
 from ...storage.verify import verified_folder
-from ._files import staging_dir, upload_dir
+from ._files import report_local, staging_dir, upload_dir
 
 __all__ = ["AccelerateHook", "install"]
 
@@ -129,14 +129,16 @@ class AccelerateHook(FrameworkHook):
         try:
             with self._as_of(snap), self._explicit_dirs():
                 self.accelerator.save_state(target)
+            rank = self._rank
+
+            def mine(rel: str) -> bool:
+                m = _RANK_FILE.match(rel)
+                return int(m.group(1)) == rank if m else rank == 0
+
             if stage is not None:
-                rank = self._rank
-
-                def mine(rel: str) -> bool:
-                    m = _RANK_FILE.match(rel)
-                    return int(m.group(1)) == rank if m else rank == 0
-
                 upload_dir(self._storage, stage, key, select=mine)
+            else:  # written in place: report this rank's files for the commit record
+                report_local(self._storage, key, select=mine)
         finally:
             if stage is not None:
                 shutil.rmtree(stage, ignore_errors=True)

@@ -51,7 +51,7 @@ from ...notice import Notice
 from ...storage import Storage
 from ..state import capture_rng, pack, restore_rng, unpack
 from ._base import FrameworkHook
-from ._files import staging_dir, upload_dir
+from ._files import report_local, staging_dir, upload_dir
 
 __all__ = ["LightningHook", "install", "CKPT_NAME"]
 
@@ -215,6 +215,8 @@ class LightningHook(FrameworkHook):
                     upload_dir(self._storage, stage, key)
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
+        elif self._rank == 0:  # written in place (rank 0 writes): report it for the commit record
+            report_local(self._storage, key, select=lambda rel: rel == CKPT_NAME)
 
     def _exit(self, notice: Notice, result: Any) -> Any:
         self.trainer.should_stop = True
