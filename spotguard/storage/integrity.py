@@ -135,6 +135,9 @@ class DamagedCheckpoint(StorageError):
         super().__init__(f"{where}: {what}")
         self.where, self.what = where, what
 
+    def __reduce__(self) -> Any:  # DCP gathers every rank's exception with pickle
+        return (type(self), (self.where, self.what))
+
 
 @dataclass(frozen=True)
 class FileDigest:

@@ -274,3 +274,15 @@ def test_checkpoints_verify_reports_which_are_good(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "spotguard", "checkpoints", "--verify", str(tmp_path)],
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert r.returncode == 1 and "DAMAGED" in r.stdout, r.stdout + r.stderr
+
+
+def test_damage_survives_dcp_exception_gathering() -> None:
+    """DCP pickles each rank's exception to all ranks: the damage must arrive intact (seen with 2 ranks)."""
+    from spotguard.storage.integrity import damage_in
+
+    exc = pickle.loads(pickle.dumps(DamagedCheckpoint("s3://b/step-1/__0_0.distcp", "crc32c mismatch")))
+    assert isinstance(exc, DamagedCheckpoint) and exc.what == "crc32c mismatch"
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    wrapped = CheckpointException("read", {1: (exc, [])})
+    assert damage_in(wrapped) is exc and damage_in(wrapped, 0) is None
