@@ -218,7 +218,7 @@ def _no_checksums() -> Iterator[None]:
         C.update, C.crc_of_span, C.digest, U.crc_of = saved  # type: ignore
 
 
-def crc32c_throughput(gib: float = 1.0, runs: int = 5) -> dict[str, float]:
+def crc32c_throughput(gib: float = 0.25, runs: int = 5) -> dict[str, float]:
     """CRC32C alone on one core, GiB/s over a ``gib`` buffer: min / median / max of ``runs``."""
     from spotguard.storage.integrity import crc32c
 
@@ -442,7 +442,11 @@ def run(sizes: list[float] | None = None) -> dict[str, Any]:
         return out
     finally:
         sink.terminate()
-        sink.wait(5)
+        try:
+            sink.wait(15)
+        except subprocess.TimeoutExpired:  # a loaded box: do not fail the figures over the sink's exit
+            sink.kill()
+            sink.wait(15)
 
 
 def main() -> None:
