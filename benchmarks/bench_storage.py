@@ -42,12 +42,21 @@ boto3's ``payload_signing_enabled=False``, baseline B via s3fs's
     python -m benchmarks bench_storage          # sizes from $SPOTGUARD_BENCH_SIZES (GiB, default "1")
     python -m benchmarks.bench_storage --sizes 1,4
     $SPOTGUARD_BENCH_ROUNDS (default 7): interleaved timed rounds of spotguard and the references
-    $SPOTGUARD_BENCH_REPS (default 1): fresh runs of A and B per size; the median is reported
+    $SPOTGUARD_BENCH_REPS (default 5): fresh runs of A and B per size; min / median / max are reported
+    --out FILE: also write the raw results there (``benchmarks/results/`` keeps the ones docs quote)
+
+spotguard's figures include its integrity work, inside the timed path: CRC32C block
+checksums computed as the bytes stream out, S3 part checksums, the ranks' write reports
+gathered for the commit record. ``spotguard_nocrc`` is the same save with the checksums
+switched off (benchmark only), interleaved round by round, so
+``checksum_share_of_notice_to_commit`` is what integrity costs. Baseline A keeps
+torch.save's own CRC32 (its default) and builds its boto3 client before the clock starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -58,7 +67,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from benchmarks._util import cpu_seconds, free_port
 
@@ -169,10 +178,12 @@ def raw_round(ack_port: int, tensors: list[Any], rank: int, conns: int) -> float
 
 
 def spotguard_round(state: dict[str, Any], rank: int, storage: Any, step: int) -> tuple[float, int]:
-    """One emergency save as the hook does it: DCP to the object store, barrier, commit record, barrier."""
+    """One emergency save as the hook does it: DCP to the object store (CRC32C block checksums computed as
+    the bytes stream out, S3 part checksums), barrier, the ranks' write reports gathered, commit, barrier."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    from spotguard.hook.dist import gather_writes
     from spotguard.storage.commit import CommitRecord, commit, prepare_attempt, step_dir
 
     key = prepare_attempt(storage, step) if rank == 0 else step_dir(step)
@@ -181,11 +192,43 @@ def spotguard_round(state: dict[str, Any], rank: int, storage: Any, step: int) -
         t0 = time.monotonic()
         dcp.save(state, storage_writer=storage.dcp_writer(key))
         dist.barrier()
+        written = gather_writes(dist.group.WORLD, storage.write_log.take(key))
         if rank == 0:
-            commit(storage, step, CommitRecord(step=step))
+            commit(storage, step, CommitRecord(step=step), written)
         dist.barrier()
         t1 = time.monotonic()
     return t1 - t0, mem.extra
+
+
+@contextlib.contextmanager
+def _no_checksums() -> Iterator[None]:
+    """For the ``spotguard_nocrc`` reference only: spotguard's CRC32C switched off, to measure what it costs."""
+    from spotguard.storage import integrity, objstore
+
+    C, U = integrity.Checksummer, objstore.Upload
+    saved = (C.update, C.crc_of_span, C.digest, U.crc_of)
+    C.update = lambda self, data: setattr(self, "size", self.size + memoryview(data).nbytes)  # type: ignore
+    C.crc_of_span = lambda self, a, b: None  # type: ignore
+    C.digest = lambda self: integrity.FileDigest(  # type: ignore
+        self.size, "00000000" * integrity.FileDigest.block_count(self.size))
+    U.crc_of = lambda self, n, d: "AAAAAA=="  # type: ignore
+    try:
+        yield
+    finally:
+        C.update, C.crc_of_span, C.digest, U.crc_of = saved  # type: ignore
+
+
+def crc32c_throughput(gib: float = 0.25, runs: int = 5) -> dict[str, float]:
+    """CRC32C alone on one core, GiB/s over a ``gib`` buffer: min / median / max of ``runs``."""
+    from spotguard.storage.integrity import crc32c
+
+    buf = bytearray(os.urandom(1 << 20)) * int(gib * 1024)
+    rates = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        crc32c(buf)
+        rates.append(len(buf) / GiB / (time.perf_counter() - t0))
+    return {"min": round(min(rates), 2), "median": round(_median(rates), 2), "max": round(max(rates), 2)}
 
 
 def rank_main(a: argparse.Namespace) -> None:
@@ -210,8 +253,9 @@ def rank_main(a: argparse.Namespace) -> None:
         from spotguard.storage.s3 import S3Storage
 
         storages = {"spotguard": open_storage(f"s3://{bucket}/{a.method}-{a.size}-{a.run_id}"),
-                    "spotguard1": S3Storage(f"s3://{bucket}/{a.method}1-{a.size}-{a.run_id}", concurrency=1)}
-        kinds = ["raw1", "rawN", "spotguard", "spotguard1"]
+                    "spotguard1": S3Storage(f"s3://{bucket}/{a.method}1-{a.size}-{a.run_id}", concurrency=1),
+                    "spotguard_nocrc": open_storage(f"s3://{bucket}/{a.method}n-{a.size}-{a.run_id}")}
+        kinds = ["raw1", "rawN", "spotguard", "spotguard1", "spotguard_nocrc"]
         rounds: list[dict[str, float]] = []
         extra = 0
         for r in range(a.rounds + 1):
@@ -220,7 +264,8 @@ def rank_main(a: argparse.Namespace) -> None:
                 gc.collect()  # not inside a timed section: a collection there is noise, not the method
                 cpu0 = cpu_seconds()
                 if k.startswith("spotguard"):
-                    row[k], mem = spotguard_round(state, a.rank, storages[k], r + 1)
+                    with _no_checksums() if k == "spotguard_nocrc" else contextlib.nullcontext():
+                        row[k], mem = spotguard_round(state, a.rank, storages[k], r + 1)
                     if r and k == "spotguard":
                         extra = max(extra, mem)
                 else:
@@ -234,18 +279,19 @@ def rank_main(a: argparse.Namespace) -> None:
         dist.destroy_process_group()
         return
     results = []
+    import boto3
+
+    client = boto3.client("s3", config=_boto_config())  # built before any clock starts, like spotguard's
     for it in range(2):  # warm-up, then timed
         tag = f"{a.method}-{a.size}-{a.run_id}-{it}"  # fresh per run
         dist.barrier()
         with PeakRSS() as mem:
             t0 = time.monotonic()
-            if a.method == "A":
+            if a.method == "A":  # torch.save keeps its own CRC32 (its default)
                 if a.rank == 0:
-                    import boto3
-
                     path = f"/tmp/sg-bench-{os.getpid()}.pt"
                     torch.save(state, path)
-                    c = boto3.client("s3", config=_boto_config())
+                    c = client
                     c.upload_file(path, bucket, f"{tag}/state.pt")
                     c.put_object(Bucket=bucket, Key=f"{tag}/COMMIT", Body=b"{}")
                     os.unlink(path)
@@ -258,10 +304,7 @@ def rank_main(a: argparse.Namespace) -> None:
                 dcp.save(state, storage_writer=w)
                 dist.barrier()
                 if a.rank == 0:
-                    import boto3
-
-                    boto3.client("s3", config=_boto_config()).put_object(Bucket=bucket, Key=f"{tag}/COMMIT",
-                                                                         Body=b"{}")
+                    client.put_object(Bucket=bucket, Key=f"{tag}/COMMIT", Body=b"{}")
             dist.barrier()
             t1 = time.monotonic()
         results.append({"seconds": t1 - t0, "extra_rss": mem.extra})
@@ -288,7 +331,7 @@ def run_method(method: str, size: float, env: dict[str, str], tmp: Path, reps: i
     best = min(runs, key=lambda r: abs(r["notice_to_commit_s"] - _median(secs)))
     return {**best, "notice_to_commit_s": round(_median(secs), 3),
             "throughput_gib_s": round(runs[0]["state_bytes"] / _median(secs) / GiB, 3),
-            "runs_s": secs}
+            "runs_s": secs, "min_s": min(secs), "max_s": max(secs)}
 
 
 def run_one(method: str, size: float, env: dict[str, str], tmp: Path, ack_port: int, rounds: int) -> dict[str, Any]:
@@ -319,8 +362,14 @@ def run_one(method: str, size: float, env: dict[str, str], tmp: Path, ack_port: 
     if "rounds" in ranks[0]:
         rows = ranks[0]["rounds"]
         out["runs_s"] = [round(x["spotguard"], 3) for x in rows]
+        out["min_s"], out["max_s"] = min(out["runs_s"]), max(out["runs_s"])
+        out["runs_nocrc_s"] = [round(x["spotguard_nocrc"], 3) for x in rows]
+        # what spotguard's checksums cost, per round (interleaved): (with - without) / with
+        shares = [(x["spotguard"] - x["spotguard_nocrc"]) / x["spotguard"] for x in rows]
+        out["checksum_share_of_notice_to_commit"] = round(_median(shares), 3)
+        out["checksum_share_range"] = [round(min(shares), 3), round(max(shares), 3)]
         out["connections_per_rank"] = ranks[0]["connections"]
-        for k in ("raw1", "rawN", "spotguard", "spotguard1"):  # rank 0's CPU seconds per GiB it sent
+        for k in ("raw1", "rawN", "spotguard", "spotguard1", "spotguard_nocrc"):  # rank 0's CPU s per GiB sent
             out[f"cpu_s_per_gib_{k}"] = round(_median([x[f"cpu_{k}"] for x in rows]) / (state / 2 / GiB), 3)
         for k in ("raw1", "rawN", "spotguard1"):
             out[f"{k}_gib_s"] = round(state / _median([x[k] for x in rows]) / GiB, 3)
@@ -339,7 +388,7 @@ def run(sizes: list[float] | None = None) -> dict[str, Any]:
 
     if sizes is None:
         sizes = [float(s) for s in os.environ.get("SPOTGUARD_BENCH_SIZES", "1").split(",") if s.strip()]
-    reps = max(1, int(os.environ.get("SPOTGUARD_BENCH_REPS", "1") or 1))
+    reps = max(1, int(os.environ.get("SPOTGUARD_BENCH_REPS", "5") or 5))
     rounds = max(1, int(os.environ.get("SPOTGUARD_BENCH_ROUNDS", "7") or 7))
     port, ack_port = free_port(), free_port()
     sink = subprocess.Popen([sys.executable, "-m", "benchmarks.s3sink", "--port", str(port),
@@ -366,7 +415,8 @@ def run(sizes: list[float] | None = None) -> dict[str, Any]:
         boto3.client("s3", config=Config(s3={"addressing_style": "path"})).create_bucket(Bucket="bench")
         out: dict[str, Any] = {"cpus": os.cpu_count(), "loadavg_before": [round(x, 2) for x in os.getloadavg()],
                                "payload_signing": "on (every method)" if _sign() else "off (every method)",
-                               "reps": reps, "rounds": rounds, "sizes": {}}
+                               "reps": reps, "rounds": rounds, "sizes": {},
+                               "crc32c_gib_s_one_core": crc32c_throughput()}
         with tempfile.TemporaryDirectory() as td:
             for size in sizes:
                 row: dict[str, Any] = {}
@@ -392,7 +442,11 @@ def run(sizes: list[float] | None = None) -> dict[str, Any]:
         return out
     finally:
         sink.terminate()
-        sink.wait(5)
+        try:
+            sink.wait(15)
+        except subprocess.TimeoutExpired:  # a loaded box: do not fail the figures over the sink's exit
+            sink.kill()
+            sink.wait(15)
 
 
 def main() -> None:
@@ -411,7 +465,12 @@ def main() -> None:
         rank_main(a)
         return
     sizes = [float(s) for s in a.sizes.split(",")] if a.sizes else None
-    print(json.dumps(run(sizes), indent=2))
+    result = run(sizes)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

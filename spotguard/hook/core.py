@@ -84,6 +84,7 @@ from ..storage.commit import (
 from ..timefmt import to_rfc3339, utcnow
 from . import events as ev
 from .dist import (
+    gather_writes,
     NO_DEADLINE_MS,
     Agreement,
     group_alive,
@@ -93,6 +94,8 @@ from .dist import (
     set_group_timeout,
     teardown,
 )
+from ..storage.integrity import DamagedCheckpoint, damage_in  # noqa: I001
+from ..storage.safeload import SafeLoadPlanner
 from . import elastic
 from .state import Objects, Snapshot, classify, pack, tracked_buffers, unpack
 from .dist import destroy_group, guard_destroy, unguard_destroy
@@ -318,26 +321,45 @@ class Hook:
             return self._resumed_step
         self._internal = True
         try:
-            found: Any = None
-            if self._rank == 0:
-                try:
-                    info = newest_committed(self._storage)
-                    found = None if info is None else (
-                        info.dir, info.step, info.record.notice_id if info.record else None,
-                        (info.record.extra.get("lineage") if info.record else None) or None)
-                except Exception as exc:  # noqa: BLE001 - shared with peers, then raised
-                    found = ("error", f"{type(exc).__name__}: {exc}")
-            found = self._bcast0(found)
-            if isinstance(found, tuple) and found and found[0] == "error":
-                raise RuntimeError(f"spotguard: cannot list checkpoints in {self._storage.uri}: {found[1]}")
-            step, from_notice = 0, None
-            if found is not None:
-                dirkey, step, from_notice, lineage = found
+            step, from_notice, dirkey, below, damaged, lineage = 0, None, None, None, [], None
+            while True:  # the newest committed checkpoint that verifies; a damaged one is skipped
+                found: Any = None
+                if self._rank == 0:
+                    try:
+                        info = newest_committed(self._storage, below=below)
+                        found = None if info is None else (
+                            info.dir, info.step, info.record.notice_id if info.record else None,
+                            info.record.checksums if info.record and info.record.checksums else None,
+                            (info.record.extra.get("lineage") if info.record else None) or None)
+                    except Exception as exc:  # noqa: BLE001 - shared with peers, then raised
+                        found = ("error", f"{type(exc).__name__}: {exc}")
+                found = self._bcast0(found)
+                if isinstance(found, tuple) and found and found[0] == "error":
+                    raise RuntimeError(f"spotguard: cannot list checkpoints in {self._storage.uri}: {found[1]}")
+                if found is None:
+                    if damaged:
+                        raise RuntimeError(
+                            f"spotguard: no committed checkpoint in {self._storage.uri} passed verification "
+                            f"(damaged: {', '.join(damaged)}); restore them from a backup, or delete them to "
+                            f"start from step 0")
+                    step, from_notice, dirkey = 0, None, None
+                    break
+                dirkey, step, from_notice, digests, lineage = found
                 t0 = time.monotonic()
-                self._load(dirkey)
+                if digests is None:
+                    self._log.warning("commit record has no checksums (older spotguard): loading unverified",
+                                      dir=dirkey)
+                problem = self._load(dirkey, digests)
+                if problem is None:
+                    break
+                self._log.error("skipping damaged checkpoint", dir=dirkey, step=step, file=problem.where,
+                                problem=problem.what)
+                damaged.append(dirkey)
+                below = step
+            if dirkey is not None:
                 self._resumed_dir = dirkey
                 if isinstance(lineage, str):
-                    self._lineage = lineage
+                    self._lineage = lineage  # this run continues the lineage it resumed from
                 if from_notice:
                     self._committed_ids.add(from_notice)
                 self._log.info(ev.RESUMED, step=step, uri=f"{self._storage.uri}/{dirkey}",
@@ -377,15 +399,10 @@ class Hook:
 
     def latest(self) -> Optional[str]:
         """Local path of the newest committed checkpoint folder, or None."""
-        info = newest_committed(self._storage)
-        if info is None:
-            return None
-        path = self._storage.local_path(info.dir)
-        if path is None:  # object store: download the committed folder to a local cache first
-            from .adapters._files import download_dir  # noqa: PLC0415
+        from ..storage.verify import latest_verified  # noqa: PLC0415
 
-            return str(download_dir(self._storage, info.dir))
-        return str(path)
+        found = latest_verified(self._storage, self._log)  # object store: downloaded to a local cache first
+        return None if found is None else str(found[1])
 
     def notify(self, notice: Notice) -> None:
         """Hand the hook a notice yourself (tests, custom sources); same path as the daemon's."""
@@ -769,6 +786,7 @@ class Hook:
                 return self._fail(notice, step, f"prepare failed on rank 0: {status[1]}", t0, peers_ok=True)
             stage = "write"
             err = None
+            self._storage.write_log.take(key)  # what an earlier attempt at this step wrote does not count
             try:
                 self._write(key, snap)
                 if self._test_delay:
@@ -780,6 +798,8 @@ class Hook:
             stage = "durable-barrier"
             if not self._all_ok(err is None):
                 return self._fail(notice, step, err or "another rank failed to write its shards", t0, peers_ok=True)
+            stage = "gather"  # the record names exactly what the ranks report writing
+            written = gather_writes(self._group if self._dist else None, self._storage.write_log.take(key))
             stage = "commit"
             outcome: Any = None
             if self._rank == 0:
@@ -790,7 +810,7 @@ class Hook:
                     extra={"spotguard": __version__, "lineage": self._lineage} if reason == "periodic" else
                     {"notice_kind": notice.kind, "notice_source": notice.source,
                      "deadline": to_rfc3339(notice.deadline), "spotguard": __version__, "lineage": self._lineage},
-                ), self._keep, self._log)
+                ), self._keep, self._log, written)
             stage = "commit-barrier"
             # Every rank passes this only after the record is durable: no rank may exit before it.
             outcome = self._bcast0(outcome)
@@ -938,7 +958,27 @@ class Hook:
         sd[self._rank_key(self._rank)] = pack(per)
         return sd
 
-    def _load(self, dirkey: str) -> None:
+    def _load(self, dirkey: str, digests: Any = None) -> Optional[DamagedCheckpoint]:
+        """Load ``dirkey`` into the state (every rank), each byte verified against ``digests``.
+
+        Returns None, or (every rank alike) the damage that made some rank refuse
+        it: its state may then be partly overwritten, and the caller loads an
+        older checkpoint over it. Anything else that fails raises.
+        """
+        damage: Optional[DamagedCheckpoint] = None
+        try:
+            self._load_into(dirkey, digests)
+        except DamagedCheckpoint as exc:
+            damage = exc
+        except BaseException as exc:  # CheckpointException is a BaseException
+            damage = damage_in(exc)
+            if damage is None:
+                raise
+        if self._all_ok(damage is None):
+            return None
+        return damage or DamagedCheckpoint(f"{self._storage.uri}/{dirkey}", "another rank found it damaged")
+
+    def _load_into(self, dirkey: str, digests: Any) -> None:
         import torch.distributed.checkpoint as dcp  # noqa: PLC0415
         from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
             get_model_state_dict,
@@ -948,7 +988,13 @@ class Hook:
         )
 
         o = self._objs
-        meta = self._storage.dcp_reader(dirkey).read_metadata()
+        meta_ok, meta_err = True, None
+        try:
+            meta = self._storage.dcp_reader(dirkey, digests).read_metadata()
+        except DamagedCheckpoint as exc:
+            meta_ok, meta_err = False, exc
+        if not self._all_ok(meta_ok):  # no rank enters dcp.load unless every rank can
+            raise meta_err or DamagedCheckpoint(f"{self._storage.uri}/{dirkey}", "another rank refused its metadata")
         saved = elastic.saved_ranks(meta.state_dict_metadata)
         src = elastic.source_rank(saved, self._rank)
         rkey = self._rank_key(src) if src is not None else None
@@ -962,10 +1008,14 @@ class Hook:
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                dcp.load(sd, storage_reader=self._storage.dcp_reader(dirkey), process_group=self._group)
+                dcp.load(sd, storage_reader=self._storage.dcp_reader(dirkey, digests), planner=SafeLoadPlanner(),
+                         process_group=self._group)
         except BaseException as exc:  # CheckpointException is a BaseException
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
+            damage = damage_in(exc, self._rank) or damage_in(exc)
+            if damage is not None:
+                raise damage from None
             raise RuntimeError(
                 f"spotguard: checkpoint {self._storage.uri}/{dirkey} does not fit this state dict "
                 f"({type(exc).__name__}: {exc})"
@@ -974,11 +1024,18 @@ class Hook:
             set_model_state_dict(m, sd[k])
         for k, opt in o.optimizers.items():
             set_optimizer_state_dict(o.models[o.owner[k]], opt, sd[k])
+        per: Any = None
+        if rkey is not None:
+            try:
+                per = unpack(sd[rkey], f"{self._storage.uri}/{dirkey} per-rank state of rank {src}")
+            except DamagedCheckpoint as exc:
+                meta_err = exc
+        if not self._all_ok(meta_err is None):  # every rank, whether or not it reads per-rank state
+            raise meta_err or DamagedCheckpoint(f"{self._storage.uri}/{dirkey}", "another rank refused its state")
         if rkey is None:
             self._log.warning("checkpoint has no per-rank state at all: only model and optimizer restored",
                               dir=dirkey)
             return
-        per = unpack(sd[rkey])
         own = src == self._rank
         done = elastic.restore(per, own=own, source=src, scope=o.scope, roles={
             "schedulers": o.schedulers, "scalers": o.scalers, "stateful": o.stateful, "loaders": o.loaders})

@@ -51,6 +51,20 @@ def make_group() -> Optional[Any]:
     return dist.new_group(backend="gloo", timeout=DEFAULT_GROUP_TIMEOUT)
 
 
+def gather_writes(group: Optional[Any], mine: dict[str, Any]) -> dict[str, Any]:
+    """Every rank's report of the files it wrote (``Storage.write_log``), merged: what the commit record names.
+
+    A collective on the hook's gloo group (every rank calls it); without one, this rank's report.
+    """
+    from ..storage.integrity import merge  # noqa: PLC0415
+
+    if group is None:
+        return merge([mine])
+    reports: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, mine, group=group)
+    return merge(r or {} for r in reports)
+
+
 def group_alive(group: Any) -> bool:
     """Whether ``group`` is still registered (the user may have called destroy_process_group)."""
     if group is None or not is_dist():

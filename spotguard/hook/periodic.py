@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from .. import __version__
 from ..storage.commit import CommitRecord, commit_and_retain, step_dir
-from .dist import destroy_group, make_group, set_group_timeout
+from .dist import destroy_group, gather_writes, make_group, set_group_timeout
 
 if TYPE_CHECKING:
     from .core import Hook
@@ -269,6 +269,7 @@ class PeriodicSaver:
             job.storage = storage
             job.store_base = getattr(storage, "bytes_uploaded", None)
             job.write_started = time.monotonic()
+            storage.write_log.take(key)  # what an earlier attempt at this step wrote does not count
             try:
                 import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 
@@ -282,6 +283,8 @@ class PeriodicSaver:
             if not self._all_ok(err is None and not job.cancelled.is_set()):
                 job.error = err or ("cancelled" if job.cancelled.is_set() else "another rank failed to write its shards")
                 return
+            stage = "gather"  # the record names exactly what the ranks report writing
+            written = gather_writes(self.group, storage.write_log.take(key))
             stage = "commit"
             outcome: Any = None
             if h._rank == 0:
@@ -293,7 +296,7 @@ class PeriodicSaver:
                         seconds=round(time.monotonic() - job.started, 3),
                         extra={"staging_seconds": round(job.staging_seconds, 4), "spotguard": __version__,
                                "lineage": h._lineage},
-                    ), h._keep, h._log)
+                    ), h._keep, h._log, written)
             stage = "commit-barrier"
             outcome = self._bcast0(outcome)
             if outcome[0] != "ok":

@@ -275,7 +275,9 @@ def pack(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def unpack(data: bytes) -> Any:
-    # weights_only=False: the blob holds numpy RNG state and user loader state; it
-    # is our own checkpoint, read only from the configured storage.
-    return torch.load(io.BytesIO(data), weights_only=False)
+def unpack(data: bytes, where: str = "per-rank state") -> Any:
+    """The per-rank blob, loaded as data only: ``weights_only=True`` plus numpy arrays (RNG, loader
+    states) and plain containers; anything else raises ``DamagedCheckpoint`` (a checkpoint never runs code)."""
+    from ..storage.safeload import safe_torch_load  # noqa: PLC0415
+
+    return safe_torch_load(data, where)

@@ -14,10 +14,12 @@ import abc
 import contextlib
 import pathlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 if TYPE_CHECKING:  # torch is imported lazily: the daemon and the CLI never need it
     from torch.distributed.checkpoint import StorageReader, StorageWriter
+
+    from .integrity import FileDigest, WriteLog
 
 __all__ = ["StorageError", "ObjectInfo", "Storage", "check_key", "check_prefix", "join_key"]
 
@@ -88,6 +90,10 @@ class Storage(abc.ABC):
     def read_bytes(self, key: str) -> bytes:
         """The whole object; ``FileNotFoundError`` if absent."""
 
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of ``key`` (fewer if the object is shorter); ``FileNotFoundError`` if absent."""
+        return self.read_bytes(key)[start:end]
+
     @abc.abstractmethod
     def exists(self, key: str) -> bool:
         """Whether an object is stored under exactly ``key``."""
@@ -109,8 +115,13 @@ class Storage(abc.ABC):
         """
 
     @abc.abstractmethod
-    def dcp_reader(self, key: str) -> "StorageReader":
-        """A ``torch.distributed.checkpoint`` reader for the checkpoint under folder ``key``."""
+    def dcp_reader(self, key: str, digests: "Mapping[str, FileDigest] | None" = None) -> "StorageReader":
+        """A ``torch.distributed.checkpoint`` reader for the checkpoint under folder ``key``.
+
+        ``digests`` (the commit record's checksums): every byte is verified against
+        them before it is used, and a mismatch raises ``DamagedCheckpoint``.
+        ``.metadata`` is read with a restricted unpickler either way.
+        """
 
     @contextlib.contextmanager
     def deadline_at(self, deadline: float | None) -> Iterator[None]:
@@ -127,6 +138,16 @@ class Storage(abc.ABC):
         Local folders have none; object stores override this.
         """
         return 0
+
+    @property
+    def write_log(self) -> "WriteLog":
+        """What this process wrote under each checkpoint folder (name, size, checksum), for the commit record."""
+        log = self.__dict__.get("_write_log")
+        if log is None:
+            from .integrity import FileDigest, WriteLog
+
+            log = self.__dict__.setdefault("_write_log", WriteLog())
+        return log
 
     def local_path(self, key: str) -> pathlib.Path | None:
         """The filesystem path of ``key`` when the store is a local/NFS folder, else None."""

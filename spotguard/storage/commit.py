@@ -10,12 +10,21 @@ Why a record listing every file with its size: on an object store or NFS a
 crashed rank can leave a folder that *looks* complete; resume must be able to
 prove the bytes are all there without trusting ``latest`` or file presence.
 One record type is shared by the hook, the CLI and every backend.
+
+Format 2 adds what makes a record a proof of content, not only of presence:
+each file's CRC32C block checksums (``integrity.py``), taken from what the
+ranks reported writing, never from a listing; and, when the job sets
+``$SPOTGUARD_COMMIT_KEY``, an HMAC-SHA256 of the record, so that a writer
+without the key cannot forge a commit (``docs/storage.md``, trust model).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac as _hmac
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -23,6 +32,7 @@ from typing import Any, Mapping
 from ..logs import get_logger
 from ..timefmt import parse_rfc3339, to_rfc3339, utcnow
 from .base import ObjectInfo, Storage, StorageError, check_key, join_key
+from .integrity import ALGORITHM, BLOCK_SIZE, FileDigest
 
 __all__ = [
     "FORMAT",
@@ -39,10 +49,12 @@ __all__ = [
     "commit",
     "scan",
     "newest_committed",
+    "checkpoint_info",
     "apply_retention",
 ]
 
-FORMAT = 1
+FORMAT = 2
+KEY_ENV = "SPOTGUARD_COMMIT_KEY"  # the job secret that signs and checks commit records (optional)
 COMMIT_NAME = "COMMIT.json"
 LATEST_NAME = "latest"
 REASONS: tuple[str, ...] = ("emergency", "periodic", "final", "manual")
@@ -119,6 +131,8 @@ class CommitRecord:
     spotguard_version: str = field(default_factory=lambda: _version())
     extra: dict[str, Any] = field(default_factory=dict)
     format: int = FORMAT
+    checksums: dict[str, FileDigest] = field(default_factory=dict)
+    signature: str | None = None
 
     def validate(self) -> "CommitRecord":
         """Raise ValueError naming the first problem; returns self."""
@@ -126,8 +140,14 @@ class CommitRecord:
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": self.format,
+        d = self._body()
+        if self.signature is not None:
+            d["hmac"] = self.signature
+        return d
+
+    def _body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "format": self.format if self.checksums else 1,  # no checksums: what format 1 records say
             "step": self.step,
             "created_at": self.created_at,
             "world_size": self.world_size,
@@ -139,6 +159,25 @@ class CommitRecord:
             "spotguard_version": self.spotguard_version,
             "extra": self.extra,
         }
+        if self.format >= 2 and self.checksums:
+            body["checksum"] = {"algorithm": ALGORITHM, "block_size": BLOCK_SIZE}
+            body["checksums"] = {n: d.blocks for n, d in sorted(self.checksums.items())}
+        return body
+
+    def sign(self, key: bytes | None) -> "CommitRecord":
+        """Set ``signature`` to the HMAC-SHA256 of the record's canonical JSON (None key: unsigned)."""
+        self.signature = None if not key else _mac(key, self._body())
+        return self
+
+    def signature_problem(self, key: bytes | None) -> str | None:
+        """Why this record's signature does not check out under ``key`` (None: it does, or no key is set)."""
+        if not key:
+            return None
+        if self.signature is None:
+            return f"commit record is not signed but ${KEY_ENV} is set"
+        if not _hmac.compare_digest(self.signature, _mac(key, self._body())):
+            return f"commit record signature does not match ${KEY_ENV} (forged or altered record)"
+        return None
 
     def to_json(self) -> str:
         """Stable, human-readable JSON; validates first so a bad record is never written."""
@@ -210,11 +249,44 @@ class CommitRecord:
         extra = data.get("extra", {})
         if not isinstance(extra, dict):
             raise ValueError(f"commit record 'extra' must be an object, got {type(extra).__name__}")
+        checksums = _checksums(data, files) if fmt >= 2 else {}
+        signature = data.get("hmac")
+        if signature is not None and not isinstance(signature, str):
+            raise ValueError("commit record hmac must be a string")
         return cls(
             format=fmt, step=step, created_at=created_at, world_size=world_size, reason=reason,
             notice_id=notice_id, files=files, bytes=total, seconds=float(seconds),
-            spotguard_version=version, extra=extra,
+            spotguard_version=version, extra=extra, checksums=checksums, signature=signature,
         )
+
+
+def _checksums(data: Mapping[str, Any], files: Mapping[str, int]) -> dict[str, FileDigest]:
+    meta = data.get("checksum")
+    if meta != {"algorithm": ALGORITHM, "block_size": BLOCK_SIZE}:
+        raise ValueError(f"commit record checksum {meta!r} is not {ALGORITHM} in {BLOCK_SIZE}-byte blocks")
+    raw = data.get("checksums")
+    if not isinstance(raw, dict) or set(raw) != set(files):
+        raise ValueError("commit record 'checksums' must name exactly the files it lists")
+    out: dict[str, FileDigest] = {}
+    for name, blocks in raw.items():
+        if not isinstance(blocks, str):
+            raise ValueError(f"commit record checksum of {name!r} must be a string")
+        try:
+            out[name] = FileDigest(files[name], blocks).check()
+        except ValueError as exc:
+            raise ValueError(f"commit record checksum of {name!r}: {exc}") from None
+    return out
+
+
+def _mac(key: bytes, body: Mapping[str, Any]) -> str:
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return _hmac.new(key, text.encode("utf-8"), hashlib.sha256).hexdigest()
+
+
+def job_key() -> bytes | None:
+    """The job secret from ``$SPOTGUARD_COMMIT_KEY`` (None when unset)."""
+    value = os.environ.get(KEY_ENV, "")
+    return value.encode("utf-8") if value else None
 
 
 def _reject_constant(name: str) -> Any:
@@ -242,6 +314,7 @@ class CheckpointInfo:
     problem: str | None
     bytes: int
     mtime: float
+    unlisted: list[str] = field(default_factory=list)  # objects in the folder the record does not name
 
     @property
     def state(self) -> str:
@@ -269,6 +342,9 @@ def _check_folder(storage: Storage, step: int, key: str, objects: Mapping[str, O
         record = CommitRecord.from_json(raw)
     except ValueError as exc:
         return None, f"garbage commit record: {exc}"
+    bad_sig = record.signature_problem(job_key())
+    if bad_sig:
+        return record, bad_sig
     if record.step != step:
         return record, f"step mismatch: folder {key} but its commit record says step {record.step}"
     if not record.files:  # commit() never writes one: it would vouch for nothing
@@ -307,7 +383,13 @@ def _info(storage: Storage, name: str, objects: dict[str, ObjectInfo], latest: s
     step = parse_step_dir(name)
     assert step is not None
     record, problem = _check_folder(storage, step, name, objects)
+    unlisted = sorted(n for n in objects if n != COMMIT_NAME and (record is None or n not in record.files)) \
+        if problem is None else []
+    if unlisted:
+        log.warning("committed checkpoint holds objects its record does not name; they are never loaded",
+                    storage=storage.uri, dir=name, objects=[repr(n) for n in unlisted[:10]], count=len(unlisted))
     return CheckpointInfo(
+        unlisted=unlisted,
         step=step,
         dir=name,
         committed=problem is None,
@@ -326,14 +408,26 @@ def scan(storage: Storage) -> list[CheckpointInfo]:
     return [_info(storage, name, folders[name], latest) for name in sorted(folders, key=lambda n: parse_step_dir(n) or 0)]
 
 
-def newest_committed(storage: Storage) -> CheckpointInfo | None:
+def checkpoint_info(storage: Storage, dirkey: str) -> CheckpointInfo:
+    """The state of one ``step-*`` folder (as ``scan`` reports it)."""
+    name = dirkey.strip("/")
+    if parse_step_dir(name) is None:
+        raise StorageError(f"{name!r} is not a step-NNNNNNNN checkpoint folder")
+    objects = _group(storage.list(name + "/")).get(name, {})
+    return _info(storage, name, objects, read_latest(storage))
+
+
+def newest_committed(storage: Storage, below: int | None = None) -> CheckpointInfo | None:
     """The newest checkpoint whose commit record checks out; newer bad ones are logged once each and skipped.
 
-    Never trusts ``latest``: it only tells us whether to mention that the hint was wrong.
+    ``below``: only steps lower than this (the previous checkpoint, after one failed
+    verification on load). Never trusts ``latest``: it only tells us whether to
+    mention that the hint was wrong.
     """
     folders = _group(storage.list("step-"))
     latest = read_latest(storage)
-    for name in sorted(folders, key=lambda n: parse_step_dir(n) or 0, reverse=True):
+    names = [n for n in folders if below is None or (parse_step_dir(n) or 0) < below]
+    for name in sorted(names, key=lambda n: parse_step_dir(n) or 0, reverse=True):
         info = _info(storage, name, folders[name], latest)
         if info.committed:
             if latest is not None and latest != name:
@@ -371,35 +465,55 @@ def prepare_attempt(storage: Storage, step: int) -> str:
     return key
 
 
-def commit(storage: Storage, step: int, record: CommitRecord) -> CommitRecord:
-    """Commit ``step``'s checkpoint: verify the files, write the record LAST, then the ``latest`` hint.
+def commit(storage: Storage, step: int, record: CommitRecord,
+           written: Mapping[str, FileDigest] | None = None) -> CommitRecord:
+    """Commit ``step``'s checkpoint: check the files, write the record LAST, then the ``latest`` hint.
 
-    If ``record.files`` is empty it is filled (in place) from the files actually
-    present; otherwise every listed file must be present with its size. Every
-    rank's bytes must already be written (call after the save's final barrier).
-    Returns the record as written.
+    The record names exactly the files that were reported written (``written``:
+    every rank's ``Storage.write_log`` for this folder, gathered by the hook;
+    None: this process's own log), each with its size and checksum; a listing
+    only confirms that each is present with that size. A preset
+    ``record.files`` must be a subset of what was written. Objects in the
+    folder that no rank wrote are left out (and reported). Every rank's bytes
+    must already be written (call after the save's final barrier). Returns the
+    record as written.
     """
     key = step_dir(step)
     if record.step != step:
         raise ValueError(f"commit record says step {record.step} but commit() was called for step {step}")
+    if written is None:
+        written = storage.write_log.peek(key)
     present = {o.key[len(key) + 1:]: o for o in storage.list(key + "/")}
     if present.pop(COMMIT_NAME, None) is not None:  # the listing shows it: no separate HEAD on the critical path
         raise AlreadyCommitted(step, key)
-    if not record.files:
-        if not present:
-            raise StorageError(f"nothing to commit: {storage.uri}/{key}/ holds no files")
-        record.files = {name: o.size for name, o in present.items()}
-    else:
-        for name, size in record.files.items():
-            o = present.get(name)
-            if o is None:
-                raise StorageError(f"cannot commit {key}: file {name} is missing")
-            if o.size != size:
-                raise StorageError(f"cannot commit {key}: {name} has {o.size} bytes, expected {size}")
+    names = dict(record.files) if record.files else {n: d.size for n, d in written.items()}
+    if not names:
+        raise StorageError(f"nothing to commit: no file was written under {storage.uri}/{key}/ by this save")
+    checksums: dict[str, FileDigest] = {}
+    for name, size in names.items():
+        o = present.get(name)
+        if o is None:
+            raise StorageError(f"cannot commit {key}: file {name} is missing")
+        if o.size != size:
+            raise StorageError(f"cannot commit {key}: {name} has {o.size} bytes, expected {size}")
+        d = written.get(name)
+        if d is None or d.size != size:
+            raise StorageError(f"cannot commit {key}: file {name} was not reported written by this save"
+                               + ("" if d is None else f" with {size} bytes (reported {d.size})"))
+        checksums[name] = d
+    strays = sorted(set(present) - set(names))
+    if strays:
+        log.warning("objects in the checkpoint folder that no rank wrote are left out of the commit record",
+                    storage=storage.uri, dir=key, objects=[repr(n) for n in strays[:10]], count=len(strays))
+    record.format = FORMAT
+    record.files = names
+    record.checksums = checksums
     record.bytes = sum(record.files.values())
+    record.sign(job_key())
     data = record.to_json().encode("utf-8")  # validates
     storage.make_durable(key)  # every shard durable before the record exists
     storage.write_bytes(join_key(key, COMMIT_NAME), data)
+    storage.write_log.take(key)  # this save is done: its log (and the record's own entry) goes
     _write_latest(storage, step)
     log.info("checkpoint committed", storage=storage.uri, dir=key, step=step, bytes=record.bytes,
              files=len(record.files), reason=record.reason, notice_id=record.notice_id)
@@ -466,14 +580,14 @@ def prepare_status(storage: Storage, step: int) -> tuple[str, Any]:
 
 
 def commit_and_retain(storage: Storage, step: int, record: CommitRecord, keep: int | None,
-                      log: Any) -> tuple[str, Any]:
+                      log: Any, written: Mapping[str, FileDigest] | None = None) -> tuple[str, Any]:
     """Rank 0's part of a save: commit, then retention; never raises.
 
     Returns ``("ok", bytes)`` (``("ok", 0)`` when the step was already committed)
     or ``("error", message)`` — the value every rank receives before leaving.
     """
     try:
-        rec = commit(storage, step, record)
+        rec = commit(storage, step, record, written)
     except AlreadyCommitted:
         return ("ok", 0)
     except Exception as exc:  # noqa: BLE001 - reported to every rank

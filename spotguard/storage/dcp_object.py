@@ -62,8 +62,10 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ..logs import get_logger
-from .base import join_key
+from .base import StorageError, check_key, join_key
+from .integrity import BLOCK_SIZE, DamagedCheckpoint, FileDigest, verify_span
 from .objstore import MemReader, ObjectStorage, UploadStream, ZeroCopySource
+from .safeload import load_dcp_metadata
 
 __all__ = ["ObjectStoreWriter", "ObjectStoreReader", "METADATA_NAME"]
 
@@ -245,12 +247,19 @@ class ObjectStoreWriter(StorageWriter):
 
 
 class ObjectStoreReader(StorageReader):
-    """Loads a checkpoint with parallel ranged GETs, bounded in-flight memory."""
+    """Loads a checkpoint with parallel ranged GETs, bounded in-flight memory.
 
-    def __init__(self, storage: ObjectStorage, key: str, *, window_bytes: int | None = None) -> None:
+    With ``digests`` (the commit record's checksums) reads are widened to whole
+    checksum blocks and every block is checked as it arrives, before any of its
+    bytes is deserialised: no second read of the data.
+    """
+
+    def __init__(self, storage: ObjectStorage, key: str, *, digests: "dict[str, FileDigest] | None" = None,
+                 window_bytes: int | None = None) -> None:
         super().__init__()
         self.storage = storage
         self.key = key
+        self.digests = digests
         self.storage_data: dict[Any, Any] = {}
         self.load_id = str(uuid.uuid4())
         # in-flight read budget; groups of items are fetched as ranges up to one part each
@@ -261,8 +270,16 @@ class ObjectStoreReader(StorageReader):
         self.load_id = str(uuid.uuid4())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        where = f"{self.checkpoint_id}/{METADATA_NAME}"
         raw = self.storage.read_bytes(join_key(self.key, METADATA_NAME))
-        metadata = cast(Metadata, pickle.loads(raw))
+        if self.digests is not None:
+            digest = self.digests.get(METADATA_NAME)
+            if digest is None:
+                raise DamagedCheckpoint(where, "not named in the commit record")
+            if len(raw) != digest.size:
+                raise DamagedCheckpoint(where, f"{len(raw)} bytes, commit record says {digest.size}")
+            verify_span(where, digest, 0, raw)
+        metadata = load_dcp_metadata(raw, where)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -298,12 +315,23 @@ class ObjectStoreReader(StorageReader):
         groups: list[tuple[str, int, int, list[ReadItem]]] = []
         limit = self.storage.part_size
         for path, reqs in per_file.items():
+            digest = self._digest(path)
             reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
             cur: list[ReadItem] = []
             start = end = 0
             for r in reqs:
                 info = self.storage_data[r.storage_index]
                 a, b = info.offset, info.offset + info.length
+                if digest is not None:  # whole checksum blocks, so that each can be verified
+                    if b > digest.size:
+                        raise DamagedCheckpoint(f"{self.checkpoint_id}/{path}", f"item at [{a}, {b}) lies past "
+                                                f"the end of the {digest.size}-byte file")
+                    a = a - a % BLOCK_SIZE
+                    b = min(digest.size, -(-b // BLOCK_SIZE) * BLOCK_SIZE)
+                    if cur and a < end:  # shares a block with the group: must stay in it
+                        cur.append(r)
+                        end = max(end, b)
+                        continue
                 if cur and (b - start > limit or a > end + 1024 * 1024):
                     groups.append((path, start, end, cur))
                     cur = []
@@ -315,13 +343,31 @@ class ObjectStoreReader(StorageReader):
                 groups.append((path, start, end, cur))
         return groups
 
+    def _digest(self, path: str) -> FileDigest | None:
+        """The record's checksum of ``path`` (None when not verifying); unsafe or unrecorded names are damage."""
+        try:
+            check_key(path)
+        except StorageError as exc:
+            raise DamagedCheckpoint(self.checkpoint_id, f"metadata names an unsafe file {path!r}: {exc}") from None
+        if self.digests is None:
+            return None
+        digest = self.digests.get(path)
+        if digest is None:
+            raise DamagedCheckpoint(f"{self.checkpoint_id}/{path}", "read by the metadata but not named in the "
+                                    "commit record")
+        return digest
+
     def _fetch(self, path: str, start: int, end: int) -> CFuture[memoryview]:
         """Fetch [start, end) as parallel ranged GETs of at most one part each, into one buffer."""
         ex = self.storage.executor()
         key = join_key(self.key, path)
         buf = bytearray(end - start)
         step = self.storage.part_size
-        subs = [ex.submit(self._fetch_into, key, buf, start, a, min(end, a + step)) for a in range(start, end, step)]
+        digest = self._digest(path)
+        if digest is not None:
+            step = max(BLOCK_SIZE, step - step % BLOCK_SIZE)
+        subs = [ex.submit(self._fetch_into, key, buf, start, a, min(end, a + step), digest)
+                for a in range(start, end, step)]
         out: CFuture[memoryview] = CFuture()
         remaining = [len(subs)]
         lock = threading.Lock()
@@ -343,10 +389,15 @@ class ObjectStoreReader(StorageReader):
             s.add_done_callback(done)
         return out
 
-    def _fetch_into(self, key: str, buf: bytearray, base: int, a: int, b: int) -> None:
+    def _fetch_into(self, key: str, buf: bytearray, base: int, a: int, b: int, digest: FileDigest | None) -> None:
         data = self.storage.read_range(key, a, b)
         if len(data) != b - a:
+            if digest is not None:
+                raise DamagedCheckpoint(f"{self.storage.uri}/{key}", f"short read: {len(data)} of {b - a} bytes "
+                                        f"at offset {a} (commit record says {digest.size} bytes)")
             raise EOFError(f"{self.storage.uri}/{key}: short read {len(data)} of {b - a} bytes at {a}")
+        if digest is not None:
+            verify_span(f"{self.storage.uri}/{key}", digest, a, data)
         memoryview(buf)[a - base:b - base] = data
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -369,7 +420,11 @@ class ObjectStoreReader(StorageReader):
                 if req.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(req, io.BytesIO(raw.tobytes()))
                     continue
-                tensor = cast(torch.Tensor, torch.load(MemReader(raw), map_location="cpu", weights_only=True))
+                try:
+                    tensor = cast(torch.Tensor, torch.load(MemReader(raw), map_location="cpu", weights_only=True))
+                except Exception as exc:  # noqa: BLE001 - a record that is not a plain tensor
+                    raise DamagedCheckpoint(f"{self.checkpoint_id}/{path}",
+                                            f"refused to load item at {info.offset}: {type(exc).__name__}") from None
                 tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
                 target = planner.resolve_tensor(req).detach()
                 if target.size() != tensor.size():

@@ -2,7 +2,9 @@
 
 Uses the same validation as resume (``commit.scan``), so "committed" here means
 exactly "loadable": a folder with a garbage record or a truncated shard shows as
-incomplete with the reason.
+incomplete with the reason. ``--verify`` also reads every file of every
+committed checkpoint and checks it against the record's checksums; the exit
+code is 1 when any committed checkpoint is damaged.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from typing import Any, TextIO
 from ..timefmt import to_rfc3339
 from . import StorageError, open_storage
 from .commit import CheckpointInfo, read_latest, scan
+from .integrity import DamagedCheckpoint
+from .verify import verifiable, verify_checkpoint
 
 __all__ = ["add_arguments", "main", "human_size", "render_table"]
 
 EXIT_OK = 0
+EXIT_DAMAGED = 1
 EXIT_USAGE = 2
 
 
@@ -27,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("uri", metavar="URI",
                         help="storage URI: file:///abs/path, a plain path, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--verify", action="store_true",
+                        help="read every file of every committed checkpoint and check its checksums "
+                             "(exit code 1 if any is damaged)")
 
 
 def human_size(n: int) -> str:
@@ -47,13 +55,19 @@ def _when(info: CheckpointInfo) -> datetime:
     return datetime.fromtimestamp(info.mtime, tz=timezone.utc)
 
 
-def _state(info: CheckpointInfo, chosen: str | None) -> str:
+def _state(info: CheckpointInfo, chosen: str | None, checks: dict[str, str | None] | None = None) -> str:
     if info.committed:
         parts = ["committed"]
+        if checks is not None:
+            problem = checks.get(info.dir)
+            parts = ["committed, verified"] if problem is None else [f"DAMAGED ({problem})"]
         if info.dir == chosen:
             parts.append("newest")
         if info.latest:
             parts.append("latest")
+        if info.unlisted:
+            parts.append(f"{len(info.unlisted)} objects not in the record, ignored: "
+                         + ", ".join(repr(n) for n in info.unlisted[:3]) + (" ..." if len(info.unlisted) > 3 else ""))
         return ", ".join(parts)
     text = f"incomplete ({info.problem})"
     if info.latest:
@@ -66,7 +80,8 @@ def _world(info: CheckpointInfo) -> str:
     return str(info.record.world_size) if info.record is not None else "-"
 
 
-def render_table(infos: list[CheckpointInfo], chosen: str | None) -> str:
+def render_table(infos: list[CheckpointInfo], chosen: str | None,
+                 checks: dict[str, str | None] | None = None) -> str:
     rows = [("STEP", "WORLD", "SIZE", "TIME (UTC)", "STATE")]
     for info in infos:
         rows.append((
@@ -74,7 +89,7 @@ def render_table(infos: list[CheckpointInfo], chosen: str | None) -> str:
             _world(info),
             human_size(info.bytes),
             _when(info).strftime("%Y-%m-%d %H:%M:%S"),
-            _state(info, chosen),
+            _state(info, chosen, checks),
         ))
     w = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = []
@@ -83,8 +98,8 @@ def render_table(infos: list[CheckpointInfo], chosen: str | None) -> str:
     return "\n".join(lines)
 
 
-def _to_json(info: CheckpointInfo, chosen: str | None) -> dict[str, Any]:
-    return {
+def _to_json(info: CheckpointInfo, chosen: str | None, checks: dict[str, str | None] | None) -> dict[str, Any]:
+    doc = {
         "step": info.step,
         "dir": info.dir,
         "state": info.state,
@@ -96,7 +111,29 @@ def _to_json(info: CheckpointInfo, chosen: str | None) -> dict[str, Any]:
         "world_size": info.record.world_size if info.record is not None else None,
         "time": to_rfc3339(_when(info)),
         "record": info.record.to_dict() if info.record is not None else None,
+        "unlisted": info.unlisted,
     }
+    if checks is not None and info.committed:
+        doc["verified"] = checks.get(info.dir) is None
+        doc["damage"] = checks.get(info.dir)
+    return doc
+
+
+def _verify_all(storage: Any, infos: list[CheckpointInfo]) -> dict[str, str | None]:
+    """dir -> None (every file checks out) or what is wrong, for each committed checkpoint."""
+    out: dict[str, str | None] = {}
+    for info in infos:
+        if not info.committed:
+            continue
+        if not verifiable(info):
+            out[info.dir] = "record has no checksums (older spotguard): cannot verify"
+            continue
+        try:
+            verify_checkpoint(storage, info)
+            out[info.dir] = None
+        except DamagedCheckpoint as exc:
+            out[info.dir] = f"{exc.where}: {exc.what}"
+    return out
 
 
 def main(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -114,27 +151,40 @@ def main(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None
     except OSError as exc:
         print(f"spotguard checkpoints: error: cannot read {args.uri}: {exc}", file=err)
         return EXIT_USAGE
-    committed = [i for i in infos if i.committed]
+    checks: dict[str, str | None] | None = None
+    if getattr(args, "verify", False):
+        try:
+            checks = _verify_all(storage, infos)
+        except (StorageError, OSError) as exc:
+            print(f"spotguard checkpoints: error while verifying {args.uri}: {exc}", file=err)
+            return EXIT_USAGE
+    committed = [i for i in infos if i.committed and (checks is None or checks.get(i.dir) is None)]
     chosen = committed[-1].dir if committed else None
+    code = EXIT_DAMAGED if checks is not None and any(v is not None for v in checks.values()) else EXIT_OK
     if getattr(args, "json", False):
         doc = {
             "uri": storage.uri,
             "latest_hint": read_latest(storage),
             "newest_committed": chosen,
-            "checkpoints": [_to_json(i, chosen) for i in infos],
+            "checkpoints": [_to_json(i, chosen, checks) for i in infos],
         }
         print(json.dumps(doc, indent=2), file=out)
-        return EXIT_OK
+        return code
     if not infos:
         print(f"no checkpoints under {storage.uri}", file=out)
         return EXIT_OK
     print(f"checkpoints under {storage.uri}", file=out)
-    print(render_table(infos, chosen), file=out)
+    print(render_table(infos, chosen, checks), file=out)
     if chosen is None:
-        print("no committed checkpoint: a resume would start from step 0", file=out)
+        print("no committed checkpoint" + (" passed verification" if checks else "")
+              + ": a resume would start from step 0" + (" (or stop, if any is damaged)" if checks else ""), file=out)
     else:
         print(f"resume would load {chosen}", file=out)
-    return EXIT_OK
+    if checks is not None:
+        bad = sorted(d for d, v in checks.items() if v is not None)
+        print(f"verified {len(checks) - len(bad)} of {len(checks)} committed checkpoints"
+              + (f"; damaged: {', '.join(bad)}" if bad else ""), file=out)
+    return code
 
 
 if __name__ == "__main__":  # python -m spotguard.storage.listing URI

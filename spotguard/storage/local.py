@@ -15,9 +15,10 @@ import pathlib
 import shutil
 import sys
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 from .base import ObjectInfo, Storage, StorageError, check_key, check_prefix
+from .integrity import FileDigest, digest_of
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import StorageReader, StorageWriter
@@ -95,6 +96,7 @@ class LocalStorage(Storage):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+            self.write_log.note(key, digest_of(data))
         except BaseException:
             try:
                 tmp.unlink()
@@ -108,6 +110,12 @@ class LocalStorage(Storage):
         if path.is_dir():
             raise FileNotFoundError(f"{self.uri}/{key} is a folder, not an object")
         return path.read_bytes()
+
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        path = self._path(key)
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read(max(0, end - start))
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
@@ -164,26 +172,26 @@ class LocalStorage(Storage):
 
     def dcp_writer(self, key: str, *, thread_count: int | None = None) -> "StorageWriter":
         path = self._path(key)
-        from torch.distributed.checkpoint import FileSystemWriter
+        from .local_dcp import ChecksumWriter
 
         self._mkdirs(path)
         # sync_files=True: each shard is fsynced before dcp.save returns; one file
         # per rank per thread keeps the file count (and NFS metadata load) small.
-        return FileSystemWriter(
-            str(path),
+        return ChecksumWriter(
+            self, key,
             single_file_per_rank=True,
             sync_files=True,
             thread_count=max(1, thread_count or 1),
             overwrite=True,
         )
 
-    def dcp_reader(self, key: str) -> "StorageReader":
+    def dcp_reader(self, key: str, digests: "Mapping[str, FileDigest] | None" = None) -> "StorageReader":
         path = self._path(key)
         if not path.is_dir():
             raise FileNotFoundError(f"no checkpoint folder {path}")
-        from torch.distributed.checkpoint import FileSystemReader
+        from .local_dcp import VerifyingReader
 
-        return FileSystemReader(str(path))
+        return VerifyingReader(self, key, digests)
 
     def local_path(self, key: str) -> pathlib.Path | None:
         return self.root if key in ("", "/") else self._path(key.rstrip("/"))

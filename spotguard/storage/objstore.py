@@ -16,6 +16,7 @@ save fails clearly, nothing is committed, and the previous commit is untouched.
 from __future__ import annotations
 
 import abc
+import base64
 import contextlib
 import io
 import os
@@ -26,10 +27,11 @@ import time
 import urllib.parse
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 from ..logs import get_logger
 from .base import ObjectInfo, Storage, StorageError, check_key, check_prefix
+from .integrity import Checksummer, FileDigest, crc32c_b64, digest_of
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import StorageReader, StorageWriter
@@ -174,6 +176,12 @@ def body_of(data: "memoryview | Segments") -> Any:
     if isinstance(obj, (bytes, bytearray)) and len(data) == len(obj) and data.contiguous:
         return obj
     return data.tobytes()
+
+
+def part_crc32c(data: "memoryview | Segments | bytes") -> str:
+    """The base64 CRC32C of a part (S3 ``x-amz-checksum-crc32c``, GCS ``x-goog-hash: crc32c=``): the
+    store recomputes it and refuses a body damaged in transit. Runs in the sending thread (GIL released)."""
+    return crc32c_b64(data.views if isinstance(data, Segments) else [data])
 
 
 def request_body(data: "memoryview | Segments") -> Any:
@@ -337,6 +345,14 @@ class Upload(abc.ABC):
     def abort(self) -> None:
         """Discard every part sent so far (no orphaned parts left billing)."""
 
+    def expect_crc(self, number: int, crc_b64: str) -> None:
+        """Part ``number``'s CRC32C, already known from the stream's block checksums (no second pass)."""
+        self.__dict__.setdefault("_crcs", {})[number] = crc_b64
+
+    def crc_of(self, number: int, data: "memoryview | Segments") -> str:
+        """Part ``number``'s base64 CRC32C for the store to check: known already, else computed now."""
+        return self.__dict__.get("_crcs", {}).get(number) or part_crc32c(data)
+
 
 class ZeroCopySource(abc.ABC):
     """Memory a stream may send from directly instead of copying (see ``UploadStream.zero_copy``)."""
@@ -364,10 +380,14 @@ class UploadStream(io.RawIOBase):
     then calls ``abort``.
     """
 
-    def __init__(self, store: "ObjectStorage", name: str, pool: BufferPool, executor: ThreadPoolExecutor) -> None:
+    def __init__(self, store: "ObjectStorage", name: str, pool: BufferPool, executor: ThreadPoolExecutor,
+                 key: str | None = None) -> None:
         super().__init__()
         self._store = store
         self._name = name
+        self._key = key  # relative key: what the store's write log records on close
+        self._sum = Checksummer()  # the file's checksum, computed as the bytes go out
+        self._part_off = 0  # file offset of the part being built
         self._pool = pool
         self._executor = executor
         # the part being built: finished ranges, the pool buffers they use, the active copy buffer
@@ -445,6 +465,7 @@ class UploadStream(io.RawIOBase):
         n = len(mv)
         if self._done:
             raise ValueError(f"write to a finished upload of {self._name}")
+        self._sum.update(mv)
         view = None
         if self._source is not None and n >= self._store.zero_copy_min:
             view = self._source.view_of(mv)
@@ -545,6 +566,10 @@ class UploadStream(io.RawIOBase):
             raise
         number = len(self._futures) + 1
         upload = self._upload
+        crc = self._sum.crc_of_span(self._part_off, self._part_off + length)  # from the block CRCs
+        if crc is not None:
+            upload.expect_crc(number, base64.b64encode(crc.to_bytes(4, "big")).decode("ascii"))
+        self._part_off += length
 
         def send() -> Any:
             try:
@@ -580,6 +605,8 @@ class UploadStream(io.RawIOBase):
             self._store.call(f"complete {self._name}", self._upload.complete, tokens, self._pos)
         self._done = True
         self._source = None
+        if self._key is not None:
+            self._store.write_log.note(self._key, self._sum.digest())
         if self._lane is not None:
             self._lane.shutdown(wait=False)
         super().close()
@@ -789,7 +816,7 @@ class ObjectStorage(Storage):
 
     def open_upload(self, key: str, producers: int = 1) -> UploadStream:
         """A streaming writer for object ``key`` (relative to the root)."""
-        return UploadStream(self, self._name(key), self.pool(producers), self.executor())
+        return UploadStream(self, self._name(key), self.pool(producers), self.executor(), key=key)
 
     # -- primitives a backend implements (full names) ---------------------------------
 
@@ -826,7 +853,9 @@ class ObjectStorage(Storage):
 
     def write_bytes(self, key: str, data: bytes) -> None:
         name = self._name(key)
+        digest = digest_of(data)
         self.call(f"put {name}", self._put, name, memoryview(data))
+        self.write_log.note(key, digest)
 
     def read_bytes(self, key: str) -> bytes:
         name = self._name(key)
@@ -877,36 +906,18 @@ class ObjectStorage(Storage):
 
         return ObjectStoreWriter(self, key.strip("/"), files_per_rank=thread_count)
 
-    def dcp_reader(self, key: str) -> "StorageReader":
+    def dcp_reader(self, key: str, digests: "Mapping[str, FileDigest] | None" = None) -> "StorageReader":
         from .dcp_object import ObjectStoreReader
 
-        return ObjectStoreReader(self, key.strip("/"))
+        return ObjectStoreReader(self, key.strip("/"), digests=None if digests is None else dict(digests))
+
 
     def download(self, key: str, dest: str | os.PathLike[str]) -> str:
-        """Copy folder ``key`` to local folder ``dest`` with parallel ranged reads; returns ``dest``.
+        """Copy committed folder ``key`` to local folder ``dest``: only the files its record names, each verified."""
+        from .commit import checkpoint_info
+        from .verify import download_checkpoint
 
-        For frameworks whose resume argument wants a local path (``hook.latest()``).
-        """
-        dest = os.fspath(dest)
-        prefix = key.strip("/") + "/"
-        objs = self.list(prefix)
-        ex = self.executor()
-        for o in objs:
-            path = os.path.join(dest, *o.key[len(prefix):].split("/"))
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "wb") as f:
-                f.truncate(o.size)
-            spans = [(a, min(o.size, a + self.part_size)) for a in range(0, o.size, self.part_size)]
-
-            def fetch(span: tuple[int, int], okey: str = o.key, p: str = path) -> None:
-                data = self.read_range(okey, *span)
-                with open(p, "r+b") as f:
-                    f.seek(span[0])
-                    f.write(data)
-
-            for fut in [ex.submit(fetch, s) for s in spans]:
-                self.wait(fut, f"download of {o.key}")
-        return dest
+        return str(download_checkpoint(self, checkpoint_info(self, key), dest))
 
     def close(self) -> None:
         """Stop the I/O threads (idempotent)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable
 
-from .objstore import ObjectStorage, RawObject, Upload, missing_extra, request_body
+from .objstore import ObjectStorage, RawObject, Upload, missing_extra, part_crc32c, request_body
 
 __all__ = ["S3Storage"]
 
@@ -70,9 +70,11 @@ class _S3Upload(Upload):
         self.store, self.name, self.upload_id = store, name, upload_id
 
     def part(self, number: int, data: memoryview, last: bool) -> Any:
+        crc = self.crc_of(number, data)  # S3 refuses a part whose bytes do not match it (BadDigest)
         r = self.store.client.upload_part(Bucket=self.store.bucket, Key=self.name, UploadId=self.upload_id,
-                                          PartNumber=number, Body=request_body(data), ContentLength=len(data))
-        return {"PartNumber": number, "ETag": r["ETag"]}
+                                          PartNumber=number, Body=request_body(data), ContentLength=len(data),
+                                          ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc)
+        return {"PartNumber": number, "ETag": r["ETag"], "ChecksumCRC32C": crc}
 
     def complete(self, tokens: list[Any], total: int) -> None:
         try:
@@ -162,7 +164,8 @@ class S3Storage(ObjectStorage):
         return super()._translate(exc, what)
 
     def _put(self, name: str, data: memoryview) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=name, Body=request_body(data), ContentLength=len(data))
+        self.client.put_object(Bucket=self.bucket, Key=name, Body=request_body(data), ContentLength=len(data),
+                               ChecksumAlgorithm="CRC32C", ChecksumCRC32C=part_crc32c(data))
 
     def _get(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
         kw: dict[str, Any] = {}
@@ -193,7 +196,7 @@ class S3Storage(ObjectStorage):
             raise RuntimeError(f"delete failed for {len(errs)} objects, first: {errs[0]}")
 
     def _start_upload(self, name: str) -> Upload:
-        r = self.client.create_multipart_upload(Bucket=self.bucket, Key=name)
+        r = self.client.create_multipart_upload(Bucket=self.bucket, Key=name, ChecksumAlgorithm="CRC32C")
         return _S3Upload(self, name, r["UploadId"])
 
     def incomplete_uploads(self, prefix: str = "") -> list[tuple[str, str]]:

@@ -142,3 +142,7 @@ def test_storage_benchmark_runs_and_reports_every_figure(tmp_path: Path) -> None
         assert sg[key] > 0, key
     assert row["speedup_vs_A"] > 0 and row["speedup_vs_B"] > 0
     assert set(row["projection_gb_in_25s"]) == {"10Gbit", "25Gbit", "100Gbit"}
+    # integrity is inside the timed path, and what it costs is measured against a no-checksum reference
+    assert -1 < sg["checksum_share_of_notice_to_commit"] < 1 and len(sg["runs_nocrc_s"]) == len(sg["runs_s"])
+    assert result["crc32c_gib_s_one_core"]["median"] > 0
+    assert "min_s" not in row["A"] or row["A"]["min_s"] <= row["A"]["notice_to_commit_s"] <= row["A"]["max_s"]

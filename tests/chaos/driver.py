@@ -30,6 +30,22 @@ stages:
   notice posted while one is uploading (only if ``every=`` is implemented; else reported
   as not exercised).
 
+Damage to committed checkpoints, applied between cycles (one a cycle, from the second on):
+the newest committed checkpoint D is copied, record and all, to step D+1 (as if a newer
+commit existed) and that copy is damaged, so the job must skip it and resume from D:
+
+- ``flip_shard``: one byte flipped in the middle of a shard (size unchanged);
+- ``truncate_shard``: a shard shortened under an intact record;
+- ``planted_pickle``: ``.metadata`` replaced by a pickle that would create a marker file,
+  with the record's checksum rewritten to match (an attacker with write access);
+- ``traversal_key``: an empty object whose key is ``step-D/`` + ``../`` x 12 + an absolute
+  path to a victim file, planted in D itself (D stays loadable: the object is not named by
+  its record and never read).
+
+The damaged copy is deleted once both ranks resumed. After the run no marker file may exist
+(no code ran) and the victim file must be unchanged (nothing outside the cache was written).
+S3 (moto) is required: if its server cannot start, the run fails.
+
 Every wait has a timeout: a rank still alive ``HANG_GRACE`` seconds after the notice
 deadline is counted as hung and killed. After the last preemption the job runs to the
 end and its model + optimizer state are compared bitwise with an uninterrupted run.
@@ -70,6 +86,8 @@ MODES = ("aws", "gcp", "azure", "sigterm", "one-rank")
 FAULTS = ("metadata_error", "metadata_hang", "daemon_kill", "storage_5xx", "storage_throttle", "storage_slow",
           "rank_kill_mid_save", "short_deadline", "notice_during_periodic")
 KILL_STAGES = ("after_notice", "during_save", "before_notice")
+DAMAGES = ("flip_shard", "truncate_shard", "planted_pickle", "traversal_key")
+ALLOWED_ABANDON = ("rank_kill_mid_save", "short_deadline")  # faults that leave no time or no rank to commit
 HANG_GRACE = 20.0  # seconds after the deadline a rank may still be alive before it counts as hung
 S3_INTERNAL = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
                b"<Message>We encountered an internal error. Please try again.</Message></Error>")
@@ -137,6 +155,14 @@ class S3Store:
     def read(self, key: str) -> bytes:
         return bytes(self.client.get_object(Bucket=self.bucket, Key=f"run/{key}")["Body"].read())
 
+    def put(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=f"run/{key}", Body=data)
+
+    def delete_folder(self, folder: str) -> None:
+        keys = [f"run/{k}" for k in self.listing() if k.startswith(folder + "/")]
+        for i in range(0, len(keys), 1000):
+            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]]})
+
     def fault(self, kind: str, rng: random.Random) -> str:
         if kind == "storage_5xx":
             n = rng.randint(2, 5)
@@ -170,7 +196,7 @@ class S3Store:
 
 
 class LocalStore:
-    """Fallback without moto: a local folder (storage faults are then not exercised)."""
+    """``--storage local``: a local folder (storage faults are then not exercised)."""
 
     def __init__(self, workdir: Path) -> None:
         self.root = workdir / "ckpt"
@@ -184,6 +210,14 @@ class LocalStore:
     def read(self, key: str) -> bytes:
         return (self.root / key).read_bytes()
 
+    def put(self, key: str, data: bytes) -> None:
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+    def delete_folder(self, folder: str) -> None:
+        shutil.rmtree(self.root / folder, ignore_errors=True)
+
     def clear(self) -> None:
         pass
 
@@ -191,9 +225,9 @@ class LocalStore:
         pass
 
 
-def committed_steps(store: Any) -> dict[int, str]:
+def committed_steps(store: Any, damaged: Optional[set[int]] = None) -> dict[int, str]:
     """Independent of spotguard's own scan: step -> reason for every folder whose COMMIT.json parses and
-    whose listed files are all there with their sizes."""
+    whose listed files are all there with their sizes (less the steps the driver damaged)."""
     listing = store.listing()
     out: dict[int, str] = {}
     for key in listing:
@@ -205,7 +239,8 @@ def committed_steps(store: Any) -> dict[int, str]:
             files = rec["files"]
             if int(head[5:]) != rec["step"] or not files:
                 continue
-            if all(listing.get(f"{head}/{name}") == size for name, size in files.items()):
+            if all(listing.get(f"{head}/{name}") == size for name, size in files.items()) and \
+                    int(rec["step"]) not in (damaged or set()):
                 out[int(rec["step"])] = str(rec.get("reason"))
         except Exception:  # noqa: BLE001 - unreadable = not committed
             continue
@@ -233,6 +268,8 @@ class Cycle:
     exit_seconds: Optional[float] = None
     replay: Optional[str] = None
     periodic_commits: int = 0
+    damage: Optional[str] = None
+    damage_logged: bool = False
     notes: list[str] = field(default_factory=list)
 
     def row(self) -> str:
@@ -240,7 +277,7 @@ class Cycle:
         return (f"{self.index:>3} {self.mode:<9} resume={self.resumed!s:<4} notice@{self.notice_step!s:<4} "
                 f"last={self.last_step!s:<4} -> {self.outcome:<10} {('step ' + str(self.committed_step)) if self.committed_step is not None else (self.abandoned or '')}"
                 f"  faults={f}" + (f" replay={self.replay}" if self.replay else "")
-                + (f" hung={self.hung}" if self.hung else ""))
+                + (f" hung={self.hung}" if self.hung else "") + (f" damage={self.damage}" if self.damage else ""))
 
 
 class Chaos:
@@ -263,17 +300,21 @@ class Chaos:
         self.final_diff: Optional[str] = None
         self._planned: set[str] = set()
         self._kills = 0
+        self.damaged: set[int] = set()
+        self.victim = workdir / "victim.txt"  # a traversal key points here: it must never change
+        self.marker = workdir / "planted-pickle-ran"  # a planted pickle would create this
 
     # --- set-up -------------------------------------------------------------------
 
     def setup(self) -> None:
         self.emu = start_emulator(stderr=open(self.workdir / "emulator.log", "wb"))  # noqa: SIM115
-        if self.storage_kind == "s3":
+        self.victim.write_bytes(b"outside the cache: never touched\n")
+        if self.storage_kind == "s3":  # a test dependency: no silent fallback
             try:
                 self.store = S3Store(self.workdir)
-            except (ImportError, ChaosError) as exc:
-                _log(f"S3 (moto) unavailable ({exc}); falling back to local storage")
-                self.storage_kind = "local"
+            except ImportError as exc:
+                raise ChaosError(f"S3 (moto[server], boto3) is required for the chaos run: {exc}; "
+                                 f"pip install -r requirements-storage.txt") from None
         if self.storage_kind == "local":
             self.store = LocalStore(self.workdir)
             for k in ("storage_5xx", "storage_throttle", "storage_slow"):
@@ -348,7 +389,8 @@ class Chaos:
         self.emu.reset()
         self.emu.control("config", {"azure_rate_limit": 0})
         self.store.clear()
-        known = committed_steps(self.store)
+        damaged_step = self._damage(i, c)
+        known = committed_steps(self.store, self.damaged)
         c.expected_resume = max(known) if known else 0
         daemons: list[DaemonProc] = []
         env: dict[str, str] = {**self.store.env, "SPOTGUARD_SOCKET": str(sockdir / "none.sock")}
@@ -389,6 +431,9 @@ class Chaos:
         run = _Run(cdir / "job.log", args, env=env)
         try:
             self._wait_resumed(run, c)
+            if damaged_step is not None:  # resumed past it: remove the damaged copy
+                c.damage_logged = bool(run.events("skipping damaged checkpoint"))
+                self.store.delete_folder(f"step-{damaged_step:08d}")
             if final:
                 rc = run.wait(self.total_steps * self.step_time * 4 + 120)
                 c.outcome = "finished" if rc == 0 else f"rc={rc}"
@@ -464,7 +509,7 @@ class Chaos:
             ids.discard(None)
             c.notice_id = ",".join(sorted(ids)) or None
             c.periodic_commits = len([e for e in run.events("periodic_committed") if e.get("rank") == 0])
-            now = committed_steps(self.store)
+            now = committed_steps(self.store, self.damaged)
             new = sorted(s for s in now if s not in known and now[s] != "periodic")
             if new:
                 c.outcome, c.committed_step = "committed", new[-1]
@@ -479,6 +524,57 @@ class Chaos:
                 d.stop()
             shutil.rmtree(sockdir, ignore_errors=True)
         return c
+
+    def _damage(self, i: int, c: Cycle) -> Optional[int]:
+        """From the second cycle on, one damage kind not applied yet, to the newest committed checkpoint D:
+        a damaged copy at D+1 (returned, to be deleted after the resume), or a traversal key planted in D."""
+        kinds = [k for k in DAMAGES if k not in self._planned]
+        known = committed_steps(self.store, self.damaged)
+        if i == 0 or not kinds or not known:
+            return None
+        kind = kinds[0]
+        self._planned.add(kind)
+        d = max(known)
+        src = f"step-{d:08d}"
+        if kind == "traversal_key":
+            key = f"{src}/" + "../" * 12 + str(self.victim).lstrip("/")
+            self.store.put(key, b"")
+            c.damage = kind
+            c.faults[kind] = f"empty object {src}/../..(x12)/{self.victim.name} planted in step {d}"
+            return None
+        e = d + 1
+        dst = f"step-{e:08d}"
+        for key in [k for k in self.store.listing() if k.startswith(src + "/")]:
+            data = self.store.read(key)
+            if key.endswith("/COMMIT.json"):
+                rec = json.loads(data)
+                rec["step"] = e
+                data = json.dumps(rec).encode()
+            self.store.put(dst + key[len(src):], data)
+        rec = json.loads(self.store.read(f"{dst}/COMMIT.json"))
+        shard = sorted(n for n in rec["files"] if n.endswith(".distcp"))[0]
+        if kind == "flip_shard":
+            data = bytearray(self.store.read(f"{dst}/{shard}"))
+            data[len(data) // 2] ^= 0x01
+            self.store.put(f"{dst}/{shard}", bytes(data))
+            c.faults[kind] = f"one byte flipped in {shard} of a copy of step {d} at step {e}"
+        elif kind == "truncate_shard":
+            data = self.store.read(f"{dst}/{shard}")
+            self.store.put(f"{dst}/{shard}", data[:-100])
+            c.faults[kind] = f"{shard} of a copy of step {d} at step {e} truncated under an intact record"
+        else:  # planted_pickle: the attacker rewrites the record's checksum too
+            from spotguard.storage.integrity import digest_of
+
+            evil = _planted_pickle(self.marker)
+            self.store.put(f"{dst}/.metadata", evil)
+            rec["files"][".metadata"] = len(evil)
+            rec["bytes"] = sum(rec["files"].values())
+            rec.setdefault("checksums", {})[".metadata"] = digest_of(evil).blocks
+            self.store.put(f"{dst}/COMMIT.json", json.dumps(rec).encode())
+            c.faults[kind] = f".metadata of a copy of step {d} at step {e} replaced by a code-running pickle"
+        c.damage = kind
+        self.damaged.add(e)
+        return e
 
     def _daemon(self, sock: Path, cloud: str, log: Path) -> DaemonProc:
         assert self.emu is not None
@@ -531,13 +627,13 @@ class Chaos:
         if len(set(steps.values())) != 1:
             raise ChaosError(f"ranks resumed from different steps: {steps}")
         c.resumed = next(iter(steps.values()))
-        known = committed_steps(self.store)
+        known = committed_steps(self.store, self.damaged)
         c.resumed_committed = c.resumed == 0 or c.resumed in known
 
     def _replay(self, cdir: Path, env: dict[str, str], c: Cycle) -> str:
         """The launcher restarts the job on the same (doomed) VM: the restarted daemon replays the notice,
         which must be recognised as already checkpointed for: exit at once, no training, no new checkpoint."""
-        before = committed_steps(self.store)
+        before = committed_steps(self.store, self.damaged)
         args = ["--steps", str(self.total_steps), "--step-time", str(self.step_time), "--storage", self.store.uri]
         env = {k: v for k, v in env.items() if not k.startswith("SPOTGUARD_TEST_")}
         run = _Run(cdir / "replay.log", args, env=env)
@@ -547,7 +643,7 @@ class Chaos:
             return "hung"
         agreed = {e.get("action") for e in run.events("agreed")}
         trained = run.steps()
-        if rc != 0 and agreed == {"exit"} and not trained and committed_steps(self.store) == before:
+        if rc != 0 and agreed == {"exit"} and not trained and committed_steps(self.store, self.damaged) == before:
             return "exit-at-once"
         return f"WRONG(rc={rc}, actions={sorted(agreed)}, trained={len(trained)} steps)"
 
@@ -580,7 +676,7 @@ class Chaos:
     def summary(self) -> dict[str, Any]:
         pre = [c for c in self.cycles if c.mode != "final"]
         faults: Counter[str] = Counter()
-        for c in pre:
+        for c in self.cycles:  # the final run may start on a damaged checkpoint too
             faults.update(c.faults.keys())
         abandoned: Counter[str] = Counter(c.abandoned for c in pre if c.outcome == "abandoned")
         # Steps lost per preemption: iterations completed in the cycle minus where the next cycle resumed.
@@ -593,6 +689,11 @@ class Chaos:
         lost_clean = [n for c, n in zip(pre, lost) if c.outcome == "committed"]
         wrong_resume = [c.index for c in self.cycles if c.resumed != c.expected_resume]
         incomplete = [c.index for c in self.cycles if not c.resumed_committed]
+        # A preemption with enough time (no rank killed, deadline longer than the save) must commit.
+        abandoned_with_time = [c.index for c in pre if c.outcome != "committed"
+                               and not set(c.faults) & set(ALLOWED_ABANDON)]
+        from_commit = [c.index for c in self.cycles if (c.resumed or 0) > 0 and c.resumed_committed]
+        owed = [c.index for c in self.cycles if (c.expected_resume or 0) > 0]
         return {
             "seed": self.seed,
             "storage": self.storage_kind,
@@ -601,6 +702,13 @@ class Chaos:
             "faults": dict(sorted(faults.items())),
             "faults_not_exercised": self.not_exercised,
             "checkpoints_committed": sum(c.outcome == "committed" for c in pre),
+            "preemptions_with_time_not_committed": abandoned_with_time,
+            "resumes_from_committed_step": len(from_commit),
+            "resumes_owed": len(owed),
+            "damage_applied": [f"{c.index}:{c.damage}" for c in self.cycles if c.damage],
+            "damage_logged": [f"{c.index}:{c.damage}" for c in self.cycles if c.damage and c.damage_logged],
+            "planted_code_ran": self.marker.exists(),
+            "outside_cache_touched": self.victim.read_bytes() != b"outside the cache: never touched\n",
             "periodic_committed": sum(c.periodic_commits for c in self.cycles),
             "checkpoints_abandoned": dict(abandoned),
             "steps_lost_max": max(lost, default=0),
@@ -640,6 +748,21 @@ class _Run(TorchRun):
         return out
 
 
+class _Planted:
+    marker = ""
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _planted_pickle(marker: Path) -> bytes:
+    import pickle
+
+    p = _Planted()
+    p.marker = str(marker)
+    return pickle.dumps(p)
+
+
 def _wait(pred: Any, timeout: float, what: str, run: Optional[TorchRun] = None) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -670,6 +793,10 @@ def render(summary: dict[str, Any]) -> str:
         ("steps lost / preemption", f"max {s['steps_lost_max']}, mean {s['steps_lost_mean']} (committed ones: "
                                     f"max {s['steps_lost_committed_max']}, mean {s['steps_lost_committed_mean']})"),
         ("resumes from an incomplete ckpt", str(s["resumes_from_incomplete"])),
+        ("resumes from a committed step", f"{s['resumes_from_committed_step']} of {s['resumes_owed']} owed"),
+        ("preemptions with time, no commit", str(s["preemptions_with_time_not_committed"] or "none")),
+        ("damaged checkpoints skipped", ", ".join(s["damage_applied"]) or "none"),
+        ("planted code ran / outside touched", f"{s['planted_code_ran']} / {s['outside_cache_touched']}"),
         ("resumes not from newest commit", str(len(s["resumes_not_newest_committed"]))),
         ("hung ranks", str(s["hung_ranks"])),
         ("same-VM replays after daemon kill", ", ".join(f"{v} x {k}" for k, v in s["replays"].items()) or "none"),
@@ -697,6 +824,17 @@ def verdict(summary: dict[str, Any]) -> list[str]:
     wrong = [k for k in summary["replays"] if k != "exit-at-once"]
     if wrong:
         bad.append(f"same-VM replay misbehaved: {wrong}")
+    if summary["preemptions"] and not summary["checkpoints_committed"]:
+        bad.append("no checkpoint was committed in the whole run")
+    if summary["preemptions_with_time_not_committed"]:
+        bad.append(f"cycles {summary['preemptions_with_time_not_committed']} had time but committed nothing")
+    if summary["resumes_from_committed_step"] != summary["resumes_owed"]:
+        bad.append(f"{summary['resumes_from_committed_step']} resumes from a committed step, "
+                   f"{summary['resumes_owed']} owed")
+    if summary["planted_code_ran"]:
+        bad.append("a planted pickle ran code")
+    if summary["outside_cache_touched"]:
+        bad.append("a planted key made spotguard write outside its folder")
     if summary["steps_lost_committed_max"] > 1:
         bad.append(f"a committed emergency checkpoint lost {summary['steps_lost_committed_max']} steps (max 1)")
     return bad

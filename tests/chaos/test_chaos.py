@@ -1,4 +1,4 @@
-"""The shortened chaos run (5 preemptions, every fault kind once) inside ``make test``; ``make chaos`` runs 24.
+"""The shortened chaos run (5 preemptions, every fault and damage kind once) inside ``make test``; ``make chaos`` runs 24.
 
 ~1.5-2.5 minutes on 2 cores. The table is printed; the rules of ``driver.verdict`` must hold:
 no resume from an incomplete checkpoint, every resume from the newest commit, no hung rank,
@@ -30,10 +30,11 @@ def test_short_chaos_run(tmp_path: Path, capsys: Any) -> None:
         print("\n" + "\n".join(summary["cycles"]) + "\n" + render(summary))
     (tmp_path / "summary.json").write_text(json.dumps(summary, indent=2))
     assert summary["preemptions"] == 5
-    assert not summary["faults_not_exercised"] or set(summary["faults_not_exercised"]) <= {
-        "storage_5xx", "storage_throttle", "storage_slow", "notice_during_periodic"}
+    assert summary["storage"] == "s3", "the storage faults always run: S3 (moto) is a test dependency"
+    assert set(summary["faults_not_exercised"]) <= {"notice_during_periodic"}, summary["faults_not_exercised"]
     exercised = set(summary["faults"]) | set(summary["faults_not_exercised"])
-    assert len(exercised) == 9, f"every fault kind is injected (or reported as not exercised): {exercised}"
+    assert len(exercised) == 13, f"every fault kind is injected (or reported as not exercised): {exercised}"
+    assert summary["checkpoints_committed"] >= 1 and summary["resumes_from_committed_step"] >= 1
     bad = verdict(summary)
     assert not bad, "\n".join(bad) + f"\nlogs: {tmp_path}\n" + render(summary)
     shutil.rmtree(tmp_path, ignore_errors=True)  # pass: the gigabytes of logs are not kept

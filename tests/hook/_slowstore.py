@@ -13,9 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemWriter
-
 from spotguard.storage.local import LocalStorage
+from spotguard.storage.local_dcp import ChecksumWriter
 
 
 class _SlowPlanner:
@@ -31,7 +30,7 @@ class _SlowPlanner:
         return getattr(self._inner, name)
 
 
-class _SlowWriter(FileSystemWriter):
+class _SlowWriter(ChecksumWriter):  # reports what it wrote, like every spotguard writer
     delay = 0.0
 
     def write_data(self, plan: Any, planner: Any) -> Any:
@@ -50,6 +49,6 @@ class SlowPeriodicStorage(LocalStorage):
         self.slow_writes += 1
         path = self._path(key)
         self._mkdirs(path)
-        w = _SlowWriter(str(path), single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+        w = _SlowWriter(self, key, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
         w.delay = self.delay
         return w

@@ -222,3 +222,58 @@ class ObjectStoreContract:
         dcp.load(out, storage_reader=FileSystemReader(path))
         assert torch.equal(out["w"], sd["w"])
         assert (tmp_path / "ck" / COMMIT_NAME).exists()
+
+    def test_flipped_byte_in_the_store_is_refused_on_load_and_download(self, store: Store, tmp_path: Path) -> None:
+        from spotguard.storage.integrity import DamagedCheckpoint
+        from spotguard.storage.safeload import SafeLoadPlanner
+        from spotguard.storage.verify import verify_checkpoint
+
+        storage = store.open()
+        sd = _small_state(8, n=1_500_000)
+        _save_commit(storage, 8, sd)
+        info = newest_committed(storage)
+        assert info is not None and info.record is not None and info.record.checksums
+        out = _empty_like(sd)
+        dcp.load(out, storage_reader=storage.dcp_reader(info.dir, info.record.checksums), planner=SafeLoadPlanner())
+        assert torch.equal(out["w"], sd["w"])
+        shard = next(n for n in info.record.files if n.endswith(".distcp"))
+        data = bytearray(storage.read_bytes(f"{info.dir}/{shard}"))
+        data[len(data) // 2] ^= 0x04  # same size: the listing cannot tell
+        store.open().write_bytes(f"{info.dir}/{shard}", bytes(data))
+        info = newest_committed(storage)
+        assert info is not None and info.step == 8
+        with pytest.raises(BaseException, match=f"{shard}: crc32c mismatch"):
+            dcp.load(_empty_like(sd), storage_reader=storage.dcp_reader(info.dir, info.record.checksums),
+                     planner=SafeLoadPlanner())
+        with pytest.raises(DamagedCheckpoint, match=shard):
+            verify_checkpoint(storage, info)
+        with pytest.raises(DamagedCheckpoint):
+            storage.download(info.dir, tmp_path / "dl")
+
+    def test_planted_traversal_key_is_reported_and_never_downloaded(self, store: Store, tmp_path: Path) -> None:
+        from spotguard.hook.adapters._files import download_dir
+
+        storage = store.open()
+        sd = _small_state(8, n=1000)
+        _save_commit(storage, 8, sd)
+        victim = tmp_path / "victim"
+        victim.write_bytes(b"keep me")
+        key = "step-00000008/" + "../" * 12 + str(victim).lstrip("/")
+        try:
+            storage._put(storage.root + key, memoryview(b""))
+        except Exception as exc:  # noqa: BLE001 - a store that cannot hold such a key cannot plant it either
+            pytest.skip(f"{self.kind} refuses the key: {exc}")
+        if not any(".." in o.key for o in storage.list("step-00000008/")):
+            pytest.skip(f"{self.kind} normalises '..' in keys: nothing can be planted")
+        info = newest_committed(storage)
+        assert info is not None and info.committed and any(".." in n for n in info.unlisted)
+        out = io.StringIO()
+        import argparse
+
+        assert listing_main(argparse.Namespace(uri=store.uri, json=False, verify=True), out, io.StringIO()) == 0
+        assert "not in the record, ignored" in out.getvalue()
+        cache = tmp_path / "cache"
+        folder = download_dir(storage, info, cache)
+        assert victim.read_bytes() == b"keep me"
+        assert all(cache in p.parents for p in cache.rglob("*"))
+        assert sorted(p.name for p in folder.iterdir()) == sorted([COMMIT_NAME, *info.record.files])

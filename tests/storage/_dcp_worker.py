@@ -20,7 +20,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from spotguard.storage import open_storage
+from spotguard.hook.dist import gather_writes
 from spotguard.storage.commit import CommitRecord, commit, newest_committed, prepare_attempt
+from spotguard.storage.safeload import SafeLoadPlanner
 
 DIM = int(os.environ.get("SG_TEST_DIM", "1024"))
 
@@ -78,9 +80,11 @@ def main() -> int:
         if int(flag[0]):
             dist.destroy_process_group()
             return 3
+        # the record names what every rank reports writing (the hook's gather)
+        written = gather_writes(dist.group.WORLD, storage.write_log.take(f"step-{step:08d}"))
         if rank_i == 0:
             commit(storage, step, CommitRecord(step=step, world_size=world_i, reason="manual",
-                                               seconds=round(time.monotonic() - t0, 3)))
+                                               seconds=round(time.monotonic() - t0, 3)), written)
         dist.barrier()
         torch.save(flat(model, opt, rank_state), os.path.join(outdir, f"expect-{rank_i}.pt"))
     else:
@@ -94,7 +98,8 @@ def main() -> int:
         msd, osd = get_state_dict(model, opt)
         rank_state = torch.zeros(1000)
         state = {"model": msd, "optim": osd, f"rank{rank_i}": rank_state}
-        dcp.load(state, storage_reader=storage.dcp_reader(info.dir))
+        assert info.record is not None and info.record.checksums, "commit record without checksums"
+        dcp.load(state, storage_reader=storage.dcp_reader(info.dir, info.record.checksums), planner=SafeLoadPlanner())
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         torch.save(flat(model, opt, rank_state), os.path.join(outdir, f"got-{rank_i}.pt"))
         dist.barrier()

@@ -5,6 +5,8 @@ import torch.utils.serialization
 import torch.distributed.checkpoint as dcp
 from .test_objstore import MemStore
 from spotguard.storage.objstore import Segments
+from spotguard.storage.commit import CommitRecord, commit
+from spotguard.storage.safeload import SafeLoadPlanner
 
 
 class ZCStore(MemStore):
@@ -45,22 +47,24 @@ def test_identical_to_filesystem_writer(tmp_path, monkeypatch, part, zpart):
         cfg.compute_crc32 = prev
     s = ZCStore(part_size=part, concurrency=3)
     s.min_part_size = 16
-    dcp.save(sd, storage_writer=s.dcp_writer("ck"), no_dist=True)
+    dcp.save(sd, storage_writer=s.dcp_writer("step-00000001"), no_dist=True)
+    rec = commit(s, 1, CommitRecord(step=1))
     fs_files = sorted(f for f in os.listdir(tmp_path / "fs") if f.endswith(".distcp"))
     for f in fs_files:
         a = (tmp_path / "fs" / f).read_bytes()
-        b = s.objects["root/ck/" + f]
+        b = s.objects["root/step-00000001/" + f]
         assert len(a) == len(b), f
         diff = [i for i in range(0, len(a), 1) if a[i] != b[i]] if a != b else []
         assert not diff, (f, len(diff), diff[:20], a[diff[0]-40:diff[0]+40])
-    dest = s.download("ck", tmp_path / "dl")
+    dest = s.download("step-00000001", tmp_path / "dl")
     out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else {}) for k, v in sd.items()}
     dcp.load(out, storage_reader=dcp.FileSystemReader(dest), no_dist=True)
     for k, v in sd.items():
         if isinstance(v, torch.Tensor):
             assert torch.equal(out[k], v), k
     out2 = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else {}) for k, v in sd.items()}
-    dcp.load(out2, storage_reader=s.dcp_reader("ck"), no_dist=True)
+    dcp.load(out2, storage_reader=s.dcp_reader("step-00000001", rec.checksums), planner=SafeLoadPlanner(),
+             no_dist=True)
     assert all(torch.equal(out2[k], v) for k, v in sd.items() if isinstance(v, torch.Tensor))
     assert s.pool().allocated_bytes <= s.pool().count * part
     assert not s.open_uploads

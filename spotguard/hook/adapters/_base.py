@@ -31,8 +31,10 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from ...notice import Notice
+from ...logs import get_logger
 from ...storage import Storage, StorageError, open_storage
 from ...storage.commit import newest_committed
+from ...storage.verify import latest_verified
 from .. import events as ev
 from ..core import Hook, periodic_notice
 from ..preflight import probe_writable, unwritable_message
@@ -121,13 +123,12 @@ class FrameworkHook(Hook):
         Object stores: the committed folder is downloaded to ``$SPOTGUARD_CACHE``
         (default ``~/.cache/spotguard``) first; a complete copy there is reused.
         """
-        info = newest_committed(self._storage)
-        if info is None:
+        log = getattr(self, "_log", None) or get_logger("spotguard.hook", component="hook")  # before arming too
+        found = latest_verified(self._storage, log)  # a damaged one is skipped for the previous
+        if found is None:
             self._latest = None
             return None
-        folder = self._storage.local_path(info.dir)
-        if folder is None:
-            folder = download_dir(self._storage, info.dir)
+        info, folder = found
         target = str(self._resume_target(pathlib.Path(folder)))
         rec = info.record
         self._latest = (target, info.step, rec.notice_id if rec else None, info.dir,

@@ -20,9 +20,11 @@ from typing import Callable, Optional
 
 from ...storage import Storage
 from ...storage.base import join_key
-from ...storage.commit import COMMIT_NAME
+from ...storage.commit import COMMIT_NAME, CheckpointInfo, checkpoint_info
+from ...storage.integrity import Checksummer
+from ...storage.verify import download_checkpoint
 
-__all__ = ["cache_root", "upload_dir", "download_dir", "staging_dir"]
+__all__ = ["cache_root", "upload_dir", "download_dir", "staging_dir", "report_local"]
 
 
 def cache_root() -> pathlib.Path:
@@ -60,47 +62,70 @@ def upload_dir(storage: Storage, local: str | os.PathLike[str], key: str,
     return done
 
 
-def _complete(dest: pathlib.Path, expect: dict[str, int]) -> bool:
-    for rel, size in expect.items():
-        p = dest / rel
-        if not p.is_file() or p.stat().st_size != size:
-            return False
-    return True
+def report_local(storage: Storage, key: str, select: Optional[Callable[[str], bool]] = None) -> list[str]:
+    """A framework wrote straight into local folder ``key``: put this rank's files (``select``) in the write log.
 
-
-def download_dir(storage: Storage, key: str, dest_root: str | os.PathLike[str] | None = None) -> pathlib.Path:
-    """A local copy of storage folder ``key`` (a committed checkpoint); reused when already complete.
-
-    Safe when several ranks of one node call it at once: each downloads into
-    its own temporary folder and renames it into place; the loser of the race
-    uses the winner's copy.
+    The framework's writer cannot checksum as it streams, so each of this rank's
+    files is read back once (from the page cache) right after this rank wrote it;
+    the commit record then names what the ranks report, as for every other path.
     """
+    root = storage.local_path(key)
+    done: list[str] = []
+    if root is None or not root.is_dir():
+        return done
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if rel == COMMIT_NAME or (select is not None and not select(rel)):
+            continue
+        summer = Checksummer()
+        with open(path, "rb") as f:
+            while chunk := f.read(16 << 20):
+                summer.update(chunk)
+        storage.write_log.note(join_key(key, rel), summer.digest())
+        done.append(rel)
+    return done
+
+
+def _cached(dest: pathlib.Path, record: bytes, sizes: dict[str, int]) -> bool:
+    """A copy this code downloaded (and verified) earlier for exactly this commit record."""
+    try:
+        if (dest / COMMIT_NAME).read_bytes() != record:
+            return False
+    except OSError:
+        return False
+    return all((dest / rel).is_file() and (dest / rel).stat().st_size == n for rel, n in sizes.items())
+
+
+def download_dir(storage: Storage, checkpoint: "CheckpointInfo | str",
+                 dest_root: str | os.PathLike[str] | None = None) -> pathlib.Path:
+    """A local copy of a committed checkpoint folder, every file verified; reused when already complete.
+
+    Only the files its commit record names are downloaded, each checked block by
+    block against the record (``storage.verify``); a damaged file raises
+    ``DamagedCheckpoint``. Safe when several ranks of one node call it at once:
+    each downloads into its own temporary folder and renames it into place; the
+    loser of the race uses the winner's copy.
+    """
+    info = checkpoint if isinstance(checkpoint, CheckpointInfo) else checkpoint_info(storage, checkpoint)
+    if not info.committed or info.record is None:
+        raise FileNotFoundError(f"{storage.uri}/{info.dir} is not a committed checkpoint: {info.problem}")
     digest = hashlib.sha256(storage.uri.encode()).hexdigest()[:12]
     root = pathlib.Path(dest_root) if dest_root is not None else cache_root() / digest
-    dest = root / key.strip("/")
-    prefix = key.strip("/") + "/"
-    expect = {o.key[len(prefix):]: o.size for o in storage.list(prefix)}
-    if not expect:
-        raise FileNotFoundError(f"{storage.uri}/{key} holds no files")
-    if dest.is_dir() and _complete(dest, expect):
+    dest = root / info.dir
+    record = info.record.to_json().encode("utf-8")
+    if dest.is_dir() and _cached(dest, record, info.record.files):
         return dest
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     try:
-        download = getattr(storage, "download", None)
-        if callable(download):
-            download(key, tmp)
-        else:
-            for rel in expect:
-                p = tmp / rel
-                p.parent.mkdir(parents=True, exist_ok=True)
-                p.write_bytes(storage.read_bytes(join_key(key, rel)))
-        if dest.exists() and not _complete(dest, expect):
+        download_checkpoint(storage, info, tmp)
+        (tmp / COMMIT_NAME).write_bytes(record)
+        if dest.exists() and not _cached(dest, record, info.record.files):
             shutil.rmtree(dest, ignore_errors=True)
         try:
             os.rename(tmp, dest)
         except OSError:  # another rank of this node won the race
-            if not _complete(dest, expect):
+            if not _cached(dest, record, info.record.files):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

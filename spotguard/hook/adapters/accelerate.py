@@ -41,7 +41,9 @@ from ...storage import Storage
 from ..core import Hook
 from ..state import Snapshot, capture_rng, restore_rng
 from ._base import FrameworkHook
-from ._files import download_dir, staging_dir, upload_dir
+from ...storage.integrity import DamagedCheckpoint
+from ...storage.verify import verified_folder
+from ._files import report_local, staging_dir, upload_dir
 
 __all__ = ["AccelerateHook", "install"]
 
@@ -129,24 +131,32 @@ class AccelerateHook(FrameworkHook):
         try:
             with self._as_of(snap), self._explicit_dirs():
                 self.accelerator.save_state(target)
+            rank = self._rank
+
+            def mine(rel: str) -> bool:
+                m = _RANK_FILE.match(rel)
+                return int(m.group(1)) == rank if m else rank == 0
+
             if stage is not None:
-                rank = self._rank
-
-                def mine(rel: str) -> bool:
-                    m = _RANK_FILE.match(rel)
-                    return int(m.group(1)) == rank if m else rank == 0
-
                 upload_dir(self._storage, stage, key, select=mine)
+            else:  # written in place: report this rank's files for the commit record
+                report_local(self._storage, key, select=mine)
         finally:
             if stage is not None:
                 shutil.rmtree(stage, ignore_errors=True)
 
-    def _load(self, dirkey: str) -> None:
-        folder = self._storage.local_path(dirkey)
-        if folder is None:
-            folder = download_dir(self._storage, dirkey)
+    def _load(self, dirkey: str, digests: Any = None) -> Optional[DamagedCheckpoint]:
+        """Every rank: verify (or download verified), agree, then let Accelerate load; damage is returned."""
+        damage: Optional[DamagedCheckpoint] = None
+        try:
+            folder = verified_folder(self._storage, dirkey, self._log)
+        except DamagedCheckpoint as exc:
+            damage = exc
+        if not self._all_ok(damage is None):
+            return damage or DamagedCheckpoint(f"{self._storage.uri}/{dirkey}", "another rank found it damaged")
         with self._explicit_dirs():
             self.accelerator.load_state(os.fspath(folder))
+        return None
 
 
 def install(accelerator: Any, storage: Any = None, *, socket: str | None = None, every: Any = None,

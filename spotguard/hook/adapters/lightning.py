@@ -53,7 +53,7 @@ from ..elastic import derive_rng
 from ..events import ELASTIC_RESUME
 from ..state import capture_rng, pack, restore_rng, unpack
 from ._base import FrameworkHook
-from ._files import staging_dir, upload_dir
+from ._files import report_local, staging_dir, upload_dir
 
 __all__ = ["LightningHook", "install", "CKPT_NAME"]
 
@@ -223,6 +223,8 @@ class LightningHook(FrameworkHook):
                     upload_dir(self._storage, stage, key)
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
+        elif self._rank == 0:  # written in place (rank 0 writes): report it for the commit record
+            report_local(self._storage, key, select=lambda rel: rel == CKPT_NAME)
 
     def _exit(self, notice: Notice, result: Any) -> Any:
         self.trainer.should_stop = True
