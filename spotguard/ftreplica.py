@@ -27,7 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["Lighthouse", "Group", "start_lighthouse", "start_group", "drill", "lighthouse_binary", "main"]
+__all__ = ["Lighthouse", "Group", "ReplicaJob", "start_lighthouse", "start_group", "drill", "lighthouse_binary", "main"]
 
 
 def digest(model: Any, optim: Any) -> str:
@@ -241,6 +241,59 @@ def drill(socket_path: str, deadline_in: float = 30.0) -> str:
     if not isinstance(reply, DrillOk):
         raise RuntimeError(f"drill refused on {socket_path}: {reply}")
     return reply.id
+
+
+class ReplicaJob:
+    """A lighthouse and replica groups, each with its own spotguard daemon on its own socket.
+
+    Used as a context manager by the tests, the benchmark and the demo; stops
+    everything it started at the end. A replacement group gets a fresh daemon
+    (the old one would replay the notice its predecessor left for).
+    """
+
+    def __init__(self, work: Path, *, groups: int, step_time: float, steps: int) -> None:
+        from .hook.torchft import lighthouse_args  # noqa: PLC0415
+
+        self.work = Path(work)
+        self.step_time = step_time
+        self.total = steps
+        self.lh: Lighthouse = start_lighthouse(lighthouse_args(groups=groups, step_seconds=step_time),
+                                               self.work / "lighthouse.log")
+        self.daemons: dict[str, Any] = {}
+        self.groups: dict[str, Group] = {}
+
+    def __enter__(self) -> "ReplicaJob":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def group(self, name: str) -> Group:
+        from .launch import start_daemon  # noqa: PLC0415
+
+        sock = str(self.work / f"{name}.sock")
+        self.daemons[name] = start_daemon(sock, log_path=self.work / f"{name}-daemon.log")
+        g = start_group(name, self.lh.addr, sock, str(self.work / "ckpt"), steps=self.total,
+                        step_time=self.step_time, log_path=self.work / f"{name}.log")
+        self.groups[name] = g
+        return g
+
+    def notice(self, name: str, deadline_in: float = 30.0) -> str:
+        return drill(self.daemons[name].socket, deadline_in)
+
+    def drop_daemon(self, name: str) -> None:
+        d = self.daemons.pop(name, None)
+        if d is not None:
+            d.stop()
+
+    def stop(self) -> None:
+        for g in self.groups.values():
+            if g.proc.poll() is None:
+                g.proc.kill()
+                g.proc.wait()
+        for name in list(self.daemons):
+            self.drop_daemon(name)
+        self.lh.stop()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

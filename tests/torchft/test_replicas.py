@@ -7,17 +7,14 @@ group: the emergency checkpoint to storage and an exact resume.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 pytest.importorskip("torchft")
 
-from spotguard.ftreplica import Group, Lighthouse, drill, lighthouse_binary, start_group, start_lighthouse  # noqa: E402
-from spotguard.hook.torchft import lighthouse_args  # noqa: E402
-from spotguard.launch import DaemonProc, start_daemon  # noqa: E402
+from spotguard.ftreplica import Group, ReplicaJob, lighthouse_binary  # noqa: E402
 from spotguard.storage import open_storage  # noqa: E402
 from spotguard.storage.commit import newest_committed  # noqa: E402
 
@@ -27,43 +24,6 @@ if lighthouse_binary() is None:  # pragma: no cover - the wheel ships it
 STEP_TIME = 0.1
 STALL_BOUND = 1.5  # seconds between two committed survivor steps, on a loaded 2-core machine (target 1 s)
 START = 120.0  # startup of a group: torch + torchft imports, first quorum (slow on a loaded machine)
-
-
-class Job:
-    """Lighthouse + daemons + groups of one test, all stopped at the end."""
-
-    def __init__(self, work: Path, groups: int) -> None:
-        self.work = work
-        self.lh: Lighthouse = start_lighthouse(lighthouse_args(groups=groups, step_seconds=STEP_TIME),
-                                               work / "lighthouse.log")
-        self.daemons: dict[str, DaemonProc] = {}
-        self.groups: dict[str, Group] = {}
-
-    def group(self, name: str, steps: int) -> Group:
-        sock = str(self.work / f"{name}.sock")
-        self.daemons[name] = start_daemon(sock, log_path=self.work / f"{name}-daemon.log")
-        g = start_group(name, self.lh.addr, sock, str(self.work / "ckpt"), steps=steps, step_time=STEP_TIME,
-                        log_path=self.work / f"{name}.log")
-        self.groups[name] = g
-        return g
-
-    def stop(self) -> None:
-        for g in self.groups.values():
-            if g.proc.poll() is None:
-                g.proc.kill()
-                g.proc.wait()
-        for d in self.daemons.values():
-            d.stop()
-        self.lh.stop()
-
-
-@contextlib.contextmanager
-def job(work: Path, groups: int) -> Iterator[Job]:
-    j = Job(work, groups)
-    try:
-        yield j
-    finally:
-        j.stop()
 
 
 def _step(n: int) -> Any:
@@ -76,18 +36,18 @@ def _by_step(g: Group) -> dict[int, dict[str, Any]]:
 
 def test_one_group_leaves_survivors_keep_stepping_and_a_replacement_heals_bitwise(short_tmp: Path) -> None:
     total = 70
-    with job(short_tmp, 3) as j:
-        g0, g1, g2 = (j.group(f"g{i}", total) for i in range(3))
+    with ReplicaJob(short_tmp, groups=3, step_time=STEP_TIME, steps=total) as j:
+        g0, g1, g2 = (j.group(f"g{i}") for i in range(3))
         for g in (g0, g1, g2):
             assert g.wait_for(_step(5), START) is not None, f"{g.name} never reached step 5 (see {short_tmp})"
-        drill(j.daemons["g1"].socket)
+        j.notice("g1")
         assert g1.proc.wait(60) == 143
         left = next(e for e in g1.seen if e.get("event") == "replica_left")
         last = next(e for e in g1.seen if e.get("event") == "replica_exit")
         s = left["step"]
         assert last["step"] == s
         # the replacement starts while the survivors keep training
-        g3 = j.group("g3", total)
+        g3 = j.group("g3")
         for g in (g0, g2, g3):
             assert g.proc.wait(START) == 0, f"{g.name} failed (see {short_tmp})"
 
@@ -114,12 +74,12 @@ def test_one_group_leaves_survivors_keep_stepping_and_a_replacement_heals_bitwis
 
 def test_every_group_noticed_falls_back_to_the_emergency_checkpoint_and_resumes_exactly(short_tmp: Path) -> None:
     total = 40
-    with job(short_tmp, 2) as j:
-        g0, g1 = j.group("g0", total), j.group("g1", total)
+    with ReplicaJob(short_tmp, groups=2, step_time=STEP_TIME, steps=total) as j:
+        g0, g1 = j.group("g0"), j.group("g1")
         for g in (g0, g1):
             assert g.wait_for(_step(4), START) is not None, f"{g.name} never reached step 4 (see {short_tmp})"
         for name in ("g0", "g1"):
-            drill(j.daemons[name].socket)
+            j.notice(name)
         assert g0.proc.wait(60) == 143 and g1.proc.wait(60) == 143
         exits = {g.name: next(e for e in g.seen if e.get("event") == "replica_exit") for g in (g0, g1)}
         assert any(e.get("event") == "replica_all_leaving" for g in (g0, g1) for e in g.seen)
@@ -131,8 +91,8 @@ def test_every_group_noticed_falls_back_to_the_emergency_checkpoint_and_resumes_
 
         # restart the whole job: both groups resume from storage, exactly where it stopped
         for name in ("g0", "g1"):
-            j.daemons.pop(name).stop()
-        r0, r1 = j.group("r0", total), j.group("r1", total)
+            j.drop_daemon(name)
+        r0, r1 = j.group("r0"), j.group("r1")
         for g in (r0, r1):
             started = g.wait_for(lambda e: e.get("event") == "replica_started", START)
             assert started is not None, f"{g.name} did not start (see {short_tmp})"
