@@ -57,13 +57,15 @@ def lighthouse_args(*, groups: int, step_seconds: float, min_replicas: int = 1,
     the survivors' quorum waits ``join_timeout_ms`` for it, with 2 groups the
     heartbeat timeout (split-brain rule). The quorum runs during the forward
     pass, so a join timeout at or below one step's compute costs no stall.
-    A late joiner only waits for the next quorum; nothing else needs a long one.
+    A late joiner only waits for the next quorum; but below ~200 ms ordinary
+    jitter on a loaded machine made quorums flap here (a new quorum every step,
+    one group healing every step), hence the floor.
     The heartbeat timeout stays well under the notice lead time so a group
     killed without a notice is also dropped before the deadline of the next one.
     """
     if groups < 1 or step_seconds <= 0:
         raise ValueError("groups must be >= 1 and step_seconds > 0")
-    join_ms = max(50, min(1000, int(step_seconds * 1000 * 0.8)))
+    join_ms = max(200, min(1000, int(step_seconds * 1000 * 0.8)))
     tick_ms = max(10, min(100, join_ms // 4))
     heartbeat_ms = max(1000, min(5000, int(notice_lead_seconds * 1000 / 10)))
     return ["--min_replicas", str(min_replicas), "--join_timeout_ms", str(join_ms),
