@@ -135,13 +135,42 @@ class ReplicaGuard:
 
     def vote(self) -> None:
         """Collective over the replica groups, before ``should_commit``: who leaves after this step."""
-        notice = self._notice
-        t = torch.tensor([1 if notice is not None else 0, 1], dtype=torch.int64)
         from torch.distributed import ReduceOp  # noqa: PLC0415
+
+        notice = self._group_notice()
+        t = torch.tensor([1 if notice is not None else 0, 1], dtype=torch.int64)
 
         self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
         self._voted = notice
         self._tally = (int(t[0]), int(t[1]))
+
+    def _group_notice(self) -> Optional[Notice]:
+        """This group's notice, agreed by its ranks (MAX over the group) when it has several processes.
+
+        torchft reduces across groups rank by rank, so every rank of a group must
+        vote alike, although only the ranks on the noticed node got the notice.
+        Ranks without it stand in a notice with a fixed id (untested here: the
+        tests run one process per group).
+        """
+        notice = self._notice
+        group = self.hook._group
+        if group is None:
+            return notice
+        import torch.distributed as dist  # noqa: PLC0415
+
+        t = torch.tensor([1 if notice is not None else 0], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        if int(t[0]) and notice is None:
+            from datetime import timedelta  # noqa: PLC0415
+
+            from ..timefmt import utcnow  # noqa: PLC0415
+            from .core import SIGNAL_GRACE  # noqa: PLC0415
+
+            now = utcnow()
+            notice = Notice(id=f"replica-leave-{self.manager.current_step()}", source="signal",
+                            kind="termination", deadline=now + timedelta(seconds=SIGNAL_GRACE), received_at=now,
+                            detail="another rank of this replica group got the notice")
+        return notice
 
     def after_step(self, committed: bool) -> None:
         """After ``should_commit``: leave, fall back to storage, or keep going (survivors)."""
@@ -169,7 +198,8 @@ class ReplicaGuard:
         self.manager.shutdown(wait=False)
         self.hook._flush_intake()
         self.hook.close()
-        raise Preempted(self._exit_code, notice_id=notice.id, step=step, committed=True)
+        # committed=False: no checkpoint was written for it (the state lives on in the survivors)
+        raise Preempted(self._exit_code, notice_id=notice.id, step=step, committed=False)
 
     def _all_leave(self, notice: Optional[Notice], step: int) -> None:
         """Every participating group leaves: replica rank 0 writes the emergency checkpoint, all exit."""
