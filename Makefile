@@ -25,8 +25,13 @@ test: $(STAMP) deploy-tools storage-tools frameworks-tools torchft-tools
 test-fast: $(STAMP) deploy-tools storage-tools frameworks-tools torchft-tools
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
 
-demo: $(STAMP) torchft-tools
+demo: $(STAMP)
 	$(VENV)/bin/spotguard demo
+
+# Second act: three torchft replica groups, one preempted, the others keep training.
+.PHONY: demo-torchft
+demo-torchft: $(STAMP) torchft-tools
+	$(VENV)/bin/spotguard demo --engine torchft
 
 # The full chaos run (docs/reliability.md): >= 20 preemptions with faults at random stages,
 # ~6-10 minutes on 2 cores. A shortened run (5 preemptions) is part of `make test`

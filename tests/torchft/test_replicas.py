@@ -58,6 +58,8 @@ def test_one_group_leaves_survivors_keep_stepping_and_a_replacement_heals_bitwis
         assert steps[s + 1]["participants"] == 2 or steps[s + 2]["participants"] == 2
     # survivors: every step once, in order, never back, never stalled beyond the bound
     for g in (g0, g2):
+        redone = [e["step"] for e in g.seen if e.get("event") == "replica_step" and not e.get("committed")]
+        assert redone == [], f"{g.name} lost (had to redo) steps {redone}"
         seq = [e["step"] for e in g.steps()]
         assert seq == list(range(seq[0], total + 1)), f"{g.name} skipped or repeated steps: {seq}"
         after = [e for e in g.steps() if e["step"] >= s]
