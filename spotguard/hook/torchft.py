@@ -92,7 +92,6 @@ class ReplicaGuard:
         self._tally: Optional[tuple[int, int]] = None  # (leaving, participants) of this step
         self._exit_code = exit_code
         self._log_steps = log_steps
-        self._last_participants: Optional[int] = None
         self.hook = Hook(state, storage, socket=socket, exit_code=exit_code, on_notice=self._on_notice)
         self._log = get_logger("spotguard.torchft", component="hook", rank=self.hook._rank)
 
@@ -186,11 +185,11 @@ class ReplicaGuard:
         leaving, voters = tally
         if leaving == 0:
             return
-        if voters > 0 and leaving >= voters:
-            self._all_leave(voted, step)
-        if voted is None:
+        if voted is None:  # a survivor (a healing group's zero vote included: it holds the state too)
             self._log.info(PEER_LEAVING, step=step, leaving=leaving, participants=voters)
             return
+        if leaving >= voters:
+            self._all_leave(voted, step)
         self._leave(voted, step)
 
     def _leave(self, notice: Notice, step: int) -> None:
@@ -201,14 +200,11 @@ class ReplicaGuard:
         # committed=False: no checkpoint was written for it (the state lives on in the survivors)
         raise Preempted(self._exit_code, notice_id=notice.id, step=step, committed=False)
 
-    def _all_leave(self, notice: Optional[Notice], step: int) -> None:
+    def _all_leave(self, notice: Notice, step: int) -> None:
         """Every participating group leaves: replica rank 0 writes the emergency checkpoint, all exit."""
         rank = self.manager.participating_rank()
-        self._log.info(ALL_LEAVING, step=step, notice_id=notice.id if notice else None, replica_rank=rank)
+        self._log.info(ALL_LEAVING, step=step, notice_id=notice.id, replica_rank=rank)
         self.manager.shutdown(wait=False)
-        if notice is None:  # a healing group that did not vote: its state is not the committed one
-            self.hook.close()
-            raise Preempted(self._exit_code, step=step, committed=False)
         if rank == 0:
             self.hook.emergency_exit(notice, step)
         self.hook._flush_intake()
