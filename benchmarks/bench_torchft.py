@@ -7,7 +7,8 @@ alternate in the same run:
 (a) spotguard + torchft: a notice (drill) to one group; it leaves at a
     committed step.
 (b) torchft alone: the same group is SIGKILLed at a random point of a step
-    (the deadline passes without notice).
+    (the deadline passes without notice); with the same lighthouse flags, and
+    (SG_BENCH_DEFAULT_TRIALS, default 3) with the lighthouse's own defaults.
 
 (A fresh job per trial: replacements joining a long-running job are tested in
 tests/torchft; here they would add their start-up CPU to the next trial.) Per trial: the survivors' longest
@@ -40,6 +41,9 @@ from spotguard.ftreplica import Group, ReplicaJob
 
 TRIALS = int(os.environ.get("SG_BENCH_TRIALS", "10"))
 RESTARTS = int(os.environ.get("SG_BENCH_RESTARTS", "3"))
+DEFAULT_TRIALS = int(os.environ.get("SG_BENCH_DEFAULT_TRIALS", "3"))
+#: torchft_lighthouse's own defaults (join timeout 60 s, heartbeat 5 s): torchft alone, untuned
+DEFAULT_FLAGS = ["--min_replicas", "1"]
 STEP_TIME = 0.1
 START = 180.0
 
@@ -92,8 +96,8 @@ def _summary(rows: list[tuple[float, int, float]]) -> dict[str, Any]:
     }
 
 
-def _fresh(work: Path, tag: str) -> tuple[ReplicaJob, list[Group]]:
-    job = ReplicaJob(work / tag, groups=3, step_time=STEP_TIME, steps=10**6)
+def _fresh(work: Path, tag: str, flags: list[str] | None = None) -> tuple[ReplicaJob, list[Group]]:
+    job = ReplicaJob(work / tag, groups=3, step_time=STEP_TIME, steps=10**6, lighthouse_flags=flags)
     live = [job.group(f"g{i}") for i in range(3)]
     for g in live:
         if not _participating(g, 3, START):
@@ -106,13 +110,14 @@ def _fresh(work: Path, tag: str) -> tuple[ReplicaJob, list[Group]]:
 
 def run() -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="sg-ft-", dir="/tmp"))
-    rows: dict[str, list[tuple[float, int, float]]] = {"a_notice": [], "b_kill": [], "c_restart": []}
+    rows: dict[str, list[tuple[float, int, float]]] = {"a_notice": [], "b_kill": [], "b_kill_default_flags": [],
+                                                       "c_restart": []}
     rng = random.Random(7)
+    modes = ["a_notice", "b_kill"] * TRIALS + ["b_kill_default_flags"] * DEFAULT_TRIALS
     try:
-        for trial in range(2 * TRIALS):  # (a) and (b) interleaved, a fresh job each
-            mode = "a_notice" if trial % 2 == 0 else "b_kill"
+        for trial, mode in enumerate(modes):  # (a) and (b) interleaved, a fresh job each
             (work / str(trial)).mkdir()
-            job, live = _fresh(work, str(trial))
+            job, live = _fresh(work, str(trial), DEFAULT_FLAGS if mode == "b_kill_default_flags" else None)
             with job:
                 victim, survivors = live[1], [live[0], live[2]]
                 if mode == "a_notice":
@@ -124,7 +129,8 @@ def run() -> dict[str, Any]:
                     victim.proc.send_signal(signal.SIGKILL)
                 victim.proc.wait(60)
                 for g in survivors:
-                    g.wait_for(lambda e, t=t0: e.get("event") == "replica_step" and e["t"] > t + 3.0, 60)
+                    g.wait_for(lambda e, t=t0: e.get("event") == "replica_step" and e["t"] > t + 3.0
+                               and e.get("participants") == 2, 90)
                 rows[mode].append(_measure(survivors, t0))
             print(f"  {mode} trial {len(rows[mode])}: gap {rows[mode][-1][0]:.3f} s, lost {rows[mode][-1][1]}",
                   flush=True)

@@ -251,14 +251,15 @@ class ReplicaJob:
     (the old one would replay the notice its predecessor left for).
     """
 
-    def __init__(self, work: Path, *, groups: int, step_time: float, steps: int) -> None:
+    def __init__(self, work: Path, *, groups: int, step_time: float, steps: int,
+                 lighthouse_flags: Optional[list[str]] = None) -> None:
         from .hook.torchft import lighthouse_args  # noqa: PLC0415
 
         self.work = Path(work)
         self.step_time = step_time
         self.total = steps
-        self.lh: Lighthouse = start_lighthouse(lighthouse_args(groups=groups, step_seconds=step_time),
-                                               self.work / "lighthouse.log")
+        flags = lighthouse_args(groups=groups, step_seconds=step_time) if lighthouse_flags is None else lighthouse_flags
+        self.lh: Lighthouse = start_lighthouse(flags, self.work / "lighthouse.log")
         self.daemons: dict[str, Any] = {}
         self.groups: dict[str, Group] = {}
 
