@@ -19,14 +19,19 @@ $(STAMP): $(PY) pyproject.toml requirements-dev.txt
 
 setup: $(STAMP)
 
-test: $(STAMP) deploy-tools storage-tools frameworks-tools
+test: $(STAMP) deploy-tools storage-tools frameworks-tools torchft-tools
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-test-fast: $(STAMP) deploy-tools storage-tools frameworks-tools
+test-fast: $(STAMP) deploy-tools storage-tools frameworks-tools torchft-tools
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/spotguard demo
+
+# Second act: three torchft replica groups, one preempted, the others keep training.
+.PHONY: demo-torchft
+demo-torchft: $(STAMP) torchft-tools
+	$(VENV)/bin/spotguard demo --engine torchft
 
 # The full chaos run (docs/reliability.md): >= 20 preemptions with faults at random stages,
 # ~6-10 minutes on 2 cores. A shortened run (5 preemptions) is part of `make test`
@@ -34,7 +39,7 @@ demo: $(STAMP)
 chaos: $(STAMP) storage-tools
 	$(PY) -m tests.chaos.driver --preemptions 24 $(CHAOS_ARGS)
 
-bench: $(STAMP) storage-tools frameworks-tools
+bench: $(STAMP) storage-tools frameworks-tools torchft-tools
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
 clean:
@@ -113,4 +118,19 @@ frameworks-tools: $(FRAMEWORKS_STAMP)
 $(FRAMEWORKS_STAMP): $(PY) requirements-frameworks.txt
 	$(PY) -m pip install -q -r requirements-frameworks.txt
 	$(PY) -c "import torch, sys; v = torch.__version__; print('frameworks-tools: torch', v); sys.exit(0 if v.startswith('2.13.0') else 1)"
+	touch $@
+
+# torchft replica-group engine (spotguard/hook/torchft.py): torchft-nightly with --no-deps so
+# torch is never replaced, its runtime requirements from requirements-torchft-deps.txt, and a
+# check that torch is still 2.13.0 and the lighthouse binary is there. Without it the torchft
+# tests skip (importorskip). Re-runs only when the pins change.
+TORCHFT_STAMP := $(VENV)/.torchft-tools
+.PHONY: torchft-tools
+torchft-tools: $(TORCHFT_STAMP)
+
+$(TORCHFT_STAMP): $(PY) requirements-torchft.txt requirements-torchft-deps.txt
+	$(PY) -m pip install -q -r requirements-torchft-deps.txt
+	$(PY) -m pip install -q --no-deps -r requirements-torchft.txt
+	$(PY) -c "import torch, torchft, sys; v = torch.__version__; print('torchft-tools: torch', v); sys.exit(0 if v.startswith('2.13.0') else 1)"
+	test -x $(VENV)/bin/torchft_lighthouse
 	touch $@

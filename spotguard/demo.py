@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=2, help="worker processes (gloo, CPU)")
     p.add_argument("--workdir", default=".demo", help="scratch folder (checkpoints, logs); emptied first")
     p.add_argument("--script", default=str(EXAMPLE), help="training script run under torchrun")
+    p.add_argument("--engine", choices=("torchrun", "torchft"), default="torchrun",
+                   help="torchft: three replica groups, one preempted, the others keep training "
+                        "(spotguard/demo_torchft.py)")
 
 
 class Clock:
@@ -354,6 +357,10 @@ def part_training(emu: Emulator, work: Path, args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "engine", "torchrun") == "torchft":
+        from .demo_torchft import main as torchft_main  # noqa: PLC0415
+
+        return torchft_main(args)
     work = Path(args.workdir).resolve()
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

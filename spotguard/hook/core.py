@@ -408,6 +408,17 @@ class Hook:
         """Hand the hook a notice yourself (tests, custom sources); same path as the daemon's."""
         self._receive(notice, via="api")
 
+    def emergency_exit(self, notice: Notice, step: int) -> NoReturn:
+        """Write the emergency checkpoint for ``notice`` as completed iteration ``step`` now, then exit.
+
+        For engines that decide themselves when to act on a notice their
+        ``on_notice`` deferred (torchft: only when every replica group leaves);
+        every rank of this process group calls it at the same boundary.
+        """
+        self._count = step
+        self._internal = True
+        self._exit(notice, self._save(notice, "emergency", None))
+
     def close(self) -> None:
         """Remove the optimizer hooks, restore signal handlers, stop the intake (idempotent)."""
         if self._closed:

@@ -1,0 +1,242 @@
+"""Spot notices for torchft replica groups: the noticed group leaves, the others keep training.
+
+Why an engine of its own: with torchft every replica group holds the whole
+training state, so stopping the job for one reclaimed node wastes the
+survivors' time. ``ReplicaGuard`` sits on top of the plain ``Hook`` (its
+daemon intake, signals, storage and emergency checkpoint) and changes what a
+notice means:
+
+* A notice only marks this group as *leaving*; the hook itself ignores it.
+* Every step, before ``should_commit``, the groups exchange one tiny SUM
+  all-reduce through torchft's own manager: ``[leaving, participating]``. So
+  every group learns in the same step who leaves (torchft's quorum is the
+  step-boundary agreement; no side channel).
+* If that step commits, the leaving groups stop there: no uncommitted step, no
+  quorum joined for the next one. The survivors' next quorum drops them after
+  the lighthouse's ``join_timeout_ms`` (≥ 3 groups) or ``heartbeat_timeout_ms``
+  (2 groups); it runs during their forward/backward pass (async quorum), so
+  the stall is that timeout minus the compute time, floored at 0
+  (``lighthouse_args`` picks the timeouts, docs/torchft.md the numbers).
+* If every participating group leaves in the same step (the whole job is
+  reclaimed), the group of replica rank 0 writes the usual emergency
+  checkpoint to storage (state is replicated: one copy is enough) and all exit;
+  ``resume()`` loads it on restart, as without torchft.
+
+A replacement group started later heals from a survivor through torchft's
+checkpoint transport (``Manager(load_state_dict=..., state_dict=...)``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from ..logs import get_logger
+from ..notice import Notice
+from .core import Hook, Preempted
+
+__all__ = ["ReplicaGuard", "GuardedOptimizer", "lighthouse_args", "LEAVING", "LEFT", "PEER_LEAVING", "STEP"]
+
+# timeline events (structlog ``event``), in addition to the hook's
+LEAVING = "replica_leaving"  # notice_id: this group will leave at the next committed step
+PEER_LEAVING = "replica_peer_leaving"  # step, leaving, participants: others leave after this step
+LEFT = "replica_left"  # notice_id, step: this group left after committed step ``step``
+ALL_LEAVING = "replica_all_leaving"  # step: every group leaves: emergency checkpoint
+STEP = "replica_step"  # step, participants, committed (only with ``log_steps``)
+
+
+def lighthouse_args(*, groups: int, step_seconds: float, min_replicas: int = 1,
+                    notice_lead_seconds: float = 30.0) -> list[str]:
+    """``torchft_lighthouse`` flags for a job whose groups leave on spot notices.
+
+    Why these values: a group that leaves cleanly stays "healthy" (heartbeating
+    until it shuts down, then for ``heartbeat_timeout_ms``), so with ≥ 3 groups
+    the survivors' quorum waits ``join_timeout_ms`` for it, with 2 groups the
+    heartbeat timeout (split-brain rule). The quorum runs during the forward
+    pass, so a join timeout at or below one step's compute costs no stall.
+    A late joiner only waits for the next quorum; but below ~200 ms ordinary
+    jitter on a loaded machine made quorums flap here (a new quorum every step,
+    one group healing every step), hence the floor.
+    The heartbeat timeout stays well under the notice lead time so a group
+    killed without a notice is also dropped before the deadline of the next one.
+    """
+    if groups < 1 or step_seconds <= 0:
+        raise ValueError("groups must be >= 1 and step_seconds > 0")
+    join_ms = max(200, min(1000, int(step_seconds * 1000 * 0.8)))
+    tick_ms = max(10, min(100, join_ms // 4))
+    heartbeat_ms = max(1000, min(5000, int(notice_lead_seconds * 1000 / 10)))
+    return ["--min_replicas", str(min_replicas), "--join_timeout_ms", str(join_ms),
+            "--quorum_tick_ms", str(tick_ms), "--heartbeat_timeout_ms", str(heartbeat_ms)]
+
+
+class ReplicaGuard:
+    """Notices for one torchft replica group (one per process; every rank of the group builds one).
+
+    ``state`` is what the emergency checkpoint holds (model, optimizer, ...),
+    the same mapping ``install_preemption_hook`` takes; ``storage`` where it
+    goes. Use ``optimizer()`` for the training loop, or call ``vote()`` before
+    ``manager.should_commit()`` and ``after_step(committed)`` after it.
+    """
+
+    def __init__(self, manager: Any, state: Mapping[str, Any], storage: Any = None, *,
+                 socket: Optional[str] = None, exit_code: int = 143, log_steps: bool = False,
+                 on_notice: Optional[Callable[[Notice], Any]] = None) -> None:
+        self.manager = manager
+        self._user_cb = on_notice
+        self._lock = threading.Lock()
+        self._notice: Optional[Notice] = None  # the notice this group leaves for (first one wins)
+        self._voted: Optional[Notice] = None  # the notice our vote of this step stands for
+        self._tally: Optional[tuple[int, int]] = None  # (leaving, participants) of this step
+        self._exit_code = exit_code
+        self._log_steps = log_steps
+        self.hook = Hook(state, storage, socket=socket, exit_code=exit_code, on_notice=self._on_notice)
+        self._log = get_logger("spotguard.torchft", component="hook", rank=self.hook._rank)
+
+    # ------------------------------------------------------------------ notices
+
+    def _on_notice(self, notice: Notice) -> bool:
+        """Intake/signal thread: remember it; the hook must not checkpoint for it (return False)."""
+        if self._user_cb is not None and self._user_cb(notice) is False:
+            return False
+        with self._lock:
+            first = self._notice is None
+            if first:
+                self._notice = notice
+        if first:
+            self._log.info(LEAVING, notice_id=notice.id, step=self.manager.current_step(),
+                           seconds_left=round(notice.seconds_left(), 3))
+        return False
+
+    def notify(self, notice: Notice) -> None:
+        """Hand the guard a notice yourself (tests, custom sources): same path as the daemon's."""
+        self.hook.notify(notice)
+
+    @property
+    def leaving(self) -> bool:
+        return self._notice is not None
+
+    # --------------------------------------------------------------- training
+
+    def resume(self) -> int:
+        """Load the newest committed checkpoint from storage (0 if none) and set the manager's step to it."""
+        step = self.hook.resume()
+        if step:
+            sd = self.manager.state_dict()
+            sd["step"] = step
+            self.manager.load_state_dict(sd)
+        return step
+
+    def optimizer(self, optim: torch.optim.Optimizer) -> "GuardedOptimizer":
+        return GuardedOptimizer(self, optim)
+
+    def vote(self) -> None:
+        """Collective over the replica groups, before ``should_commit``: who leaves after this step."""
+        from torch.distributed import ReduceOp  # noqa: PLC0415
+
+        notice = self._group_notice()
+        t = torch.tensor([1 if notice is not None else 0, 1], dtype=torch.int64)
+
+        self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
+        self._voted = notice
+        self._tally = (int(t[0]), int(t[1]))
+
+    def _group_notice(self) -> Optional[Notice]:
+        """This group's notice, agreed by its ranks (MAX over the group) when it has several processes.
+
+        torchft reduces across groups rank by rank, so every rank of a group must
+        vote alike, although only the ranks on the noticed node got the notice.
+        Ranks without it stand in a notice with a fixed id (untested here: the
+        tests run one process per group).
+        """
+        notice = self._notice
+        group = self.hook._group
+        if group is None:
+            return notice
+        import torch.distributed as dist  # noqa: PLC0415
+
+        t = torch.tensor([1 if notice is not None else 0], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        if int(t[0]) and notice is None:
+            from datetime import timedelta  # noqa: PLC0415
+
+            from ..timefmt import utcnow  # noqa: PLC0415
+            from .core import SIGNAL_GRACE  # noqa: PLC0415
+
+            now = utcnow()
+            notice = Notice(id=f"replica-leave-{self.manager.current_step()}", source="signal",
+                            kind="termination", deadline=now + timedelta(seconds=SIGNAL_GRACE), received_at=now,
+                            detail="another rank of this replica group got the notice")
+        return notice
+
+    def after_step(self, committed: bool) -> None:
+        """After ``should_commit``: leave, fall back to storage, or keep going (survivors)."""
+        tally, self._tally = self._tally, None
+        voted, self._voted = self._voted, None
+        step = self.manager.current_step()
+        participants = self.manager.num_participants()
+        if self._log_steps:
+            self._log.info(STEP, step=step, participants=participants, committed=committed,
+                           t=round(time.time(), 4))
+        if not committed or tally is None:
+            return  # the step is redone: nobody leaves at an uncommitted step
+        leaving, voters = tally
+        if leaving == 0:
+            return
+        if voted is None:  # a survivor (a healing group's zero vote included: it holds the state too)
+            self._log.info(PEER_LEAVING, step=step, leaving=leaving, participants=voters)
+            return
+        if leaving >= voters:
+            self._all_leave(voted, step)
+        self._leave(voted, step)
+
+    def _leave(self, notice: Notice, step: int) -> None:
+        self._log.info(LEFT, notice_id=notice.id, step=step, seconds_left=round(notice.seconds_left(), 3))
+        self.manager.shutdown(wait=False)
+        self.hook._flush_intake()
+        self.hook.close()
+        # committed=False: no checkpoint was written for it (the state lives on in the survivors)
+        raise Preempted(self._exit_code, notice_id=notice.id, step=step, committed=False)
+
+    def _all_leave(self, notice: Notice, step: int) -> None:
+        """Every participating group leaves: replica rank 0 writes the emergency checkpoint, all exit."""
+        rank = self.manager.participating_rank()
+        self._log.info(ALL_LEAVING, step=step, notice_id=notice.id, replica_rank=rank)
+        self.manager.shutdown(wait=False)
+        if rank == 0:
+            self.hook.emergency_exit(notice, step)
+        self.hook._flush_intake()
+        self.hook.close()
+        raise Preempted(self._exit_code, notice_id=notice.id, step=step, committed=False)
+
+    def close(self) -> None:
+        self.hook.close()
+
+
+class GuardedOptimizer:
+    """torchft's ``OptimizerWrapper`` plus the leave vote: ``zero_grad`` starts the quorum, ``step`` commits."""
+
+    def __init__(self, guard: ReplicaGuard, optim: torch.optim.Optimizer) -> None:
+        self.guard = guard
+        self.optim = optim
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.guard.manager.start_quorum()
+        self.optim.zero_grad(set_to_none)
+
+    def step(self) -> bool:
+        """Vote, ``should_commit``, step the wrapped optimizer if committed; may raise ``Preempted``."""
+        self.guard.vote()
+        committed = bool(self.guard.manager.should_commit())
+        if committed:
+            self.optim.step()
+        self.guard.after_step(committed)
+        return committed
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optim.state_dict()
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.optim.load_state_dict(sd)
