@@ -558,7 +558,7 @@ def _nccl(budget: float, procs: int) -> dict[str, Any]:
             fail["nccl_allows_shared_gpu"] = False if dup else None
             fail["note"] = dup.group(0) if dup else "see stderr_tail"
         return fail
-    res["time_to_process_end_s"] = round(secs, 1)
+    res["job_wall_s"] = round(secs, 1)  # torchrun start, CUDA init, checks, exit
     res["hook_teardown"] = {k: (events.get("teardown") or {}).get(k) for k in ("method", "seconds")}
     if procs > 1 and res.get("backend") == "nccl":
         res["nccl_allows_shared_gpu"] = True

@@ -135,8 +135,10 @@ class _StagedTensor(StagedSource):
     that wrote the storage in some other way must never leave placeholder bytes in a checkpoint).
     """
 
-    def __init__(self, device_tensor: torch.Tensor, placeholder: torch.Tensor, stager: Stager, np: Any) -> None:
+    def __init__(self, device_tensor: torch.Tensor, placeholder: torch.Tensor, stager: Stager, np: Any,
+                 base: int = 0) -> None:
         self.device_tensor, self.placeholder, self.stager, self._np = device_tensor, placeholder, stager, np
+        self.base = base  # where the placeholder's first byte lies in the device tensor's storage
         self.nbytes = placeholder.untyped_storage().nbytes()
         self.address = placeholder.untyped_storage().data_ptr()
         self.filled = 0
@@ -152,12 +154,18 @@ class _StagedTensor(StagedSource):
         t = cast(torch.Tensor, planner.resolve_data(item)).detach()
         if not wants_staging(t):
             return None
-        if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.nbytes:
-            t = t.clone()
-        placeholder = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
-        if placeholder.untyped_storage().nbytes() != t.untyped_storage().nbytes():
+        # Never a device clone (a full GPU at preemption time must not fail the save with an OOM):
+        # a whole storage keeps its layout, a contiguous view stages its byte range, anything else
+        # takes the plain .cpu() path.
+        if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:
+            base, placeholder = 0, torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
+        elif t.is_contiguous():
+            base, placeholder = t.storage_offset() * t.element_size(), torch.empty(t.size(), dtype=t.dtype)
+        else:
             return None
-        return cls(t, placeholder, shared_stager(), np)
+        if placeholder.untyped_storage().nbytes() != t.nbytes:
+            return None
+        return cls(t, placeholder, shared_stager(), np, base)
 
     def chunks_for(self, data: memoryview) -> Iterator[memoryview] | None:
         addr = _address(self._np, data)
@@ -167,7 +175,7 @@ class _StagedTensor(StagedSource):
         if off < 0 or off + len(data) > self.nbytes:
             return None
         self.filled += len(data)
-        return self.stager.chunks(self.device_tensor, off, off + len(data))
+        return self.stager.chunks(self.device_tensor, self.base + off, self.base + off + len(data))
 
     def check(self, name: str) -> None:
         if self.filled != self.nbytes:

@@ -148,3 +148,20 @@ def test_crc_setting_keeps_the_plain_path(monkeypatch):
     out = {"a": torch.zeros(700, 900)}
     dcp.load(out, storage_reader=s.dcp_reader("step-00000001"), no_dist=True)
     assert torch.equal(out["a"], sd["a"])
+
+
+def test_views_stage_their_range_and_strided_views_take_the_plain_path(monkeypatch):
+    """A contiguous view stages its own byte range of the storage (no clone); a strided view of a
+    bigger storage is not staged (a device clone could OOM a full GPU) and still saves right."""
+    monkeypatch.setenv("SPOTGUARD_STAGING", "all")
+    big = torch.randn(3_000_000, generator=torch.Generator().manual_seed(3))
+    sd = {"view": big[123_457:1_500_000], "strided": big[1:2_000_001:2]}
+    stager = staging.shared_stager()
+    before = stager.bytes_staged
+    s = MemStore(part_size=300_000, concurrency=2)
+    s.min_part_size = 16
+    dcp.save(sd, storage_writer=s.dcp_writer("step-00000001"), no_dist=True)
+    assert stager.bytes_staged - before == sd["view"].nbytes
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(out, storage_reader=s.dcp_reader("step-00000001"), no_dist=True)
+    assert all(torch.equal(out[k], v) for k, v in sd.items())
