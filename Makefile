@@ -39,11 +39,12 @@ bench: $(STAMP) storage-tools frameworks-tools
 
 # GPU proof kit (benchmarks/gpu_check.py, docs/performance.md "GPU"): one JSON summary, ~8 minutes on
 # one GPU; prints SKIP and exits 0 where no CUDA device exists. GPU_PY: the machine's own python3 (it
-# holds the CUDA torch); the wheels from `make gpu-wheels` are installed first when .whl/ exists.
+# holds the CUDA torch); the wheels from `make gpu-wheels` are installed first when .whl/ exists and
+# spotguard's dependencies are missing there.
 GPU_PY ?= python3
 .PHONY: gpu-check gpu-wheels
 gpu-check:
-	@if [ -d .whl ]; then $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+	@if [ -d .whl ] && ! $(GPU_PY) -c 'import structlog, crc32c, boto3' 2>/dev/null; then $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
 	  --upgrade --target /tmp/sg-site .whl/*.whl; fi
 	PYTHONPATH=$(CURDIR):/tmp/sg-site$${PYTHONPATH:+:$$PYTHONPATH} timeout 560 $(GPU_PY) -m benchmarks.gpu_check
 
