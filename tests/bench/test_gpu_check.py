@@ -25,3 +25,21 @@ def test_skips_cleanly_without_cuda(tmp_path):
     summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert summary["pass"] is True and "no CUDA device" in summary["skipped"]
     assert "checks" not in summary  # nothing was measured, and the summary does not pretend otherwise
+
+
+def test_cpu_dry_run_of_the_kit(tmp_path):
+    """SG_GPU_CHECK_DEVICE=cpu runs the kit's own plumbing (children, torchrun, the real hook's preempt
+    and resume, result parsing) on gloo with tiny sizes, so a broken script is found here and not in
+    scarce GPU time. Not a GPU figure: the summary says so."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHONPATH": str(REPO),
+           "SG_GPU_CHECK_DEVICE": "cpu", "SG_GPU_CHECK_ONLY": "staging,rng"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert summary["mode"].startswith("cpu-dry-run"), summary
+    assert set(summary["checks"]) == {"staging", "rng"}
+    rng = summary["checks"]["rng"]
+    assert rng["pass"] and rng["resumed_from"] > 0 and not rng["mismatched_steps"], rng
+    st = summary["checks"]["staging"]
+    assert st["pinned"] is False and st["staging_gibps"] > 0 and st["pool_peak_in_use"] >= 1, st
+    assert proc.returncode == 0, proc.stderr[-2000:]

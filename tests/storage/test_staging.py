@@ -5,6 +5,7 @@ logic and the placeholder swap inside the object-store writer with ordinary
 host buffers and synchronous copies. The pinned buffers, copy stream and events
 only run under ``make gpu-check``.
 """
+import json
 import os
 import threading
 
@@ -165,3 +166,58 @@ def test_views_stage_their_range_and_strided_views_take_the_plain_path(monkeypat
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
     dcp.load(out, storage_reader=s.dcp_reader("step-00000001"), no_dist=True)
     assert all(torch.equal(out[k], v) for k, v in sd.items())
+
+
+_RSS_SCRIPT = r"""
+import json, os, resource, sys, torch
+import torch.distributed.checkpoint as dcp
+from spotguard.storage import open_storage
+t = torch.randn(128 << 20)  # 512 MiB, filled (resident) before the baseline is read
+store = open_storage("s3://bench/rss")
+rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+dcp.save({"w": t}, storage_writer=store.dcp_writer("step-00000001"), no_dist=True)
+from spotguard.storage import staging
+print(json.dumps({"growth": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0,
+                  "staged": staging.shared_stager().bytes_staged}))
+"""
+
+
+def test_placeholder_is_never_resident(tmp_path):
+    """The CPU placeholder torch.save writes from is never touched: saving 512 MiB through the pool
+    to the S3 sink grows peak RSS by the pool and part buffers only, not by another 512 MiB."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sink = subprocess.Popen([sys.executable, "-m", "benchmarks.s3sink", "--port", str(port)], cwd=repo,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and sink.poll() is None, "s3 sink did not start"
+                time.sleep(0.05)
+        env = {**os.environ, "PYTHONPATH": str(repo), "SPOTGUARD_STAGING": "all",
+               "SPOTGUARD_STAGING_BUFFERS": "2", "SPOTGUARD_STAGING_CHUNK_MB": "4",
+               "SPOTGUARD_UPLOAD_CONCURRENCY": "2", "SPOTGUARD_PART_SIZE": "8MiB",
+               "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "b",
+               "AWS_SECRET_ACCESS_KEY": "b", "AWS_DEFAULT_REGION": "us-east-1", "SPOTGUARD_S3_SIGN_PAYLOAD": "0",
+               "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([sys.executable, "-c", _RSS_SCRIPT], env=env, capture_output=True, text=True,
+                              timeout=180)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        res = json.loads(proc.stdout.strip().splitlines()[-1])
+    finally:
+        sink.kill()
+        sink.wait()
+    assert res["staged"] == 512 << 20
+    assert res["growth"] < 200 << 20, res  # pool 8 MiB + parts + client; a touched placeholder adds 512
