@@ -529,10 +529,10 @@ def check_commit(budget: float) -> dict[str, Any]:
     half = budget / 2
     local = _commit(half, tempfile.mkdtemp(prefix="sg-gpu-commit-"), {"SG_GPU_CHECK_TORCH_SAVE": "1"})
     port = free_port()
-    sink = subprocess.Popen([sys.executable, "-m", "benchmarks.s3sink", "--port", str(port)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+    from benchmarks.s3sink import spawn
+
+    sink = spawn(port, str(REPO), _env())
     try:
-        time.sleep(1.0)
         s3env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "b",
                  "AWS_SECRET_ACCESS_KEY": "b", "AWS_DEFAULT_REGION": "us-east-1", "SPOTGUARD_S3_SIGN_PAYLOAD": "0"}
         s3 = _commit(half, "s3://bench/gpu-check", s3env)

@@ -188,24 +188,16 @@ def test_placeholder_is_never_resident(tmp_path):
     import socket
     import subprocess
     import sys
-    import time
     from pathlib import Path
+
+    from benchmarks.s3sink import spawn
 
     repo = Path(__file__).resolve().parents[2]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    sink = subprocess.Popen([sys.executable, "-m", "benchmarks.s3sink", "--port", str(port)], cwd=repo,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sink = spawn(port, str(repo))
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and sink.poll() is None, "s3 sink did not start"
-                time.sleep(0.05)
         env = {**os.environ, "PYTHONPATH": str(repo), "SPOTGUARD_STAGING": "all",
                "SPOTGUARD_STAGING_BUFFERS": "2", "SPOTGUARD_STAGING_CHUNK_MB": "4",
                "SPOTGUARD_UPLOAD_CONCURRENCY": "2", "SPOTGUARD_PART_SIZE": "8MiB",
