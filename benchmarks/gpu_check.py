@@ -609,7 +609,12 @@ def _environment() -> dict[str, Any]:
                             "cuda_available": torch.cuda.is_available()}
     if torch.cuda.is_available():
         info.update({"device": torch.cuda.get_device_name(0), "devices": torch.cuda.device_count(),
-                     "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version()))})
+                     "cuda": torch.version.cuda})
+        try:
+            v = torch.cuda.nccl.version()
+            info["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception as exc:  # noqa: BLE001 - informational only
+            info["nccl"] = f"unknown ({type(exc).__name__})"
     try:
         import spotguard  # noqa: F401 - its dependencies (structlog, crc32c, boto3) must be importable
         info["spotguard_importable"] = True
@@ -628,8 +633,12 @@ def orchestrate() -> int:
         _write(summary)
         return 0
     only = [x for x in os.environ.get("SG_GPU_CHECK_ONLY", "").split(",") if x]
+    try:
+        environment = _environment()
+    except Exception as exc:  # noqa: BLE001 - never let the description stop the checks
+        environment = {"error": f"{type(exc).__name__}: {exc}"}
     summary: dict[str, Any] = {"mode": "gpu" if kind == "cuda" else "cpu-dry-run (no GPU figures)",
-                               "environment": _environment(), "checks": {}}
+                               "environment": environment, "checks": {}}
     t_all = time.monotonic()
     for name, (fn, budget) in CHECKS.items():
         if only and name not in only:

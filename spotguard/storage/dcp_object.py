@@ -246,6 +246,10 @@ class ObjectStoreWriter(StorageWriter):
         streams: list[UploadStream] = []
         lock = threading.Lock()
         zero_copy = self.storage.zero_copy
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # Producer threads stage device tensors on their own copy streams: first let every kernel
+            # already queued (on any stream of the training thread) finish writing the state.
+            torch.cuda.synchronize()
 
         def produce(idx: int, file_name: str, items: list[WriteItem]) -> None:
             stream = self.storage.open_upload(join_key(self.key, file_name), producers=len(jobs))
