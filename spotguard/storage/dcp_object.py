@@ -75,9 +75,9 @@ SUFFIX = ".distcp"
 log = get_logger("spotguard.storage")
 
 
-def _cpu_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+def _cpu_tensor(data: torch.Tensor) -> torch.Tensor:
     """The item's tensor on CPU with minimal storage (torch.save writes whole storages)."""
-    t = cast(torch.Tensor, planner.resolve_data(item)).detach().cpu()
+    t = data.detach().cpu()
     if t.untyped_storage().size() != t.nbytes:
         t = t.clone()
     return t
@@ -144,14 +144,14 @@ class _StagedTensor(StagedSource):
         self.filled = 0
 
     @classmethod
-    def of(cls, planner: SavePlanner, item: WriteItem) -> "_StagedTensor | None":
+    def of(cls, data: torch.Tensor) -> "_StagedTensor | None":
         if os.environ.get("SPOTGUARD_CRC32") == "1":  # torch.save would checksum the placeholder
             return None
         try:
             import numpy as np
         except ImportError:
             return None
-        t = cast(torch.Tensor, planner.resolve_data(item)).detach()
+        t = data.detach()
         if not wants_staging(t):
             return None
         # Never a device clone (a full GPU at preemption time must not fail the save with an OOM):
@@ -261,20 +261,21 @@ class ObjectStoreWriter(StorageWriter):
                     out.append(_write_item(self.transforms, stream, planner.resolve_data(item), item,
                                            file_name, SerializationFormat.TORCH_SAVE))
                 for item in [i for i in items if i.type != WriteItemType.BYTE_IO]:
-                    staged = _StagedTensor.of(planner, item)
+                    data = cast(torch.Tensor, planner.resolve_data(item))  # resolved once: may cost work
+                    staged = _StagedTensor.of(data)
                     if staged is not None:  # a device tensor: streamed through the pinned pool
                         with stream.staged(staged):
                             out.append(_write_item(self.transforms, stream, staged.placeholder, item,
                                                    file_name, SerializationFormat.TORCH_SAVE))
                         staged.check(item.index.fqn)
-                        del staged
-                        continue
-                    tensor = _cpu_tensor(planner, item)
-                    source = _TensorSource.of(tensor, self.storage.zero_copy_min) if zero_copy else None
-                    with stream.zero_copy(source):
-                        out.append(_write_item(self.transforms, stream, tensor, item,
-                                               file_name, SerializationFormat.TORCH_SAVE))
-                    del tensor, source
+                    else:
+                        tensor = _cpu_tensor(data)
+                        source = _TensorSource.of(tensor, self.storage.zero_copy_min) if zero_copy else None
+                        with stream.zero_copy(source):
+                            out.append(_write_item(self.transforms, stream, tensor, item,
+                                                   file_name, SerializationFormat.TORCH_SAVE))
+                        del tensor, source
+                    del data, staged
                     if errors:
                         raise errors[0]
                 stream.close()
