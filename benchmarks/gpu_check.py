@@ -273,8 +273,6 @@ def _w_commit() -> None:
 
 def _w_nccl() -> None:
     """NCCL all-reduce; the hook's gloo agreement during a long kernel; the hook's exit; bounded destroy."""
-    import threading
-
     import torch
     from datetime import timedelta
 
@@ -326,20 +324,20 @@ def _w_nccl() -> None:
     except Preempted as exc:
         out.update({"preempted": True, "committed": exc.committed, "code": exc.code,
                     "notice_to_preempted_s": round(time.perf_counter() - t_notify, 3)})
-    done: list[float] = []
+    from spotguard.hook.dist import _abort_all, run_bounded
 
-    def destroy() -> None:
+    t1 = time.perf_counter()
+    ok, err = run_bounded(dist.destroy_process_group if dist.is_initialized() else (lambda: None), 5.0,
+                          "gpu-check-destroy")
+    destroy_s = time.perf_counter() - t1
+    out["destroy_s"], out["destroy_method"] = round(destroy_s, 3), "destroy" if ok else "timeout"
+    if err is not None:
+        out["destroy_error"] = f"{type(err).__name__}: {err}"
+    if not ok:  # what the hook does when peers are gone: abort, also bounded
         t1 = time.perf_counter()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        done.append(time.perf_counter() - t1)
-
-    th = threading.Thread(target=destroy, daemon=True)
-    th.start()
-    th.join(5.0)
-    out["destroy_s"] = round(done[0], 3) if done else None
-    out["destroy_method"] = "destroy" if done else "timeout"
-    out["teardown_pass"] = bool(done) and done[0] <= 5.0
+        aborted, _err = run_bounded(_abort_all, 5.0, "gpu-check-abort")
+        out["abort_s"], out["destroy_method"] = round(time.perf_counter() - t1, 3), "abort" if aborted else "timeout"
+    out["teardown_pass"] = ok and destroy_s <= 5.0
     out["threshold"] = "agreement while the kernel runs, < 2 s; NCCL destroy <= 5 s"
     out["pass"] = (out["allreduce_ok"] and out["agree_ok"] and agree_s < 2.0
                    and (still_running or dev.type != "cuda") and out["teardown_pass"] and out.get("committed", False))
