@@ -484,7 +484,10 @@ def check_rng(budget: float) -> dict[str, Any]:
         return _failure(rc2, out1 + out2, err1 + err2, s1 + s2, budget)
     mismatched = [d["step"] for d in pre + post if ref.get(d["step"]) != d["hex"]]
     resumed_from = post[0]["step"]
-    return {"reference_steps": len(ref), "preempted_run_steps": len(pre), "resumed_from": resumed_from,
+    detail: dict[str, Any] = {}
+    if mismatched:  # what a failure looks like, for the next session to read without a rerun
+        detail = {"pre_run": pre, "resumed_run": post, "reference": ref, "stderr_tail": (err1 + err2)[-2500:]}
+    return {**detail, "reference_steps": len(ref), "preempted_run_steps": len(pre), "resumed_from": resumed_from,
             "resumed_steps": len(post), "mismatched_steps": mismatched, "flags_seen": flags,
             "threshold": "every resumed loss bitwise equal to the uninterrupted run's; resumed_from > 0",
             "pass": not mismatched and resumed_from > 0 and post[-1]["step"] == max(ref),

@@ -39,7 +39,7 @@ def test_cpu_dry_run_of_the_kit(tmp_path):
     assert summary["mode"].startswith("cpu-dry-run"), summary
     assert set(summary["checks"]) == {"staging", "rng"}
     rng = summary["checks"]["rng"]
-    assert rng["pass"] and rng["resumed_from"] > 0 and not rng["mismatched_steps"], rng
+    assert rng["pass"] and rng["resumed_from"] > 0 and not rng["mismatched_steps"], json.dumps(rng, indent=1)
     st = summary["checks"]["staging"]
     assert st["pinned"] is False and st["staging_gibps"] > 0 and st["pool_peak_in_use"] >= 1, st
     assert proc.returncode == 0, proc.stderr[-2000:]
