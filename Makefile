@@ -42,6 +42,24 @@ chaos: $(STAMP) storage-tools
 bench: $(STAMP) storage-tools frameworks-tools torchft-tools
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
+# GPU proof kit (benchmarks/gpu_check.py, docs/performance.md "GPU"): one JSON summary, ~8 minutes on
+# one GPU; prints SKIP and exits 0 where no CUDA device exists. GPU_PY: the machine's own python3 (it
+# holds the CUDA torch); the wheels from `make gpu-wheels` are installed first when .whl/ exists and
+# spotguard's dependencies are missing there.
+GPU_PY ?= python3
+.PHONY: gpu-check gpu-wheels
+gpu-check:
+	@if [ -d .whl ] && ! $(GPU_PY) -c 'import structlog, crc32c, boto3' 2>/dev/null; then $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+	  --upgrade --target /tmp/sg-site .whl/*.whl; fi
+	PYTHONPATH=$(CURDIR):/tmp/sg-site$${PYTHONPATH:+:$$PYTHONPATH} timeout 560 $(GPU_PY) -m benchmarks.gpu_check
+
+# spotguard's dependencies that the GPU machine's image lacks (KINDS.md), as cp312 x86-64 wheels in .whl/
+GPU_WHEELS := structlog==26.1.0 crc32c==2.9.post0 boto3==1.43.117 botocore==1.43.117 s3transfer==0.19.3 jmespath==1.1.0
+gpu-wheels:
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl $(GPU_WHEELS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .demo build dist *.egg-info
 

@@ -306,6 +306,21 @@ class Server(socketserver.ThreadingTCPServer):
     request_queue_size = 128
 
 
+def spawn(port: int, cwd: str, env: "dict[str, str] | None" = None) -> "subprocess.Popen[str]":
+    """Start the sink as a child on ``port`` and return once it listens (its first stdout line)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.s3sink", "--port", str(port)], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    line = proc.stdout.readline() if proc.stdout is not None else ""
+    if "s3sink listening" not in line:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"s3sink did not start: {line!r}")
+    return proc
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--host", default="127.0.0.1")

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from .. import __version__
 from ..storage.commit import CommitRecord, commit_and_retain, step_dir
+from ..storage.staging import copy_to_host, wants_staging
 from .dist import destroy_group, gather_writes, make_group, set_group_timeout
 
 if TYPE_CHECKING:
@@ -83,7 +84,12 @@ def stage_state_dict(obj: Any) -> tuple[Any, int]:
         nonlocal total
         if isinstance(o, torch.Tensor):
             t = o.detach()
-            c = t.clone() if t.device.type == "cpu" else t.to("cpu", copy=True)
+            if t.device.type == "cpu":
+                c = t.clone()
+            elif wants_staging(t):  # device state: chunked pinned copies through the staging pool
+                c = copy_to_host(t)
+            else:
+                c = t.to("cpu", copy=True)
             total += c.numel() * c.element_size()
             return c
         if isinstance(o, dict):

@@ -64,7 +64,8 @@ from torch.futures import Future
 from ..logs import get_logger
 from .base import StorageError, check_key, join_key
 from .integrity import BLOCK_SIZE, DamagedCheckpoint, FileDigest, verify_span
-from .objstore import MemReader, ObjectStorage, UploadStream, ZeroCopySource
+from .objstore import MemReader, ObjectStorage, StagedSource, UploadStream, ZeroCopySource
+from .staging import Stager, shared_stager, wants_staging
 from .safeload import load_dcp_metadata
 
 __all__ = ["ObjectStoreWriter", "ObjectStoreReader", "METADATA_NAME"]
@@ -74,9 +75,9 @@ SUFFIX = ".distcp"
 log = get_logger("spotguard.storage")
 
 
-def _cpu_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+def _cpu_tensor(data: torch.Tensor) -> torch.Tensor:
     """The item's tensor on CPU with minimal storage (torch.save writes whole storages)."""
-    t = cast(torch.Tensor, planner.resolve_data(item)).detach().cpu()
+    t = data.detach().cpu()
     if t.untyped_storage().size() != t.nbytes:
         t = t.clone()
     return t
@@ -116,6 +117,70 @@ class _TensorSource(ZeroCopySource):
         if off < 0 or off + len(data) > len(self.view):
             return None
         return self.view[off:off + len(data)]
+
+
+def _address(np: Any, data: memoryview) -> int | None:
+    try:
+        return int(np.frombuffer(data, dtype=np.uint8).__array_interface__["data"][0])
+    except Exception:  # noqa: BLE001 - not a plain byte buffer
+        return None
+
+
+class _StagedTensor(StagedSource):
+    """A device tensor saved through a CPU placeholder of the same layout that is never filled:
+    torch.save writes the placeholder's storage, and the stream swaps in the device's bytes,
+    staged chunk by chunk through the pinned pool (``staging.py``), so no full host copy exists.
+
+    ``check`` fails the save unless every byte of the storage was swapped in (a torch
+    that wrote the storage in some other way must never leave placeholder bytes in a checkpoint).
+    """
+
+    def __init__(self, device_tensor: torch.Tensor, placeholder: torch.Tensor, stager: Stager, np: Any,
+                 base: int = 0) -> None:
+        self.device_tensor, self.placeholder, self.stager, self._np = device_tensor, placeholder, stager, np
+        self.base = base  # where the placeholder's first byte lies in the device tensor's storage
+        self.nbytes = placeholder.untyped_storage().nbytes()
+        self.address = placeholder.untyped_storage().data_ptr()
+        self.filled = 0
+
+    @classmethod
+    def of(cls, data: torch.Tensor) -> "_StagedTensor | None":
+        if os.environ.get("SPOTGUARD_CRC32") == "1":  # torch.save would checksum the placeholder
+            return None
+        try:
+            import numpy as np
+        except ImportError:
+            return None
+        t = data.detach()
+        if not wants_staging(t):
+            return None
+        # Never a device clone (a full GPU at preemption time must not fail the save with an OOM):
+        # a whole storage keeps its layout, a contiguous view stages its byte range, anything else
+        # takes the plain .cpu() path.
+        if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:
+            base, placeholder = 0, torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
+        elif t.is_contiguous():
+            base, placeholder = t.storage_offset() * t.element_size(), torch.empty(t.size(), dtype=t.dtype)
+        else:
+            return None
+        if placeholder.untyped_storage().nbytes() != t.nbytes:
+            return None
+        return cls(t, placeholder, shared_stager(), np, base)
+
+    def chunks_for(self, data: memoryview) -> Iterator[memoryview] | None:
+        addr = _address(self._np, data)
+        if addr is None:
+            return None
+        off = addr - self.address
+        if off < 0 or off + len(data) > self.nbytes:
+            return None
+        self.filled += len(data)
+        return self.stager.chunks(self.device_tensor, self.base + off, self.base + off + len(data))
+
+    def check(self, name: str) -> None:
+        if self.filled != self.nbytes:
+            raise StorageError(f"staging {name}: torch.save wrote {self.filled} of {self.nbytes} storage bytes "
+                               "through the stream; set SPOTGUARD_STAGING=off to save with .cpu()")
 
 
 @contextlib.contextmanager
@@ -181,6 +246,10 @@ class ObjectStoreWriter(StorageWriter):
         streams: list[UploadStream] = []
         lock = threading.Lock()
         zero_copy = self.storage.zero_copy
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # Producer threads stage device tensors on their own copy streams: first let every kernel
+            # already queued (on any stream of the training thread) finish writing the state.
+            torch.cuda.synchronize()
 
         def produce(idx: int, file_name: str, items: list[WriteItem]) -> None:
             stream = self.storage.open_upload(join_key(self.key, file_name), producers=len(jobs))
@@ -192,12 +261,21 @@ class ObjectStoreWriter(StorageWriter):
                     out.append(_write_item(self.transforms, stream, planner.resolve_data(item), item,
                                            file_name, SerializationFormat.TORCH_SAVE))
                 for item in [i for i in items if i.type != WriteItemType.BYTE_IO]:
-                    tensor = _cpu_tensor(planner, item)
-                    source = _TensorSource.of(tensor, self.storage.zero_copy_min) if zero_copy else None
-                    with stream.zero_copy(source):
-                        out.append(_write_item(self.transforms, stream, tensor, item,
-                                               file_name, SerializationFormat.TORCH_SAVE))
-                    del tensor, source
+                    data = cast(torch.Tensor, planner.resolve_data(item))  # resolved once: may cost work
+                    staged = _StagedTensor.of(data)
+                    if staged is not None:  # a device tensor: streamed through the pinned pool
+                        with stream.staged(staged):
+                            out.append(_write_item(self.transforms, stream, staged.placeholder, item,
+                                                   file_name, SerializationFormat.TORCH_SAVE))
+                        staged.check(item.index.fqn)
+                    else:
+                        tensor = _cpu_tensor(data)
+                        source = _TensorSource.of(tensor, self.storage.zero_copy_min) if zero_copy else None
+                        with stream.zero_copy(source):
+                            out.append(_write_item(self.transforms, stream, tensor, item,
+                                                   file_name, SerializationFormat.TORCH_SAVE))
+                        del tensor, source
+                    del data, staged
                     if errors:
                         raise errors[0]
                 stream.close()

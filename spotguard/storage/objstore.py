@@ -46,6 +46,7 @@ __all__ = [
     "MemReader",
     "Segments",
     "SegmentReader",
+    "StagedSource",
     "ZeroCopySource",
     "env_int",
     "request_body",
@@ -363,6 +364,15 @@ class ZeroCopySource(abc.ABC):
         not (wholly) inside this source."""
 
 
+class StagedSource(abc.ABC):
+    """Device bytes a stream writes in place of a placeholder's (see ``UploadStream.staged``)."""
+
+    @abc.abstractmethod
+    def chunks_for(self, data: memoryview) -> Iterable[memoryview] | None:
+        """The real bytes for ``data`` (a range of the placeholder) in order, or None if ``data``
+        is not (wholly) inside the placeholder."""
+
+
 class UploadStream(io.RawIOBase):
     """A write-only stream that turns ``write`` calls into parallel part uploads.
 
@@ -400,6 +410,7 @@ class UploadStream(io.RawIOBase):
         self._plen = 0
         self._zc = False  # this part holds zero-copy ranges (target: zero_copy_part_size)
         self._source: ZeroCopySource | None = None
+        self._staged: StagedSource | None = None
         self._slots = threading.BoundedSemaphore(store.concurrency + 2)  # zero-copy parts in flight
         self._pos = 0
         self._upload: Upload | None = None
@@ -452,6 +463,20 @@ class UploadStream(io.RawIOBase):
         finally:
             self._source = previous
 
+    @contextlib.contextmanager
+    def staged(self, source: "StagedSource | None") -> Iterator[None]:
+        """Inside the block, a write that lies in ``source``'s placeholder memory is replaced by the
+        bytes ``source`` streams from the device (chunk by chunk, through the staging pool).
+
+        Unlike ``zero_copy`` this works on every backend: the chunks are copied
+        into the part buffers, so host memory stays at the pool plus the parts.
+        """
+        previous, self._staged = self._staged, source
+        try:
+            yield
+        finally:
+            self._staged = previous
+
     def write(self, b: Any) -> int:
         try:
             return self._write(b)
@@ -465,6 +490,14 @@ class UploadStream(io.RawIOBase):
         n = len(mv)
         if self._done:
             raise ValueError(f"write to a finished upload of {self._name}")
+        if self._staged is not None:
+            chunks = self._staged.chunks_for(mv)
+            if chunks is not None:
+                for chunk in chunks:
+                    self._sum.update(chunk)
+                    self._copy(chunk)
+                self._pos += n
+                return n
         self._sum.update(mv)
         view = None
         if self._source is not None and n >= self._store.zero_copy_min:
