@@ -80,8 +80,8 @@ async def test_all_actions_hanging_never_delay_notices(spawn_daemon: Callable[..
         assert notice.detail == "target-lifecycle-state=Terminated"
         lag = (utcnow() - notice.received_at).total_seconds()  # watcher saw it -> trainer has it
         assert lag < PROMPT, lag
-        await kube.wait_requests(1)   # GET node, hanging
-        await aws.wait_requests(1)    # DescribeAutoScalingInstances, hanging
+        await kube.wait_requests(1, timeout=30)  # GET node, hanging (the action imports its client first)
+        await aws.wait_requests(1, timeout=30)   # DescribeAutoScalingInstances, hanging (boto3 import + client)
         await sub.checkpoint_done(notice.id, step=5)
         await hooks.wait_requests(2)  # webhook + Slack, both hanging
 
