@@ -69,6 +69,12 @@ def worker(args: argparse.Namespace) -> int:
     dim = args.dim
     model = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.Tanh(), torch.nn.Linear(dim, 1))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if args.hold:
+        # a warm spare: imports done, no lighthouse contact yet; the driver writes a line to go
+        log.info("replica_ready", pid=os.getpid())
+        sys.stdout.flush()
+        if not sys.stdin.readline():
+            return 0  # the driver went away without releasing us
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
     def load_state(sd: dict[str, Any]) -> None:
@@ -196,6 +202,12 @@ class Group:
     def steps(self) -> list[dict[str, Any]]:
         return [e for e in self.seen if e.get("event") == "replica_step" and e.get("committed")]
 
+    def release(self) -> None:
+        """Let a group started with ``hold=True`` join the lighthouse now (it has imported everything)."""
+        assert self.proc.stdin is not None, "release() is for groups started with hold=True"
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
 
 def _reader(g: Group, log: Any) -> None:
     assert g.proc.stdout is not None
@@ -219,13 +231,15 @@ def _reader(g: Group, log: Any) -> None:
 
 def start_group(name: str, lighthouse: str, socket_path: str, storage: str, *, steps: int,
                 step_time: float, log_path: Optional[Path] = None, pg_timeout: float = 10.0,
-                env: Optional[dict[str, str]] = None) -> Group:
+                env: Optional[dict[str, str]] = None, hold: bool = False) -> Group:
+    """One replica group's process; with ``hold`` it imports and waits for ``Group.release()`` (a warm spare)."""
     cmd = [sys.executable, "-m", "spotguard.ftreplica", "--replica-id", name, "--lighthouse", lighthouse,
            "--socket", socket_path, "--storage", storage, "--steps", str(steps), "--step-time", str(step_time),
-           "--pg-timeout", str(pg_timeout)]
+           "--pg-timeout", str(pg_timeout), *(["--hold"] if hold else [])]
     e = {**os.environ, "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
          "RUST_LOG": os.environ.get("RUST_LOG", "warn"), **(env or {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
+                            stdin=subprocess.PIPE if hold else subprocess.DEVNULL)
     g = Group(name, proc)
     log = open(log_path, "a") if log_path else None  # noqa: SIM115 - closed with the reader thread's end
     threading.Thread(target=_reader, args=(g, log), daemon=True, name=f"ftgroup-{name}").start()
@@ -269,13 +283,14 @@ class ReplicaJob:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def group(self, name: str) -> Group:
+    def group(self, name: str, *, hold: bool = False) -> Group:
+        """Start a group with its own daemon; ``hold=True``: a warm spare that joins at ``Group.release()``."""
         from .launch import start_daemon  # noqa: PLC0415
 
         sock = str(self.work / f"{name}.sock")
         self.daemons[name] = start_daemon(sock, log_path=self.work / f"{name}-daemon.log")
         g = start_group(name, self.lh.addr, sock, str(self.work / "ckpt"), steps=self.total,
-                        step_time=self.step_time, log_path=self.work / f"{name}.log")
+                        step_time=self.step_time, log_path=self.work / f"{name}.log", hold=hold)
         self.groups[name] = g
         return g
 
@@ -307,6 +322,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--step-time", type=float, default=0.1, help="simulated compute per step, seconds")
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--pg-timeout", type=float, default=10.0, help="torchft collective timeout, seconds")
+    p.add_argument("--hold", action="store_true",
+                   help="import, print replica_ready, then wait for a line on stdin before joining")
     return worker(p.parse_args(argv))
 
 
