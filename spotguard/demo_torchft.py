@@ -85,11 +85,14 @@ def run(work: Path, args: argparse.Namespace) -> int:
         joined = left is not None and healed > left and max((e["participants"] for e in s3.values()), default=0) > 1
         equal = joined and all(n in s0 and n in s2 and s3[n]["digest"] == s0[n]["digest"] == s2[n]["digest"]
                                for n in s3)
-        if not joined:
+        if left is None:
+            print(f"\n  g1 did not leave at a committed step (exit {g1.proc.returncode}: it may have finished its "
+                  f"{steps} steps before the notice reached it on a busy machine); logs in {work}", flush=True)
+        elif not joined:
             print(f"\n  g3 did not heal from a survivor (first committed step {min(s3, default=None)}, "
                   f"g1 left after step {left}); logs in {work}", flush=True)
         print(f"\n  g0, g2: {len(s0)} steps, never stopped: longest gap after the leave "
-              f"{max(gaps):.3f} s (a step takes {step_time:.2f} s); {lost} steps lost", flush=True)
+              f"{max(gaps, default=0.0):.3f} s (a step takes {step_time:.2f} s); {lost} steps lost", flush=True)
         print(f"  g3 healed from a survivor at step {min(s3, default=None)}; bitwise equal to g0 and g2 "
               f"at every step since: {equal}", flush=True)
         return 0 if equal and g1.proc.returncode == 143 else 1
