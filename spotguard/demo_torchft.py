@@ -39,7 +39,7 @@ def run(work: Path, args: argparse.Namespace) -> int:
     steps, notice_at, step_time = max(args.steps, 40), args.notice_at, args.step_time
     print(f"spotguard demo (torchft): 3 replica groups, lighthouse + one daemon each, {steps} steps of "
           f"{step_time:.2f} s; a notice to g1 after step {notice_at}", flush=True)
-    with ReplicaJob(work, groups=3, step_time=step_time, steps=steps) as job:
+    with ReplicaJob(work, groups=3, step_time=step_time, steps=steps, end_with=3) as job:
         groups = [job.group(f"g{i}") for i in range(3)]
         # the replacement starts as a warm spare that joins when released: its imports take seconds on a
         # loaded machine, and one arriving after the survivors' last step would train alone from step 0
