@@ -39,8 +39,14 @@ def run(work: Path, args: argparse.Namespace) -> int:
     steps, notice_at, step_time = max(args.steps, 40), args.notice_at, args.step_time
     print(f"spotguard demo (torchft): 3 replica groups, lighthouse + one daemon each, {steps} steps of "
           f"{step_time:.2f} s; a notice to g1 after step {notice_at}", flush=True)
-    with ReplicaJob(work, groups=3, step_time=step_time, steps=steps) as job:
+    with ReplicaJob(work, groups=3, step_time=step_time, steps=steps, end_with=3) as job:
         groups = [job.group(f"g{i}") for i in range(3)]
+        # the replacement starts as a warm spare that joins when released: its imports take seconds on a
+        # loaded machine, and one arriving after the survivors' last step would train alone from step 0
+        g3 = job.group("g3", hold=True)
+        if g3.wait_for(lambda e: e.get("event") == "replica_ready", 180) is None:
+            print(f"g3 did not start; logs in {work}")
+            return 1
         for g in groups:
             if g.wait_for(lambda e: e.get("event") == "replica_step" and e.get("committed")
                           and e["step"] >= notice_at, 180) is None:
@@ -57,8 +63,8 @@ def run(work: Path, args: argparse.Namespace) -> int:
             elif e.get("event") == "replica_left":
                 lines.append((_when(e), f"g1 leaves after committed step {e['step']} (exit {g1.proc.returncode})"))
         left = next((e["step"] for e in g1.seen if e.get("event") == "replica_left"), None)
-        g3 = job.group("g3")
-        lines.append((time.time(), "replacement g3 started (fresh daemon)"))
+        g3.release()
+        lines.append((time.time(), "replacement g3 joins (fresh daemon)"))
         for g in (g0, g2, g3):
             g.proc.wait(300)
         s0, s2, s3 = _steps(g0), _steps(g2), _steps(g3)
@@ -74,9 +80,19 @@ def run(work: Path, args: argparse.Namespace) -> int:
         after = [e for e in g0.steps() if left is not None and e["step"] >= left]
         gaps = [b["t"] - a["t"] for a, b in zip(after, after[1:])]
         lost = sum(1 for g in (g0, g2) for e in g.seen if e.get("event") == "replica_step" and not e.get("committed"))
-        equal = all(s3[n]["digest"] == s0[n]["digest"] == s2[n]["digest"] for n in s3)
+        # a heal means: g3's first committed step is a global step after g1's leave, shared with the
+        # survivors; then every step of g3 is compared with g0's and g2's at the same global step
+        joined = left is not None and healed > left and max((e["participants"] for e in s3.values()), default=0) > 1
+        equal = joined and all(n in s0 and n in s2 and s3[n]["digest"] == s0[n]["digest"] == s2[n]["digest"]
+                               for n in s3)
+        if left is None:
+            print(f"\n  g1 did not leave at a committed step (exit {g1.proc.returncode}: it may have finished its "
+                  f"{steps} steps before the notice reached it on a busy machine); logs in {work}", flush=True)
+        elif not joined:
+            print(f"\n  g3 did not heal from a survivor (first committed step {min(s3, default=None)}, "
+                  f"g1 left after step {left}); logs in {work}", flush=True)
         print(f"\n  g0, g2: {len(s0)} steps, never stopped: longest gap after the leave "
-              f"{max(gaps):.3f} s (a step takes {step_time:.2f} s); {lost} steps lost", flush=True)
+              f"{max(gaps, default=0.0):.3f} s (a step takes {step_time:.2f} s); {lost} steps lost", flush=True)
         print(f"  g3 healed from a survivor at step {min(s3, default=None)}; bitwise equal to g0 and g2 "
               f"at every step since: {equal}", flush=True)
         return 0 if equal and g1.proc.returncode == 143 else 1

@@ -69,6 +69,12 @@ def worker(args: argparse.Namespace) -> int:
     dim = args.dim
     model = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.Tanh(), torch.nn.Linear(dim, 1))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if args.hold:
+        # a warm spare: imports done, no lighthouse contact yet; the driver writes a line to go
+        log.info("replica_ready", pid=os.getpid())
+        sys.stdout.flush()
+        if not sys.stdin.readline():
+            return 0  # the driver went away without releasing us
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
     def load_state(sd: dict[str, Any]) -> None:
@@ -89,8 +95,18 @@ def worker(args: argparse.Namespace) -> int:
     start = guard.resume()
     log.info("replica_started", step=start, pid=os.getpid(), digest=digest(model, optim))
     opt = guard.optimizer(optim)
+    voting = 0  # replicas that voted in the last committed step
+
+    def more() -> bool:
+        # --end-with N: past --steps, go on until a committed step had N replicas voting (a replacement has
+        # joined), so a replacement that starts slowly on a busy machine still finds survivors to heal from
+        step = manager.current_step()
+        if step < args.steps:
+            return True
+        return bool(args.end_with) and voting < args.end_with and step < args.steps * 10
+
     try:
-        while manager.current_step() < args.steps:
+        while more():
             opt.zero_grad()  # starts the quorum; it runs while we "compute"
             if args.step_time > 0:
                 time.sleep(args.step_time)
@@ -105,6 +121,8 @@ def worker(args: argparse.Namespace) -> int:
                 p.grad.copy_(flat[off:off + n].view_as(p))
                 off += n
             committed = opt.step()
+            if committed:
+                voting = manager.num_participants()
             log.info(STEP, step=manager.current_step(), committed=committed, t=round(time.time(), 4),
                      participants=manager.num_participants(), digest=digest(model, optim))
     except Preempted as exc:
@@ -196,6 +214,12 @@ class Group:
     def steps(self) -> list[dict[str, Any]]:
         return [e for e in self.seen if e.get("event") == "replica_step" and e.get("committed")]
 
+    def release(self) -> None:
+        """Let a group started with ``hold=True`` join the lighthouse now (it has imported everything)."""
+        assert self.proc.stdin is not None, "release() is for groups started with hold=True"
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
 
 def _reader(g: Group, log: Any) -> None:
     assert g.proc.stdout is not None
@@ -219,13 +243,16 @@ def _reader(g: Group, log: Any) -> None:
 
 def start_group(name: str, lighthouse: str, socket_path: str, storage: str, *, steps: int,
                 step_time: float, log_path: Optional[Path] = None, pg_timeout: float = 10.0,
-                env: Optional[dict[str, str]] = None) -> Group:
+                env: Optional[dict[str, str]] = None, hold: bool = False, end_with: int = 0) -> Group:
+    """One replica group's process; with ``hold`` it imports and waits for ``Group.release()`` (a warm spare)."""
     cmd = [sys.executable, "-m", "spotguard.ftreplica", "--replica-id", name, "--lighthouse", lighthouse,
            "--socket", socket_path, "--storage", storage, "--steps", str(steps), "--step-time", str(step_time),
-           "--pg-timeout", str(pg_timeout)]
+           "--pg-timeout", str(pg_timeout), *(["--hold"] if hold else []),
+           *(["--end-with", str(end_with)] if end_with else [])]
     e = {**os.environ, "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
          "RUST_LOG": os.environ.get("RUST_LOG", "warn"), **(env or {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
+                            stdin=subprocess.PIPE if hold else subprocess.DEVNULL)
     g = Group(name, proc)
     log = open(log_path, "a") if log_path else None  # noqa: SIM115 - closed with the reader thread's end
     threading.Thread(target=_reader, args=(g, log), daemon=True, name=f"ftgroup-{name}").start()
@@ -252,12 +279,13 @@ class ReplicaJob:
     """
 
     def __init__(self, work: Path, *, groups: int, step_time: float, steps: int,
-                 lighthouse_flags: Optional[list[str]] = None) -> None:
+                 lighthouse_flags: Optional[list[str]] = None, end_with: int = 0) -> None:
         from .hook.torchft import lighthouse_args  # noqa: PLC0415
 
         self.work = Path(work)
         self.step_time = step_time
         self.total = steps
+        self.end_with = end_with  # groups go on past ``steps`` until a committed step had this many replicas
         flags = lighthouse_args(groups=groups, step_seconds=step_time) if lighthouse_flags is None else lighthouse_flags
         self.lh: Lighthouse = start_lighthouse(flags, self.work / "lighthouse.log")
         self.daemons: dict[str, Any] = {}
@@ -269,13 +297,15 @@ class ReplicaJob:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def group(self, name: str) -> Group:
+    def group(self, name: str, *, hold: bool = False) -> Group:
+        """Start a group with its own daemon; ``hold=True``: a warm spare that joins at ``Group.release()``."""
         from .launch import start_daemon  # noqa: PLC0415
 
         sock = str(self.work / f"{name}.sock")
         self.daemons[name] = start_daemon(sock, log_path=self.work / f"{name}-daemon.log")
         g = start_group(name, self.lh.addr, sock, str(self.work / "ckpt"), steps=self.total,
-                        step_time=self.step_time, log_path=self.work / f"{name}.log")
+                        step_time=self.step_time, log_path=self.work / f"{name}.log", hold=hold,
+                        end_with=self.end_with)
         self.groups[name] = g
         return g
 
@@ -307,6 +337,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--step-time", type=float, default=0.1, help="simulated compute per step, seconds")
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--pg-timeout", type=float, default=10.0, help="torchft collective timeout, seconds")
+    p.add_argument("--end-with", type=int, default=0,
+                   help="past --steps, go on until a committed step had this many replicas voting (at most 10x --steps)")
+    p.add_argument("--hold", action="store_true",
+                   help="import, print replica_ready, then wait for a line on stdin before joining")
     return worker(p.parse_args(argv))
 
 

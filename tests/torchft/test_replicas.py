@@ -36,7 +36,9 @@ def _by_step(g: Group) -> dict[int, dict[str, Any]]:
 
 def test_one_group_leaves_survivors_keep_stepping_and_a_replacement_heals_bitwise(short_tmp: Path) -> None:
     total = 70
-    with ReplicaJob(short_tmp, groups=3, step_time=STEP_TIME, steps=total) as j:
+    # end_with=3: past `total` the groups go on until the replacement votes with them (a slow start on a busy
+    # machine must not leave it alone after the survivors' last step)
+    with ReplicaJob(short_tmp, groups=3, step_time=STEP_TIME, steps=total, end_with=3) as j:
         g0, g1, g2 = (j.group(f"g{i}") for i in range(3))
         for g in (g0, g1, g2):
             assert g.wait_for(_step(5), START) is not None, f"{g.name} never reached step 5 (see {short_tmp})"
@@ -61,7 +63,7 @@ def test_one_group_leaves_survivors_keep_stepping_and_a_replacement_heals_bitwis
         redone = [e["step"] for e in g.seen if e.get("event") == "replica_step" and not e.get("committed")]
         assert redone == [], f"{g.name} lost (had to redo) steps {redone}"
         seq = [e["step"] for e in g.steps()]
-        assert seq == list(range(seq[0], total + 1)), f"{g.name} skipped or repeated steps: {seq}"
+        assert seq[-1] >= total and seq == list(range(seq[0], seq[-1] + 1)), f"{g.name} skipped or repeated steps: {seq}"
         after = [e for e in g.steps() if e["step"] >= s]
         gaps = [b["t"] - a["t"] for a, b in zip(after, after[1:])]
         assert max(gaps) <= STALL_BOUND, f"{g.name} stalled {max(gaps):.3f} s after the leave"
@@ -69,7 +71,9 @@ def test_one_group_leaves_survivors_keep_stepping_and_a_replacement_heals_bitwis
     s0, s2, s3 = _by_step(g0), _by_step(g2), _by_step(g3)
     first = min(s3)
     assert first > s, "the replacement should have joined after the leave"
-    for n in range(first, total + 1):
+    end = max(s3)
+    assert end == max(s0) == max(s2), "every group should end at the same step"
+    for n in range(first, end + 1):
         assert s3[n]["digest"] == s0[n]["digest"] == s2[n]["digest"], f"state differs at step {n}"
     assert max(e["participants"] for e in g3.steps()) == 3
 
