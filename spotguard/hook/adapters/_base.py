@@ -33,12 +33,10 @@ import torch.distributed as dist
 from ...notice import Notice
 from ...logs import get_logger
 from ...storage import Storage, StorageError, open_storage
-from ...storage.commit import newest_committed
 from ...storage.verify import latest_verified
 from .. import events as ev
 from ..core import Hook, periodic_notice
 from ..preflight import probe_writable, unwritable_message
-from ._files import download_dir
 
 __all__ = ["FrameworkHook"]
 
