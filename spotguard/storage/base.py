@@ -144,7 +144,7 @@ class Storage(abc.ABC):
         """What this process wrote under each checkpoint folder (name, size, checksum), for the commit record."""
         log = self.__dict__.get("_write_log")
         if log is None:
-            from .integrity import FileDigest, WriteLog
+            from .integrity import WriteLog
 
             log = self.__dict__.setdefault("_write_log", WriteLog())
         return log
