@@ -195,7 +195,9 @@ async def test_cli_daemon_auto_detects_and_delivers_from_the_emulator(spawn_daem
         assert expected - 10 < notice.seconds_left() <= expected + 1
         state = await sub.status()
         (w,) = [x for x in state["watchers"] if x["source"] == cloud]
-        assert w["healthy"] and w["running"] and state["last_notice"]["id"] == notice.id
+        # The verdict, not the last single answer: on a loaded machine one 1 s token PUT can time out
+        # (``healthy`` False until the next poll) while the watcher still sees notices.
+        assert w["seeing_notices"] and w["running"] and state["last_notice"]["id"] == notice.id, w
         await sub.close()
     finally:
         await asyncio.to_thread(emulator.stop)
