@@ -10,6 +10,13 @@ Credentials: ``$AZURE_STORAGE_CONNECTION_STRING`` (Azurite, account keys, SAS),
 else ``$AZURE_STORAGE_ACCOUNT_URL`` / ``$AZURE_STORAGE_ACCOUNT`` with
 ``DefaultAzureCredential`` (needs ``azure-identity``; managed identity on a VM).
 The SDK's own retries are off: ``ObjectStorage.call`` retries within the deadline.
+
+Every Put Block / Put Blob carries ``Content-MD5`` (the transactional MD5 the
+service checks; Azurite checks it too, while it ignores ``x-ms-content-crc64``),
+so a body damaged in transit is refused and resent. Cost: one MD5 pass over
+each block in its sending thread (~0.6-0.8 GiB/s per core, parallel across the
+upload threads); ``$SPOTGUARD_AZURE_CONTENT_MD5=0`` turns it off (spotguard's
+own CRC32C still covers every byte end to end).
 """
 
 from __future__ import annotations
@@ -20,8 +27,8 @@ import uuid
 from typing import Any, Iterable
 
 from .base import StorageError
-from .objstore import (MemReader, ObjectStorage, RawObject, SegmentReader, Upload, body_of, missing_extra,
-                       request_body)
+from .objstore import (MemReader, ObjectStorage, RawObject, SegmentReader, Segments, Upload, body_of, missing_extra,
+                       part_md5, request_body)
 
 __all__ = ["AzureStorage"]
 
@@ -59,6 +66,15 @@ def _rewinding_transport() -> Any:
     return _RewindingTransport()
 
 
+def _bad_digest(exc: Any) -> bool:
+    """A 400 for a body whose Content-MD5 / CRC64 did not match it (damaged in transit): worth resending.
+    Azure: ``Md5Mismatch`` / ``Crc64Mismatch``; Azurite: ``InvalidOperation`` "Provided contentMD5 doesn't match"."""
+    if (getattr(exc, "status_code", 0) or 0) != 400:
+        return False
+    code = str(getattr(exc, "error_code", "") or "")
+    return code in ("Md5Mismatch", "Crc64Mismatch") or "contentMD5 doesn't match" in str(exc)
+
+
 class _AzureUpload(Upload):
     def __init__(self, store: "AzureStorage", name: str) -> None:
         self.store, self.name = store, name
@@ -72,7 +88,8 @@ class _AzureUpload(Upload):
     def part(self, number: int, data: memoryview, last: bool) -> Any:
         bid = self._block_id(number)
         self.staged = True
-        self.blob.stage_block(bid, request_body(data), length=len(data), timeout=int(self.store.timeout()) + 1)
+        self.blob.stage_block(bid, request_body(data), length=len(data), timeout=int(self.store.timeout()) + 1,
+                              **self.store._md5_header(data))
         return bid
 
     def complete(self, tokens: list[Any], total: int) -> None:
@@ -126,6 +143,7 @@ class AzureStorage(ObjectStorage):
                     credential = DefaultAzureCredential()
                 service = BlobServiceClient(url, credential=credential, **opts)
         self.service = service
+        self.content_md5 = os.environ.get("SPOTGUARD_AZURE_CONTENT_MD5", "").strip() not in ("0", "false", "off", "no")
         # the pool must hold as many connections as parallel block uploads
         self.container = service.get_container_client(self.bucket)
 
@@ -135,7 +153,7 @@ class AzureStorage(ObjectStorage):
             return True
         if isinstance(exc, e.HttpResponseError):
             status = exc.status_code or 0
-            return status >= 500 or status in (408, 429)
+            return status >= 500 or status in (408, 429) or _bad_digest(exc)
         return False
 
     def _translate(self, exc: BaseException, what: str) -> BaseException:
@@ -149,10 +167,17 @@ class AzureStorage(ObjectStorage):
     def _t(self) -> int:
         return int(self.timeout()) + 1
 
-    def _put(self, name: str, data: memoryview) -> None:
+    def _put(self, name: str, data: memoryview, crc: str | None = None) -> None:
         # body_of joins Segments: upload_blob requires the whole body as bytes
         self.container.get_blob_client(name).upload_blob(body_of(data), length=len(data), overwrite=True,
-                                                         timeout=self._t())
+                                                         timeout=self._t(), **self._md5_header(data))
+
+    def _md5_header(self, data: "memoryview | Segments") -> dict[str, Any]:
+        """``Content-MD5`` of a Put Block / Put Blob body (transactional MD5): Azure recomputes it and
+        refuses (400 ``Md5Mismatch``) a body damaged in transit. Off with ``$SPOTGUARD_AZURE_CONTENT_MD5=0``."""
+        if not self.content_md5:
+            return {}
+        return {"headers": {"Content-MD5": part_md5(data)}}
 
     def _get(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
         kw: dict[str, Any] = {}

@@ -19,6 +19,12 @@ Parallel uploads, two ways (``$SPOTGUARD_GCS_MULTIPART``):
 Why not resumable uploads: their chunks go strictly in order over one
 connection, which caps one rank at one stream.
 
+The store checks every body: XML API parts carry ``x-goog-hash: crc32c=``,
+whole objects (small files, composite parts) go as JSON API multipart
+uploads whose metadata holds ``crc32c``; GCS recomputes it and refuses a body
+damaged in transit (400), which is retried. The CRC32C comes from the
+stream's block checksums where the part is block-aligned (no second pass).
+
 ``$STORAGE_EMULATOR_HOST`` (``http://127.0.0.1:9023`` or ``127.0.0.1:9023``)
 switches to an emulator without credentials; otherwise Application Default
 Credentials (``google.auth.default``), whose bearer token both APIs accept.
@@ -27,6 +33,7 @@ Requests are bounded by the deadline.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -39,11 +46,15 @@ from datetime import datetime
 from typing import Any, Iterable
 
 from .base import StorageError
-from .objstore import ObjectStorage, RawObject, Upload, missing_extra, request_body
+from .objstore import (ObjectStorage, RawObject, SegmentReader, Segments, Upload, missing_extra, part_crc32c,
+                       request_body)
 
 __all__ = ["GCSStorage", "GCSHTTPError", "UPLOADS_DIR"]
 
 UPLOADS_DIR = ".spotguard-uploads/"
+# GCS's answers to a checksum that does not match the body: XML API <Code>BadDigest</Code> / InvalidDigest,
+# JSON API 'Provided CRC32C "..." doesn't match calculated CRC32C "..."'
+_BAD_DIGEST = re.compile(r"BadDigest|InvalidDigest|(CRC32C|MD5)[^.]*(doesn't|does not|did not) match", re.I)
 _COMPOSE_MAX = 32
 
 
@@ -59,6 +70,8 @@ class GCSHTTPError(Exception):
         self.token_refreshed = token_refreshed
         m = re.search(r"<Code>([^<]*)</Code>", text or "")
         self.code = m.group(1) if m else ""
+        #: the store refused a body whose checksum did not match (damaged in transit): worth resending
+        self.bad_digest = status == 400 and bool(_BAD_DIGEST.search(text or ""))
 
 
 def _import() -> Any:
@@ -83,7 +96,7 @@ class _GCSUpload(Upload):
     def part(self, number: int, data: memoryview, last: bool) -> Any:
         tmp = f"{self.tmp}{number:06d}"
         self.sent.append(tmp)
-        self.store._put(tmp, data)
+        self.store._put(tmp, data, self.crc_of(number, data))  # checked by GCS, see _put
         return tmp
 
     def complete(self, tokens: list[Any], total: int) -> None:
@@ -141,9 +154,11 @@ class _GCSXMLUpload(Upload):
         self.upload_id = ids[0]
 
     def part(self, number: int, data: memoryview, last: bool) -> Any:
+        # x-goog-hash: GCS recomputes the part's CRC32C and refuses (400 BadDigest) a damaged body
         r = self.store._req("PUT", self.store._xml_url(self.name), f"part {number} of {self.name}",
                             params={"partNumber": str(number), "uploadId": self.upload_id},
-                            data=request_body(data), headers={"Content-Length": str(len(data))})
+                            data=request_body(data), headers={"Content-Length": str(len(data)),
+                                                              "x-goog-hash": f"crc32c={self.crc_of(number, data)}"})
         etag = r.headers.get("ETag")
         if not etag:
             raise GCSHTTPError(r.status_code, "no ETag header", f"part {number} of {self.name}")
@@ -272,16 +287,27 @@ class GCSStorage(ObjectStorage):
         if isinstance(exc, (rx.ConnectionError, rx.Timeout, rx.ChunkedEncodingError, ConnectionError, TimeoutError)):
             return True
         if isinstance(exc, GCSHTTPError):
-            return exc.status >= 500 or exc.status in (408, 429) or exc.token_refreshed
+            return exc.status >= 500 or exc.status in (408, 429) or exc.token_refreshed or exc.bad_digest
         return False
 
     # -- primitives ------------------------------------------------------------------
 
-    def _put(self, name: str, data: memoryview) -> None:
+    def _put(self, name: str, data: "memoryview | Segments", crc: str | None = None) -> None:
+        """A JSON API multipart upload whose metadata carries the body's CRC32C: GCS recomputes it and
+        refuses (400) a body damaged in transit. The body is sent from ``data``'s memory, between the
+        metadata part and the closing boundary, without joining it."""
+        crc = crc or part_crc32c(data)
+        boundary = f"spotguard-{uuid.uuid4().hex}"
+        meta = json.dumps({"name": name, "crc32c": crc, "contentType": "application/octet-stream"})
+        head = (f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{meta}\r\n"
+                f"--{boundary}\r\nContent-Type: application/octet-stream\r\n\r\n").encode()
+        tail = f"\r\n--{boundary}--\r\n".encode()
+        views = data.views if isinstance(data, Segments) else (memoryview(data).cast("B"),)
+        body = Segments([memoryview(head), *views, memoryview(tail)])
         url = f"{self.base}/upload/storage/v1/b/{_q(self.bucket)}/o"
-        self._req("POST", url, f"upload {name}", params={"uploadType": "media", "name": name},
-                  data=request_body(data), headers={"Content-Type": "application/octet-stream",
-                                                      "Content-Length": str(len(data))})
+        self._req("POST", url, f"upload {name}", params={"uploadType": "multipart"},
+                  data=SegmentReader(body), headers={"Content-Type": f"multipart/related; boundary={boundary}",
+                                                     "Content-Length": str(len(body))})
 
     def _get(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
         headers = {}

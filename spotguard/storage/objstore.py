@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import base64
 import contextlib
+import hashlib
 import io
 import os
 import queue
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Ty
 
 from ..logs import get_logger
 from .base import ObjectInfo, Storage, StorageError, check_key, check_prefix
-from .integrity import Checksummer, FileDigest, crc32c_b64, digest_of
+from .integrity import Checksummer, FileDigest, crc32c_b64, crc32c_of_blocks, digest_of
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import StorageReader, StorageWriter
@@ -177,6 +178,20 @@ def body_of(data: "memoryview | Segments") -> Any:
     if isinstance(obj, (bytes, bytearray)) and len(data) == len(obj) and data.contiguous:
         return obj
     return data.tobytes()
+
+
+def _b64(crc: int) -> str:
+    """A CRC32C in the stores' wire form: base64 of its 4 big-endian bytes."""
+    return base64.b64encode(crc.to_bytes(4, "big")).decode("ascii")
+
+
+def part_md5(data: "memoryview | Segments | bytes") -> str:
+    """The base64 MD5 of a part (Azure ``Content-MD5``), from its memory ranges without joining them.
+    Runs in the sending thread; hashlib releases the GIL on large buffers."""
+    h = hashlib.md5(usedforsecurity=False)
+    for v in data.views if isinstance(data, Segments) else [data]:
+        h.update(v)
+    return base64.b64encode(h.digest()).decode("ascii")
 
 
 def part_crc32c(data: "memoryview | Segments | bytes") -> str:
@@ -601,7 +616,7 @@ class UploadStream(io.RawIOBase):
         upload = self._upload
         crc = self._sum.crc_of_span(self._part_off, self._part_off + length)  # from the block CRCs
         if crc is not None:
-            upload.expect_crc(number, base64.b64encode(crc.to_bytes(4, "big")).decode("ascii"))
+            upload.expect_crc(number, _b64(crc))
         self._part_off += length
 
         def send() -> Any:
@@ -623,8 +638,10 @@ class UploadStream(io.RawIOBase):
         self._raise_if_failed()
         if self._upload is None:
             data, bufs, _zc, length = self._take_part()
+            crc = self._sum.crc_of_span(0, length)  # the whole object, from the block CRCs
             try:
-                self._store.call(f"put {self._name}", self._store._put, self._name, data)
+                self._store.call(f"put {self._name}", self._store._put, self._name, data,
+                                 None if crc is None else _b64(crc))
                 self._store.count_uploaded(length)
             finally:
                 self._release(bufs)
@@ -854,7 +871,9 @@ class ObjectStorage(Storage):
     # -- primitives a backend implements (full names) ---------------------------------
 
     @abc.abstractmethod
-    def _put(self, name: str, data: memoryview) -> None: ...
+    def _put(self, name: str, data: memoryview, crc: str | None = None) -> None:
+        """One whole object in one request. ``crc``: its base64 CRC32C when already known (from the
+        stream's block checksums), for the store to check; backends that send one compute it otherwise."""
 
     @abc.abstractmethod
     def _get(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -887,7 +906,9 @@ class ObjectStorage(Storage):
     def write_bytes(self, key: str, data: bytes) -> None:
         name = self._name(key)
         digest = digest_of(data)
-        self.call(f"put {name}", self._put, name, memoryview(data))
+        crc = _b64(crc32c_of_blocks((digest.block(i) for i in range(FileDigest.block_count(digest.size))),
+                                    digest.size))
+        self.call(f"put {name}", self._put, name, memoryview(data), crc)
         self.write_log.note(key, digest)
 
     def read_bytes(self, key: str) -> bytes:

@@ -163,9 +163,9 @@ class S3Storage(ObjectStorage):
             return FileNotFoundError(f"{self.uri}: {what}: not found")
         return super()._translate(exc, what)
 
-    def _put(self, name: str, data: memoryview) -> None:
+    def _put(self, name: str, data: memoryview, crc: str | None = None) -> None:
         self.client.put_object(Bucket=self.bucket, Key=name, Body=request_body(data), ContentLength=len(data),
-                               ChecksumAlgorithm="CRC32C", ChecksumCRC32C=part_crc32c(data))
+                               ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc or part_crc32c(data))
 
     def _get(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
         kw: dict[str, Any] = {}

@@ -28,6 +28,7 @@ class Rule:
     delay: float = 0.0                 # sleep before acting
     delay_after: float = 0.0           # forward first, then sleep before answering (a slow store)
     reset: bool = False                # drop the connection without an answer
+    corrupt: bool = False              # forward the request with one byte of its body flipped (damage in transit)
     count: int = 1                     # how many requests this rule hits (-1: unlimited)
     hits: int = 0
 
@@ -37,6 +38,19 @@ class Rule:
         if self.method and self.method != method:
             return False
         return not self.path_re or re.search(self.path_re, path) is not None
+
+
+@dataclass
+class Recorded:
+    """One forwarded request as the client sent it, and the upstream's answer."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes          # as the client sent it (before any corruption)
+    status: int
+    answer: bytes
+    corrupted: bool      # the upstream got it with a byte flipped
 
 
 S3_SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
@@ -55,6 +69,8 @@ class FaultProxy:
         self.injected = 0
         self.inflight = 0
         self.seen: list[str] = []  # "METHOD path" of every request (debugging)
+        self.record: str | None = None  # regex: requests whose "METHOD path" matches are kept in ``recorded``
+        self.recorded: list[Recorded] = []
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -116,6 +132,13 @@ class FaultProxy:
                             self.wfile.write(rule.body)
                         return
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
+                sent = body
+                if rule is not None and rule.corrupt and body:
+                    damaged = bytearray(body)
+                    damaged[len(damaged) // 2] ^= 0x01
+                    body = bytes(damaged)
+                    with proxy.lock:
+                        proxy.injected += 1
                 if body or self.command in ("PUT", "POST"):
                     headers["Content-Length"] = str(len(body))
                 for attempt in (1, 2):  # the upstream may have closed an idle keep-alive connection
@@ -134,6 +157,10 @@ class FaultProxy:
                             raise
                 if rule is not None and rule.delay_after:
                     time.sleep(rule.delay_after)
+                if proxy.record and re.search(proxy.record, f"{self.command} {self.path}"):
+                    with proxy.lock:
+                        proxy.recorded.append(Recorded(self.command, self.path, dict(self.headers.items()), sent,
+                                                       resp.status, data, body is not sent))
                 self.send_response(resp.status, resp.reason)
                 for k, v in resp.getheaders():
                     if k.lower() in HOP or (k.lower() == "content-length" and self.command != "HEAD"):

@@ -12,6 +12,7 @@ runs through the XML path.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import re
@@ -28,11 +29,16 @@ responses = pytest.importorskip("responses")
 from spotguard.storage import StorageError  # noqa: E402
 from spotguard.storage.commit import CommitRecord, commit, newest_committed, prepare_attempt  # noqa: E402
 from spotguard.storage.gcs import UPLOADS_DIR, GCSStorage  # noqa: E402
+from spotguard.storage.integrity import crc32c  # noqa: E402
 
 BASE = "https://storage.googleapis.com"
 BUCKET = "travel-maps"
 NS = "http://s3.amazonaws.com/doc/2006-03-01/"
 MiB = 1024 * 1024
+
+
+def _crc_b64(data: bytes) -> str:
+    return base64.b64encode(crc32c(data).to_bytes(4, "big")).decode()
 
 
 def _error(status: int, code: str, message: str) -> tuple[int, dict[str, str], str]:
@@ -53,6 +59,9 @@ class FakeGCS:
         self.media_puts: list[str] = []  # JSON API simple uploads (object names)
         self.fail: list[dict[str, Any]] = []  # queued faults: {"method", "match", "answer", "after"}
         self.list_page = 1000
+        self.hashes: list[tuple[str, str | None]] = []  # (API, crc32c the client sent) per body
+        self.corrupt = 0  # damage this many more bodies in transit
+        self.corrupted = 0
         q = re.escape(BASE)
         rsps.add_callback("POST", re.compile(q + r"/upload/storage/v1/b/[^/]+/o\b.*"), self._media_upload)
         rsps.add_callback("GET", re.compile(q + r"/storage/v1/b/[^/]+/o/[^/?]+.*"), self._json_get)
@@ -88,13 +97,36 @@ class FakeGCS:
     # -- JSON API ----------------------------------------------------------------
 
     def _media_upload(self, request: Any) -> Any:
+        """``uploadType=multipart``: a JSON metadata part (name, crc32c) and the media; GCS recomputes the
+        CRC32C and answers 400 on a mismatch (cloud.google.com/storage/docs/uploading-objects#uploading-an-object,
+        data-validation)."""
         q = urllib.parse.parse_qs(urllib.parse.urlsplit(request.url).query)
-        name = q["name"][0]
-        data = self._body(request)
-        assert int(request.headers["Content-Length"]) == len(data)
+        assert q["uploadType"] == ["multipart"]
+        body = self._body(request)
+        assert int(request.headers["Content-Length"]) == len(body)
+        boundary = re.search(r"boundary=(\S+)", request.headers["Content-Type"]).group(1).encode()
+        _, meta_part, media_part, end = body.split(b"--" + boundary)
+        assert end == b"--\r\n"
+        meta = json.loads(meta_part.split(b"\r\n\r\n", 1)[1])
+        data = self.damage(media_part.split(b"\r\n\r\n", 1)[1][:-2])
+        name = meta["name"]
+        self.hashes.append(("json", meta.get("crc32c")))
+        if meta.get("crc32c") != _crc_b64(data):
+            msg = f'Provided CRC32C "{meta.get("crc32c")}" doesn\'t match calculated CRC32C "{_crc_b64(data)}".'
+            return 400, {}, json.dumps({"error": {"code": 400, "message": msg}})
         self.objects[name] = data
         self.media_puts.append(name)
         return 200, {}, json.dumps({"name": name, "size": str(len(data))})
+
+    def damage(self, data: bytes) -> bytes:
+        """The body as the server got it: one byte flipped while ``corrupt`` > 0 (damage in transit)."""
+        if self.corrupt <= 0:
+            return data
+        self.corrupt -= 1
+        self.corrupted += 1
+        b = bytearray(data)
+        b[len(b) // 2] ^= 0x01
+        return bytes(b)
 
     def _name_of(self, url: str) -> str:
         path = urllib.parse.urlsplit(url).path
@@ -151,6 +183,11 @@ class FakeGCS:
                 return _error(404, "NoSuchUpload", "The requested upload was not found.")
             data = self._body(request)
             assert int(request.headers["Content-Length"]) == len(data)
+            data = self.damage(data)
+            sent = dict(h.split("=", 1) for h in request.headers.get("x-goog-hash", "").split(",") if "=" in h)
+            self.hashes.append(("xml", sent.get("crc32c")))
+            if "crc32c" in sent and sent["crc32c"] != _crc_b64(data):
+                return _error(400, "BadDigest", "The CRC32C you specified did not match what we received.")
             self.uploads[uid][1][n] = data
             etag = '"' + hashlib.md5(data).hexdigest() + '"'
             self.etags[(uid, n)] = etag
@@ -261,6 +298,20 @@ def test_complete_lists_every_part_in_order_with_its_quoted_etag(gcs: tuple[GCSS
     numbers = [int(n) for n in re.findall(rb"<PartNumber>(\d+)</PartNumber>", body)]
     assert numbers == [1, 2, 3, 4]  # 17 MiB + 4 bytes in 5 MiB parts
     assert all(e.startswith(b'"') and e.endswith(b'"') for e in re.findall(rb"<ETag>([^<]*)</ETag>", body))
+
+
+def test_every_part_and_object_carries_its_crc32c_and_a_damaged_part_is_refused_then_resent(
+        gcs: tuple[GCSStorage, FakeGCS]) -> None:
+    store, fake = gcs
+    fake.corrupt = 1  # the first body the server receives arrives with one byte flipped
+    data = bytes(range(256)) * (12 * MiB // 256) + b"tail"
+    with store.open_upload("obj") as up:
+        up.write(data)
+    store.write_bytes("small", b"abc")
+    assert fake.corrupted == 1 and store.retries >= 1  # refused with 400 BadDigest, then resent
+    assert fake.objects["run/obj"] == data and fake.objects["run/small"] == b"abc"
+    assert [api for api, _ in fake.hashes] == ["xml"] * 4 + ["json"]  # 3 parts, one resent; the small object
+    assert all(crc for _, crc in fake.hashes)  # every body carried one (checked against its bytes above)
 
 
 def test_503_and_429_on_parts_are_retried_from_the_first_byte(gcs: tuple[GCSStorage, FakeGCS]) -> None:

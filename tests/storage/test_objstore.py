@@ -61,7 +61,7 @@ class MemStore(ObjectStorage):
     def _retryable(self, exc: BaseException) -> bool:
         return isinstance(exc, ConnectionError)
 
-    def _put(self, name: str, data: memoryview) -> None:
+    def _put(self, name: str, data: memoryview, crc: str | None = None) -> None:
         self.maybe_fail()
         self.objects[name] = bytes(data)
 

@@ -13,7 +13,7 @@ class ZCStore(MemStore):
     zero_copy = True
     seen_segments = 0
 
-    def _put(self, name, data):
+    def _put(self, name, data, crc=None):
         if isinstance(data, Segments):
             type(self).seen_segments += 1
         super()._put(name, memoryview(bytes(data)))
