@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import os
 import pickle
 import threading
@@ -38,10 +37,8 @@ from typing import Any, Iterator, cast
 
 import torch
 import torch.utils.serialization  # noqa: F401 - the save config lives here (torch >= 2.6)
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import (
     _split_by_size_and_type,
-    _StorageInfo,
     _StoragePrefix,
     _StorageWriterTransforms,
     _write_item,
@@ -49,7 +46,6 @@ from torch.distributed.checkpoint.filesystem import (
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
-    LoadItemType,
     LoadPlan,
     LoadPlanner,
     ReadItem,
@@ -62,9 +58,10 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ..logs import get_logger
-from .base import StorageError, check_key, join_key
+from .base import StorageError, join_key
+from .dcp_items import Group, load_items, read_groups, recorded_digest
 from .integrity import BLOCK_SIZE, DamagedCheckpoint, FileDigest, verify_span
-from .objstore import MemReader, ObjectStorage, StagedSource, UploadStream, ZeroCopySource
+from .objstore import ObjectStorage, StagedSource, UploadStream, ZeroCopySource
 from .staging import Stager, shared_stager, wants_staging
 from .safeload import load_dcp_metadata
 
@@ -382,58 +379,13 @@ class ObjectStoreReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False
 
-    def _groups(self, plan: LoadPlan) -> list[tuple[str, int, int, list[ReadItem]]]:
+    def _groups(self, plan: LoadPlan) -> list[Group]:
         """Read items coalesced into (file, start, end, items) spans of about one part each."""
-        per_file: dict[str, list[ReadItem]] = {}
-        for req in plan.items:
-            info: _StorageInfo = self.storage_data[req.storage_index]
-            if info.transform_descriptors:
-                raise ValueError(f"checkpoint uses stream transforms {info.transform_descriptors}, not supported")
-            per_file.setdefault(info.relative_path, []).append(req)
-        groups: list[tuple[str, int, int, list[ReadItem]]] = []
-        limit = self.storage.part_size
-        for path, reqs in per_file.items():
-            digest = self._digest(path)
-            reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
-            cur: list[ReadItem] = []
-            start = end = 0
-            for r in reqs:
-                info = self.storage_data[r.storage_index]
-                a, b = info.offset, info.offset + info.length
-                if digest is not None:  # whole checksum blocks, so that each can be verified
-                    if b > digest.size:
-                        raise DamagedCheckpoint(f"{self.checkpoint_id}/{path}", f"item at [{a}, {b}) lies past "
-                                                f"the end of the {digest.size}-byte file")
-                    a = a - a % BLOCK_SIZE
-                    b = min(digest.size, -(-b // BLOCK_SIZE) * BLOCK_SIZE)
-                    if cur and a < end:  # shares a block with the group: must stay in it
-                        cur.append(r)
-                        end = max(end, b)
-                        continue
-                if cur and (b - start > limit or a > end + 1024 * 1024):
-                    groups.append((path, start, end, cur))
-                    cur = []
-                if not cur:
-                    start, end = a, b
-                cur.append(r)
-                end = max(end, b)
-            if cur:
-                groups.append((path, start, end, cur))
-        return groups
+        return read_groups(plan, self.storage_data, self._digest, self.storage.part_size, self.checkpoint_id)
 
     def _digest(self, path: str) -> FileDigest | None:
         """The record's checksum of ``path`` (None when not verifying); unsafe or unrecorded names are damage."""
-        try:
-            check_key(path)
-        except StorageError as exc:
-            raise DamagedCheckpoint(self.checkpoint_id, f"metadata names an unsafe file {path!r}: {exc}") from None
-        if self.digests is None:
-            return None
-        digest = self.digests.get(path)
-        if digest is None:
-            raise DamagedCheckpoint(f"{self.checkpoint_id}/{path}", "read by the metadata but not named in the "
-                                    "commit record")
-        return digest
+        return recorded_digest(self.digests, path, self.checkpoint_id)
 
     def _fetch(self, path: str, start: int, end: int) -> CFuture[memoryview]:
         """Fetch [start, end) as parallel ranged GETs of at most one part each, into one buffer."""
@@ -492,23 +444,7 @@ class ObjectStoreReader(StorageReader):
             fut, (path, start, end, reqs) = pending.pop(0)
             view = self.storage.wait(fut, f"read of {self.key}/{path}")
             in_flight -= end - start
-            for req in reqs:  # deserialise in this thread: the planner is not thread-safe
-                info: _StorageInfo = self.storage_data[req.storage_index]
-                raw = view[info.offset - start:info.offset - start + info.length]
-                if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(raw.tobytes()))
-                    continue
-                try:
-                    tensor = cast(torch.Tensor, torch.load(MemReader(raw), map_location="cpu", weights_only=True))
-                except Exception as exc:  # noqa: BLE001 - a record that is not a plain tensor
-                    raise DamagedCheckpoint(f"{self.checkpoint_id}/{path}",
-                                            f"refused to load item at {info.offset}: {type(exc).__name__}") from None
-                tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-                target = planner.resolve_tensor(req).detach()
-                if target.size() != tensor.size():
-                    raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
-                target.copy_(tensor)
-                planner.commit_tensor(req, target)
+            load_items(planner, self.storage_data, view, start, reqs, f"{self.checkpoint_id}/{path}")
         fut2: Future[None] = Future()
         fut2.set_result(None)
         return fut2

@@ -3,11 +3,10 @@
 The writer is the stock ``FileSystemWriter`` (its byte format and fsync rules)
 whose file streams feed a ``Checksummer`` as the bytes go out; what each rank
 wrote lands in the store's ``WriteLog`` for the commit record. The reader
-checks every block of each file the load plan touches against the commit
-record before DCP's stock reader deserialises any of it, and unpickles
-``.metadata`` with the restricted loader. On a local disk the stock reader's
-read then comes from the page cache; object stores verify in the one read
-(``dcp_object.py``).
+reads each file the load plan touches once, in block-aligned spans, checks
+every block against the commit record and deserialises the items from the
+same bytes (as the object-store reader does, ``dcp_object.py``); it unpickles
+``.metadata`` with the restricted loader.
 """
 
 from __future__ import annotations
@@ -24,10 +23,12 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 
-from .base import StorageError, check_key, join_key
-from .integrity import Checksummer, DamagedCheckpoint, FileDigest
+from torch.futures import Future
+
+from .base import join_key
+from .dcp_items import load_items, read_groups, recorded_digest
+from .integrity import Checksummer, DamagedCheckpoint, FileDigest, verify_span
 from .safeload import load_dcp_metadata
-from .verify import read_verified
 
 if TYPE_CHECKING:
     from .local import LocalStorage
@@ -107,38 +108,40 @@ class ChecksumWriter(FileSystemWriter):
 
 
 class VerifyingReader(FileSystemReader):
-    """``FileSystemReader`` that verifies against the commit record and never runs a pickle's code."""
+    """``FileSystemReader`` that verifies against the commit record and never runs a pickle's code.
+
+    With the record's checksums, each file the load plan touches is read once,
+    in block-aligned spans of at most ``SPAN`` bytes (one ``readinto`` each):
+    every block of a span is checked, then the items inside it are
+    deserialised from that same buffer. Without them (a record from an older
+    spotguard) the stock reader reads the files, with the safe planner.
+    """
+
+    SPAN = 64 * 1024 * 1024  # bytes in hand at once (plus the items loaded from them)
 
     def __init__(self, storage: "LocalStorage", key: str, digests: Mapping[str, FileDigest] | None) -> None:
         super().__init__(str(storage.local_path(key)))
         self._storage, self._key = storage, key.strip("/")
         self.digests = None if digests is None else dict(digests)
-        self._verified: set[str] = set()
+        self.bytes_read = 0  # file bytes this reader read (metadata included): each once
 
-    def _check(self, name: str) -> None:
-        where = f"{self._storage.uri}/{self._key}/{name}"
-        try:
-            check_key(name)
-        except StorageError as exc:
-            raise DamagedCheckpoint(where, f"unsafe file name in the metadata: {exc}") from None
-        if self.digests is None or name in self._verified:
-            return
-        digest = self.digests.get(name)
-        if digest is None:
-            raise DamagedCheckpoint(where, "read by the metadata but not named in the commit record")
-        span = 4 * 1024 * 1024 * 4
-        for a in range(0, max(1, digest.size), span):
-            read_verified(self._storage, join_key(self._key, name), digest, a, min(digest.size, a + span))
-        self._verified.add(name)
+    @property
+    def _where(self) -> str:
+        return f"{self._storage.uri}/{self._key}"
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        where = f"{self._storage.uri}/{self._key}/{METADATA}"
+        where = f"{self._where}/{METADATA}"
         try:
             raw = (pathlib.Path(self.path) / METADATA).read_bytes()
         except FileNotFoundError:
             raise DamagedCheckpoint(where, "file is missing") from None
-        if self.digests is not None:
-            self._check(METADATA)
+        self.bytes_read += len(raw)
+        if self.digests is not None:  # the bytes in hand are checked: no second read
+            digest = recorded_digest(self.digests, METADATA, self._where)
+            assert digest is not None
+            if len(raw) != digest.size:
+                raise DamagedCheckpoint(where, f"{len(raw)} bytes, commit record says {digest.size}")
+            verify_span(where, digest, 0, raw)
         md = load_dcp_metadata(raw, where)
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
@@ -146,6 +149,38 @@ class VerifyingReader(FileSystemReader):
         return md
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
-        for name in sorted({self.storage_data[r.storage_index].relative_path for r in plan.items}):
-            self._check(name)
-        return super().read_data(plan, planner)
+        digests = self.digests
+        if digests is None:
+            for name in {self.storage_data[r.storage_index].relative_path for r in plan.items}:
+                recorded_digest(None, name, self._where)  # unsafe names are refused even unverified
+            return super().read_data(plan, planner)
+        groups = read_groups(plan, self.storage_data, lambda n: recorded_digest(digests, n, self._where),
+                             self.SPAN, self._where)
+        for name, start, end, reqs in groups:
+            where = f"{self._where}/{name}"
+            view = self._read_span(name, start, end, where)
+            verify_span(where, digests[name], start, view)
+            load_items(planner, self.storage_data, view, start, reqs, where)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_span(self, name: str, start: int, end: int, where: str) -> memoryview:
+        """Bytes [start, end) of ``name`` in one buffer, read once; a short file is damage."""
+        buf = bytearray(end - start)
+        view = memoryview(buf)
+        try:
+            with open(pathlib.Path(self.path).joinpath(*name.split("/")), "rb", buffering=0) as f:
+                f.seek(start)
+                got = 0
+                while got < len(buf):
+                    n = f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+        except FileNotFoundError:
+            raise DamagedCheckpoint(where, "file is missing") from None
+        self.bytes_read += got
+        if got != len(buf):
+            raise DamagedCheckpoint(where, f"short read: {got} of {len(buf)} bytes at offset {start}")
+        return view

@@ -138,6 +138,41 @@ def test_flipped_byte_is_refused_before_use_and_names_the_file(tmp_path: Path) -
         verify_checkpoint(store, newest_committed(store))
 
 
+def _rchar() -> int:
+    """Bytes this process has read through read(2)-like calls so far, page-cache hits included."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc/self/io")
+def test_local_load_reads_each_byte_once_and_still_verifies_every_block(tmp_path: Path) -> None:
+    """One pass: the bytes DCP deserialises are the bytes whose checksums were checked (the old reader
+    verified each file, then FileSystemReader read it again: ~2x the checkpoint)."""
+    store = open_storage(str(tmp_path))
+    n = 12 * BLOCK_SIZE // 4 + 123  # ~48 MiB of float32: several blocks and a partial one
+    prepare_attempt(store, 1)
+    sd = {"w": torch.arange(n, dtype=torch.float32), "v": torch.ones(1000), "meta": {"step": 1}}
+    dcp.save(sd, storage_writer=store.dcp_writer(step_dir(1)), no_dist=True)
+    commit(store, 1, CommitRecord(step=1))
+    info = newest_committed(store)
+    assert info is not None and info.record is not None
+    total = sum(info.record.files.values())
+    out = {"w": torch.zeros(n), "v": torch.zeros(1000), "meta": {"step": 0}}
+    reader = store.dcp_reader(info.dir, info.record.checksums)
+    before = _rchar()
+    dcp.load(out, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    read = _rchar() - before
+    assert torch.equal(out["w"], sd["w"]) and torch.equal(out["v"], sd["v"]) and out["meta"] == {"step": 1}
+    assert total <= reader.bytes_read <= total + BLOCK_SIZE  # each file byte once (metadata: once per read_metadata)
+    assert read < 1.3 * total, f"read {read / total:.2f}x the checkpoint's {total} bytes"
+    # ... and a byte flipped anywhere in the shard still fails the load, naming the block
+    _flip(tmp_path / step_dir(1) / "__0_0.distcp", at=9 * BLOCK_SIZE + 17)
+    with pytest.raises(BaseException, match=r"__0_0.distcp: crc32c mismatch in bytes \[37748736, 41943040\)"):
+        dcp.load({"w": torch.zeros(n), "v": torch.zeros(1000), "meta": {}},
+                 storage_reader=store.dcp_reader(info.dir, info.record.checksums), planner=SafeLoadPlanner(),
+                 no_dist=True)
+
+
 def test_truncated_read_is_damage_not_a_short_tensor(tmp_path: Path) -> None:
     store = open_storage(str(tmp_path))
     rec = _save(store, 1)
