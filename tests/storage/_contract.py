@@ -67,6 +67,35 @@ def _incomplete(storage) -> list:  # type: ignore[no-untyped-def]
     return list(storage.incomplete_uploads(""))
 
 
+# the listing request of each backend (path and query, as the proxy sees it)
+_LISTING = {"s3": r"list-type=2", "gs": r"^/storage/v1/b/[^/?]+/o\?", "az": r"comp=list"}
+
+
+def _plant_in_listing(kind: str, body: bytes, root: str, key: str) -> bytes:
+    """The listing answer with one more object named ``root + key`` (size 0), cloned from an object of
+    the same folder that it lists; unchanged if it lists none."""
+    import json
+    import re
+    from xml.sax.saxutils import escape
+
+    folder = root + key.split("/", 1)[0] + "/"
+    if kind == "gs":
+        doc = json.loads(body)
+        items = doc.get("items") or []
+        model = next((o for o in items if o["name"].startswith(folder)), None)
+        if model is None:
+            return body
+        items.append({**model, "name": root + key, "size": "0"})
+        return json.dumps(doc).encode()
+    blobs = re.findall(rb"<Blob>.*?</Blob>", body, re.S)
+    model = next((b for b in blobs if re.search(rb"<Name>" + re.escape(escape(folder).encode()), b)), None)
+    if model is None:
+        return body
+    clone = re.sub(rb"<Name>.*?</Name>", b"<Name>" + escape(root + key).encode() + b"</Name>", model, flags=re.S)
+    clone = re.sub(rb"<Content-Length>\d+</Content-Length>", b"<Content-Length>0</Content-Length>", clone)
+    return body.replace(model, model + clone, 1)
+
+
 class ObjectStoreContract:
     kind = ""
 
@@ -261,10 +290,15 @@ class ObjectStoreContract:
         key = "step-00000008/" + "../" * 12 + str(victim).lstrip("/")
         try:
             storage._put(storage.root + key, memoryview(b""))
-        except Exception as exc:  # noqa: BLE001 - a store that cannot hold such a key cannot plant it either
-            pytest.skip(f"{self.kind} refuses the key: {exc}")
+        except Exception:  # noqa: BLE001 - this server refuses such a key; a hostile or buggy store may not
+            pass
         if not any(".." in o.key for o in storage.list("step-00000008/")):
-            pytest.skip(f"{self.kind} normalises '..' in keys: nothing can be planted")
+            # The emulator refuses or normalises the key: the listing itself names it instead, as a
+            # store that holds such an object (or a hostile endpoint) would. Same code path from here on.
+            store.proxy.add(method="GET", path_re=_LISTING[self.kind], count=-1,
+                            rewrite=lambda body: _plant_in_listing(self.kind, body, storage.root, key))
+        assert any(o.key == key for o in storage.list("step-00000008/"))
+        seen = len(store.proxy.seen)
         info = newest_committed(storage)
         assert info is not None and info.committed and any(".." in n for n in info.unlisted)
         out = io.StringIO()
@@ -277,3 +311,4 @@ class ObjectStoreContract:
         assert victim.read_bytes() == b"keep me"
         assert all(cache in p.parents for p in cache.rglob("*"))
         assert sorted(p.name for p in folder.iterdir()) == sorted([COMMIT_NAME, *info.record.files])
+        assert not any("victim" in line for line in store.proxy.seen[seen:])  # never even read

@@ -29,6 +29,7 @@ class Rule:
     delay_after: float = 0.0           # forward first, then sleep before answering (a slow store)
     reset: bool = False                # drop the connection without an answer
     corrupt: bool = False              # forward the request with one byte of its body flipped (damage in transit)
+    rewrite: Any = None                # bytes -> bytes: applied to the upstream's answer body (a hostile store)
     count: int = 1                     # how many requests this rule hits (-1: unlimited)
     hits: int = 0
 
@@ -157,6 +158,8 @@ class FaultProxy:
                             raise
                 if rule is not None and rule.delay_after:
                     time.sleep(rule.delay_after)
+                if rule is not None and rule.rewrite is not None and 200 <= resp.status < 300:
+                    data = rule.rewrite(data)
                 if proxy.record and re.search(proxy.record, f"{self.command} {self.path}"):
                     with proxy.lock:
                         proxy.recorded.append(Recorded(self.command, self.path, dict(self.headers.items()), sent,
