@@ -43,6 +43,8 @@ boto3's ``payload_signing_enabled=False``, baseline B via s3fs's
     python -m benchmarks.bench_storage --sizes 1,4
     $SPOTGUARD_BENCH_ROUNDS (default 7): interleaved timed rounds of spotguard and the references
     $SPOTGUARD_BENCH_REPS (default 5): fresh runs of A and B per size; min / median / max are reported
+    $SPOTGUARD_BENCH_METHODS (default spotguard,A,B): which to run (spotguard alone: the checksum cost)
+    $SPOTGUARD_BENCH_CHECKSUM_ONLY=1: the rounds interleave only spotguard and spotguard_nocrc
     --out FILE: also write the raw results there (``benchmarks/results/`` keeps the ones docs quote)
 
 spotguard's figures include its integrity work, inside the timed path: CRC32C block
@@ -75,6 +77,7 @@ GiB = 1024 ** 3
 REPO = Path(__file__).resolve().parents[1]
 RAW_CHUNK = 4 * 1024 * 1024  # the reference's send size, the uploader's too (SegmentReader.READ_CHUNK)
 TENSOR_BYTES = 64 * 1024 * 1024  # state made of 64 MiB tensors (large layers + Adam moments)
+ALL_KINDS = ["raw1", "rawN", "spotguard", "spotguard1", "spotguard_nocrc"]  # the interleaved rounds
 
 
 def _sign() -> bool:
@@ -218,16 +221,20 @@ def _no_checksums() -> Iterator[None]:
         C.update, C.crc_of_span, C.digest, U.crc_of = saved  # type: ignore
 
 
-def crc32c_throughput(gib: float = 0.25, runs: int = 5) -> dict[str, float]:
-    """CRC32C alone on one core, GiB/s over a ``gib`` buffer: min / median / max of ``runs``."""
+def crc32c_throughput(gib: float = 0.25, runs: int = 5, hot: bool = False) -> dict[str, float]:
+    """CRC32C alone on one core, GiB/s over a ``gib`` buffer (cold: read from memory, as in a save): min /
+    median / max of ``runs``. ``hot``: a 4 MiB buffer checksummed over and over (in cache), the ceiling a
+    CRC fused with another pass over the same bytes could reach."""
     from spotguard.storage.integrity import crc32c
 
-    buf = bytearray(os.urandom(1 << 20)) * int(gib * 1024)
+    buf = bytearray(os.urandom(1 << 20)) * (4 if hot else int(gib * 1024))
+    reps = int(gib * GiB) // len(buf) if hot else 1
     rates = []
     for _ in range(runs):
         t0 = time.perf_counter()
-        crc32c(buf)
-        rates.append(len(buf) / GiB / (time.perf_counter() - t0))
+        for _ in range(reps):
+            crc32c(buf)
+        rates.append(len(buf) * reps / GiB / (time.perf_counter() - t0))
     return {"min": round(min(rates), 2), "median": round(_median(rates), 2), "max": round(max(rates), 2)}
 
 
@@ -255,7 +262,8 @@ def rank_main(a: argparse.Namespace) -> None:
         storages = {"spotguard": open_storage(f"s3://{bucket}/{a.method}-{a.size}-{a.run_id}"),
                     "spotguard1": S3Storage(f"s3://{bucket}/{a.method}1-{a.size}-{a.run_id}", concurrency=1),
                     "spotguard_nocrc": open_storage(f"s3://{bucket}/{a.method}n-{a.size}-{a.run_id}")}
-        kinds = ["raw1", "rawN", "spotguard", "spotguard1", "spotguard_nocrc"]
+        kinds = ALL_KINDS if os.environ.get("SPOTGUARD_BENCH_CHECKSUM_ONLY") != "1" else \
+            ["spotguard", "spotguard_nocrc"]  # only what the checksum cost needs: more rounds in the same time
         rounds: list[dict[str, float]] = []
         extra = 0
         for r in range(a.rounds + 1):
@@ -369,14 +377,22 @@ def run_one(method: str, size: float, env: dict[str, str], tmp: Path, ack_port: 
         out["checksum_share_of_notice_to_commit"] = round(_median(shares), 3)
         out["checksum_share_range"] = [round(min(shares), 3), round(max(shares), 3)]
         out["connections_per_rank"] = ranks[0]["connections"]
-        for k in ("raw1", "rawN", "spotguard", "spotguard1", "spotguard_nocrc"):  # rank 0's CPU s per GiB sent
+        ran = [k for k in ALL_KINDS if k in rows[0]]
+        for k in ran:  # rank 0's CPU s per GiB sent
             out[f"cpu_s_per_gib_{k}"] = round(_median([x[f"cpu_{k}"] for x in rows]) / (state / 2 / GiB), 3)
+        cpu_extra = [(x["cpu_spotguard"] - x["cpu_spotguard_nocrc"]) / (state / 2 / GiB) for x in rows]
+        out["checksum_cpu_s_per_gib"] = round(_median(cpu_extra), 3)
+        out["checksum_cpu_s_per_gib_range"] = [round(min(cpu_extra), 3), round(max(cpu_extra), 3)]
+        out["checksum_shares"] = [round(x, 3) for x in shares]
         for k in ("raw1", "rawN", "spotguard1"):
-            out[f"{k}_gib_s"] = round(state / _median([x[k] for x in rows]) / GiB, 3)
+            if k in ran:
+                out[f"{k}_gib_s"] = round(state / _median([x[k] for x in rows]) / GiB, 3)
         # per round, measured back to back: uploader throughput / the reference's
         for name, num, den in (("efficiency_vs_raw1", "raw1", "spotguard"),  # one raw stream per rank
                                ("efficiency_vs_rawN", "rawN", "spotguard"),  # as many streams as the uploader
                                ("efficiency_1conn_vs_raw1", "raw1", "spotguard1")):  # both one per rank
+            if num not in ran or den not in ran:
+                continue
             ratios = [x[num] / x[den] for x in rows]
             out[name] = round(_median(ratios), 3)
             out[f"{name}_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
@@ -390,6 +406,9 @@ def run(sizes: list[float] | None = None) -> dict[str, Any]:
         sizes = [float(s) for s in os.environ.get("SPOTGUARD_BENCH_SIZES", "1").split(",") if s.strip()]
     reps = max(1, int(os.environ.get("SPOTGUARD_BENCH_REPS", "5") or 5))
     rounds = max(1, int(os.environ.get("SPOTGUARD_BENCH_ROUNDS", "7") or 7))
+    methods = [m.strip() for m in os.environ.get("SPOTGUARD_BENCH_METHODS", "spotguard,A,B").split(",") if m.strip()]
+    if not methods or set(methods) - {"spotguard", "A", "B"}:
+        raise SystemExit("$SPOTGUARD_BENCH_METHODS: a comma-separated subset of spotguard,A,B")
     port, ack_port = free_port(), free_port()
     sink = subprocess.Popen([sys.executable, "-m", "benchmarks.s3sink", "--port", str(port),
                              "--ack-port", str(ack_port)], cwd=REPO, stdout=subprocess.PIPE,
@@ -414,24 +433,26 @@ def run(sizes: list[float] | None = None) -> dict[str, Any]:
 
         boto3.client("s3", config=Config(s3={"addressing_style": "path"})).create_bucket(Bucket="bench")
         out: dict[str, Any] = {"cpus": os.cpu_count(), "loadavg_before": [round(x, 2) for x in os.getloadavg()],
+                               "methods": methods,
                                "payload_signing": "on (every method)" if _sign() else "off (every method)",
                                "reps": reps, "rounds": rounds, "sizes": {},
-                               "crc32c_gib_s_one_core": crc32c_throughput()}
+                               "crc32c_gib_s_one_core": crc32c_throughput(),
+                               "crc32c_gib_s_one_core_in_cache": crc32c_throughput(hot=True)}
         with tempfile.TemporaryDirectory() as td:
             for size in sizes:
                 row: dict[str, Any] = {}
-                for method in ("spotguard", "A", "B"):
+                for method in methods:
                     try:
                         row[method] = run_method(method, size, env, Path(td), reps, ack_port, rounds)
                     except Exception as exc:  # noqa: BLE001 - report, keep the other figures
                         row[method] = {"error": str(exc)[-600:]}
                     print(f"{size} GiB {method}: {row[method]}", flush=True)
-                sg = row["spotguard"].get("notice_to_commit_s")
+                sg = row.get("spotguard", {}).get("notice_to_commit_s")
                 for base in ("A", "B"):
-                    b = row[base].get("notice_to_commit_s")
+                    b = row.get(base, {}).get("notice_to_commit_s")
                     if sg and b:
                         row[f"speedup_vs_{base}"] = round(b / sg, 2)
-                if sg:
+                if sg and "efficiency_vs_raw1" in row["spotguard"]:
                     eff = row["spotguard"]["efficiency_vs_raw1"]
                     # GB per node that fit in 25 s at a NIC of G Gbit/s, at the (end-to-end) efficiency
                     # against one raw stream per rank
