@@ -144,6 +144,7 @@ class PeerWatch:
         self._stop = threading.Event()
         self._mu = threading.Lock()
         self._peers = {r for r in range(self.world) if r != self.rank}
+        self._farewell: set[int] = set()
         self.lost: Optional[Lost] = None
         self.beats = 0
         self._thread = threading.Thread(target=self._run, name="spotguard-peers", daemon=True)
@@ -181,9 +182,16 @@ class PeerWatch:
         with self._mu:
             return sorted(self._peers)
 
-    def _drop(self, peer: int) -> None:
+    def _drop(self, peer: int, *, answer: bool = False) -> None:
         with self._mu:
             self._peers.discard(peer)
+            if answer:  # it said bye: answer with ours, so its receive posted for us completes at once
+                self._farewell.add(peer)
+
+    def _farewells(self) -> list[int]:
+        with self._mu:
+            out, self._farewell = sorted(self._farewell), set()
+            return out
 
     def _send_loop(self) -> None:
         g, seq = self.group, 0
@@ -194,6 +202,12 @@ class PeerWatch:
                     _settle(w)
                 seq += 1
                 inflight = []
+                bye = torch.tensor([_BYE], dtype=torch.int64)
+                for p in self._farewells():
+                    try:
+                        inflight.append((dist.isend(bye, dst=p, group=g, tag=_TAG), bye))
+                    except Exception:  # noqa: BLE001
+                        pass
                 for p in self._watched():
                     t = torch.tensor([seq], dtype=torch.int64)
                     try:
@@ -249,10 +263,12 @@ class PeerWatch:
                     continue
                 what = take(p, last[p] + self.timeout - time.monotonic())
                 if what in ("bye", "left"):
-                    self._drop(p)
+                    self._drop(p, answer=what == "bye" and not self._stop.is_set())
                     if what == "left":
                         left.append(p)
                     continue
+                if what == "silent" and self._stop.is_set():
+                    break  # we said bye ourselves: the peer may have stopped beating to us on purpose
                 if what == "silent":
                     # Name every silent peer, not only the first: the others' beats may be queued already.
                     silent = [p]
@@ -300,7 +316,9 @@ def exit_on_lost(hook: Any) -> Callable[[PeerWatch, Lost], None]:
         t0 = time.monotonic()
         pending = dict(getattr(hook, "_pending", {}) or {})
         committed_ids = set(getattr(hook, "_committed_ids", set()) or set())
-        done = bool(pending) and all(i in committed_ids for i in pending)
+        # The emergency checkpoint of the notice being acted on is committed (the others a rank holds
+        # are covered by it: it stands for the same step): this is the exit after it, nothing is lost.
+        done = any(i in committed_ids for i in pending)
         code = int(getattr(hook, "_exit_code", 143)) if done else EXIT_PEERS_LOST
         watch._log.error(
             ev.PEERS_LOST, lost_ranks=lost.ranks, hosts=[lost.hosts[r] for r in lost.ranks],

@@ -163,6 +163,11 @@ class Node:
         return self.reader.tail(n)
 
 
+def _of_notice(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events of the trial's notice (SIGUSR1), not of the earlier ``rebalance-*`` checkpoint."""
+    return [e for e in events if not str(e.get("notice_id", "")).startswith("rebalance-")]
+
+
 def _wait(pred: Any, timeout: float, what: str, nodes: list[Node]) -> Any:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -251,11 +256,11 @@ def run_trial(point: str, notice: str, folder: Path, *, peer_timeout: float = 3.
             else:
                 time.sleep(rng.uniform(0.0, 0.4))  # a random phase of the 0.2 s iterations
         else:
-            _wait(lambda: b.events(TRIGGER[point]), 60, f"B's {TRIGGER[point]}", nodes)
+            _wait(lambda: _of_notice(b.events(TRIGGER[point])), 60, f"B's {TRIGGER[point]}", nodes)
         b.freeze()
         t0 = time.monotonic()
         if point == "commit":
-            trial.expected_step = int(b.events("checkpoint_committed")[0]["step"])
+            trial.expected_step = int(_of_notice(b.events("checkpoint_committed"))[0]["step"])
         a_pids = a.ranks()
         end = t0 + hang
         while time.monotonic() < end and not all(_gone(p) for p in a_pids.values()):
