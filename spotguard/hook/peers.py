@@ -167,8 +167,11 @@ class PeerWatch:
             if th.ident is not None and th is not threading.current_thread():
                 th.join(max(0.0, end - time.monotonic()))
         ended = not (self._thread.is_alive() or self._sender.is_alive())
-        if ended and self.lost is None:
+        if ended and self.lost is None and self.group is not None:
             destroy_group(self.group)
+            # Drop the last reference so the C++ group and its gloo worker threads go now, not at
+            # interpreter shutdown (where a worker thread freeing a finished work aborts the process).
+            self.group = None
         return ended
 
     # ------------------------------------------------------------------ the threads
