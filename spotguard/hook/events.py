@@ -30,7 +30,7 @@ is known, ``notice_id``. Fields per event:
   while the storage already holds a committed checkpoint)
 - ``notice_after_last_step``: notice_id, step (the job finished its work; exit code unchanged)
 - ``peers_lost`` (``spotguard/hook/peers.py``): lost_ranks, hosts, silent_seconds, left_ranks, timeout, step,
-  notice_ids, committed, code (69, or 143 when the active notice's checkpoint is committed), action, detail;
+  notice_ids, committed, code (69, or 143 when this run's state at the current step is committed), action, detail;
   followed by ``exit`` with reason "peers_lost" and the process's ``os._exit``
 """
 

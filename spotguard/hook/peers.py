@@ -22,8 +22,8 @@ seconds is *lost*:
   NCCL collective returns; gloo — measured on torch 2.13 — returns at once but does
   **not** wake a collective already blocked in another thread, see docs/reliability.md);
 - then the process leaves with ``os._exit(EXIT_PEERS_LOST)`` (69, EX_UNAVAILABLE),
-  or the hook's own exit code (143) when the active notice's checkpoint is already
-  committed. Bound: ``timeout + ABORT_BUDGET + FLUSH_BUDGET`` after the peer's last
+  or the hook's own exit code (143) when this run's state at the current step is
+  already in a committed checkpoint (B froze right after the commit). Bound: ``timeout + ABORT_BUDGET + FLUSH_BUDGET`` after the peer's last
   beat (under ``timeout`` + ``interval`` + 1.5 s after the freeze).
 
 Nothing partial is ever committed by this: a commit record is written by rank 0
@@ -146,6 +146,7 @@ class PeerWatch:
         self._peers = {r for r in range(self.world) if r != self.rank}
         self._farewell: set[int] = set()
         self.lost: Optional[Lost] = None
+        self.committed_step: Optional[int] = None  # the step of this run's last commit (set by the hook)
         self.beats = 0
         self._thread = threading.Thread(target=self._run, name="spotguard-peers", daemon=True)
         self._sender = threading.Thread(target=self._send_loop, name="spotguard-peers-send", daemon=True)
@@ -318,10 +319,9 @@ def exit_on_lost(hook: Any) -> Callable[[PeerWatch, Lost], None]:
     def react(watch: PeerWatch, lost: Lost) -> None:
         t0 = time.monotonic()
         pending = dict(getattr(hook, "_pending", {}) or {})
-        committed_ids = set(getattr(hook, "_committed_ids", set()) or set())
-        # The emergency checkpoint of the notice being acted on is committed (the others a rank holds
-        # are covered by it: it stands for the same step): this is the exit after it, nothing is lost.
-        done = any(i in committed_ids for i in pending)
+        # This run's state at the current step is in a committed checkpoint (B froze right after the
+        # commit, whichever node had the notice): nothing is lost, the hook's own code.
+        done = watch.committed_step is not None and watch.committed_step == getattr(hook, "_count", None)
         code = int(getattr(hook, "_exit_code", 143)) if done else EXIT_PEERS_LOST
         watch._log.error(
             ev.PEERS_LOST, lost_ranks=lost.ranks, hosts=[lost.hosts[r] for r in lost.ranks],
@@ -385,7 +385,16 @@ def watch_peers(hook: Any) -> Optional[PeerWatch]:
         return None
     if os.environ.get("SPOTGUARD_PEER_TIMEOUT", "").strip().lower() in ("off", "0", "none", "false"):
         return None
-    return PeerWatch(on_lost=exit_on_lost(hook)).start()
+    watch = PeerWatch(on_lost=exit_on_lost(hook))
+    after = getattr(hook, "_after_commit", None)
+    if callable(after):  # learn each commit's step (every rank calls it right after the commit barrier)
+
+        def after_commit(notice: Any, step: int, uri: str) -> None:
+            watch.committed_step = step
+            after(notice, step, uri)
+
+        hook._after_commit = after_commit
+    return watch.start()
 
 
 def stop_watch(watch: Optional[PeerWatch]) -> None:

@@ -38,7 +38,9 @@ def test_node_b_frozen(point: str, notice: str, short_tmp: Path, capsys: Any) ->
     bound = exit_bound(PEER_TIMEOUT)
     assert t.a_exit_seconds is not None and t.a_exit_seconds <= bound, (t.a_exit_seconds, bound)
     assert set(t.a_codes.values()) <= {69, 143}, t.a_codes  # peers lost, or the hook's own exit after a commit
-    if point != "commit":
+    if point == "commit":
+        assert set(t.a_codes.values()) == {143}, t.a_codes  # the state at this step is committed: nothing lost
+    else:
         assert set(t.a_how.values()) == {"peers_lost"}, t.a_how  # only the watch could end these waits
         assert t.newest_step == t.expected_step  # the checkpoint from before the freeze
     shutil.rmtree(short_tmp / f"{point}-{notice}", ignore_errors=True)
