@@ -47,3 +47,22 @@ def test_rank_that_closed_its_hook_and_stays_alive_is_not_lost(short_tmp: Path) 
     assert run.proc.returncode == 0, run.tail()
     assert any("closed_and_slept" in e for e in run.lines())
     assert not run.events("peers_lost"), run.events("peers_lost")
+
+
+def test_bad_peer_timeout_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A malformed SPOTGUARD_PEER_TIMEOUT is one warning naming the variable, never a crash or a zero timeout."""
+    from spotguard.hook.peers import PEER_TIMEOUT, _env_seconds
+
+    for raw in ("soon", "-1", "inf", "0.0"):
+        monkeypatch.setenv("SPOTGUARD_PEER_TIMEOUT", raw)
+        assert _env_seconds("SPOTGUARD_PEER_TIMEOUT", PEER_TIMEOUT) == PEER_TIMEOUT
+    monkeypatch.setenv("SPOTGUARD_PEER_TIMEOUT", "7.5")
+    assert _env_seconds("SPOTGUARD_PEER_TIMEOUT", PEER_TIMEOUT) == 7.5
+    out = capsys.readouterr()
+    assert "SPOTGUARD_PEER_TIMEOUT='soon' ignored" in out.out + out.err
+
+
+def test_watch_is_off_without_a_process_group_or_when_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    from spotguard.hook.peers import watch_peers
+
+    assert watch_peers(object()) is None  # no torch.distributed: nothing to watch
