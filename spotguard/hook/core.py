@@ -101,6 +101,7 @@ from .state import Objects, Snapshot, classify, pack, tracked_buffers, unpack
 from .dist import destroy_group, guard_destroy, unguard_destroy
 from .periodic import PERIODIC_SETTLED, PeriodicSaver, stage_state_dict
 from .preflight import check_launcher, probe_writable, unwritable_message
+from .peers import stop_watch, watch_peers  # [i14b] peer-liveness watch
 
 __all__ = ["Hook", "Preempted", "SIGNAL_GRACE", "EMERGENCY_LEAD", "EXIT_SAVE_FAILED"]
 
@@ -239,6 +240,8 @@ class Hook:
         self._periodic: Optional[PeriodicSaver] = PeriodicSaver(self, float(every)) if every is not None else None
         if self._dist:
             guard_destroy(self._quiesce)
+        # [i14b] peer-liveness watch: its own gloo group + thread (collective, every rank, right here)
+        self._peers = watch_peers(self) if self._dist else None
 
         self._count = 0
         self._resumed = False
@@ -424,6 +427,7 @@ class Hook:
         if self._closed:
             return
         self._closed = True
+        stop_watch(getattr(self, "_peers", None))  # [i14b] bye to the peers before anything goes
         unguard_destroy(self._quiesce)
         if self._periodic is not None and not self._exiting:
             self._periodic.quiesce(QUIESCE_PERIODIC_TIMEOUT)  # let an in-flight upload finish (bounded)
@@ -1125,6 +1129,7 @@ class Hook:
         if self._torn_down:
             return
         self._torn_down = True
+        stop_watch(getattr(self, "_peers", None))  # [i14b] before any group is destroyed
         self._late = self._agree.drop(QUIESCE_AGREEMENT_TIMEOUT) if self._agree.pending else None
         if self._periodic is not None:  # leaving after a notice: never wait out an upload
             self._periodic.quiesce(5.0 if self._exiting else QUIESCE_PERIODIC_TIMEOUT, cancel=self._exiting)

@@ -29,6 +29,9 @@ is known, ``notice_id``. Fields per event:
 - ``not_resumed``: uri, committed_step, step, fix (rank 0, once: training started without ``hook.resume()``
   while the storage already holds a committed checkpoint)
 - ``notice_after_last_step``: notice_id, step (the job finished its work; exit code unchanged)
+- ``peers_lost`` (``spotguard/hook/peers.py``): lost_ranks, hosts, silent_seconds, left_ranks, timeout, step,
+  notice_ids, committed, code (69, or 143 when this run's state at the current step is committed), action, detail;
+  followed by ``exit`` with reason "peers_lost" and the process's ``os._exit``
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ TEARDOWN = "teardown"
 EXIT = "exit"
 NOTICE_AFTER_LAST_STEP = "notice_after_last_step"
 NOT_RESUMED = "not_resumed"
+PEERS_LOST = "peers_lost"
 
 TIMELINE: tuple[str, ...] = (
     NOTICE_SEEN,
