@@ -4,8 +4,11 @@ Issue 14's figures. Two parts, both real ``torchrun`` jobs (2 ranks, gloo, CPU):
 
 **Notice -> committed** (one job per trial). A DDP model of ``LAYERS`` square
 ``Linear`` layers sized so that parameters + AdamW's two moments are 64 MiB or
-1 GiB in total (replicated on both ranks), a ``LambdaLR`` scheduler and a
-stateful loader, under ``install_preemption_hook`` writing to a **local folder**
+1 GiB in total (replicated on both ranks; one AdamW step with synthetic
+gradients gives every parameter its moments, then only the last layer trains,
+so that the real compute of an iteration, DDP all-reduce and AdamW included,
+stays far below 1.5 s on 2 cores even at 1 GiB: with every layer training it
+took 2.6-4.5 s there), a ``LambdaLR`` scheduler and a stateful loader, under ``install_preemption_hook`` writing to a **local folder**
 (``file://`` in a fresh temporary folder per trial: what is measured is the
 hook's own path plus a local disk; object-store throughput is
 ``bench_storage.py``'s). An iteration is ``busy(s)`` (the forward/backward of a
@@ -43,6 +46,7 @@ import json
 import math
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -131,8 +135,14 @@ def _trial_worker() -> None:
     dim = int(math.sqrt(state_mib * 2**20 / 12 / LAYERS))  # fp32 param + exp_avg + exp_avg_sq = 12 B each
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[torch.nn.Linear(dim, dim, bias=False) for _ in range(LAYERS)])
-    model = DDP(net)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    for p in net.parameters():  # one step with synthetic gradients: every parameter has AdamW's two moments
+        p.grad = torch.full_like(p, 1e-3)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    for p in list(net.parameters())[:-1]:  # then only the last layer trains (see the module docstring)
+        p.requires_grad_(False)
+    model = DDP(net)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.01 * s))
     loader = _stateful_loader(dim)
     hook = install_preemption_hook({"model": model, "optimizer": opt, "scheduler": sched, "loader": loader},
@@ -270,18 +280,24 @@ def _ts(event: dict[str, Any]) -> float:
 
 
 def _torchrun(mode: str, env: dict[str, str], timeout: float) -> tuple[int, str]:
+    """One 2-rank job of this file's ``--worker mode``; (exit code or -1 on timeout, its output).
+    Its own session, killed whole on a timeout or when the benchmark itself is stopped."""
     torchrun = Path(sys.executable).parent / "torchrun"
     job_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "SPOTGUARD_LOG_LEVEL": "info",
                "SPOTGUARD_LOG_FORMAT": "json", **env,
                "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node", "2", str(Path(__file__).resolve()),
+                             "--worker", mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=job_env, start_new_session=True)
     try:
-        proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(Path(__file__).resolve()),
-                               "--worker", mode], capture_output=True, text=True, env=job_env, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        err = (exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        return -1, out + "\n" + err
-    return proc.returncode, proc.stdout + "\n" + proc.stderr
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except BaseException as exc:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        if isinstance(exc, subprocess.TimeoutExpired):
+            return -1, out
+        raise
 
 
 def _prefixed(text: str, prefix: str) -> list[dict[str, Any]]:
@@ -429,6 +445,7 @@ def run() -> dict[str, Any]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: the daemon and the job are ended too
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke test: one small cell, 2 trials, short overhead")
     ap.add_argument("--cells", help="MIB:SECONDS:TRIALS,... (default: 64/1024 MiB x 1.5/10 s)")
