@@ -182,17 +182,15 @@ def _trial_worker() -> None:
             info["t_sent"] = time.time()
             reply = request_sync(sock, Drill(kind="preemption", deadline_in=DEADLINE_S), timeout=10.0)
             info["notice_id"] = reply.id if isinstance(reply, DrillOk) else None
-            print(TRIAL_PREFIX + json.dumps(info), flush=True)
+            _emit(TRIAL_PREFIX, info)
 
         threading.Thread(target=send, args=(time.time(),), daemon=True).start()
     for _ in range(1 + AFTER):
         t0 = time.perf_counter()
         iteration(sleep_s)
         if rank == 0:
-            print(TRIAL_PREFIX + json.dumps({"iteration_s": round(time.perf_counter() - t0, 4), "done": done[0]}),
-                  flush=True)
-    print(TRIAL_PREFIX + json.dumps({"error": f"rank {rank} still training {AFTER} iterations after the notice"}),
-          flush=True)
+            _emit(TRIAL_PREFIX, {"iteration_s": round(time.perf_counter() - t0, 4), "done": done[0]})
+    _emit(TRIAL_PREFIX, {"error": f"rank {rank} still training {AFTER} iterations after the notice"})
     sys.exit(3)
 
 
@@ -248,13 +246,13 @@ def _overhead_worker() -> None:
             dist.barrier()
     if rank == 0:
         off, on = statistics.median(res["off"]), statistics.median(res["on"])
-        print(OVERHEAD_PREFIX + json.dumps({
+        _emit(OVERHEAD_PREFIX, {
             "step_target_ms": step_s * 1e3, "blocks": blocks, "block_steps": block_steps,
             "us_per_step_without": round(off * 1e6, 1), "us_per_step_with": round(on * 1e6, 1),
             "hook_us_per_step": round((on - off) * 1e6, 1), "overhead_pct": round((on / off - 1) * 100, 2),
             "blocks_us_without": [round(v * 1e6, 1) for v in res["off"]],
             "blocks_us_with": [round(v * 1e6, 1) for v in res["on"]],
-        }), flush=True)
+        })
     dist.barrier()
     dist.destroy_process_group()
 
@@ -301,7 +299,26 @@ def _torchrun(mode: str, env: dict[str, str], timeout: float) -> tuple[int, str]
 
 
 def _prefixed(text: str, prefix: str) -> list[dict[str, Any]]:
-    return [json.loads(line[line.index(prefix) + len(prefix):]) for line in text.splitlines() if prefix in line]
+    """The benchmark's own result objects: the JSON object right after each ``prefix`` (a line another
+    process's output ran into is still read; anything unreadable is skipped)."""
+    out = []
+    dec = json.JSONDecoder()
+    for line in text.splitlines():
+        i = line.find(prefix)
+        while i >= 0:
+            try:
+                obj, _ = dec.raw_decode(line, i + len(prefix))
+                out.append(obj)
+            except ValueError:
+                pass
+            i = line.find(prefix, i + len(prefix))
+    return out
+
+
+def _emit(prefix: str, obj: dict[str, Any]) -> None:
+    """One write per result line (``print`` writes text and newline apart: two threads interleave)."""
+    sys.stdout.write(prefix + json.dumps(obj) + "\n")
+    sys.stdout.flush()
 
 
 def _trial(sock: str, work: Path, mib: float, period: float, phase: float) -> dict[str, Any]:
@@ -393,7 +410,8 @@ def _cell(sock: str, work: Path, mib: float, period: float, trials: int, rng: ra
 
 
 def bench(cells: list[tuple[float, float, int]], *, overhead_blocks: int, overhead_steps: int,
-          seed: int) -> dict[str, Any]:
+          seed: int, partial: Optional[Path] = None) -> dict[str, Any]:
+    """Every cell, then the overhead job; with ``partial``, what is done so far is written there after each."""
     from spotguard.launch import start_daemon
 
     rng = random.Random(seed)
@@ -410,6 +428,9 @@ def bench(cells: list[tuple[float, float, int]], *, overhead_blocks: int, overhe
         }
         for mib, period, trials in cells:
             out["cells"].append(_cell(sock, work, mib, period, trials, rng))
+            if partial is not None:
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                partial.write_text(json.dumps({**out, "partial": True}, indent=2) + "\n")
         if overhead_blocks:
             out["overhead_10ms"] = _overhead(sock, overhead_blocks, overhead_steps)
         out["load_avg_end"] = os.getloadavg()
@@ -458,10 +479,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     blocks, steps = (2, 40) if a.quick else (6, 150)
     if a.no_overhead:
         blocks = 0
-    result = bench(cells, overhead_blocks=blocks, overhead_steps=steps, seed=a.seed)
+    path = Path(a.out) if a.out else RESULTS / f"time_to_safe-{a.label}.json"
+    result = bench(cells, overhead_blocks=blocks, overhead_steps=steps, seed=a.seed, partial=path)
     result["label"] = a.label
     result["quick"] = a.quick
-    path = Path(a.out) if a.out else RESULTS / f"time_to_safe-{a.label}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     short = {"cells": [{k: c[k] for k in ("state_mib", "iteration_s", "failed", "notice_to_committed_s",
