@@ -61,6 +61,7 @@ import builtins
 import os
 import signal
 import threading
+import time
 import uuid
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, Optional
@@ -73,8 +74,9 @@ from ..notice import Notice
 from ..storage import Storage, StorageError, open_storage
 from ..timefmt import utcnow
 from . import events as ev
-from .agreement import AgreementMixin
+from .agreement import AgreementMixin, BackgroundAgreement
 from .dist import (
+    NO_DEADLINE_MS,
     Agreement,
     guard_destroy,
     is_dist,
@@ -86,10 +88,11 @@ from .notices import NoticesMixin
 from .periodic import PeriodicSaver
 from .preflight import check_launcher, probe_writable, unwritable_message
 from .resume import ResumeMixin
-from .save import SaveMixin, _Result  # noqa: F401
+from .save import SaveMixin, _Result
 from .settings import (  # noqa: F401 - re-exported: adapters, torchft and tests import them from core
     EMERGENCY_LEAD,
     EXIT_SAVE_FAILED,
+    HOLD_SLACK,
     LEVEL_CHECKPOINT,
     LEVEL_EMERGENCY,
     LEVEL_NONE,
@@ -121,6 +124,9 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
     # A dict hook under a launcher must come after init_process_group; framework adapters
     # arm later, once their trainer has created the group.
     _launcher_check = True
+    # Notices agreed off the training thread and saved in the background (agreement.py); adapters
+    # whose framework writes the checkpoint itself keep the step-boundary path.
+    _background_capable = True
 
     def __init__(
         self,
@@ -195,6 +201,26 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         if delay_rank not in (None, "") and int(delay_rank) != self._rank:
             self._test_delay = None
 
+        # The background agreement (agreement.py): its thread and gloo group exist on every rank of an
+        # eligible hook; ``_bg_on`` (notices wake it) once training is seen in implicit mode.
+        self._cv = threading.Condition(threading.Lock())  # the step state below, shared with that thread
+        self._in_step = False  # the training thread is between the clock's pre- and post-hook
+        self._freeze: Optional[int] = None  # a round runs: no optimizer step may start at this count or past it
+        self._target: Optional[int] = None  # the agreed step S (held there until its tensors are copied)
+        self._hold_until = 0.0
+        self._small: Optional[tuple[int, bytes, dict[str, Any], str]] = None
+        self._snap_count = -1
+        self._post_t = 0.0
+        self._staged_step: Optional[int] = None
+        self._exit_request: Optional[tuple[Notice, Any, Optional[int]]] = None
+        self._explicit_intent = False
+        self._bg_on = False
+        self._bg: Optional[BackgroundAgreement] = None
+        if self._dist and self._background_capable and len(self._objs.optimizers) == 1 and \
+                os.environ.get("SPOTGUARD_BACKGROUND_AGREEMENT", "1").strip() != "0":
+            self._bg = BackgroundAgreement(self)
+            self._bg.start()
+
         self._handles: list[Any] = []
         self._scaler_orig: Optional[tuple[Any, Any]] = None
         self._install_step_hooks()
@@ -239,6 +265,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         """``for step in hook.range(total):`` resumes, then yields steps; each iteration's end is a boundary."""
         if isinstance(total, bool) or not isinstance(total, int) or total < 0:
             raise ValueError(f"total must be a non-negative integer, got {total!r}")
+        self._explicit_intent = True  # resume() must not arm the background agreement
         if not self._resumed:
             self.resume()
         self._enter_explicit()
@@ -267,6 +294,9 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         if self._closed:
             return
         self._closed = True
+        self._bg_on = False
+        if self._bg is not None:
+            self._bg.close(0.0)
         unguard_destroy(self._quiesce)
         if self._periodic is not None and not self._exiting:
             self._periodic.quiesce(QUIESCE_PERIODIC_TIMEOUT)  # let an in-flight upload finish (bounded)
@@ -297,8 +327,11 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             hook = self
 
             def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-                if not (hook._internal or hook._explicit or hook._closed) and hook._agree.pending:
-                    hook._boundary()
+                if not (hook._internal or hook._explicit or hook._closed):
+                    if hook._bg_on:
+                        hook._step_begin()
+                    if hook._agree.pending:
+                        hook._boundary()
                 return orig_step(optimizer, *args, **kwargs)
 
             def update(*args: Any, **kwargs: Any) -> Any:
@@ -327,7 +360,13 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             return  # DCP's fake step() on a fresh optimizer lands here: never count it
         if self._clock is None:
             self._clock = optimizer
-        if optimizer is self._clock and self._agree.pending:
+        if optimizer is not self._clock:
+            return
+        if not self._bg_on and self._bg is not None and not self._explicit_intent:
+            self._enable_background()  # no hook.resume(): the first step is where training shows itself
+        if self._bg_on and self._scaler is None:  # with a scaler, its step() wrapper is the begin
+            self._step_begin()
+        if self._agree.pending:
             self._boundary()
 
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -346,6 +385,9 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             self._warn_unresumed()
         if self._torn_down:  # the process group is gone: count, but launch nothing
             self._count += 1
+            return
+        if self._bg_on:
+            self._step_end()
             return
         if self._agree.pending:  # a decision no boundary consumed (unusual loop): settle it here, consistently
             res = self._agree.collect()
@@ -369,7 +411,68 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         if self._explicit:
             return
         self._explicit = True
+        self._bg_on = False  # the explicit boundary decides (the hook cannot see optimizer steps any more)
         self._remove_step_hooks()
+
+    # ------------------------------------------- background agreement: the training thread's side
+
+    def _enable_background(self) -> None:
+        """From now on notices are agreed off the training thread (implicit mode only; see agreement.py)."""
+        if self._bg is None or not self._bg.ok or self._explicit or self._explicit_intent or self._bg_on:
+            return
+        self._bg_on = True
+        with self._lock:
+            notices = list(self._pending.values())
+        for n in notices:  # notices that came before training started (warm-up, resume)
+            self._arm_wake(n)
+
+    def _step_begin(self) -> None:
+        """Clock pre-hook (background mode): mark "inside optimizer.step", unless a round holds this step.
+
+        While a round runs (``_freeze``: the count this rank said it will stand at)
+        or after it agreed ``_target`` = S and this rank is at S, the step waits
+        until the tensors of S are copied (the small state of S is captured here
+        first when this thread arrives before the copy is done). Bounded: past the
+        round's deadline without a decision or copy, the process exits 75.
+        """
+        give_up = None
+        with self._cv:
+            while self._exit_request is None:
+                key = self._target if self._target is not None else self._freeze
+                if key is None or self._count < key:
+                    self._in_step = True
+                    return
+                if self._count == key and (self._small is None or self._small[0] != key):
+                    self._small = self._capture_small(key, "pre-hook")
+                    self._cv.notify_all()
+                left = self._hold_until + HOLD_SLACK - time.monotonic()
+                if left <= 0:
+                    give_up = key
+                    break
+                self._cv.wait(min(0.5, left))
+        if give_up is not None and self._exit_request is None:
+            self._log.error(ev.PEERS_LOST, where="hold", step=give_up,
+                            error="the agreement or the copy did not finish within the notice deadline")
+            notice = self._best_notice() or Notice(id=f"agreed-{give_up}", source="signal", kind="termination",
+                                                   deadline=utcnow(), detail="peers lost while holding the step")
+            self._exit(notice, _Result(committed=False, peers_ok=False, error="hold timed out"), give_up)
+        self._exit_if_requested()
+
+    def _step_end(self) -> None:
+        """Clock post-hook (background mode): count, snapshot, leave "inside optimizer.step"."""
+        snap = Snapshot.take(self._objs.loaders, self._buffers)  # before the count: a round may read it at once
+        with self._cv:
+            self._count += 1
+            self._snap, self._snap_count = snap, self._count
+            self._in_step = False
+            self._post_t = time.monotonic()
+            self._cv.notify_all()
+        self._implicit_counted = True
+        if self._periodic is not None:  # the step-path reduction only carries periodic votes now
+            if self._agree.pending:
+                self._agree.collect()
+            self._agree.launch(LEVEL_NONE, NO_DEADLINE_MS, self._periodic_flags())
+        self._exit_if_requested()
 
     def _explicit_boundary(self, *, final: bool) -> None:
         if not self._fresh_checked:

@@ -105,6 +105,19 @@ class NoticesMixin:
         if notice.emergency and notice.seconds_left() > EMERGENCY_LEAD:
             self._log.info(ev.NOTICE_DEFERRED, notice_id=notice.id, kind=notice.kind, lead=EMERGENCY_LEAD,
                            acts_in=round(notice.seconds_left() - EMERGENCY_LEAD, 3))
+        if self._bg_on:
+            self._arm_wake(notice)
+
+    def _arm_wake(self, notice: Notice) -> None:
+        """Background mode: wake every rank's agreement thread now, or at ``deadline - EMERGENCY_LEAD``."""
+        bg = self._bg
+        if bg is None:
+            return
+        level = self._level_of(notice)
+        if level > 0:
+            bg.wake(_ms(notice.deadline))
+        elif notice.emergency and notice.id not in self._committed_ids:
+            bg.wake_at(notice.seconds_left() - EMERGENCY_LEAD, _ms(notice.deadline))
 
     def _on_cancel(self, notice_id: str) -> None:
         with self._lock:

@@ -90,6 +90,7 @@ class ResumeMixin:
         self._resumed = True
         self._fresh_checked = True
         self._agree_at_start()
+        self._enable_background()  # implicit mode (hook.range() set its intent first): agree off the training thread
         return step
 
     def latest(self) -> Optional[str]:
