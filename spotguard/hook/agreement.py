@@ -19,7 +19,17 @@ level = MAX, deadline = MIN, the step to save ``S`` = MAX of the stands (DDP
 ranks differ by at most one; a laggard trains on to ``S`` needing no
 collective from the ranks already there). The checkpoint is then written from
 this same thread (``save.py``: ``_save_staged``), and the exit follows it
-(``exit.py``: ``_exit_from_background``). Why the store and not a periodic
+(``exit.py``: ``_exit_from_background``). The training thread is held at its
+next pre-hook until the tensors of S are copied; after that, an ordinary
+(rebalance/maintenance) checkpoint releases it, while an emergency keeps it
+held until the exit. Why (a departure from "hold only until the copy"): the
+steps an emergency lets run after S are thrown away anyway, and running them
+costs the user side effects that the resumed run repeats (logged metrics,
+records written per step), and CPU, PCIe and network that the upload needs in
+the VM's last seconds; the hold itself costs nothing, since the process leaves
+right after the commit, and cannot deadlock (the save's collectives are the
+agreement thread's, on its own group). The training thread goes on meanwhile
+with whatever it was doing (forward/backward, evaluation, data loading). Why the store and not a periodic
 all-reduce: a blocked ``store.wait`` costs nothing per step (measured in
 docs/performance.md), and a notice reaches every rank in one store round trip.
 Why a generation key rather than one flag: rounds are numbered, every rank
@@ -46,7 +56,6 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -163,12 +172,12 @@ class AgreementMixin:
         try:
             allv = bg.gather((level, deadline_ms, stand, self._best_local()), max(0.5, t_end - time.monotonic()))
         except RoundFailed as exc:
-            self._log.error(ev.PEERS_LOST, where="agreement", gen=gen, error=str(exc)[:300])
             deadline = utcnow() + timedelta(milliseconds=max(0, wake_deadline_ms - now_ms)) \
                 if wake_deadline_ms < NO_DEADLINE_MS else utcnow() + timedelta(seconds=SIGNAL_GRACE)
             notice = self._best_notice() or Notice(id=f"agreed-{self._count}", source="signal", kind="termination",
                                                    deadline=deadline, detail="peers lost during the agreement")
-            self._exit_from_background(notice, _Result(committed=False, peers_ok=False, error=str(exc)), None)
+            self._exit_from_background(notice, _Result(committed=False, peers_ok=False, error=str(exc)), None,
+                                       lost_where="agreement")
             return
         level = max(int(v[0]) for v in allv)
         deadline_ms = min(int(v[1]) for v in allv)
@@ -205,7 +214,7 @@ class AgreementMixin:
         reason = "emergency" if action == "emergency" else "manual"
         if action == "emergency":
             self._install_excepthook(notice, t_end)
-        result = self._save_staged(notice, reason, step, t_end, bg.group)
+        result = self._save_staged(notice, reason, step, t_end, bg.group, hold=action == "emergency")
         if action == "emergency":
             self._exit_from_background(notice, result, step)
             return
@@ -224,18 +233,6 @@ WAKE_POLL = timedelta(hours=1)
 
 class RoundFailed(Exception):
     """A collective of the background agreement or save did not complete in its bound: peers lost."""
-
-
-@dataclass
-class Decision:
-    """What one round agreed (identical on every rank)."""
-
-    gen: int
-    level: int
-    deadline_ms: int
-    step: int  # S: the completed iteration the checkpoint stands for
-    notice: Optional[Notice]
-    ids: list[str]
 
 
 class BackgroundAgreement:
@@ -294,7 +291,7 @@ class BackgroundAgreement:
 
     def wake_at(self, seconds: float, deadline_ms: int) -> None:
         """Wake in ``seconds`` (an emergency notice further off than ``EMERGENCY_LEAD``)."""
-        t = threading.Timer(max(0.0, seconds), self.wake, args=(deadline_ms,))
+        t = threading.Timer(max(0.0, seconds) + 0.1, self.wake, args=(deadline_ms,))  # +0.1: past the lead
         t.daemon = True
         t.name = "spotguard-lead-timer"
         self._timers.append(t)
@@ -319,11 +316,12 @@ class BackgroundAgreement:
 
     def _run(self) -> None:
         h = self.hook
-        while not self._closed.is_set():
+        while not self._closed.is_set() and h._exit_request is None and not h._exiting:
             g = self.gen
             try:
-                if h._local_level()[0] > 0:  # a notice that came while the previous round ran
-                    self.wake(h._local_level()[1])
+                level, deadline_ms = h._local_level()
+                if level > 0 and h._bg_on:  # a notice that came while the previous round ran
+                    self.wake(deadline_ms)
                 deadline_ms = self._wait(g)
             except Exception as exc:  # noqa: BLE001 - the store went away (job ending): stop quietly
                 if not self._closed.is_set():

@@ -2,13 +2,24 @@
 
 Where the code lives (``Hook`` is this class plus one mixin per seam, each
 readable alone): ``notices.py`` (intake, signals, the local level),
-``agreement.py`` (acting on an agreed level: plan and carry out),
-``save.py`` (the DCP write and commit protocol), ``resume.py`` (loading the
-newest committed checkpoint), ``exit.py`` (teardown, exit codes, ``Preempted``),
+``agreement.py`` (the agreement: background rounds, or at the boundary; acting
+on it), ``save.py`` (the DCP write and commit protocol, the staged background
+save), ``resume.py`` (loading the newest committed checkpoint), ``exit.py``
+(teardown, exit codes, ``Preempted``, leaving from the background),
 ``settings.py`` (tunables). This module keeps construction, the public API and
 the optimizer step hooks.
 
-Shape of one iteration with no loop change (see docs/api.md)::
+Two ways to act on a notice:
+
+- **At any moment** (under ``torch.distributed``, one optimizer, optimizer
+  hooks; agreement.py): the step hooks only keep ``_count`` / ``_in_step``
+  under ``_cv`` and snapshot RNG/loader/buffers at the post-hook; an agreement
+  thread per rank decides S and writes the checkpoint; the pre-hook holds a step
+  only while a round runs and until the tensors of S are copied (``_step_begin``).
+- **At the step boundary** (explicit mode, adapters, a single process, several
+  optimizers, ``SPOTGUARD_BACKGROUND_AGREEMENT=0``), below.
+
+Shape of one iteration with no loop change, boundary path (see docs/api.md)::
 
     fwd/bwd ... [pre-hook: BOUNDARY] opt.step() [post-hook: DECIDE] sched.step() ...
 
@@ -431,9 +442,10 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
 
         While a round runs (``_freeze``: the count this rank said it will stand at)
         or after it agreed ``_target`` = S and this rank is at S, the step waits
-        until the tensors of S are copied (the small state of S is captured here
-        first when this thread arrives before the copy is done). Bounded: past the
-        round's deadline without a decision or copy, the process exits 75.
+        until the tensors of S are copied — for an emergency, until the exit (the
+        small state of S is captured here first when this thread arrives before
+        the copy is done). Bounded: past the round's deadline without a decision,
+        a copy or an exit, the process exits 75.
         """
         give_up = None
         with self._cv:
@@ -442,7 +454,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                 if key is None or self._count < key:
                     self._in_step = True
                     return
-                if self._count == key and (self._small is None or self._small[0] != key):
+                if self._count == key and self._staged_step != key and (self._small is None or self._small[0] != key):
                     self._small = self._capture_small(key, "pre-hook")
                     self._cv.notify_all()
                 left = self._hold_until + HOLD_SLACK - time.monotonic()

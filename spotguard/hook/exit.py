@@ -111,7 +111,8 @@ class ExitMixin:
 
     # ------------------------------------------------ leaving after a background save
 
-    def _exit_from_background(self, notice: Notice, result: Optional[_Result], step: Optional[int]) -> None:
+    def _exit_from_background(self, notice: Notice, result: Optional[_Result], step: Optional[int], *,
+                              lost_where: str = "save") -> None:
         """The agreement thread, after the commit barrier (or a lost peer): make the process leave.
 
         The training thread raises ``Preempted`` at its next hook point (a held
@@ -127,7 +128,7 @@ class ExitMixin:
         step = self._count if step is None else step
         committed, nothing, code = self._outcome(result, step)
         if result is not None and not result.peers_ok:
-            self._log.error(ev.PEERS_LOST, where="save", notice_id=notice.id, error=result.error[:300])
+            self._log.error(ev.PEERS_LOST, where=lost_where, notice_id=notice.id, error=result.error[:300])
         with self._cv:
             self._exit_request = (notice, result, step)
             self._cv.notify_all()

@@ -322,7 +322,8 @@ class SaveMixin:
 
     # ------------------------------------------------- background (staged) save
 
-    def _save_staged(self, notice: Notice, reason: str, step: int, t_end: float, group: Any) -> _Result:
+    def _save_staged(self, notice: Notice, reason: str, step: int, t_end: float, group: Any, *,
+                     hold: bool = False) -> _Result:
         """The agreement thread: checkpoint of completed iteration ``step`` while training goes on. Never raises.
 
         1. wait until this rank's count is ``step`` and its training thread is not
@@ -331,6 +332,8 @@ class SaveMixin:
            they do not change between optimizer steps) — the training thread holds at
            its next pre-hook only until then; 3. the small state (see
            ``_capture_small``); 4. DCP save of the copy + commit, on ``group``.
+        ``hold`` (an emergency): the training thread stays held at its next pre-hook
+        after the copy too, until the exit (agreement.py says why).
         """
         t0 = time.monotonic()
         with self._cv:
@@ -362,7 +365,9 @@ class SaveMixin:
             _, blob, groups, where = self._small
             self._small = None
             self._staged_step = step
-            self._freeze = self._target = None
+            self._freeze = None
+            if not hold:
+                self._target = None
             self._cv.notify_all()
         self._log.info(ev.CHECKPOINT_STAGED, notice_id=notice.id, step=step, bytes=nbytes,
                        seconds=round(copied, 4), small_state_from=where)

@@ -11,6 +11,7 @@ iteration ITER (PHASE ``eval``), ``--stall-before ITER:SECONDS`` a loader stall 
 ``--warmup SECONDS`` before the first step (PHASE ``warmup``, ITER ignored). The math never depends on
 the sleeps, so an interrupted and resumed run must end bitwise equal to ``--no-hook``.
 
+``--notice-timer ITER:SECONDS`` sends it that long after iteration ITER starts (a random phase).
 ``--phases-from ITER`` keeps the earlier iterations fast. Rank 0 prints ``{"step": i, "loss": l, "t": wall-clock}`` after each iteration.
 """
 
@@ -62,6 +63,7 @@ def main() -> int:
     p.add_argument("--phases-from", type=int, default=0, help="iterations before this one run without sleeps")
     p.add_argument("--notice-at", default=None, help="ITER:PHASE")
     p.add_argument("--notice-rank", type=int, default=0)
+    p.add_argument("--notice-timer", default=None, help="ITER:SECONDS: SIGUSR1 that long after ITER starts")
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--micro-time", type=float, default=0.0)
     p.add_argument("--eval-after", default=None, help="ITER:SECONDS")
@@ -117,6 +119,16 @@ def main() -> int:
     model.train()
     for i in range(start, args.steps):
         state["i"] = i
+        if args.notice_timer and rank == args.notice_rank and int(args.notice_timer.split(":")[0]) == i:
+            import threading  # noqa: PLC0415
+
+            delay = float(args.notice_timer.split(":")[1])
+
+            def fire() -> None:
+                print(json.dumps({"notice_sent": "timer", "iter": i, "t": time.time(), "rank": rank}), flush=True)
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+            threading.Timer(delay, fire).start()
         if i >= args.phases_from:
             load_t, fwd_t, bwd_t, state["step_t"], after_t = phases
         if stall_before is not None and stall_before[0] == i:
