@@ -165,6 +165,8 @@ class AgreementMixin:
         now_ms = _ms(utcnow())
         left = SIGNAL_GRACE if wake_deadline_ms >= NO_DEADLINE_MS else (wake_deadline_ms - now_ms) / 1000.0
         t_end = time.monotonic() + max(1.0, left - min(SAVE_MARGIN, max(0.0, left) / 2))
+        # A rank still inside resume() joins once it is over: the decision reads its count and resumed step.
+        self._bg_ready.wait(max(0.0, t_end - time.monotonic()))
         with self._cv:  # join: from here the training thread starts no optimizer step past `stand`
             stand = self._count + (1 if self._in_step else 0)
             self._freeze, self._target, self._hold_until = stand, None, t_end

@@ -226,6 +226,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         self._exit_request: Optional[tuple[Notice, Any, Optional[int]]] = None
         self._explicit_intent = False
         self._bg_on = False
+        self._bg_ready = threading.Event()  # resume() is over (or training started without it)
         self._bg: Optional[BackgroundAgreement] = None
         if self._dist and self._background_capable and len(self._objs.optimizers) == 1 and \
                 os.environ.get("SPOTGUARD_BACKGROUND_AGREEMENT", "1").strip() != "0":
@@ -429,6 +430,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
 
     def _enable_background(self) -> None:
         """From now on notices are agreed off the training thread (implicit mode only; see agreement.py)."""
+        self._bg_ready.set()  # training starts here: a round may read this rank's count and resume state
         if self._bg is None or not self._bg.ok or self._explicit or self._explicit_intent or self._bg_on:
             return
         self._bg_on = True
