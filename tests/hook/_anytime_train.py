@@ -86,7 +86,9 @@ def main() -> int:
     rank = dist.get_rank()
     torch.set_num_threads(1)
     ns = argparse.Namespace(seed=args.seed, hidden=args.hidden, optim=args.optim)
-    net, opt, sched = ex.build(ns, rank)
+    net, opt, _ = ex.build(ns, rank)
+    # lr changes at the scheduler step right after optimizer step 3: a checkpoint of step 3 must hold the new lr
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     model = DDP(net)
     loader = ex.SyntheticLoader(args.seed, rank)
     torch.manual_seed(args.seed + 1 + rank)
