@@ -55,6 +55,9 @@ class FrameworkHook(Hook):
 
     framework = "framework"
     _launcher_check = False  # the trainer creates the process group itself (inside fit/train)
+    # The framework writes its own checkpoint between two of its callbacks: notices are agreed and
+    # written at the framework's step boundary (the core's boundary path), not in the background.
+    _background_capable = False
 
     def __init__(
         self,
