@@ -69,6 +69,7 @@ def main() -> int:
     p.add_argument("--eval-after", default=None, help="ITER:SECONDS")
     p.add_argument("--stall-before", default=None, help="ITER:SECONDS")
     p.add_argument("--warmup", type=float, default=0.0)
+    p.add_argument("--raise-in-eval", type=float, default=-1.0, help="every rank raises this long into the eval")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--optim", default="sgd")
@@ -176,6 +177,8 @@ def main() -> int:
                 while time.monotonic() < end:
                     acc += F.mse_loss(net(torch.randn(8, 32, generator=g)), torch.zeros(8, 1))
                     time.sleep(0.05)
+                    if 0 <= args.raise_in_eval < eval_after[1] - (end - time.monotonic()):
+                        raise RuntimeError("a collective of the user's failed (test)")
             dist.all_reduce(acc)
             model.train()
 

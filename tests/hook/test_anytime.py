@@ -160,3 +160,18 @@ def test_peer_that_never_joins_exits_75_previous_checkpoint_intact(tmp_path: Pat
     assert run.events("peers_lost", 0), run.tail()
     assert not run.events("checkpoint_committed"), run.tail()
     assert committed(store) == [2]
+
+
+def test_training_thread_raising_after_the_decision_exits_with_the_decided_code(tmp_path: Path) -> None:
+    """Every rank's loop raises 0.3 s into an evaluation that a notice interrupted (as when a peer left first
+    and a collective of the user's failed): the process still exits 143 once the checkpoint is committed,
+    from the excepthook, with one line saying why — not 1 with a traceback."""
+    store = tmp_path / "ckpt"
+    run = job(tmp_path, "preempted", ["--storage", str(store), "--eval-after", "2:30", "--notice-at", "2:eval",
+                                      "--raise-in-eval", "0.3"], env={"SPOTGUARD_SIGNAL_GRACE": "10"})
+    exits = stopped(run, 3)
+    assert all(e["committed"] and e["by"] == "excepthook" for e in exits.values()), exits
+    assert committed(store) == [3]
+    text = run.log.read_text(errors="replace")
+    assert "training thread raised during the emergency checkpoint" in text
+    assert "exitcode  : 143" in text and "exitcode  : 1 " not in text
