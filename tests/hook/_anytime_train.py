@@ -63,12 +63,14 @@ def main() -> int:
     p.add_argument("--phases-from", type=int, default=0, help="iterations before this one run without sleeps")
     p.add_argument("--notice-at", default=None, help="ITER:PHASE")
     p.add_argument("--notice-rank", type=int, default=0)
+    p.add_argument("--notice-kind", default="signal", help="signal (SIGUSR1) or rebalance (hook.notify)")
     p.add_argument("--notice-timer", default=None, help="ITER:SECONDS: SIGUSR1 that long after ITER starts")
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--micro-time", type=float, default=0.0)
     p.add_argument("--eval-after", default=None, help="ITER:SECONDS")
     p.add_argument("--stall-before", default=None, help="ITER:SECONDS")
     p.add_argument("--warmup", type=float, default=0.0)
+    p.add_argument("--raise-in-eval", type=float, default=-1.0, help="every rank raises this long into the eval")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--optim", default="sgd")
@@ -98,9 +100,20 @@ def main() -> int:
     def notice(i: int | None, phase: str) -> None:
         if rank == args.notice_rank and phase == notice_phase and (i == notice_iter or phase == "warmup"):
             print(json.dumps({"notice_sent": phase, "iter": i, "t": time.time(), "rank": rank}), flush=True)
-            os.kill(os.getpid(), signal.SIGUSR1)
+            if args.notice_kind == "rebalance":
+                from datetime import timedelta  # noqa: PLC0415
+
+                from spotguard.notice import Notice  # noqa: PLC0415
+                from spotguard.timefmt import utcnow  # noqa: PLC0415
+
+                now = utcnow()
+                hook.notify(Notice(id=f"rebalance-{i}", source="drill", kind="rebalance",
+                                   deadline=now + timedelta(seconds=60), received_at=now))
+            else:
+                os.kill(os.getpid(), signal.SIGUSR1)
 
     start = 0
+    hook: Any = None
     if not args.no_hook:
         from spotguard import install_preemption_hook
 
@@ -176,6 +189,8 @@ def main() -> int:
                 while time.monotonic() < end:
                     acc += F.mse_loss(net(torch.randn(8, 32, generator=g)), torch.zeros(8, 1))
                     time.sleep(0.05)
+                    if 0 <= args.raise_in_eval < eval_after[1] - (end - time.monotonic()):
+                        raise RuntimeError("a collective of the user's failed (test)")
             dist.all_reduce(acc)
             model.train()
 

@@ -160,3 +160,37 @@ def test_peer_that_never_joins_exits_75_previous_checkpoint_intact(tmp_path: Pat
     assert run.events("peers_lost", 0), run.tail()
     assert not run.events("checkpoint_committed"), run.tail()
     assert committed(store) == [2]
+
+
+def test_training_thread_raising_after_the_decision_exits_with_the_decided_code(tmp_path: Path) -> None:
+    """Every rank's loop raises 0.3 s into an evaluation that a notice interrupted (as when a peer left first
+    and a collective of the user's failed): the process still exits 143 once the checkpoint is committed,
+    from the excepthook, with one line saying why — not 1 with a traceback."""
+    store = tmp_path / "ckpt"
+    run = job(tmp_path, "preempted", ["--storage", str(store), "--eval-after", "2:30", "--notice-at", "2:eval",
+                                      "--raise-in-eval", "0.3"], env={"SPOTGUARD_SIGNAL_GRACE": "10"})
+    exits = stopped(run, 3)
+    assert all(e["committed"] and e["by"] == "excepthook" for e in exits.values()), exits
+    assert committed(store) == [3]
+    text = run.log.read_text(errors="replace")
+    assert "training thread raised during the emergency checkpoint" in text
+    assert "exitcode  : 143" in text and "exitcode  : 1 " not in text
+
+
+def test_rebalance_checkpoint_in_the_background_keeps_training(ref_plain: Path, tmp_path: Path) -> None:
+    """A rebalance notice inside optimizer step 2 (1.5 s iterations): an ordinary checkpoint of step 3 is
+    committed in the background, training goes on to the end (exit 0, state bitwise equal to the
+    uninterrupted run), and resuming from that checkpoint is bitwise too."""
+    store = tmp_path / "ckpt"
+    out = tmp_path / "through.pt"
+    run = job(tmp_path, "through", ["--storage", str(store), "--phases", ITER_15S, "--phases-from", "1",
+                                    "--notice-at", "2:step", "--notice-kind", "rebalance", "--out", str(out)])
+    assert run.wait(120) == 0, run.tail()
+    agreed = run.events("agreed")
+    assert {e["step"] for e in agreed} == {3} and {e["action"] for e in agreed} == {"checkpoint"}, agreed
+    assert {e.get("via") for e in agreed} == {"background"}, agreed
+    since, save = commit_timing(run, 3)
+    assert since - save <= 1.0, (since, save)
+    assert committed(store) == [3]
+    assert first_difference(load_out(ref_plain), load_out(out)) is None
+    resume_bitwise(tmp_path, store, 3, ref_plain, [])
