@@ -45,6 +45,14 @@ chaos: $(STAMP) storage-tools
 bench: $(STAMP) storage-tools frameworks-tools torchft-tools
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
+# Time to safe (benchmarks/time_to_safe.py, docs/performance.md): notice -> committed at a random phase of
+# 1.5 s and 10 s iterations, 64 MiB and 1 GiB of state, >= 12-20 trials a cell, plus the per-step cost with no
+# notice; ~35 min on 2 cores (mostly sleeping). Not part of `make bench` (also: BENCH_ARGS=time_to_safe).
+# TTS_ARGS e.g. "--label after" (results/time_to_safe-<label>.json), "--quick", "--cells 64:1.5:20".
+.PHONY: bench-time-to-safe
+bench-time-to-safe: $(STAMP)
+	$(PY) -m benchmarks.time_to_safe $(TTS_ARGS)
+
 # GPU proof kit (benchmarks/gpu_check.py, docs/performance.md "GPU"): one JSON summary, ~8 minutes on
 # one GPU; prints SKIP and exits 0 where no CUDA device exists. GPU_PY: the machine's own python3 (it
 # holds the CUDA torch); the wheels from `make gpu-wheels` are installed first when .whl/ exists and

@@ -51,6 +51,21 @@ class LoggingTrainer(Trainer):
     """Prints every step's loss exactly (``float.hex``) on rank 0, and sleeps ``step_time`` (simulated work)."""
 
     step_time = 0.0
+    eval_step_time = 0.0
+    _eval_batch = 0
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        self._eval_batch = 0
+        return super().evaluate(*args, **kwargs)
+
+    def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None) -> Any:
+        """One evaluation batch: printed on rank 0, ``eval_step_time`` long (a slow evaluation set)."""
+        if self.is_world_process_zero():
+            print(json.dumps({"eval_batch": self._eval_batch, "step": self.state.global_step}), flush=True)
+        self._eval_batch += 1
+        if self.eval_step_time > 0:
+            time.sleep(self.eval_step_time)
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any) -> Any:
         out = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
@@ -74,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-dir", default=None, help="the Trainer's own output_dir (default: a temp folder)")
     p.add_argument("--jit", action="store_true", help="also set enable_jit_checkpoint (spotguard switches it off)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--eval-every", type=int, default=6, help="evaluate every N steps (with --eval-batches)")
+    p.add_argument("--eval-batches", type=int, default=0, help="evaluation batches (default 0: no evaluation)")
+    p.add_argument("--eval-step-time", type=float, default=0.0, help="seconds each evaluation batch takes")
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -81,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = GPT2LMHeadModel(cfg)
     train = Tokens(96, 16, cfg.vocab_size, args.seed)  # 2 ranks x 4 = 8 a step: 12 steps an epoch
+    evaluation: dict[str, Any] = {}
+    evalset = None
+    if args.eval_batches > 0:  # a notice during evaluation is acted on at once (docs/frameworks.md)
+        evalset = Tokens(2 * 4 * args.eval_batches, 16, cfg.vocab_size, args.seed + 1)
+        evaluation = {"eval_strategy": "steps", "eval_steps": args.eval_every, "per_device_eval_batch_size": 4}
 
     targs = TrainingArguments(
         output_dir=args.output_dir or tempfile.mkdtemp(prefix="hf-out-"),
@@ -88,10 +111,11 @@ def main(argv: list[str] | None = None) -> int:
         lr_scheduler_type="linear", warmup_steps=3, weight_decay=0.01,
         logging_strategy="no", save_strategy="no", report_to=[], disable_tqdm=True,
         seed=args.seed, use_cpu=True, ddp_backend="gloo", ddp_find_unused_parameters=False, dataloader_num_workers=0,
-        enable_jit_checkpoint=args.jit,
+        enable_jit_checkpoint=args.jit, **evaluation,
     )
-    trainer = LoggingTrainer(model=model, args=targs, train_dataset=train)
+    trainer = LoggingTrainer(model=model, args=targs, train_dataset=train, eval_dataset=evalset)
     trainer.step_time = args.step_time
+    trainer.eval_step_time = args.eval_step_time
 
     resume = None
     if not args.no_hook:

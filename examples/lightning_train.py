@@ -59,6 +59,7 @@ class Net(pl.LightningModule):
             torch.nn.Linear(hidden, 1),
         )
         self.seed, self.step_time, self.log_file = seed, step_time, log_file
+        self.eval_step_time = 0.0
 
     def batch(self, batch_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         rank = self.trainer.global_rank
@@ -78,6 +79,15 @@ class Net(pl.LightningModule):
             time.sleep(self.step_time)
         return loss
 
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """Eval mode, no random draws: how long validation takes never changes the training losses."""
+        if self.trainer.global_rank == 0:
+            print(json.dumps({"val_batch": batch_idx, "step": self.global_step}), flush=True)
+        x, y = self.batch(batch_idx)
+        if self.eval_step_time > 0:
+            time.sleep(self.eval_step_time)
+        return F.mse_loss(self.net(x), y)
+
     def configure_optimizers(self) -> Any:
         opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)
@@ -96,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--explicit-ckpt-path", action="store_true", help="pass ckpt_path=hook.latest() to fit")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--eval-every", type=int, default=6, help="validate every N training batches (with --eval-batches)")
+    p.add_argument("--eval-batches", type=int, default=0, help="validation batches (default 0: no validation)")
+    p.add_argument("--eval-step-time", type=float, default=0.0, help="seconds each validation batch takes")
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -106,12 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     np.random.seed(args.seed + rank)
 
     model = Net(args.seed, args.hidden, args.step_time, None)
+    model.eval_step_time = args.eval_step_time
+    validation: dict[str, Any] = {"limit_val_batches": 0}
+    if args.eval_batches > 0:  # a notice during validation is acted on at once (docs/frameworks.md)
+        validation = {"limit_val_batches": args.eval_batches, "val_check_interval": args.eval_every}
     trainer = pl.Trainer(
         accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), num_nodes=1,
         strategy="ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "auto",
         max_steps=args.steps, max_epochs=-1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        use_distributed_sampler=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        use_distributed_sampler=False, **validation,
     )
     ckpt_path = None
     if not args.no_hook:
@@ -120,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         hook = install_preemption_hook(trainer, storage=args.storage, every=args.every)  # <- the spotguard line
         if args.explicit_ckpt_path:
             ckpt_path = hook.latest()
-    trainer.fit(model, train_dataloaders=Indices(args.batches_per_epoch), ckpt_path=ckpt_path)
+    trainer.fit(model, train_dataloaders=Indices(args.batches_per_epoch), ckpt_path=ckpt_path,
+                val_dataloaders=Indices(args.eval_batches) if args.eval_batches > 0 else None)
 
     if args.out and trainer.global_rank == 0:
         opt = trainer.optimizers[0]

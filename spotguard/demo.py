@@ -351,7 +351,8 @@ def part_training(emu: Emulator, work: Path, args: argparse.Namespace) -> int:
     print(f"  restart on the doomed VM: the replayed notice was recognised as already checkpointed, "
           f"torchrun exit {summary.get('same_vm_exit')} without training")
     print(f"  replacement VM resumed at step {summary.get('resumed_step')}; completed steps lost: {max(0, lost_complete)} "
-          f"(the step in flight when the ranks agreed is recomputed)")
+          f"(the step in flight when the ranks agreed, and any finished while the checkpoint was written, "
+          f"are recomputed)")
     print(f"  final model + optimizer state vs. the uninterrupted run: {verdict}", flush=True)
     return 0 if verdict.startswith("identical") else 1
 

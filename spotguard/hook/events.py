@@ -20,8 +20,14 @@ is known, ``notice_id``. Fields per event:
 - ``agreed``: notice_id, step (completed iterations the checkpoint stands for), flag (0-3), kind,
   action ("emergency" | "checkpoint" | "exit" | "none"), seconds_since_notice, seconds_left
 - ``checkpoint_started``: notice_id, step, uri, reason
+- ``checkpoint_staged`` (background save only): notice_id, step, bytes, seconds (notice round -> tensors
+  copied; the training thread is released here), small_state_from ("pre-hook" | "background")
 - ``checkpoint_committed``: notice_id, step, uri, bytes, seconds, seconds_left
 - ``checkpoint_failed``: notice_id, step, error, seconds
+- ``peers_lost``, two origins: (1) the notice path, fields where ("agreement" | "hold" | "save"), error — a
+  bounded wait of a notice round ran out: the process exits ``EXIT_SAVE_FAILED`` (75) with nothing committed
+  for this notice; (2) the peer-liveness watch (``spotguard/hook/peers.py``), fields below — a peer stopped
+  answering heartbeats, notice or not
 - ``teardown``: notice_id, method ("destroy" | "abort" | "none" | "timeout"), seconds
 - ``exit``: notice_id, code (143 / ``exit_code=`` when nothing was lost, 75 when the save failed), step,
   committed (bool: a checkpoint of this run's state at ``step`` is committed), nothing_to_save (bool: the
@@ -29,7 +35,7 @@ is known, ``notice_id``. Fields per event:
 - ``not_resumed``: uri, committed_step, step, fix (rank 0, once: training started without ``hook.resume()``
   while the storage already holds a committed checkpoint)
 - ``notice_after_last_step``: notice_id, step (the job finished its work; exit code unchanged)
-- ``peers_lost`` (``spotguard/hook/peers.py``): lost_ranks, hosts, silent_seconds, left_ranks, timeout, step,
+- ``peers_lost`` from the watch (``spotguard/hook/peers.py``): lost_ranks, hosts, silent_seconds, left_ranks, timeout, step,
   notice_ids, committed, code (69, or 143 when this run's state at the current step is committed), action, detail;
   followed by ``exit`` with reason "peers_lost" and the process's ``os._exit``
 """
@@ -45,18 +51,20 @@ NOTICE_DEFERRED = "notice_deferred"
 NOTICE_CANCELLED = "notice_cancelled"
 AGREED = "agreed"
 CHECKPOINT_STARTED = "checkpoint_started"
+CHECKPOINT_STAGED = "checkpoint_staged"
 CHECKPOINT_COMMITTED = "checkpoint_committed"
 CHECKPOINT_FAILED = "checkpoint_failed"
+PEERS_LOST = "peers_lost"
 TEARDOWN = "teardown"
 EXIT = "exit"
 NOTICE_AFTER_LAST_STEP = "notice_after_last_step"
 NOT_RESUMED = "not_resumed"
-PEERS_LOST = "peers_lost"
 
 TIMELINE: tuple[str, ...] = (
     NOTICE_SEEN,
     AGREED,
     CHECKPOINT_STARTED,
+    CHECKPOINT_STAGED,
     CHECKPOINT_COMMITTED,
     CHECKPOINT_FAILED,
     TEARDOWN,

@@ -5,8 +5,9 @@ on ``spotguard.data.ElasticDistributedSampler`` (``--pass sampler`` hands the
 hook the sampler, ``--pass loader`` the DataLoader); AdamW + StepLR. Every rank
 appends the sample ids of each completed step to ``<records>/ids-rank<r>.jsonl``;
 on resume every rank prints ``{"resume": step, "lr": ..., "last_epoch": ...}``.
-``--stop-at S``: rank 0 hands its hook a preemption notice during step S (the
-checkpoint stands for the end of step S). ``--out``: rank 0 saves the final weights.
+``--stop-at S``: rank 0 hands its hook a preemption notice so that the checkpoint
+stands for the end of step S (distributed: at the end of step S, agreed at once in
+the background; one process: during step S, decided at its optimizer step). ``--out``: rank 0 saves the final weights.
 Optional ``--fsdp``: the model is ``fully_shard``-ed (FSDP2) instead of DDP-wrapped.
 """
 
@@ -117,7 +118,8 @@ def main() -> int:
     while step < args.steps:
         sampler.set_epoch(step // per_epoch)
         for ids, x, y in loader:
-            if step == args.stop_at and rank == 0 and not args.no_hook:
+            if step == args.stop_at and rank == 0 and not args.no_hook and not distributed:
+                # One process: decided at this step's optimizer.step(), written at the next boundary.
                 hook.notify(Notice(id=f"stop-{step}", source="drill", kind="preemption",
                                    deadline=utcnow() + timedelta(seconds=60), received_at=utcnow()))
             opt.zero_grad(set_to_none=True)
@@ -132,6 +134,12 @@ def main() -> int:
             if rank == 0:
                 print(json.dumps({"step": step, "loss": loss.item(), "lr": opt.param_groups[0]["lr"],
                                   "last_epoch": sched.last_epoch}), flush=True)
+            if step == args.stop_at and rank == 0 and not args.no_hook and distributed:
+                # Distributed: agreed off the training thread within ms (the last completed step, S+1 here);
+                # the pause makes that deterministic.
+                hook.notify(Notice(id=f"stop-{step}", source="drill", kind="preemption",
+                                   deadline=utcnow() + timedelta(seconds=60), received_at=utcnow()))
+                time.sleep(0.5)
             step += 1
             if args.step_time > 0:
                 time.sleep(args.step_time)

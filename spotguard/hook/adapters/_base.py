@@ -55,6 +55,9 @@ class FrameworkHook(Hook):
 
     framework = "framework"
     _launcher_check = False  # the trainer creates the process group itself (inside fit/train)
+    # The framework writes its own checkpoint between two of its callbacks: notices are agreed and
+    # written at the framework's step boundary (the core's boundary path), not in the background.
+    _background_capable = False
 
     def __init__(
         self,
@@ -86,6 +89,7 @@ class FrameworkHook(Hook):
         # (local path handed to the framework, step, notice id of its commit record, storage folder, lineage)
         self._latest: Optional[tuple[str, int, Optional[str], str, Optional[str]]] = None
         self._last_boundary: Optional[int] = None
+        self._finished = False  # the last optimizer step is done: evaluation after it is not acted on
         self._early: list[Notice] = []  # notify() before the core is armed
         # every=: the framework writes its own checkpoint at a boundary (synchronously: its format
         # cannot be staged and uploaded in the background like the plain hook's DCP state).
@@ -231,5 +235,29 @@ class FrameworkHook(Hook):
         if self._last_boundary is not None and step == self._last_boundary and not final:
             return
         self._last_boundary = step
+        self._finished = final
         self._count = step
         self._explicit_boundary(final=final)
+
+    def _framework_eval_batch(self) -> None:
+        """A batch of the framework's evaluation inside training (every rank, once per batch; frameworks
+        give every rank the same number of evaluation batches).
+
+        Evaluation changes neither weights nor optimizer state, so the state is still that of the
+        last completed step (``self._count``): the reduction launched at the previous boundary or
+        evaluation batch is collected and an agreed notice is carried out now for that step (an
+        emergency never returns: ``Preempted``), instead of after the whole evaluation. Then a new
+        reduction is launched, carrying notices only: a periodic ``every=`` checkpoint waits for the
+        next training boundary. Not before training started (sanity checks) nor after its last step.
+        """
+        if self._closed or self._exiting or self._torn_down or self._last_boundary is None or self._finished:
+            return
+        res = self._agree.collect()
+        if res is not None and res[0] > 0:
+            self._act_in_eval(res[0], res[1])
+        level, deadline_ms = self._local_level()
+        self._agree.launch(level, deadline_ms)
+
+    def _act_in_eval(self, level: int, deadline_ms: int) -> None:
+        """Carry out an agreed notice during evaluation; adapters whose framework must write first override it."""
+        self._act(level, deadline_ms, snap=None, final=False)

@@ -20,6 +20,11 @@ Life cycle (every rank):
   ``<storage>/step-N/``; rank 0 commits once all ranks' bytes are durable; then
   teardown and ``Preempted`` (exit 143) out of ``trainer.train()``. A
   rebalance/maintenance notice commits the same way and training goes on.
+- ``on_prediction_step`` (each evaluation batch, e.g. ``eval_strategy="steps"``):
+  the same agreement once per batch; an agreed notice is acted on at once for
+  the last completed step (evaluation changes no weights): the Trainer writes
+  ``checkpoint-N`` (``_save_checkpoint``) right there, spotguard commits it and
+  exits, without waiting for the evaluation to end.
 
 Resume: ``trainer.train(resume_from_checkpoint=hook.latest())`` — the newest
 committed folder (downloaded first from an object store). The Trainer restores
@@ -70,6 +75,10 @@ def _make_callback(hook: "HFTrainerHook") -> Any:
 
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
             hook._on_save(control)
+            return control
+
+        def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            hook._framework_eval_batch()
             return control
 
     return SpotguardTrainerCallback()
@@ -167,6 +176,19 @@ class HFTrainerHook(FrameworkHook):
             self._restart_every()  # also after a failure: retry one period later
         level, deadline_ms = self._local_level()
         self._agree.launch(level, deadline_ms, self._periodic_flags())
+
+    def _act_in_eval(self, level: int, deadline_ms: int) -> None:
+        """During evaluation: the Trainer writes ``checkpoint-<step>`` itself first, then commit (and exit)."""
+        self._internal = True
+        try:
+            plan = self._plan(level, deadline_ms, final=False)
+            if plan is None:
+                return
+            if plan[2] != "exit":
+                self.trainer._save_checkpoint(self.trainer.model, trial=None)
+            self._carry_out(plan, None)  # an emergency never returns: Preempted
+        finally:
+            self._internal = False
 
     # ------------------------------------------------------------- writing
 

@@ -21,6 +21,10 @@ Life cycle (every rank):
   into spotguard storage (all ranks call it, rank 0 writes, as Lightning
   requires), it is committed, ``trainer.should_stop`` is set and ``Preempted``
   (``SystemExit``) is raised out of ``trainer.fit``.
+- ``on_validation_batch_end`` (validation inside ``fit``): the same agreement,
+  once per validation batch, acted on at once for the last completed step
+  (validation changes no weights): a notice during a long validation loop
+  commits and exits without waiting for the loop to end.
 
 SIGTERM: Lightning 2.x's own handler (``_SignalConnector``) broadcasts on the
 default process group *from inside the signal handler* and then raises
@@ -99,6 +103,11 @@ def _make_callback(base: type, hook: "LightningHook") -> Any:
             step = int(trainer.global_step)
             final = trainer.max_steps is not None and trainer.max_steps > 0 and step >= trainer.max_steps
             hook._framework_boundary(step, final=final)
+
+        def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+                                    dataloader_idx: int = 0) -> None:
+            if trainer.training or getattr(trainer.state, "fn", None) == "fit":
+                hook._framework_eval_batch()
 
         def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
             if hook._saving:

@@ -1,0 +1,372 @@
+"""Agreement: every rank reads the same (level, earliest deadline, step) and acts on it.
+
+Two ways to reach it:
+
+**Background agreement** (``BackgroundAgreement``; the plain-PyTorch hook with
+optimizer step hooks under ``torch.distributed``, one optimizer): a thread per
+rank with its *own* gloo group (only that thread ever uses it, so every rank
+issues its collectives in the same order) and its own connection to the c10d
+store (``Store.clone()``). Event-driven, nothing per step: the thread blocks in
+``store.wait`` on the key ``<token>/wake/<g>``. A rank that receives a notice
+(daemon intake thread, signal thread, ``notify``) sets that key (value: the
+notice deadline in ms), which wakes every rank's thread at once. Each thread
+then *joins* round ``g``: under the hook's step lock it records the count its
+training thread will stand at (``c``, or ``c+1`` when it is inside
+``optimizer.step``) and from then on the training thread may not start an
+optimizer step past it (held in the pre-hook, bounded by the deadline). One
+``all_gather_object`` of ``(level, deadline, stand, best notice)`` decides:
+level = MAX, deadline = MIN, the step to save ``S`` = MAX of the stands (DDP
+ranks differ by at most one; a laggard trains on to ``S`` needing no
+collective from the ranks already there). The checkpoint is then written from
+this same thread (``save.py``: ``_save_staged``), and the exit follows it
+(``exit.py``: ``_exit_from_background``). The training thread is held at its
+next pre-hook until the tensors of S are copied; after that, an ordinary
+(rebalance/maintenance) checkpoint releases it, while an emergency keeps it
+held until the exit. Why (a departure from "hold only until the copy"): the
+steps an emergency lets run after S are thrown away anyway, and running them
+costs the user side effects that the resumed run repeats (logged metrics,
+records written per step), and CPU, PCIe and network that the upload needs in
+the VM's last seconds; the hold itself costs nothing, since the process leaves
+right after the commit, and cannot deadlock (the save's collectives are the
+agreement thread's, on its own group). The training thread goes on meanwhile
+with whatever it was doing (forward/backward, evaluation, data loading). Why the store and not a periodic
+all-reduce: a blocked ``store.wait`` costs nothing per step (measured in
+docs/performance.md), and a notice reaches every rank in one store round trip.
+Why a generation key rather than one flag: rounds are numbered, every rank
+takes part in round ``g`` exactly once, and a notice that arrives while round
+``g`` runs is picked up by round ``g+1`` (before waiting for ``g+1`` a thread
+with a pending notice of level > 0 sets that key itself).
+
+Every collective of a round runs under a group timeout of the time left to
+the deadline minus ``SAVE_MARGIN``: a peer that never joins makes the round
+fail in bounded time ("peers lost": exit 75, nothing committed).
+
+**At the step boundary** (the explicit ``hook.range()``/``hook.step()`` mode,
+framework adapters, a single process, several optimizers, or when the store
+cannot be reached): the flag all-reduce launched at an iteration's end and read
+at the next boundary (``dist.Agreement``); then each rank enters ``_plan``
+(all-gather of the notice to act on, the ``agreed`` log line) and
+``_carry_out`` (exit, emergency save + exit, or an ordinary save), split so that
+a framework adapter can let its trainer write between the two.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from ..notice import Notice
+from ..timefmt import utcnow
+from . import events as ev
+from .dist import (
+    NO_DEADLINE_MS,
+    group_alive,
+    make_group,
+    set_group_timeout,
+)
+from .save import _Result
+from .settings import (
+    _ACTIONS,
+    LEVEL_EMERGENCY,
+    LEVEL_REPLAY,
+    SAVE_MARGIN,
+    SIGNAL_GRACE,
+    _ms,
+)
+from .state import Snapshot
+
+
+class AgreementMixin:
+    """Part of ``Hook`` (``core.py``); see the module docstring."""
+
+    def _gather_notice(self, level: int, deadline_ms: int) -> tuple[Notice, list[str]]:
+        """After agreement every rank enters this: the notice to act on (from whichever rank has it)."""
+        mine = self._best_local()
+        if self._dist and group_alive(self._group):
+            allv: list[Any] = [None] * self._world
+            dist.all_gather_object(allv, mine, group=self._group)
+        else:
+            allv = [mine]
+        cands = [c for c in allv if c is not None]
+        ids = [c[2]["id"] for c in cands]
+        if cands:
+            best = max(cands, key=lambda c: (c[0], -c[1]))
+            return Notice.from_wire(best[2]), ids
+        now = utcnow()
+        deadline = (now + timedelta(seconds=SIGNAL_GRACE) if deadline_ms >= NO_DEADLINE_MS
+                    else now + timedelta(milliseconds=deadline_ms - _ms(now)))
+        return Notice(id=f"agreed-{self._count}", source="signal", kind="termination", deadline=deadline,
+                      received_at=now, detail="notice withdrawn after agreement"), ids
+
+    def _act(self, level: int, deadline_ms: int, *, snap: Optional[Snapshot], final: bool) -> None:
+        self._internal = True
+        try:
+            plan = self._plan(level, deadline_ms, final=final)
+            if plan is not None:
+                self._carry_out(plan, snap)
+        finally:
+            self._internal = False
+
+    def _plan(self, level: int, deadline_ms: int, *, final: bool) -> Optional[tuple[Notice, list[str], str]]:
+        """After agreement (every rank): the notice and the action, logged as ``agreed``; None = nothing to do.
+
+        Split from ``_carry_out`` so that a framework adapter can let its trainer
+        write the checkpoint between the two (Hugging Face: ``control.should_save``).
+        """
+        try:
+            notice, ids = self._gather_notice(level, deadline_ms)
+        except Exception as exc:  # noqa: BLE001 - a peer vanished right after agreeing
+            notice = Notice(id=f"agreed-{self._count}", source="signal", kind="termination",
+                            deadline=utcnow() + timedelta(seconds=SIGNAL_GRACE))
+            if level >= LEVEL_EMERGENCY:
+                self._log.warning("peers lost while sharing the notice", error=repr(exc))
+                self._exit(notice, _Result(committed=False, peers_ok=False, error=repr(exc)))
+            return None
+        action = _ACTIONS[level]
+        if level == LEVEL_REPLAY and self._count != self._resumed_step:
+            action = "emergency"  # we trained past the committed step before learning of the replay
+        self._log.info(ev.AGREED, notice_id=notice.id, step=self._count, flag=level, action=action,
+                       kind=notice.kind, **self._timing(notice))
+        if final:
+            self._log.info(ev.NOTICE_AFTER_LAST_STEP, notice_id=notice.id, step=self._count)
+            self._forget(ids)
+            return None
+        return notice, ids, action
+
+    def _carry_out(self, plan: tuple[Notice, list[str], str], snap: Optional[Snapshot]) -> None:
+        """Exit (replay), emergency save + exit (never returns), or an ordinary save and keep training."""
+        notice, ids, action = plan
+        if action == "periodic":  # a framework adapter's every= checkpoint: no notice involved
+            self._save(notice, "periodic", snap)
+            set_group_timeout(self._group, 1800.0)
+            return
+        if action == "exit":
+            self._exit(notice, None)
+        if action == "emergency":
+            self._exit(notice, self._save(notice, "emergency", snap))
+        self._save(notice, "manual", snap)  # ordinary checkpoint, keep training
+        self._forget(ids)
+        set_group_timeout(self._group, 1800.0)
+
+
+    # ------------------------------------------------------- background rounds
+
+    def _background_round(self, gen: int, wake_deadline_ms: int) -> None:
+        """The agreement thread, every rank, round ``gen`` (see the module docstring). Never raises."""
+        bg = self._bg
+        if self._torn_down or self._exiting or self._closed or self._exit_request is not None:
+            return
+        now_ms = _ms(utcnow())
+        left = SIGNAL_GRACE if wake_deadline_ms >= NO_DEADLINE_MS else (wake_deadline_ms - now_ms) / 1000.0
+        t_end = time.monotonic() + max(1.0, left - min(SAVE_MARGIN, max(0.0, left) / 2))
+        # A rank still inside resume() joins once it is over: the decision reads its count and resumed step.
+        self._bg_ready.wait(max(0.0, t_end - time.monotonic()))
+        with self._cv:  # join: from here the training thread starts no optimizer step past `stand`
+            stand = self._count + (1 if self._in_step else 0)
+            self._freeze, self._target, self._hold_until = stand, None, t_end
+        level, deadline_ms = self._local_level()
+        try:
+            allv = bg.gather((level, deadline_ms, stand, self._best_local()), max(0.5, t_end - time.monotonic()))
+        except RoundFailed as exc:
+            deadline = utcnow() + timedelta(milliseconds=max(0, wake_deadline_ms - now_ms)) \
+                if wake_deadline_ms < NO_DEADLINE_MS else utcnow() + timedelta(seconds=SIGNAL_GRACE)
+            notice = self._best_notice() or Notice(id=f"agreed-{self._count}", source="signal", kind="termination",
+                                                   deadline=deadline, detail="peers lost during the agreement")
+            self._exit_from_background(notice, _Result(committed=False, peers_ok=False, error=str(exc)), None,
+                                       lost_where="agreement")
+            return
+        level = max(int(v[0]) for v in allv)
+        deadline_ms = min(int(v[1]) for v in allv)
+        step = max(int(v[2]) for v in allv)
+        cands = [v[3] for v in allv if v[3] is not None]
+        if level <= 0:
+            self._release_hold()
+            return
+        if cands:
+            best = max(cands, key=lambda c: (c[0], -c[1]))
+            notice = Notice.from_wire(best[2])
+        else:
+            notice = Notice(id=f"agreed-{step}", source="signal", kind="termination",
+                            deadline=utcnow() + timedelta(milliseconds=max(0, deadline_ms - _ms(utcnow()))),
+                            detail="notice withdrawn after agreement")
+        ids = [c[2]["id"] for c in cands]
+        with self._cv:
+            self._target = step
+            self._cv.notify_all()
+        action = _ACTIONS[level]
+        if level == LEVEL_REPLAY and step != self._resumed_step:
+            action = "emergency"  # we trained past the committed step before learning of the replay
+        self._log.info(ev.AGREED, notice_id=notice.id, step=step, flag=level, action=action, kind=notice.kind,
+                       via="background", stands=[int(v[2]) for v in allv], **self._timing(notice))
+        nothing = step == 0 and self._resumed_dir is None  # nothing trained, nothing resumed
+        already = self._resumed_dir is not None and step == self._resumed_step  # this state is committed
+        if action == "exit" or ((nothing or already) and action == "emergency"):
+            self._exit_from_background(notice, None, step)
+            return
+        if nothing or already:  # an ordinary checkpoint of a state that is already safe (or empty)
+            self._release_hold()
+            self._forget(ids)
+            return
+        reason = "emergency" if action == "emergency" else "manual"
+        if action == "emergency":
+            self._install_excepthook(notice, t_end)
+        result = self._save_staged(notice, reason, step, t_end, bg.group, hold=action == "emergency")
+        if action == "emergency":
+            self._exit_from_background(notice, result, step)
+            return
+        self._release_hold()
+        self._forget(ids)
+        set_group_timeout(bg.group, 1800.0)
+
+    def _best_notice(self) -> Optional[Notice]:
+        best = self._best_local()
+        return Notice.from_wire(best[2]) if best is not None else None
+
+
+#: how long one ``store.wait`` blocks before the thread looks again (c10d logs a line per timeout: keep it rare)
+WAKE_POLL = timedelta(hours=1)
+
+
+class RoundFailed(Exception):
+    """A collective of the background agreement or save did not complete in its bound: peers lost."""
+
+
+class BackgroundAgreement:
+    """One rank's agreement thread, its gloo group and its store connections (see the module docstring).
+
+    Created on every rank at install (``new_group`` and a broadcast are collective);
+    ``ok`` is False when the store cannot be used, and the hook then keeps the
+    boundary path.
+    """
+
+    def __init__(self, hook: Any) -> None:
+        self.hook = hook
+        self.ok = False
+        self.group: Any = None
+        self._waiter: Any = None
+        self._setter: Any = None
+        self._set_lock = threading.Lock()
+        self.gen = 0  # the round this rank's thread waits for (or runs)
+        self.busy = threading.Event()  # a round (or its save) is running
+        self._closed = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._timers: list[threading.Timer] = []
+        self.group = make_group()
+        try:
+            box = [uuid.uuid4().hex if hook._rank == 0 else None]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            self.token = f"spotguard/{box[0]}"
+            store = dist.distributed_c10d._get_default_store()
+            self._waiter = store.clone()
+            self._setter = store.clone()
+            self.ok = True
+        except Exception as exc:  # noqa: BLE001 - no usable store: the boundary path still works
+            hook._log.warning("background agreement unavailable: acting on notices at step boundaries",
+                              error=f"{type(exc).__name__}: {exc}")
+        stall = os.environ.get("SPOTGUARD_TEST_AGREE_STALL_RANK", "")  # tests: a peer that never joins
+        self._stall = stall.strip() != "" and int(stall) == hook._rank
+        self._stall_from = int(os.environ.get("SPOTGUARD_TEST_AGREE_STALL_ROUND", "0") or 0)
+
+    def key(self, gen: int) -> str:
+        return f"{self.token}/wake/{gen}"
+
+    def start(self) -> None:
+        if self.ok and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="spotguard-agreement", daemon=True)
+            self._thread.start()
+
+    def wake(self, deadline_ms: int) -> None:
+        """Any thread: start the next round on every rank (idempotent while that round has not started)."""
+        if not self.ok or self._closed.is_set():
+            return
+        try:
+            with self._set_lock:
+                self._setter.set(self.key(self.gen), str(int(deadline_ms)))
+        except Exception as exc:  # noqa: BLE001 - the boundary path is gone too if the store is: log it
+            self.hook._log.warning("cannot wake the agreement through the store", error=f"{type(exc).__name__}: {exc}")
+
+    def wake_at(self, seconds: float, deadline_ms: int) -> None:
+        """Wake in ``seconds`` (an emergency notice further off than ``EMERGENCY_LEAD``)."""
+        t = threading.Timer(max(0.0, seconds) + 0.1, self.wake, args=(deadline_ms,))  # +0.1: past the lead
+        t.daemon = True
+        t.name = "spotguard-lead-timer"
+        self._timers.append(t)
+        t.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop taking part in rounds; wait (bounded) for a running one. The thread itself stays parked in
+        its store wait (a daemon thread: nothing to join)."""
+        self._closed.set()
+        for t in self._timers:
+            t.cancel()
+        if self.busy.is_set():
+            end = time.monotonic() + timeout
+            while self.busy.is_set() and time.monotonic() < end:
+                time.sleep(0.01)  # a round's collectives cannot be interrupted: nothing else to await
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    # ------------------------------------------------------------------ thread
+
+    def _run(self) -> None:
+        h = self.hook
+        while not self._closed.is_set() and h._exit_request is None and not h._exiting:
+            g = self.gen
+            try:
+                level, deadline_ms = h._local_level()
+                if level > 0 and h._bg_on:  # a notice that came while the previous round ran
+                    self.wake(deadline_ms)
+                deadline_ms = self._wait(g)
+            except Exception as exc:  # noqa: BLE001 - the store went away (job ending): stop quietly
+                if not self._closed.is_set():
+                    h._log.debug("agreement thread stops", error=f"{type(exc).__name__}: {exc}")
+                return
+            if deadline_ms is None or self._closed.is_set():
+                return
+            if self._stall and g >= self._stall_from:
+                h._log.warning("test: this rank's agreement thread never joins", gen=g)
+                self._closed.wait()
+                return
+            self.busy.set()
+            try:
+                h._background_round(g, deadline_ms)
+            except BaseException as exc:  # noqa: BLE001 - never let the thread die silently
+                h._log.error("background agreement failed", error=f"{type(exc).__name__}: {exc}")
+            finally:
+                self.gen = g + 1
+                self.busy.clear()
+
+    def _wait(self, g: int) -> Optional[int]:
+        while not self._closed.is_set():
+            try:
+                self._waiter.wait([self.key(g)], WAKE_POLL)
+            except Exception as exc:  # noqa: BLE001 - DistStoreError on timeout: look again
+                if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+                    continue
+                raise
+            raw = self._waiter.get(self.key(g))
+            try:
+                return int(raw)
+            except ValueError:
+                return NO_DEADLINE_MS
+        return None
+
+    # ------------------------------------------------------------------ one round
+
+    def gather(self, mine: Any, bound: float) -> list[Any]:
+        """The round's one collective, bounded: RoundFailed when a peer does not join in time."""
+        set_group_timeout(self.group, bound)
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        try:
+            dist.all_gather_object(out, mine, group=self.group)
+        except Exception as exc:  # noqa: BLE001 - gloo timeout / connection reset
+            raise RoundFailed(f"agreement round: {type(exc).__name__}: {exc}") from exc
+        return out

@@ -1,0 +1,263 @@
+"""Leaving: bounded teardown, exit code, ``Preempted``; the process-exit and destroy guards.
+
+Exit codes: ``exit_code`` (143) when this run's state is committed (or there
+was nothing to save), ``EXIT_SAVE_FAILED`` (75) when the save failed.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import sys
+import time
+from typing import Any, NoReturn, Optional
+
+from ..notice import Notice
+from . import events as ev
+from .dist import (
+    destroy_group,
+    group_alive,
+    run_bounded,
+    teardown,
+)
+from .peers import stop_watch
+from .save import _Result
+from .settings import (
+    EXIT_GRACE,
+    EXIT_SAVE_FAILED,
+    QUIESCE_AGREEMENT_TIMEOUT,
+    QUIESCE_PERIODIC_TIMEOUT,
+)
+
+
+class Preempted(SystemExit):
+    """Raised after the emergency checkpoint (or its failure): the process should exit so the launcher restarts it."""
+
+    def __init__(self, code: int = 143, *, notice_id: str | None = None, step: int | None = None,
+                 uri: str | None = None, committed: bool = False) -> None:
+        super().__init__(code)
+        self.notice_id = notice_id
+        self.step = step
+        self.uri = uri
+        self.committed = committed
+
+
+
+class ExitMixin:
+    """Part of ``Hook`` (``core.py``); see the module docstring."""
+
+    def emergency_exit(self, notice: Notice, step: int) -> NoReturn:
+        """Write the emergency checkpoint for ``notice`` as completed iteration ``step`` now, then exit.
+
+        For engines that decide themselves when to act on a notice their
+        ``on_notice`` deferred (torchft: only when every replica group leaves);
+        every rank of this process group calls it at the same boundary.
+        """
+        self._count = step
+        self._internal = True
+        self._exit(notice, self._save(notice, "emergency", None))
+
+    def _outcome(self, result: Optional[_Result], step: int) -> tuple[bool, bool, int]:
+        """(committed, nothing_to_save, exit code) for leaving after ``result`` at completed iteration ``step``.
+
+        No save (result None): a replay of the notice our checkpoint was written for, or a
+        notice already active at start. This run's state is committed only if it came from a
+        checkpoint and did not move since; a run with no checkpoint had nothing to save and
+        claims nothing.
+        """
+        nothing = result is None and self._resumed_dir is None and step == 0
+        if result is not None:
+            committed = bool(result.committed)
+        else:
+            committed = self._resumed_dir is not None and step == self._resumed_step
+        return committed, nothing, self._exit_code if committed or nothing else EXIT_SAVE_FAILED
+
+    def _exit(self, notice: Notice, result: Optional[_Result], step: Optional[int] = None) -> NoReturn:
+        """Teardown without hanging, then raise Preempted (os._exit if teardown itself hung).
+
+        ``step``: the completed iteration the checkpoint stands for when it is not the
+        current count (the background save: training went on while it uploaded).
+        """
+        self._exiting = True
+        step = self._count if step is None else step
+        peers_ok = result.peers_ok if result is not None else True
+        method, secs = teardown(self._group, peers_ok=peers_ok, timeout=self._teardown_timeout(notice))
+        self._log.info(ev.TEARDOWN, notice_id=notice.id, method=method, seconds=round(secs, 3))
+        committed, nothing, code = self._outcome(result, step)
+        self._flush_intake()
+        # From here the process is leaving: a late SIGTERM (torchrun tells the others
+        # once one rank exits) must not turn our code into -15 during interpreter exit.
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                signal.signal(sig, signal.SIG_IGN)
+            except (ValueError, OSError):
+                pass
+        self._prev_handlers.clear()
+        self._log.info(ev.EXIT, notice_id=notice.id, code=code, step=step, committed=committed,
+                       nothing_to_save=nothing, by="training-thread", **self._timing(notice))
+        self.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if method == "timeout":
+            os._exit(code)
+        gc.collect()
+        gc.freeze()  # interpreter teardown with torch's heap: ~1 s -> ~0.1 s
+        raise Preempted(code, notice_id=notice.id, step=step,
+                        uri=result.uri if result is not None else None, committed=committed)
+
+    def _teardown_timeout(self, notice: Notice) -> float:
+        """Each bounded teardown step: 5 s, less when the deadline is nearer (never under 0.5 s)."""
+        return max(0.5, min(5.0, notice.seconds_left() / 3))
+
+    # ------------------------------------------------ leaving after a background save
+
+    def _exit_from_background(self, notice: Notice, result: Optional[_Result], step: Optional[int], *,
+                              lost_where: str = "save") -> None:
+        """The agreement thread, after the commit barrier (or a lost peer): make the process leave.
+
+        The training thread raises ``Preempted`` at its next hook point (a held
+        pre-hook wakes at once). If it has not started leaving within
+        ``EXIT_GRACE`` (bounded by the deadline less a margin) — a long evaluation,
+        a gradient accumulation, a stalled loader, a 60 s forward — this thread
+        logs the exit, flushes the reports to the daemon and ``os._exit``s with the
+        same code. After a commit, an exception that reaches the top of the
+        training thread (a peer left first and the user's collective raised) or a
+        plain interpreter exit also ends with the committed code (``_excepthook``,
+        ``_at_exit``).
+        """
+        step = self._count if step is None else step
+        committed, nothing, code = self._outcome(result, step)
+        if result is not None and not result.peers_ok:
+            self._log.error(ev.PEERS_LOST, where=lost_where, notice_id=notice.id, error=result.error[:300])
+        with self._cv:
+            self._exit_request = (notice, result, step)
+            self._cv.notify_all()
+        self._install_excepthook(notice, time.monotonic())
+        grace = max(0.1, min(EXIT_GRACE, notice.seconds_left() - 0.5))
+        end = time.monotonic() + grace
+        with self._cv:
+            while not self._exiting and time.monotonic() < end:
+                self._cv.wait(max(0.0, end - time.monotonic()))
+        if self._exiting:  # the training thread took over; stand by in case its own exit hangs
+            backstop = time.monotonic() + max(1.0, notice.seconds_left() - 0.3)
+            while time.monotonic() < backstop:
+                time.sleep(0.2)  # the process is expected to be gone long before: nothing to await
+            self._hard_exit(notice, code, step, committed, nothing, "backstop")
+        self._hard_exit(notice, code, step, committed, nothing, "agreement-thread")
+
+    def _hard_exit(self, notice: Notice, code: int, step: int, committed: bool, nothing: bool, by: str) -> NoReturn:
+        """Leave now from a non-training thread: log, report, flush, ``os._exit`` (no teardown needed: the
+        commit barrier already held every rank until the record was durable)."""
+        self._exiting = True
+        self._log.info(ev.EXIT, notice_id=notice.id, code=code, step=step, committed=committed,
+                       nothing_to_save=nothing, by=by, **self._timing(notice))
+        self._flush_intake()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - leaving anyway
+                pass
+        os._exit(code)
+
+    def _exit_if_requested(self) -> None:
+        """Training thread, at a hook point: leave if the agreement thread asked for it."""
+        req = self._exit_request
+        if req is not None and not self._exiting:
+            notice, result, step = req
+            self._exit(notice, result, step)
+
+    def _install_excepthook(self, notice: Notice, t_end: float) -> None:
+        """Once an emergency is agreed: an exception that ends the training thread (a peer left first and a
+        collective of the user's raised) still exits with the decision's code, after the background save
+        ended (bounded by ``t_end``); if it never did, with ``EXIT_SAVE_FAILED``. One log line says why."""
+        if getattr(sys.excepthook, "__spotguard__", False):
+            return
+        prev = sys.excepthook
+        hook = self
+
+        def excepthook(tp: Any, value: Any, tb: Any) -> None:
+            if isinstance(value, SystemExit):
+                prev(tp, value, tb)
+                return
+            with hook._cv:
+                while hook._exit_request is None and time.monotonic() < t_end + 1.0:
+                    hook._cv.wait(max(0.0, t_end + 1.0 - time.monotonic()))
+                req = hook._exit_request
+            if req is not None:
+                n, result, step = req
+                committed, nothing, code = hook._outcome(result, step if step is not None else hook._count)
+            else:
+                n, step, committed, nothing, code = notice, hook._count, False, False, EXIT_SAVE_FAILED
+            hook._log.warning("training thread raised during the emergency checkpoint; exiting with its code",
+                              notice_id=n.id, code=code, error=f"{tp.__name__}: {value}"[:300])
+            hook._hard_exit(n, code, step if step is not None else hook._count, committed, nothing, "excepthook")
+
+        excepthook.__spotguard__ = True  # type: ignore[attr-defined]
+        sys.excepthook = excepthook
+
+    def _flush_intake(self, timeout: float = 0.5) -> None:
+        """Give queued reports a moment to reach the daemon before the process goes."""
+        it = self._intake
+        if it is None or not it.connected.is_set():
+            return
+        it.flush(timeout)
+
+    def _at_exit(self) -> None:
+        """Process exit is the last boundary: a notice seen now came after the last step; keep the exit code."""
+        req = self._exit_request
+        if req is not None and not self._exiting:  # the decision was taken: leave with its code, not the user's
+            notice, result, step = req
+            committed, nothing, code = self._outcome(result, step)
+            self._log.warning("interpreter exiting after the checkpoint decision; exiting with the decided code",
+                              notice_id=notice.id, code=code)
+            self._hard_exit(notice, code, step, committed, nothing, "atexit")
+        if self._closed or self._exiting:
+            return
+        res = None
+        if self._torn_down:  # the user destroyed the process group: no collective is possible any more
+            res = self._late
+        elif self._agree.pending:
+            if self._group is None:
+                res = self._agree.collect()
+            elif group_alive(self._group):
+                box: dict[str, Any] = {}
+                ok, _ = run_bounded(lambda: box.setdefault("r", self._agree.collect()), 3.0, "spotguard-atexit")
+                res = box.get("r") if ok else None
+            else:
+                self._agree.drop(0.0)
+        local = self._best_local()
+        if (res is not None and res[0] > 0) or local is not None:
+            nid = local[2]["id"] if local is not None else None
+            self._log.info(ev.NOTICE_AFTER_LAST_STEP, notice_id=nid, step=self._count)
+        self.close()  # waits (bounded) for an in-flight periodic upload
+
+    def _quiesce(self) -> None:
+        """Runs inside ``torch.distributed.destroy_process_group()`` (every rank), before the groups go.
+
+        Waits (bounded) for the flag reduction launched at the last iteration's
+        end — every rank launched the same number, so this cannot deadlock — and
+        for an in-flight periodic upload, then destroys the hook's own groups.
+        From then on the hook is "after teardown": no collective is launched, and
+        a notice only logs ``notice_after_last_step`` at exit.
+        """
+        if self._torn_down:
+            return
+        self._torn_down = True
+        stop_watch(getattr(self, "_peers", None))  # before any group is destroyed
+        self._bg_on = False
+        if self._bg is not None:  # wait (bounded) for a round in flight, unless we are leaving
+            self._bg.close(0.0 if self._exiting or self._exit_request is not None else QUIESCE_AGREEMENT_TIMEOUT / 2)
+            if not self._bg.busy.is_set():
+                destroy_group(self._bg.group)
+                self._bg.group = None
+        self._late = self._agree.drop(QUIESCE_AGREEMENT_TIMEOUT) if self._agree.pending else None
+        if self._periodic is not None:  # leaving after a notice: never wait out an upload
+            self._periodic.quiesce(5.0 if self._exiting else QUIESCE_PERIODIC_TIMEOUT, cancel=self._exiting)
+        destroy_group(self._group)
+        # Drop our last references so the C++ group is destroyed now (torch releases the GIL
+        # there and joins gloo's worker threads) rather than during interpreter shutdown,
+        # where a worker thread still freeing a finished work dies in pthread_exit and the
+        # process aborts with -6 ("terminate called without an active exception").
+        self._group = None
+        self._agree.group = None

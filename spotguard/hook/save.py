@@ -1,0 +1,437 @@
+"""The checkpoint write: DCP save -> every byte durable -> rank 0 commits -> commit barrier.
+
+Used by emergency, ordinary (rebalance/maintenance) and adapter checkpoints;
+periodic background saves (``periodic.py``) follow the same protocol on their
+own group. ``_save`` never raises: a failure is reported (``checkpoint_failed``)
+and the previous commit stays the newest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import __version__
+from ..notice import Notice
+from ..protocol import CheckpointDone, CheckpointFailed, CheckpointStarted
+from ..storage import Storage
+from ..storage.base import join_key
+from ..storage.commit import (
+    COMMIT_NAME,
+    CommitRecord,
+    commit_and_retain,
+    prepare_status,
+    step_dir,
+)
+from ..timefmt import to_rfc3339
+from . import elastic
+from . import events as ev
+from .dist import (
+    gather_writes,
+    set_group_timeout,
+)
+from .periodic import PERIODIC_SETTLED, stage_state_dict
+from .settings import PERIODIC_NOTICE_PREFIX, SAVE_MARGIN, SMALL_STATE_SETTLE
+from .state import Snapshot, pack
+
+#: "the hook's own group" (the training thread's) as a default argument
+_OWN: Any = object()
+
+
+@dataclass
+class _Result:
+    committed: bool
+    peers_ok: bool = True
+    uri: str = ""
+    bytes: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+
+
+_BG = threading.local()  # ``on`` while the agreement thread reads state dicts
+
+
+def _skip_fake_step_in_background() -> None:
+    """Make DCP's ``_init_optim_state`` a no-op on the agreement thread (once per process).
+
+    Why: for an optimizer without state (plain SGD) whose gradients are None,
+    ``get_optimizer_state_dict`` runs a fake ``optimizer.step()`` with zero
+    gradients and lr 0, then ``zero_grad()``: from a background thread that would
+    write gradients and ``lr`` under the training thread. Skipped there, the state
+    dict is what the fake step would have produced for such an optimizer (no
+    state); an optimizer that has stepped has state and is never touched.
+    """
+    import torch.distributed.checkpoint.state_dict as sdmod  # noqa: PLC0415
+
+    orig = sdmod._init_optim_state
+    if getattr(orig, "__spotguard__", False):
+        return
+
+    def init(optim: Any) -> None:
+        if getattr(_BG, "on", False):
+            return
+        orig(optim)
+
+    init.__spotguard__ = True  # type: ignore[attr-defined]
+    sdmod._init_optim_state = init
+
+
+class SaveMixin:
+    """Part of ``Hook`` (``core.py``); see the module docstring."""
+
+    def _report(self, msg: Any) -> None:
+        if str(getattr(msg, "id", "")).startswith(PERIODIC_NOTICE_PREFIX):
+            return  # about no daemon notice
+        if self._intake is not None:
+            try:
+                self._intake.report(msg)
+            except Exception:  # noqa: BLE001 - reporting is best effort
+                pass
+
+    def _bcast0(self, obj: Any, group: Any = _OWN) -> Any:
+        if not self._dist:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._group if group is _OWN else group)
+        return box[0]
+
+    def _all_ok(self, ok: bool, group: Any = _OWN) -> bool:
+        if not self._dist:
+            return ok
+        t = torch.tensor([0 if ok else 1], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group if group is _OWN else group)
+        return int(t[0]) == 0
+
+    def _save(self, notice: Notice, reason: str, snap: Optional[Snapshot], *, group: Any = _OWN,
+              step: Optional[int] = None, write: Optional[Callable[[str], None]] = None,
+              bound: Optional[float] = None) -> _Result:
+        """Every rank: DCP save -> all bytes durable -> rank 0 commits -> barrier. Never raises.
+
+        Defaults: the training thread's boundary save (the hook's group, the current
+        count, ``_write``). The background save passes its own group (the agreement
+        thread's), the agreed step, a writer of the staged copy and the time bound
+        of its collectives.
+        """
+        t0 = time.monotonic()
+        group = self._group if group is _OWN else group
+        step = self._count if step is None else step
+        key = step_dir(step)
+        uri = f"{self._storage.uri}/{key}"
+        set_group_timeout(group, bound if bound is not None else min(600.0, max(5.0, notice.seconds_left() - 0.5)))
+        self._log.info(ev.CHECKPOINT_STARTED, notice_id=notice.id, step=step, uri=uri, reason=reason)
+        self._report(CheckpointStarted(id=notice.id, step=step))
+        stage = "periodic"
+        scope = contextlib.ExitStack()
+        try:
+            self._settle_periodic(notice, group)
+            stage = "prepare"
+            # Retries and uploads never run past the notice deadline, less a margin for teardown/exit.
+            left = notice.seconds_left()
+            scope.enter_context(self._storage.deadline_at(
+                time.monotonic() + left - min(SAVE_MARGIN, max(0.0, left) / 2)))
+            status = self._bcast0(self._prepare_status(step) if self._rank == 0 else None, group)
+            if status[0] == "already":
+                return self._finish_ok(notice, step, uri, 0, t0, already=True)
+            if status[0] == "error":
+                return self._fail(notice, step, f"prepare failed on rank 0: {status[1]}", t0, peers_ok=True)
+            stage = "write"
+            err = None
+            self._storage.write_log.take(key)  # what an earlier attempt at this step wrote does not count
+            try:
+                if write is not None:
+                    write(key)
+                else:
+                    self._write(key, snap)
+                if self._test_delay:
+                    time.sleep(self._test_delay)  # test-only: widen the window for a SIGKILL during the save
+            except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException!) on every rank
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+                err = f"{type(exc).__name__}: {exc}"
+            stage = "durable-barrier"
+            if not self._all_ok(err is None, group):
+                return self._fail(notice, step, err or "another rank failed to write its shards", t0, peers_ok=True)
+            stage = "gather"  # the record names exactly what the ranks report writing
+            written = gather_writes(group if self._dist else None, self._storage.write_log.take(key))
+            stage = "commit"
+            outcome: Any = None
+            if self._rank == 0:
+                outcome = commit_and_retain(self._storage, step, CommitRecord(
+                    step=step, world_size=self._world, reason=reason,
+                    notice_id=None if reason == "periodic" else notice.id,
+                    seconds=round(time.monotonic() - t0, 3),
+                    extra={"spotguard": __version__, "lineage": self._lineage} if reason == "periodic" else
+                    {"notice_kind": notice.kind, "notice_source": notice.source,
+                     "deadline": to_rfc3339(notice.deadline), "spotguard": __version__, "lineage": self._lineage},
+                ), self._keep, self._log, written)
+            stage = "commit-barrier"
+            # Every rank passes this only after the record is durable: no rank may exit before it.
+            outcome = self._bcast0(outcome, group)
+            if outcome[0] != "ok":
+                return self._fail(notice, step, f"commit failed on rank 0: {outcome[1]}", t0, peers_ok=True)
+            return self._finish_ok(notice, step, uri, int(outcome[1]), t0)
+        except BaseException as exc:  # noqa: BLE001 - a collective failed: a peer died or timed out
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            return self._fail(notice, step, f"{stage}: {type(exc).__name__}: {exc}", t0, peers_ok=False)
+        finally:
+            scope.close()
+
+    def _prepare_status(self, step: int, storage: Optional[Storage] = None) -> tuple[str, Any]:
+        """Rank 0: ``prepare_status``, except that "already committed" counts only for this run's own checkpoint.
+
+        A step folder committed by another run (another lineage in its record) that this run never
+        resumed from is not this run's state: claiming it would report ``committed`` for bytes that
+        are not ours. That is an error naming the fix.
+        """
+        storage = storage or self._storage
+        status = prepare_status(storage, step)
+        key = step_dir(step)
+        if status[0] != "already" or key == self._resumed_dir:
+            return status
+        try:
+            rec = CommitRecord.from_json(storage.read_bytes(join_key(key, COMMIT_NAME)))
+            theirs = rec.extra.get("lineage")
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            return ("error", f"{key} is committed but its record cannot be read: {type(exc).__name__}: {exc}")
+        if theirs == self._lineage:
+            return status
+        return ("error", f"{self._storage.uri}/{key} is already committed by another run (lineage {theirs}) that "
+                         "this run never resumed from; call hook.resume() before training, or give this run its "
+                         "own storage prefix")
+
+    def _finish_ok(self, notice: Notice, step: int, uri: str, nbytes: int, t0: float, already: bool = False) -> _Result:
+        secs = round(time.monotonic() - t0, 3)
+        self._committed_ids.add(notice.id)
+        if self._periodic is not None:
+            self._periodic.restart_clock()
+        self._log.info(ev.CHECKPOINT_COMMITTED, notice_id=notice.id, step=step, uri=uri, bytes=nbytes,
+                       seconds=secs, already_committed=already, **self._timing(notice))
+        self._report(CheckpointDone(id=notice.id, step=step, uri=uri, bytes=nbytes, seconds=secs))
+        self._after_commit(notice, step, uri)
+        return _Result(committed=True, uri=uri, bytes=nbytes, seconds=secs)
+
+    def _after_commit(self, notice: Notice, step: int, uri: str) -> None:
+        """Every rank, right after the commit barrier: tell the framework (Ray Train). Must not raise."""
+        if "ray.train" in sys.modules:  # inside a Ray Train worker: report the committed checkpoint
+            from .adapters.ray import report_commit  # noqa: PLC0415
+
+            report_commit(self, step, uri)
+
+    def _fail(self, notice: Notice, step: int, error: str, t0: float, *, peers_ok: bool) -> _Result:
+        secs = round(time.monotonic() - t0, 3)
+        self._log.error(ev.CHECKPOINT_FAILED, notice_id=notice.id, step=step, error=error, seconds=secs,
+                        peers_ok=peers_ok)
+        self._report(CheckpointFailed(id=notice.id, error=error))
+        return _Result(committed=False, peers_ok=peers_ok, error=error, seconds=secs)
+
+    def _rank_key(self, rank: int) -> str:
+        return elastic.rank_key(rank)
+
+    def _write(self, key: str, snap: Optional[Snapshot]) -> None:
+        """Write this rank's part of the checkpoint under folder ``key`` (every rank; raise on failure).
+
+        The plain hook writes one DCP checkpoint; framework adapters override this
+        to let their trainer write its own format. Durability and the commit
+        record are ``_save``'s job.
+        """
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+        sd = self._save_state_dict(snap)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.save(sd, storage_writer=self._storage.dcp_writer(key), process_group=self._group)
+
+    def _save_state_dict(self, snap: Optional[Snapshot]) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        o = self._objs
+        if snap is None:
+            snap = Snapshot.take(o.loaders, self._buffers)
+        sd: dict[str, Any] = {}
+        for k, m in o.models.items():
+            sd[k] = get_model_state_dict(m)
+        for k, opt in o.optimizers.items():
+            sd[k] = get_optimizer_state_dict(o.models[o.owner[k]], opt)
+        per = {
+            "step": self._count,
+            "world_size": self._world,
+            "rng": snap.rng,
+            "loaders": snap.loaders,
+            "buffers": snap.buffers,
+            "schedulers": {k: s.state_dict() for k, s in o.schedulers.items()},
+            "scalers": {k: s.state_dict() for k, s in o.scalers.items()},
+            "stateful": {k: s.state_dict() for k, s in o.stateful.items()},
+        }
+        sd[self._rank_key(self._rank)] = pack(per)
+        return sd
+
+    def _periodic_flags(self) -> tuple[int, int]:
+        p = self._periodic
+        if p is None or self._torn_down or self._closed:
+            return 0, 0
+        return p.flags()
+
+    def _maybe_periodic(self, snap: Optional[Snapshot]) -> None:
+        """At a boundary with no notice: start the agreed periodic save (every rank sees the same flags)."""
+        p = self._periodic
+        if p is None or self._torn_down or self._closed:
+            return
+        due, busy = self._agree.flags[:2]
+        if not due or busy:
+            return
+        self._internal = True
+        try:
+            t0 = time.monotonic()
+            state, nbytes = stage_state_dict(self._save_state_dict(snap))
+            p.start(self._count, state, nbytes, time.monotonic() - t0)
+        finally:
+            self._internal = False
+
+    def _settle_periodic(self, notice: Notice, group: Any = _OWN) -> None:
+        """A notice-driven save is about to start (every rank): finish or abort an in-flight periodic one.
+
+        Rule (decided on rank 0, broadcast): finish it if its own throughput says it
+        ends within half of the time left (cut off at that half whatever happens),
+        else abort it; the notice's checkpoint is written next either way.
+        """
+        p = self._periodic
+        if p is None:
+            return
+        left = max(0.0, notice.seconds_left() - SAVE_MARGIN)
+        decision = p.decide(self._count, left) if self._rank == 0 else None
+        what, est = self._bcast0(decision, group)
+        if what == "idle" and not p.busy:
+            return
+        committed, waited = p.settle(what, left)
+        self._log.info(PERIODIC_SETTLED, notice_id=notice.id, step=p.job.step if p.job else None, decision=what,
+                       estimate=None if est is None else round(est, 3), seconds_left=round(left, 3),
+                       waited=round(waited, 3), committed=committed)
+
+    # ------------------------------------------------- background (staged) save
+
+    def _save_staged(self, notice: Notice, reason: str, step: int, t_end: float, group: Any, *,
+                     hold: bool = False) -> _Result:
+        """The agreement thread: checkpoint of completed iteration ``step`` while training goes on. Never raises.
+
+        1. wait until this rank's count is ``step`` and its training thread is not
+           inside ``optimizer.step`` (a laggard finishes its step; the others are
+           there already); 2. copy model and optimizer tensors (``stage_state_dict``:
+           they do not change between optimizer steps) — the training thread holds at
+           its next pre-hook only until then; 3. the small state (see
+           ``_capture_small``); 4. DCP save of the copy + commit, on ``group``.
+        ``hold`` (an emergency): the training thread stays held at its next pre-hook
+        after the copy too, until the exit (agreement.py says why).
+        """
+        t0 = time.monotonic()
+        with self._cv:
+            while not (self._count >= step and not self._in_step) and self._exit_request is None:
+                left = t_end - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(min(0.5, left))
+            reached = self._count == step and not self._in_step
+        if not reached:
+            return self._fail(notice, step, f"the training thread did not reach step {step} within the notice "
+                              f"deadline (at {self._count}, inside a step: {self._in_step}): peers lost?", t0,
+                              peers_ok=False)
+        _BG.on = True
+        try:
+            sd, nbytes = stage_state_dict(self._tensor_state())
+        except Exception as exc:  # noqa: BLE001 - reported like any failed write
+            self._release_hold()
+            return self._fail(notice, step, f"staging: {type(exc).__name__}: {exc}", t0, peers_ok=True)
+        finally:
+            _BG.on = False
+        copied = time.monotonic() - t0
+        with self._cv:  # the small state: from the pre-hook of step+1 if it came first, else now (after a settle)
+            settle_end = self._post_t + SMALL_STATE_SETTLE
+            while (self._small is None or self._small[0] != step) and time.monotonic() < settle_end:
+                self._cv.wait(max(0.0, settle_end - time.monotonic()))
+            if self._small is None or self._small[0] != step:
+                self._small = self._capture_small(step, "background")
+            _, blob, groups, where = self._small
+            self._small = None
+            self._staged_step = step
+            self._freeze = None
+            if not hold:
+                self._target = None
+            self._cv.notify_all()
+        self._log.info(ev.CHECKPOINT_STAGED, notice_id=notice.id, step=step, bytes=nbytes,
+                       seconds=round(copied, 4), small_state_from=where)
+        for k, pg in groups.items():  # param_groups (lr...) as they stood after the loop's scheduler step
+            staged = sd[k].get("param_groups")
+            if isinstance(staged, list) and len(staged) == len(pg):
+                for dst, src in zip(staged, pg):
+                    dst.update(src)
+        sd[self._rank_key(self._rank)] = blob
+
+        def write(key: str) -> None:
+            import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+            dcp.save(sd, storage_writer=self._storage.dcp_writer(key), process_group=group)
+
+        return self._save(notice, reason, None, group=group, step=step, write=write,
+                          bound=max(1.0, t_end - time.monotonic()))
+
+    def _tensor_state(self) -> dict[str, Any]:
+        """Model and optimizer state dicts (references; staged by the caller), without DCP's fake optimizer step."""
+        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        _skip_fake_step_in_background()
+        o = self._objs
+        sd: dict[str, Any] = {}
+        for k, m in o.models.items():
+            sd[k] = get_model_state_dict(m)
+        for k, opt in o.optimizers.items():
+            sd[k] = get_optimizer_state_dict(o.models[o.owner[k]], opt)
+        return sd
+
+    def _capture_small(self, step: int, where: str) -> tuple[int, bytes, dict[str, list[dict[str, Any]]], str]:
+        """(step, per-rank blob, optimizer param_groups without params, who captured it) — call under ``_cv``.
+
+        The state the loop changes *after* ``optimizer.step()``: schedulers, scalers,
+        stateful objects (EMA...), and the optimizer's param_groups (a scheduler writes
+        ``lr`` there). RNG, loader and running-stat buffers come from the snapshot of
+        step ``step``'s post-hook, as at a boundary.
+        """
+        import copy  # noqa: PLC0415
+
+        o = self._objs
+        snap = self._snap if self._snap is not None and self._snap_count == step else None
+        if snap is None:
+            snap = Snapshot.take(o.loaders, self._buffers)
+        per = {
+            "step": step,
+            "world_size": self._world,
+            "rng": snap.rng,
+            "loaders": snap.loaders,
+            "buffers": snap.buffers,
+            "schedulers": {k: s.state_dict() for k, s in o.schedulers.items()},
+            "scalers": {k: s.state_dict() for k, s in o.scalers.items()},
+            "stateful": {k: s.state_dict() for k, s in o.stateful.items()},
+        }
+        groups = {k: [{n: copy.deepcopy(v) for n, v in g.items() if n != "params"} for g in opt.param_groups]
+                  for k, opt in o.optimizers.items()}
+        return step, pack(per), groups, where
+
+    def _release_hold(self) -> None:
+        with self._cv:
+            self._freeze = self._target = None
+            self._small = None
+            self._cv.notify_all()

@@ -1,0 +1,85 @@
+"""The hook's tunables and shared constants (environment-overridable where a platform needs it).
+
+One place for the numbers the hook's modules share (core, notices, agreement,
+save, resume, exit), so none of them imports another just for a constant.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Optional
+
+__all__ = [
+    "SMALL_STATE_SETTLE", "EXIT_GRACE", "HOLD_SLACK",
+    "SAVE_MARGIN", "QUIESCE_AGREEMENT_TIMEOUT", "QUIESCE_PERIODIC_TIMEOUT", "SIGNAL_GRACE", "EMERGENCY_LEAD",
+    "PERIODIC_NOTICE_PREFIX", "PERIODIC_SYNC_TIMEOUT", "EXIT_SAVE_FAILED",
+    "LEVEL_NONE", "LEVEL_CHECKPOINT", "LEVEL_EMERGENCY", "LEVEL_REPLAY",
+]
+
+# Storage requests of a notice-driven save stop this long before the notice deadline (at most half
+# of what is left): the bounded teardown (barrier + destroy, ~0.1 s), the exit (~0.15 s with
+# gc.freeze) and the report to the daemon must still fit before the VM goes.
+SAVE_MARGIN = 1.5
+# Before the user's destroy_process_group() / at exit: how long to wait for the outstanding flag
+# reduction (finished long ago unless a peer is gone) and for an in-flight periodic upload.
+QUIESCE_AGREEMENT_TIMEOUT = 10.0
+
+
+def _env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment; a bad value warns and falls back."""
+    raw = os.environ.get(name, "")
+    try:
+        value = float(raw) if raw.strip() else default
+        if not (0 < value < float("inf")):
+            raise ValueError("must be a positive, finite number of seconds")
+    except ValueError as exc:
+        warnings.warn(f"{name}={raw!r} ignored ({exc}); using {default:g} s", stacklevel=2)
+        return default
+    return value
+
+
+QUIESCE_PERIODIC_TIMEOUT = _env_seconds("SPOTGUARD_PERIODIC_DRAIN", 60.0)
+# What a SIGTERM leaves us before the SIGKILL: torchrun's default --shutdown-timeout (30 s); set it
+# per platform (GKE pods: 15 s of the node's 30 s; a pod's terminationGracePeriodSeconds; SLURM GraceTime).
+SIGNAL_GRACE = _env_seconds("SPOTGUARD_SIGNAL_GRACE", 30.0)
+# An emergency notice further off than this (GCP GPU host maintenance: about an hour; Azure Terminate:
+# 5-15 min) does not stop training at once: the emergency checkpoint starts this long before the
+# deadline, so it commits before the window opens with a safety margin.
+EMERGENCY_LEAD = _env_seconds("SPOTGUARD_EMERGENCY_LEAD", 300.0)
+# Framework adapters take ``every=`` checkpoints synchronously, in the framework's own format, through the
+# notice path with a synthetic notice: its id prefix keeps it out of daemon reports and commit records.
+PERIODIC_NOTICE_PREFIX = "periodic-"
+PERIODIC_SYNC_TIMEOUT = 600.0
+
+
+#: exit code when the emergency save failed (nothing committed for this stop: progress since the last
+#: commit is lost). EX_TEMPFAIL from sysexits.h: "try again later" — launchers restart on it like on 143,
+#: and it tells the user apart from 143 ("stopped for a notice, nothing lost").
+EXIT_SAVE_FAILED = 75
+LEVEL_NONE, LEVEL_CHECKPOINT, LEVEL_EMERGENCY, LEVEL_REPLAY = 0, 1, 2, 3
+_ACTIONS = {0: "none", 1: "checkpoint", 2: "emergency", 3: "exit"}
+
+
+def _ms(dt: Any) -> int:
+    return int(dt.timestamp() * 1000)
+
+
+def _env_float(name: str) -> Optional[float]:
+    raw = os.environ.get(name)
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        return None
+
+# The background save copies the small state the loop changes after optimizer.step() (schedulers, scaler,
+# stateful objects, param_groups' lr) at the next pre-hook, or, if the copy of the tensors finishes first,
+# no earlier than this long after the post-hook of the saved step: the loop's own `sched.step()` / EMA
+# update right after `opt.step()` has run by then (docs/reliability.md: the rule and its limit).
+SMALL_STATE_SETTLE = _env_seconds("SPOTGUARD_SMALL_STATE_SETTLE", 0.1)
+# After the background commit: how long the training thread has to reach a hook point and leave by
+# Preempted before the agreement thread flushes the logs and os._exit()s with the same code.
+EXIT_GRACE = _env_seconds("SPOTGUARD_EXIT_GRACE", 1.0)
+# A pre-hook held by a round gives up (exit 75) this long after the round's own bound, so that the agreement
+# thread, whose collectives time out at that bound, normally reports the loss first.
+HOLD_SLACK = 2.0

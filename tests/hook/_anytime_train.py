@@ -1,0 +1,206 @@
+"""``examples/torchrun_train.py``'s model and data in a loop with slow phases, for notices at any moment.
+
+Each iteration: [load] next(loader) -> [fwd] forward -> [bwd] backward -> opt.step() [step: inside it]
+-> sched.step() -> [after]. ``--phases load,fwd,bwd,step,after`` gives each phase a duration (seconds of
+sleep; ``step`` runs inside ``optimizer.step`` through a pre-hook registered after spotguard's), so a
+notice can be sent at a chosen phase: ``--notice-at ITER:PHASE`` makes rank ``--notice-rank`` send itself
+SIGUSR1 at the start of that phase of iteration ITER (0-based). Outside optimizer steps: ``--accum N``
+micro-batches per step (DDP ``no_sync`` for all but the last; ``micro:K`` as PHASE = at micro-batch K),
+``--eval-after ITER:SECONDS`` an evaluation (eval mode, no optimizer step, a final all-reduce) after
+iteration ITER (PHASE ``eval``), ``--stall-before ITER:SECONDS`` a loader stall (PHASE ``stall``),
+``--warmup SECONDS`` before the first step (PHASE ``warmup``, ITER ignored). The math never depends on
+the sleeps, so an interrupted and resumed run must end bitwise equal to ``--no-hook``.
+
+``--notice-timer ITER:SECONDS`` sends it that long after iteration ITER starts (a random phase).
+``--phases-from ITER`` keeps the earlier iterations fast. Rank 0 prints ``{"step": i, "loss": l, "t": wall-clock}`` after each iteration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+HERE = Path(__file__).resolve().parent
+
+
+def _example() -> Any:
+    spec = importlib.util.spec_from_file_location("_sg_example", HERE.parents[1] / "examples" / "torchrun_train.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _pair(raw: str | None) -> tuple[int, float] | None:
+    if not raw:
+        return None
+    a, b = raw.split(":")
+    return int(a), float(b)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--storage", default=None)
+    p.add_argument("--out", default=None)
+    p.add_argument("--no-hook", action="store_true")
+    p.add_argument("--phases", default="0,0,0,0,0", help="load,fwd,bwd,step,after seconds")
+    p.add_argument("--phases-from", type=int, default=0, help="iterations before this one run without sleeps")
+    p.add_argument("--notice-at", default=None, help="ITER:PHASE")
+    p.add_argument("--notice-rank", type=int, default=0)
+    p.add_argument("--notice-kind", default="signal", help="signal (SIGUSR1) or rebalance (hook.notify)")
+    p.add_argument("--notice-timer", default=None, help="ITER:SECONDS: SIGUSR1 that long after ITER starts")
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--micro-time", type=float, default=0.0)
+    p.add_argument("--eval-after", default=None, help="ITER:SECONDS")
+    p.add_argument("--stall-before", default=None, help="ITER:SECONDS")
+    p.add_argument("--warmup", type=float, default=0.0)
+    p.add_argument("--raise-in-eval", type=float, default=-1.0, help="every rank raises this long into the eval")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--optim", default="sgd")
+    args = p.parse_args()
+    phases = [float(x) for x in args.phases.split(",")]
+    load_t = fwd_t = bwd_t = after_t = 0.0
+    eval_after, stall_before = _pair(args.eval_after), _pair(args.stall_before)
+    notice_iter, notice_phase = (None, None)
+    if args.notice_at:
+        it, notice_phase = args.notice_at.split(":", 1)
+        notice_iter = int(it)
+
+    ex = _example()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    ns = argparse.Namespace(seed=args.seed, hidden=args.hidden, optim=args.optim)
+    net, opt, _ = ex.build(ns, rank)
+    # lr changes at the scheduler step right after optimizer step 3: a checkpoint of step 3 must hold the new lr
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    model = DDP(net)
+    loader = ex.SyntheticLoader(args.seed, rank)
+    torch.manual_seed(args.seed + 1 + rank)
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+
+    def notice(i: int | None, phase: str) -> None:
+        if rank == args.notice_rank and phase == notice_phase and (i == notice_iter or phase == "warmup"):
+            print(json.dumps({"notice_sent": phase, "iter": i, "t": time.time(), "rank": rank}), flush=True)
+            if args.notice_kind == "rebalance":
+                from datetime import timedelta  # noqa: PLC0415
+
+                from spotguard.notice import Notice  # noqa: PLC0415
+                from spotguard.timefmt import utcnow  # noqa: PLC0415
+
+                now = utcnow()
+                hook.notify(Notice(id=f"rebalance-{i}", source="drill", kind="rebalance",
+                                   deadline=now + timedelta(seconds=60), received_at=now))
+            else:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    start = 0
+    hook: Any = None
+    if not args.no_hook:
+        from spotguard import install_preemption_hook
+
+        hook = install_preemption_hook({"model": model, "optimizer": opt, "scheduler": sched, "loader": loader},
+                                       storage=args.storage)
+        start = hook.resume()
+    state: dict[str, Any] = {"i": start, "step_t": 0.0}
+    if any(phases) or args.notice_at:
+        def inside_step(optimizer: Any, a: Any, k: Any) -> None:  # registered after spotguard's: inside the step
+            notice(state["i"], "step")
+            if state["step_t"] > 0:
+                time.sleep(state["step_t"])
+        opt.register_step_pre_hook(inside_step)
+
+    if args.warmup > 0:
+        notice(None, "warmup")
+        time.sleep(args.warmup)
+    model.train()
+    for i in range(start, args.steps):
+        state["i"] = i
+        if args.notice_timer and rank == args.notice_rank and int(args.notice_timer.split(":")[0]) == i:
+            import threading  # noqa: PLC0415
+
+            delay = float(args.notice_timer.split(":")[1])
+
+            def fire() -> None:
+                print(json.dumps({"notice_sent": "timer", "iter": i, "t": time.time(), "rank": rank}), flush=True)
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+            threading.Timer(delay, fire).start()
+        if i >= args.phases_from:
+            load_t, fwd_t, bwd_t, state["step_t"], after_t = phases
+        if stall_before is not None and stall_before[0] == i:
+            notice(i, "stall")
+            time.sleep(stall_before[1])
+        notice(i, "load")
+        time.sleep(load_t)
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for m in range(args.accum):
+            x, y = next(loader)
+            if m == 0:
+                notice(i, "fwd")
+            notice(i, f"micro:{m}")
+            ctx = model.no_sync() if m < args.accum - 1 else contextlib.nullcontext()
+            with ctx:
+                noise = 1.0 + 0.01 * (random.random() + float(np.random.rand()))
+                out = model(x) * noise
+                if m == 0:
+                    time.sleep(fwd_t)
+                loss = F.mse_loss(out, y) / args.accum
+                if m == 0:
+                    notice(i, "bwd")
+                loss.backward()
+                if m == 0:
+                    time.sleep(bwd_t)
+            total += float(loss.item())
+            if args.micro_time > 0:
+                time.sleep(args.micro_time)
+        opt.step()
+        sched.step()
+        notice(i, "after")
+        if rank == 0:
+            print(json.dumps({"step": i, "loss": round(total, 6), "t": time.time()}), flush=True)
+        time.sleep(after_t)
+        if eval_after is not None and eval_after[0] == i:
+            notice(i, "eval")
+            model.eval()
+            end = time.monotonic() + eval_after[1]
+            g = torch.Generator().manual_seed(99)
+            acc = torch.zeros(1)
+            with torch.no_grad():
+                while time.monotonic() < end:
+                    acc += F.mse_loss(net(torch.randn(8, 32, generator=g)), torch.zeros(8, 1))
+                    time.sleep(0.05)
+                    if 0 <= args.raise_in_eval < eval_after[1] - (end - time.monotonic()):
+                        raise RuntimeError("a collective of the user's failed (test)")
+            dist.all_reduce(acc)
+            model.train()
+
+    if args.out and rank == 0:
+        torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                    "steps": args.steps}, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
