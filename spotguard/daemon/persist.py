@@ -26,7 +26,7 @@ import os
 import secrets
 import stat
 from datetime import timedelta
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 from ..logs import get_logger
 from ..notice import Notice

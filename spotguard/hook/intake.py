@@ -17,7 +17,7 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Callable, Deque
+from typing import Callable, Deque
 
 from .. import protocol
 from ..logs import get_logger

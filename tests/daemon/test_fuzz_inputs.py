@@ -14,11 +14,9 @@ nothing else may escape. ``COUNTS`` tallies the inputs tried; the last test prin
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 from collections import Counter
-from datetime import timedelta
 from typing import Any
 
 import pytest

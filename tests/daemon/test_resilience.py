@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from datetime import timedelta
 from typing import Any, Optional

@@ -8,7 +8,6 @@ default; beyond, one ``error`` line and close), ``max_subscribers`` (256) subscr
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import json
 import os

@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
 
 from .conftest import REPO, load_yaml_docs, require_tool, run
 from .test_helm import helm_template

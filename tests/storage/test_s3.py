@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 
 from ._contract import ObjectStoreContract
 from .conftest import Store

@@ -73,7 +73,7 @@ def test_identical_to_filesystem_writer(tmp_path, monkeypatch, part, zpart):
 def test_temporaries_are_kept_alive_until_sent(monkeypatch):
     """A clone made for the upload (view of a bigger storage) is freed by the producer at once;
     the part must keep it alive: overwrite freed memory aggressively and check the bytes."""
-    import gc, threading, time
+    import threading, time
     s = ZCStore(part_size=1 << 20, concurrency=2)
     s.min_part_size = 16
     gate = threading.Event()

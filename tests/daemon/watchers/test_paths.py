@@ -4,7 +4,6 @@ emulator with its fault injection; intervals are measured from the emulator's re
 
 from __future__ import annotations
 
-import asyncio
 import time
 from datetime import timedelta
 from typing import Any, Callable
