@@ -7,9 +7,10 @@ optimizer step hooks under ``torch.distributed``, one optimizer): a thread per
 rank with its *own* gloo group (only that thread ever uses it, so every rank
 issues its collectives in the same order) and its own connection to the c10d
 store (``Store.clone()``). Event-driven, nothing per step: the thread blocks in
-``store.wait`` on the key ``<token>/wake/<g>``. A rank that receives a notice
-(daemon intake thread, signal thread, ``notify``) sets that key (value: the
-notice deadline in ms), which wakes every rank's thread at once. Each thread
+``store.wait`` on its own key ``<token>/wake/<g>/<rank>``. A rank that receives a
+notice (daemon intake thread, signal thread, ``notify``) sets every rank's key of
+round ``g`` in one ``multi_set`` (value: the notice deadline in ms), which wakes
+every rank's thread at once; a rank that closes sets only its own (``release``). Each thread
 then *joins* round ``g``: under the hook's step lock it records the count its
 training thread will stand at (``c``, or ``c+1`` when it is inside
 ``optimizer.step``) and from then on the training thread may not start an
@@ -52,6 +53,7 @@ a framework adapter can let its trainer write between the two.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
@@ -231,6 +233,8 @@ class AgreementMixin:
 
 #: how long one ``store.wait`` blocks before the thread looks again (c10d logs a line per timeout: keep it rare)
 WAKE_POLL = timedelta(hours=1)
+#: how long ``release`` waits for the woken thread to leave (a store round trip; bounded if the store hangs)
+RELEASE_JOIN = 2.0
 
 
 class RoundFailed(Exception):
@@ -256,6 +260,7 @@ class BackgroundAgreement:
         self.busy = threading.Event()  # a round (or its save) is running
         self._closed = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._parked = False  # inside the C++ store.wait (what release() must get it out of)
         self._timers: list[threading.Timer] = []
         self.group = make_group()
         try:
@@ -273,13 +278,16 @@ class BackgroundAgreement:
         self._stall = stall.strip() != "" and int(stall) == hook._rank
         self._stall_from = int(os.environ.get("SPOTGUARD_TEST_AGREE_STALL_ROUND", "0") or 0)
 
-    def key(self, gen: int) -> str:
-        return f"{self.token}/wake/{gen}"
+    def key(self, gen: int, rank: Optional[int] = None) -> str:
+        """Round ``gen``'s wake key for ``rank`` (default: this rank). One key per rank, so that ``close``
+        can wake this rank's own parked thread without starting a round anywhere else."""
+        return f"{self.token}/wake/{gen}/{self.hook._rank if rank is None else rank}"
 
     def start(self) -> None:
         if self.ok and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="spotguard-agreement", daemon=True)
             self._thread.start()
+            atexit.register(self.release)
 
     def wake(self, deadline_ms: int) -> None:
         """Any thread: start the next round on every rank (idempotent while that round has not started)."""
@@ -287,7 +295,9 @@ class BackgroundAgreement:
             return
         try:
             with self._set_lock:
-                self._setter.set(self.key(self.gen), str(int(deadline_ms)))
+                g, value = self.gen, str(int(deadline_ms))
+                world = self.hook._world
+                self._setter.multi_set([self.key(g, r) for r in range(world)], [value] * world)
         except Exception as exc:  # noqa: BLE001 - the boundary path is gone too if the store is: log it
             self.hook._log.warning("cannot wake the agreement through the store", error=f"{type(exc).__name__}: {exc}")
 
@@ -309,6 +319,32 @@ class BackgroundAgreement:
             end = time.monotonic() + timeout
             while self.busy.is_set() and time.monotonic() < end:
                 time.sleep(0.01)  # a round's collectives cannot be interrupted: nothing else to await
+        self.release()
+
+    def release(self) -> None:
+        """Get this rank's thread out of its C++ ``store.wait`` and join it (bounded).
+
+        Why: a daemon thread still parked there when the interpreter finalizes dies
+        by ``pthread_exit`` the moment the wait returns — and it returns when the
+        store's host (rank 0's process) exits at the same time, which at the end of
+        a multi-node job is the common case; unwinding C++ frames that way aborts
+        the process ("terminate called without an active exception", exit -6),
+        torchrun restarts it and the job repeats its last steps. So: set this
+        rank's own key of the round it waits for (no other rank wakes), join.
+        Also registered with ``atexit``, which runs before finalization.
+        """
+        self._closed.set()
+        t = self._thread
+        if t is None or not t.is_alive() or t is threading.current_thread():
+            return
+        if not self._parked:
+            return  # running a round or leaving by the backstop (both bounded, and they end the process)
+        try:
+            with self._set_lock:
+                self._setter.set(self.key(self.gen), "closed")
+        except Exception:  # noqa: BLE001 - the store is gone: the wait has returned (or will) by itself
+            pass
+        t.join(RELEASE_JOIN)
 
     @property
     def closed(self) -> bool:
@@ -347,7 +383,11 @@ class BackgroundAgreement:
     def _wait(self, g: int) -> Optional[int]:
         while not self._closed.is_set():
             try:
-                self._waiter.wait([self.key(g)], WAKE_POLL)
+                self._parked = True
+                try:
+                    self._waiter.wait([self.key(g)], WAKE_POLL)
+                finally:
+                    self._parked = False
             except Exception as exc:  # noqa: BLE001 - DistStoreError on timeout: look again
                 if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
                     continue
