@@ -45,6 +45,7 @@ boto3's ``payload_signing_enabled=False``, baseline B via s3fs's
     $SPOTGUARD_BENCH_REPS (default 5): fresh runs of A and B per size; min / median / max are reported
     $SPOTGUARD_BENCH_METHODS (default spotguard,A,B): which to run (spotguard alone: the checksum cost)
     $SPOTGUARD_BENCH_CHECKSUM_ONLY=1: the rounds interleave only spotguard and spotguard_nocrc
+    $SPOTGUARD_BENCH_LINK_GBIT=G: the sink receives at most G Gbit/s (one node's NIC; s3sink --gbit)
     --out FILE: also write the raw results there (``benchmarks/results/`` keeps the ones docs quote)
 
 spotguard's figures include its integrity work, inside the timed path: CRC32C block
@@ -238,6 +239,20 @@ def crc32c_throughput(gib: float = 0.25, runs: int = 5, hot: bool = False) -> di
     return {"min": round(min(rates), 2), "median": round(_median(rates), 2), "max": round(max(rates), 2)}
 
 
+def memory_read_throughput(gib: float = 0.25, runs: int = 5) -> dict[str, float]:
+    """The floor under any checksum of bytes read from memory: one core reading a ``gib`` buffer with
+    SIMD and doing nothing else (numpy's max over 64-bit words), GiB/s min / median / max of ``runs``."""
+    import numpy as np
+
+    words = np.frombuffer(bytearray(os.urandom(1 << 20)) * int(gib * 1024), dtype=np.uint64)
+    rates = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        words.max()
+        rates.append(words.nbytes / GiB / (time.perf_counter() - t0))
+    return {"min": round(min(rates), 2), "median": round(_median(rates), 2), "max": round(max(rates), 2)}
+
+
 def rank_main(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -410,8 +425,9 @@ def run(sizes: list[float] | None = None) -> dict[str, Any]:
     if not methods or set(methods) - {"spotguard", "A", "B"}:
         raise SystemExit("$SPOTGUARD_BENCH_METHODS: a comma-separated subset of spotguard,A,B")
     port, ack_port = free_port(), free_port()
+    link = float(os.environ.get("SPOTGUARD_BENCH_LINK_GBIT", "0") or 0)
     sink = subprocess.Popen([sys.executable, "-m", "benchmarks.s3sink", "--port", str(port),
-                             "--ack-port", str(ack_port)], cwd=REPO, stdout=subprocess.PIPE,
+                             "--ack-port", str(ack_port), "--gbit", str(link)], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     try:
         for _ in range(100):
@@ -436,8 +452,10 @@ def run(sizes: list[float] | None = None) -> dict[str, Any]:
                                "methods": methods,
                                "payload_signing": "on (every method)" if _sign() else "off (every method)",
                                "reps": reps, "rounds": rounds, "sizes": {},
+                               "link_gbit": link or "none (loopback: CPU-bound)",
                                "crc32c_gib_s_one_core": crc32c_throughput(),
-                               "crc32c_gib_s_one_core_in_cache": crc32c_throughput(hot=True)}
+                               "crc32c_gib_s_one_core_in_cache": crc32c_throughput(hot=True),
+                               "memory_read_gib_s_one_core": memory_read_throughput()}
         with tempfile.TemporaryDirectory() as td:
             for size in sizes:
                 row: dict[str, Any] = {}

@@ -3,7 +3,8 @@
 One process, loopback: send 1 GiB from memory in ``slice``-byte ``sendall``s to a draining thread, with
 the CRC32C computed ``before`` (a separate pass over the buffer, as spotguard's stream does), ``fused``
 (each slice right before its ``sendall``), ``after`` (each slice right after it) or not at all (``none``).
-Wall and CPU seconds (the process: sender and draining thread), medians of 7, the modes interleaved.
+Wall and CPU seconds (the process, and split: the sending thread, the draining thread), medians of 7, the
+modes interleaved. The split matters: on loopback the slice size changes the receiver's work too.
 
     python benchmarks/crc_fusion_check.py [SLICE_BYTES ...]   # default 4 MiB; docs/performance.md quotes it
 """
@@ -24,24 +25,28 @@ import crc32c
 MODES = ("none", "before", "fused", "after")
 
 
-def _drain(srv: socket.socket, size: int) -> None:
+def _drain(srv: socket.socket, size: int, cpu: list[float]) -> None:
     conn, _ = srv.accept()
     view = memoryview(bytearray(size))
+    t0 = time.thread_time()
     while conn.recv_into(view):
         pass
+    cpu.append(time.thread_time() - t0)
     conn.close()
 
 
-def run(buf: bytearray, mode: str, size: int) -> tuple[float, float]:
-    """(wall, CPU) seconds to send ``buf`` with the CRC32C computed as ``mode`` says."""
+def run(buf: bytearray, mode: str, size: int) -> tuple[float, float, float, float]:
+    """(wall, process CPU, sender CPU, drain CPU) seconds to send ``buf`` with the CRC32C computed as
+    ``mode`` says."""
     mv = memoryview(buf)
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
-    t = threading.Thread(target=_drain, args=(srv, size))
+    drained: list[float] = []
+    t = threading.Thread(target=_drain, args=(srv, size, drained))
     t.start()
     s = socket.create_connection(srv.getsockname())
-    r0, w0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    r0, w0, s0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), time.thread_time()
     crc = 0
     if mode == "before":
         for a in range(0, len(buf), size):
@@ -52,21 +57,25 @@ def run(buf: bytearray, mode: str, size: int) -> tuple[float, float]:
         s.sendall(mv[a:a + size])
         if mode == "after":
             crc = crc32c.crc32c(mv[a:a + size], crc)
+    sender = time.thread_time() - s0
     s.close()
     t.join()
     srv.close()
     r1 = resource.getrusage(resource.RUSAGE_SELF)
-    return time.perf_counter() - w0, (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+    return (time.perf_counter() - w0, (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime), sender,
+            drained[0])
 
 
 def measure(size: int, reps: int = 7) -> dict[str, object]:
     buf = bytearray(os.urandom(1 << 20)) * 1024
-    res: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
+    res: dict[str, list[tuple[float, float, float, float]]] = {m: [] for m in MODES}
     for _ in range(reps):
         for m in MODES:
             res[m].append(run(buf, m, size))
     out: dict[str, object] = {m: {"wall_s_median": round(statistics.median(x[0] for x in v), 3),
                                   "cpu_s_median": round(statistics.median(x[1] for x in v), 3),
+                                  "sender_cpu_s_median": round(statistics.median(x[2] for x in v), 3),
+                                  "drain_cpu_s_median": round(statistics.median(x[3] for x in v), 3),
                                   "wall_s": [round(x[0], 3) for x in v], "cpu_s": [round(x[1], 3) for x in v]}
                               for m, v in res.items()}
     out["loadavg"] = [round(x, 2) for x in os.getloadavg()]

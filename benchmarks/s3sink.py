@@ -12,7 +12,12 @@ reference it is compared with (``--ack-port``: a plain TCP discard server where
 each connection announces its length and gets a one-byte acknowledgement once
 every byte arrived, as an upload does).
 
-    python -m benchmarks.s3sink --port 9000 [--ack-port 9002]
+``--gbit G`` makes the sink a node's network link: every body byte any connection
+receives (uploads and the acked reference alike) passes one token bucket of G
+Gbit/s, so TCP flow control holds the senders back as a NIC would. Without it the
+"network" is the loopback copy, and the save is bound by the CPU (docs/performance.md).
+
+    python -m benchmarks.s3sink --port 9000 [--ack-port 9002] [--gbit 25]
 """
 
 from __future__ import annotations
@@ -51,6 +56,31 @@ def _buf() -> memoryview:
     return _SCRATCH
 
 
+class Link:
+    """One node's network link, shared by every connection: a body byte counts as delivered only
+    once a ``gbit`` Gbit/s wire would have carried it (the receiving thread sleeps until then, its
+    socket buffer fills, and TCP flow control makes the sender wait). No burst credit: an idle link
+    does not bank time."""
+
+    STEP = 1024 * 1024  # bytes per paced receive: ~0.3 ms at 25 Gbit/s
+
+    def __init__(self, gbit: float) -> None:
+        self.rate = gbit * 1e9 / 8
+        self._lock = threading.Lock()
+        self._free_at = 0.0
+
+    def carried(self, n: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._free_at = max(now, self._free_at) + n / self.rate
+            wait = self._free_at - now
+        if wait > 0:
+            time.sleep(wait)
+
+
+LINK: Link | None = None  # set by --gbit
+
+
 class Conn:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -77,17 +107,22 @@ class Conn:
             out = bytearray(n)
             view, got_total = memoryview(out), 0
             while got_total < n:
-                got = self.sock.recv_into(view[got_total:], n - got_total)
+                got = self.sock.recv_into(view[got_total:], min(n - got_total, Link.STEP if LINK else n))
                 if not got:
                     raise ConnectionError("client went away")
                 got_total += got
+                if LINK is not None:
+                    LINK.carried(got)
             return head + bytes(out)
         buf = _buf()
+        step = Link.STEP if LINK is not None else CHUNK
         while n > 0:
-            got = self.sock.recv_into(buf, min(n, CHUNK))
+            got = self.sock.recv_into(buf, min(n, step))
             if not got:
                 raise ConnectionError("client went away")
             n -= got
+            if LINK is not None:
+                LINK.carried(got)
         return None
 
     def readline(self) -> bytes:
@@ -326,7 +361,13 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=9000)
     ap.add_argument("--ack-port", type=int, default=0)
+    ap.add_argument("--gbit", type=float, default=0.0,
+                    help="pace every body byte through one link of this many Gbit/s (0: no limit)")
     a = ap.parse_args()
+    global LINK
+    if a.gbit < 0:
+        ap.error("--gbit: a rate in Gbit/s, or 0 for no limit")
+    LINK = Link(a.gbit) if a.gbit else None
     if a.ack_port:
         acked = Server((a.host, a.ack_port), AckedDiscard)
         threading.Thread(target=acked.serve_forever, daemon=True).start()

@@ -119,6 +119,66 @@ def test_acked_stream_is_acknowledged_only_after_every_byte(sink: dict[str, int]
         assert s.recv(1) == b"k"
 
 
+def _start_sink(*extra: str) -> tuple["subprocess.Popen[str]", int, int]:
+    port, ack = _free_port(), _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.s3sink", "--port", str(port), "--ack-port", str(ack),
+                             *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert "s3sink listening" in line, line
+    return proc, port, ack
+
+
+def _acked_seconds(ack: int, n: int, lanes: int) -> float:
+    """Seconds until ``lanes`` parallel acked streams of ``n`` bytes each are all acknowledged."""
+    import time
+
+    done: list[float] = []
+
+    def lane() -> None:
+        with socket.create_connection(("127.0.0.1", ack)) as s:
+            s.sendall(n.to_bytes(8, "big"))
+            s.sendall(b"q" * n)
+            assert s.recv(1) == b"k"
+            done.append(time.monotonic())
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=lane) for _ in range(lanes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(done) == lanes
+    return max(done) - t0
+
+
+def test_link_option_caps_what_all_connections_receive_together() -> None:
+    """``--gbit`` is one node's link: 3 streams of 4 MiB through 0.2 Gbit/s (25 MB/s) need ~0.5 s together;
+    without it loopback takes milliseconds. Both directions of the bound are checked."""
+    n, lanes, gbit = 4 * MiB, 3, 0.2
+    floor = n * lanes / (gbit * 1e9 / 8)
+    proc, _port, ack = _start_sink("--gbit", str(gbit))
+    try:
+        paced = _acked_seconds(ack, n, lanes)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert floor * 0.95 <= paced < floor * 4 + 2, (paced, floor)
+    proc, _port, ack = _start_sink()
+    try:
+        free = _acked_seconds(ack, n, lanes)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert free < floor / 2, (free, floor)
+
+
+def test_link_option_refuses_a_negative_rate() -> None:
+    out = subprocess.run([sys.executable, "-m", "benchmarks.s3sink", "--port", str(_free_port()), "--gbit", "-1"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--gbit" in out.stderr, out.stderr
+
+
 @pytest.mark.timeout(600)
 def test_storage_benchmark_runs_and_reports_every_figure(tmp_path: Path) -> None:
     """The smallest real run of ``bench_storage`` (2 gloo ranks, 64 MiB): every method and figure present."""
