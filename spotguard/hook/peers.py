@@ -64,6 +64,7 @@ import torch.distributed as dist
 from ..logs import get_logger
 from . import events as ev
 from .dist import destroy_group, is_dist, run_bounded
+from .settings import env_seconds
 
 __all__ = [
     "EXIT_PEERS_LOST",
@@ -86,17 +87,8 @@ _TAG = 7331
 
 
 def _env_seconds(name: str, default: float) -> float:
-    """A positive, finite number of seconds from the environment; a bad value warns once and falls back."""
-    raw = os.environ.get(name, "")
-    try:
-        value = float(raw) if raw.strip() else default
-        if not (0 < value < float("inf")):
-            raise ValueError("must be a positive, finite number of seconds")
-    except ValueError as exc:
-        get_logger("spotguard.hook", component="hook").warning(
-            f"{name}={raw!r} ignored ({exc}); using {default:g} s")
-        return default
-    return value
+    """``settings.env_seconds``, a bad value reported on the hook's log (read when a watch starts)."""
+    return env_seconds(name, default, get_logger("spotguard.hook", component="hook").warning)
 
 
 #: seconds without a beat from a peer before it counts as lost (``SPOTGUARD_PEER_TIMEOUT``).

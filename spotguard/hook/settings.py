@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 __all__ = [
     "SMALL_STATE_SETTLE", "EXIT_GRACE", "HOLD_SLACK",
@@ -26,17 +26,25 @@ SAVE_MARGIN = 1.5
 QUIESCE_AGREEMENT_TIMEOUT = 10.0
 
 
-def _env_seconds(name: str, default: float) -> float:
-    """A positive number of seconds from the environment; a bad value warns and falls back."""
+def env_seconds(name: str, default: float, report: "Callable[[str], Any] | None" = None) -> float:
+    """A positive, finite number of seconds from the environment; a bad value is reported (``report``,
+    else a warning) naming the variable, and the default is used: a typo never crashes a job."""
     raw = os.environ.get(name, "")
     try:
         value = float(raw) if raw.strip() else default
         if not (0 < value < float("inf")):
             raise ValueError("must be a positive, finite number of seconds")
     except ValueError as exc:
-        warnings.warn(f"{name}={raw!r} ignored ({exc}); using {default:g} s", stacklevel=2)
+        message = f"{name}={raw!r} ignored ({exc}); using {default:g} s"
+        if report is None:
+            warnings.warn(message, stacklevel=2)
+        else:
+            report(message)
         return default
     return value
+
+
+_env_seconds = env_seconds
 
 
 QUIESCE_PERIODIC_TIMEOUT = _env_seconds("SPOTGUARD_PERIODIC_DRAIN", 60.0)
