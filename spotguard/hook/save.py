@@ -265,8 +265,15 @@ class SaveMixin:
             sd[k] = get_model_state_dict(m)
         for k, opt in o.optimizers.items():
             sd[k] = get_optimizer_state_dict(o.models[o.owner[k]], opt)
-        per = {
-            "step": self._count,
+        sd[self._rank_key(self._rank)] = pack(self._per_rank_state(self._count, snap))
+        return sd
+
+    def _per_rank_state(self, step: int, snap: Snapshot) -> dict[str, Any]:
+        """This rank's own state at ``step`` (the per-rank blob's contents): RNG, loader and running-stat
+        buffers from ``snap``; schedulers, scalers and stateful objects as they are now."""
+        o = self._objs
+        return {
+            "step": step,
             "world_size": self._world,
             "rng": snap.rng,
             "loaders": snap.loaders,
@@ -275,8 +282,6 @@ class SaveMixin:
             "scalers": {k: s.state_dict() for k, s in o.scalers.items()},
             "stateful": {k: s.state_dict() for k, s in o.stateful.items()},
         }
-        sd[self._rank_key(self._rank)] = pack(per)
-        return sd
 
     def _periodic_flags(self) -> tuple[int, int]:
         p = self._periodic
@@ -416,16 +421,7 @@ class SaveMixin:
         snap = self._snap if self._snap is not None and self._snap_count == step else None
         if snap is None:
             snap = Snapshot.take(o.loaders, self._buffers)
-        per = {
-            "step": step,
-            "world_size": self._world,
-            "rng": snap.rng,
-            "loaders": snap.loaders,
-            "buffers": snap.buffers,
-            "schedulers": {k: s.state_dict() for k, s in o.schedulers.items()},
-            "scalers": {k: s.state_dict() for k, s in o.scalers.items()},
-            "stateful": {k: s.state_dict() for k, s in o.stateful.items()},
-        }
+        per = self._per_rank_state(step, snap)
         groups = {k: [{n: copy.deepcopy(v) for n, v in g.items() if n != "params"} for g in opt.param_groups]
                   for k, opt in o.optimizers.items()}
         return step, pack(per), groups, where
