@@ -193,6 +193,7 @@ def spotguard_round(state: dict[str, Any], rank: int, storage: Any, step: int) -
     key = prepare_attempt(storage, step) if rank == 0 else step_dir(step)
     dist.barrier()
     with PeakRSS() as mem:
+        busy0 = _cpu_ticks()
         t0 = time.monotonic()
         dcp.save(state, storage_writer=storage.dcp_writer(key))
         dist.barrier()
@@ -201,7 +202,20 @@ def spotguard_round(state: dict[str, Any], rank: int, storage: Any, step: int) -
             commit(storage, step, CommitRecord(step=step), written)
         dist.barrier()
         t1 = time.monotonic()
+        busy1 = _cpu_ticks()
+    _BUSY.append((busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]))
     return t1 - t0, mem.extra
+
+
+_BUSY: list[float] = []  # per spotguard round: the share of the whole machine's CPU time that was busy
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, total) CPU ticks of the whole machine since boot (``/proc/stat``): is there idle CPU
+    during a save for a checksum to hide in?"""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # idle and iowait are not busy
 
 
 @contextlib.contextmanager
@@ -289,6 +303,7 @@ def rank_main(a: argparse.Namespace) -> None:
                 if k.startswith("spotguard"):
                     with _no_checksums() if k == "spotguard_nocrc" else contextlib.nullcontext():
                         row[k], mem = spotguard_round(state, a.rank, storages[k], r + 1)
+                    row[f"busy_{k}"] = _BUSY[-1]
                     if r and k == "spotguard":
                         extra = max(extra, mem)
                 else:
@@ -399,6 +414,10 @@ def run_one(method: str, size: float, env: dict[str, str], tmp: Path, ack_port: 
         out["checksum_cpu_s_per_gib"] = round(_median(cpu_extra), 3)
         out["checksum_cpu_s_per_gib_range"] = [round(min(cpu_extra), 3), round(max(cpu_extra), 3)]
         out["checksum_shares"] = [round(x, 3) for x in shares]
+        for k in ("spotguard", "spotguard_nocrc"):  # the machine's CPU busy over rank 0's timed section
+            busy = [x[f"busy_{k}"] for x in rows]
+            out[f"machine_cpu_busy_{k}"] = {"median": round(_median(busy), 3), "min": round(min(busy), 3),
+                                            "max": round(max(busy), 3)}
         for k in ("raw1", "rawN", "spotguard1"):
             if k in ran:
                 out[f"{k}_gib_s"] = round(state / _median([x[k] for x in rows]) / GiB, 3)
