@@ -45,6 +45,21 @@ chaos: $(STAMP) storage-tools
 bench: $(STAMP) storage-tools frameworks-tools torchft-tools
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
+# What spotguard's checksums cost (docs/performance.md "What the checksums cost"): the 1 GiB save with and
+# without its CRC32C, 15 interleaved rounds, with the sink unlimited (loopback) and as a 10 and a 25 Gbit/s
+# link; results/bench_storage-checksum-link<G>.json (0 = loopback). ~5 min on 2 cores.
+CHECKSUM_LINKS ?= 0 10 25
+.PHONY: bench-checksum
+bench-checksum: $(STAMP) storage-tools
+	for g in $(CHECKSUM_LINKS); do \
+	  SPOTGUARD_BENCH_LINK_GBIT=$$g SPOTGUARD_BENCH_CHECKSUM_ONLY=1 SPOTGUARD_BENCH_METHODS=spotguard \
+	    SPOTGUARD_BENCH_ROUNDS=15 $(PY) -m benchmarks bench_storage >/dev/null || exit 1; \
+	  cp benchmarks/results/bench_storage.json benchmarks/results/bench_storage-checksum-link$$g.json; \
+	  $(PY) -c "import json,sys; d=json.load(open(sys.argv[1])); r=list(d['sizes'].values())[0]['spotguard']; \
+	    print('link', sys.argv[2], 'Gbit/s (0: loopback): checksum share', r['checksum_share_of_notice_to_commit'], \
+	    'range', r['checksum_share_range'])" benchmarks/results/bench_storage-checksum-link$$g.json $$g; \
+	done
+
 # Time to safe (benchmarks/time_to_safe.py, docs/performance.md): notice -> committed at a random phase of
 # 1.5 s and 10 s iterations, 64 MiB and 1 GiB of state, >= 12-20 trials a cell, plus the per-step cost with no
 # notice; ~35 min on 2 cores (mostly sleeping). Not part of `make bench` (also: BENCH_ARGS=time_to_safe).
