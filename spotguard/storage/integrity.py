@@ -1,9 +1,10 @@
 """Content checksums of checkpoint files: computed while the bytes stream out, verified before use.
 
 Why CRC32C in fixed blocks: CRC32C has a hardware instruction (SSE4.2 /
-ARMv8), and the ``crc32c`` package runs it at ~12 GiB/s on one core with the
-GIL released (``docs/storage.md`` has the measurement), so it hides behind a
-network upload; it is also the checksum S3 and GCS verify natively. A file's
+ARMv8), and the ``crc32c`` package runs it with the GIL released at ~10 GiB/s
+on one core over cold memory (close to the 13 GiB/s a core reads at all) and
+~20 GiB/s in cache (``docs/performance.md`` has the measurements), so it hides
+behind a network upload; it is also the checksum S3 and GCS verify natively. A file's
 checksum is the list of the CRC32C of each ``BLOCK_SIZE`` block: a reader that
 fetches a ranged part of a file (DCP's ranged loads, a parallel download) can
 verify every block it uses as it arrives, without reading the file twice.
