@@ -181,9 +181,10 @@ def raw_round(ack_port: int, tensors: list[Any], rank: int, conns: int) -> float
     return t1 - t0
 
 
-def spotguard_round(state: dict[str, Any], rank: int, storage: Any, step: int) -> tuple[float, int]:
+def spotguard_round(state: dict[str, Any], rank: int, storage: Any, step: int) -> tuple[float, int, float]:
     """One emergency save as the hook does it: DCP to the object store (CRC32C block checksums computed as
-    the bytes stream out, S3 part checksums), barrier, the ranks' write reports gathered, commit, barrier."""
+    the bytes stream out, S3 part checksums), barrier, the ranks' write reports gathered, commit, barrier.
+    Returns (seconds, peak extra RSS, share of the whole machine's CPU time that was busy meanwhile)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -203,11 +204,7 @@ def spotguard_round(state: dict[str, Any], rank: int, storage: Any, step: int) -
         dist.barrier()
         t1 = time.monotonic()
         busy1 = _cpu_ticks()
-    _BUSY.append((busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]))
-    return t1 - t0, mem.extra
-
-
-_BUSY: list[float] = []  # per spotguard round: the share of the whole machine's CPU time that was busy
+    return t1 - t0, mem.extra, (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1])
 
 
 def _cpu_ticks() -> tuple[int, int]:
@@ -250,7 +247,7 @@ def crc32c_throughput(gib: float = 0.25, runs: int = 5, hot: bool = False) -> di
         for _ in range(reps):
             crc32c(buf)
         rates.append(len(buf) * reps / GiB / (time.perf_counter() - t0))
-    return {"min": round(min(rates), 2), "median": round(_median(rates), 2), "max": round(max(rates), 2)}
+    return _spread(rates)
 
 
 def memory_read_throughput(gib: float = 0.25, runs: int = 5) -> dict[str, float]:
@@ -264,7 +261,7 @@ def memory_read_throughput(gib: float = 0.25, runs: int = 5) -> dict[str, float]
         t0 = time.perf_counter()
         words.max()
         rates.append(words.nbytes / GiB / (time.perf_counter() - t0))
-    return {"min": round(min(rates), 2), "median": round(_median(rates), 2), "max": round(max(rates), 2)}
+    return _spread(rates)
 
 
 def rank_main(a: argparse.Namespace) -> None:
@@ -302,8 +299,7 @@ def rank_main(a: argparse.Namespace) -> None:
                 cpu0 = cpu_seconds()
                 if k.startswith("spotguard"):
                     with _no_checksums() if k == "spotguard_nocrc" else contextlib.nullcontext():
-                        row[k], mem = spotguard_round(state, a.rank, storages[k], r + 1)
-                    row[f"busy_{k}"] = _BUSY[-1]
+                        row[k], mem, row[f"busy_{k}"] = spotguard_round(state, a.rank, storages[k], r + 1)
                     if r and k == "spotguard":
                         extra = max(extra, mem)
                 else:
@@ -352,6 +348,11 @@ def rank_main(a: argparse.Namespace) -> None:
 
 
 # --- driver -------------------------------------------------------------------------
+
+
+def _spread(xs: list[float], digits: int = 2) -> dict[str, float]:
+    """min / median / max of ``xs``, rounded: how every repeated figure here is reported."""
+    return {"min": round(min(xs), digits), "median": round(_median(xs), digits), "max": round(max(xs), digits)}
 
 
 def _median(xs: list[float]) -> float:
@@ -416,8 +417,7 @@ def run_one(method: str, size: float, env: dict[str, str], tmp: Path, ack_port: 
         out["checksum_shares"] = [round(x, 3) for x in shares]
         for k in ("spotguard", "spotguard_nocrc"):  # the machine's CPU busy over rank 0's timed section
             busy = [x[f"busy_{k}"] for x in rows]
-            out[f"machine_cpu_busy_{k}"] = {"median": round(_median(busy), 3), "min": round(min(busy), 3),
-                                            "max": round(max(busy), 3)}
+            out[f"machine_cpu_busy_{k}"] = _spread(busy, 3)
         for k in ("raw1", "rawN", "spotguard1"):
             if k in ran:
                 out[f"{k}_gib_s"] = round(state / _median([x[k] for x in rows]) / GiB, 3)

@@ -44,17 +44,14 @@ def env_seconds(name: str, default: float, report: "Callable[[str], Any] | None"
     return value
 
 
-_env_seconds = env_seconds
-
-
-QUIESCE_PERIODIC_TIMEOUT = _env_seconds("SPOTGUARD_PERIODIC_DRAIN", 60.0)
+QUIESCE_PERIODIC_TIMEOUT = env_seconds("SPOTGUARD_PERIODIC_DRAIN", 60.0)
 # What a SIGTERM leaves us before the SIGKILL: torchrun's default --shutdown-timeout (30 s); set it
 # per platform (GKE pods: 15 s of the node's 30 s; a pod's terminationGracePeriodSeconds; SLURM GraceTime).
-SIGNAL_GRACE = _env_seconds("SPOTGUARD_SIGNAL_GRACE", 30.0)
+SIGNAL_GRACE = env_seconds("SPOTGUARD_SIGNAL_GRACE", 30.0)
 # An emergency notice further off than this (GCP GPU host maintenance: about an hour; Azure Terminate:
 # 5-15 min) does not stop training at once: the emergency checkpoint starts this long before the
 # deadline, so it commits before the window opens with a safety margin.
-EMERGENCY_LEAD = _env_seconds("SPOTGUARD_EMERGENCY_LEAD", 300.0)
+EMERGENCY_LEAD = env_seconds("SPOTGUARD_EMERGENCY_LEAD", 300.0)
 # Framework adapters take ``every=`` checkpoints synchronously, in the framework's own format, through the
 # notice path with a synthetic notice: its id prefix keeps it out of daemon reports and commit records.
 PERIODIC_NOTICE_PREFIX = "periodic-"
@@ -84,10 +81,10 @@ def _env_float(name: str) -> Optional[float]:
 # stateful objects, param_groups' lr) at the next pre-hook, or, if the copy of the tensors finishes first,
 # no earlier than this long after the post-hook of the saved step: the loop's own `sched.step()` / EMA
 # update right after `opt.step()` has run by then (docs/reliability.md: the rule and its limit).
-SMALL_STATE_SETTLE = _env_seconds("SPOTGUARD_SMALL_STATE_SETTLE", 0.1)
+SMALL_STATE_SETTLE = env_seconds("SPOTGUARD_SMALL_STATE_SETTLE", 0.1)
 # After the background commit: how long the training thread has to reach a hook point and leave by
 # Preempted before the agreement thread flushes the logs and os._exit()s with the same code.
-EXIT_GRACE = _env_seconds("SPOTGUARD_EXIT_GRACE", 1.0)
+EXIT_GRACE = env_seconds("SPOTGUARD_EXIT_GRACE", 1.0)
 # A pre-hook held by a round gives up (exit 75) this long after the round's own bound, so that the agreement
 # thread, whose collectives time out at that bound, normally reports the loss first.
 HOLD_SLACK = 2.0
