@@ -29,6 +29,7 @@ from .base import join_key
 from .dcp_items import load_items, read_groups, recorded_digest
 from .integrity import Checksummer, DamagedCheckpoint, FileDigest, verify_span
 from .safeload import load_dcp_metadata
+from .verify import read_verified
 
 if TYPE_CHECKING:
     from .local import LocalStorage
@@ -111,7 +112,7 @@ class VerifyingReader(FileSystemReader):
     """``FileSystemReader`` that verifies against the commit record and never runs a pickle's code.
 
     With the record's checksums, each file the load plan touches is read once,
-    in block-aligned spans of at most ``SPAN`` bytes (one ``readinto`` each):
+    in block-aligned spans of at most ``SPAN`` bytes (``verify.read_verified``):
     every block of a span is checked, then the items inside it are
     deserialised from that same buffer. Without them (a record from an older
     spotguard) the stock reader reads the files, with the safe planner.
@@ -157,30 +158,9 @@ class VerifyingReader(FileSystemReader):
         groups = read_groups(plan, self.storage_data, lambda n: recorded_digest(digests, n, self._where),
                              self.SPAN, self._where)
         for name, start, end, reqs in groups:
-            where = f"{self._where}/{name}"
-            view = self._read_span(name, start, end, where)
-            verify_span(where, digests[name], start, view)
-            load_items(planner, self.storage_data, view, start, reqs, where)
+            data = read_verified(self._storage, join_key(self._key, name), digests[name], start, end)
+            self.bytes_read += len(data)
+            load_items(planner, self.storage_data, memoryview(data), start, reqs, f"{self._where}/{name}")
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
-
-    def _read_span(self, name: str, start: int, end: int, where: str) -> memoryview:
-        """Bytes [start, end) of ``name`` in one buffer, read once; a short file is damage."""
-        buf = bytearray(end - start)
-        view = memoryview(buf)
-        try:
-            with open(pathlib.Path(self.path).joinpath(*name.split("/")), "rb", buffering=0) as f:
-                f.seek(start)
-                got = 0
-                while got < len(buf):
-                    n = f.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
-        except FileNotFoundError:
-            raise DamagedCheckpoint(where, "file is missing") from None
-        self.bytes_read += got
-        if got != len(buf):
-            raise DamagedCheckpoint(where, f"short read: {got} of {len(buf)} bytes at offset {start}")
-        return view
