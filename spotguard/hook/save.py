@@ -252,19 +252,9 @@ class SaveMixin:
             dcp.save(sd, storage_writer=self._storage.dcp_writer(key), process_group=self._group)
 
     def _save_state_dict(self, snap: Optional[Snapshot]) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        o = self._objs
         if snap is None:
-            snap = Snapshot.take(o.loaders, self._buffers)
-        sd: dict[str, Any] = {}
-        for k, m in o.models.items():
-            sd[k] = get_model_state_dict(m)
-        for k, opt in o.optimizers.items():
-            sd[k] = get_optimizer_state_dict(o.models[o.owner[k]], opt)
+            snap = Snapshot.take(self._objs.loaders, self._buffers)
+        sd = self._tensor_state()
         sd[self._rank_key(self._rank)] = pack(self._per_rank_state(self._count, snap))
         return sd
 
@@ -354,6 +344,7 @@ class SaveMixin:
                               peers_ok=False)
         _BG.on = True
         try:
+            _skip_fake_step_in_background()
             sd, nbytes = stage_state_dict(self._tensor_state())
         except Exception as exc:  # noqa: BLE001 - reported like any failed write
             self._release_hold()
@@ -392,13 +383,13 @@ class SaveMixin:
                           bound=max(1.0, t_end - time.monotonic()))
 
     def _tensor_state(self) -> dict[str, Any]:
-        """Model and optimizer state dicts (references; staged by the caller), without DCP's fake optimizer step."""
+        """Model and optimizer state dicts, by model / optimizer name (references: a background save stages
+        them, after ``_skip_fake_step_in_background``)."""
         from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
             get_model_state_dict,
             get_optimizer_state_dict,
         )
 
-        _skip_fake_step_in_background()
         o = self._objs
         sd: dict[str, Any] = {}
         for k, m in o.models.items():
