@@ -110,12 +110,20 @@ class ObjectStoreContract:
         assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= names  # both ranks wrote shards
         res = _wait(_spawn(store, "load", tmp_path))
         assert all(rc == 0 for rc, _ in res), res
+        want = [torch.load(tmp_path / f"expect-{r}.pt") for r in range(2)]
+        got = [torch.load(tmp_path / f"got-{r}.pt") for r in range(2)]
         for r in range(2):
-            want = torch.load(tmp_path / f"expect-{r}.pt")
-            got = torch.load(tmp_path / f"got-{r}.pt")
-            assert want.keys() == got.keys()
-            for k in want:
-                assert torch.equal(want[k], got[k]), (r, k)
+            assert want[r].keys() == got[r].keys()
+            assert torch.equal(want[r]["rank_state"], got[r]["rank_state"]), r  # per-rank: its own bytes
+        # DDP replicas are saved once (DCP's dedup picks one rank's copy), so both ranks load the same copy:
+        # one of the two saved replicas, bitwise. Not "each rank its own": gloo DDP + Adam on this CPU leaves
+        # the replicas 1 ULP apart in about 1 run in 4 (the first intra-op chunk of Adam's first step; measured
+        # without spotguard), and then only one of them is in the checkpoint.
+        for k in want[0]:
+            if k == "rank_state":
+                continue
+            assert torch.equal(got[0][k], got[1][k]), k
+            assert torch.equal(got[0][k], want[0][k]) or torch.equal(got[0][k], want[1][k]), k
         assert not _incomplete(storage)
 
     def test_killed_save_leaves_no_commit_and_next_attempt_aborts_orphans(self, store: Store, tmp_path: Path) -> None:
