@@ -84,8 +84,34 @@ from .settings import (
 from .state import Snapshot
 
 
+def agreed_notice(step: int, deadline_ms: Optional[int], detail: str = "") -> Notice:
+    """The notice to act on when no rank holds one any more (withdrawn after agreeing, or peers lost): a
+    termination at ``deadline_ms`` (epoch ms, a past one = now; None or ``NO_DEADLINE_MS``: ``SIGNAL_GRACE``
+    from now)."""
+    now = utcnow()
+    if deadline_ms is None or deadline_ms >= NO_DEADLINE_MS:
+        deadline = now + timedelta(seconds=SIGNAL_GRACE)
+    else:
+        deadline = now + timedelta(milliseconds=max(0, deadline_ms - _ms(now)))
+    return Notice(id=f"agreed-{step}", source="signal", kind="termination", deadline=deadline, received_at=now,
+                  detail=detail)
+
+
+def best_candidate(cands: list[Any]) -> Optional[Notice]:
+    """The notice to act on among the ranks' ``(level, deadline_ms, wire)`` candidates: highest level, then
+    earliest deadline; None when no rank has one."""
+    cands = [c for c in cands if c is not None]
+    return Notice.from_wire(max(cands, key=lambda c: (c[0], -c[1]))[2]) if cands else None
+
+
 class AgreementMixin:
     """Part of ``Hook`` (``core.py``); see the module docstring."""
+
+    def _action_for(self, level: int, step: int) -> str:
+        """The agreed level's action when the checkpoint would stand for ``step``."""
+        if level == LEVEL_REPLAY and step != self._resumed_step:
+            return "emergency"  # we trained past the committed step before learning of the replay
+        return _ACTIONS[level]
 
     def _gather_notice(self, level: int, deadline_ms: int) -> tuple[Notice, list[str]]:
         """After agreement every rank enters this: the notice to act on (from whichever rank has it)."""
@@ -95,16 +121,9 @@ class AgreementMixin:
             dist.all_gather_object(allv, mine, group=self._group)
         else:
             allv = [mine]
-        cands = [c for c in allv if c is not None]
-        ids = [c[2]["id"] for c in cands]
-        if cands:
-            best = max(cands, key=lambda c: (c[0], -c[1]))
-            return Notice.from_wire(best[2]), ids
-        now = utcnow()
-        deadline = (now + timedelta(seconds=SIGNAL_GRACE) if deadline_ms >= NO_DEADLINE_MS
-                    else now + timedelta(milliseconds=deadline_ms - _ms(now)))
-        return Notice(id=f"agreed-{self._count}", source="signal", kind="termination", deadline=deadline,
-                      received_at=now, detail="notice withdrawn after agreement"), ids
+        ids = [c[2]["id"] for c in allv if c is not None]
+        best = best_candidate(allv)
+        return best or agreed_notice(self._count, deadline_ms, "notice withdrawn after agreement"), ids
 
     def _act(self, level: int, deadline_ms: int, *, snap: Optional[Snapshot], final: bool) -> None:
         self._internal = True
@@ -124,15 +143,12 @@ class AgreementMixin:
         try:
             notice, ids = self._gather_notice(level, deadline_ms)
         except Exception as exc:  # noqa: BLE001 - a peer vanished right after agreeing
-            notice = Notice(id=f"agreed-{self._count}", source="signal", kind="termination",
-                            deadline=utcnow() + timedelta(seconds=SIGNAL_GRACE))
+            notice = agreed_notice(self._count, None, "peers lost while sharing the notice")
             if level >= LEVEL_EMERGENCY:
                 self._log.warning("peers lost while sharing the notice", error=repr(exc))
                 self._exit(notice, _Result(committed=False, peers_ok=False, error=repr(exc)))
             return None
-        action = _ACTIONS[level]
-        if level == LEVEL_REPLAY and self._count != self._resumed_step:
-            action = "emergency"  # we trained past the committed step before learning of the replay
+        action = self._action_for(level, self._count)
         self._log.info(ev.AGREED, notice_id=notice.id, step=self._count, flag=level, action=action,
                        kind=notice.kind, **self._timing(notice))
         if final:
@@ -176,38 +192,27 @@ class AgreementMixin:
         try:
             allv = bg.gather((level, deadline_ms, stand, self._best_local()), max(0.5, t_end - time.monotonic()))
         except RoundFailed as exc:
-            deadline = utcnow() + timedelta(milliseconds=max(0, wake_deadline_ms - now_ms)) \
-                if wake_deadline_ms < NO_DEADLINE_MS else utcnow() + timedelta(seconds=SIGNAL_GRACE)
-            notice = self._best_notice() or Notice(id=f"agreed-{self._count}", source="signal", kind="termination",
-                                                   deadline=deadline, detail="peers lost during the agreement")
+            notice = self._best_notice() or agreed_notice(self._count, wake_deadline_ms,
+                                                          "peers lost during the agreement")
             self._exit_from_background(notice, _Result(committed=False, peers_ok=False, error=str(exc)), None,
                                        lost_where="agreement")
             return
         level = max(int(v[0]) for v in allv)
         deadline_ms = min(int(v[1]) for v in allv)
         step = max(int(v[2]) for v in allv)
-        cands = [v[3] for v in allv if v[3] is not None]
         if level <= 0:
             self._release_hold()
             return
-        if cands:
-            best = max(cands, key=lambda c: (c[0], -c[1]))
-            notice = Notice.from_wire(best[2])
-        else:
-            notice = Notice(id=f"agreed-{step}", source="signal", kind="termination",
-                            deadline=utcnow() + timedelta(milliseconds=max(0, deadline_ms - _ms(utcnow()))),
-                            detail="notice withdrawn after agreement")
-        ids = [c[2]["id"] for c in cands]
+        notice = best_candidate([v[3] for v in allv]) or agreed_notice(step, deadline_ms,
+                                                                       "notice withdrawn after agreement")
+        ids = [v[3][2]["id"] for v in allv if v[3] is not None]
         with self._cv:
             self._target = step
             self._cv.notify_all()
-        action = _ACTIONS[level]
-        if level == LEVEL_REPLAY and step != self._resumed_step:
-            action = "emergency"  # we trained past the committed step before learning of the replay
+        action = self._action_for(level, step)
         self._log.info(ev.AGREED, notice_id=notice.id, step=step, flag=level, action=action, kind=notice.kind,
                        via="background", stands=[int(v[2]) for v in allv], **self._timing(notice))
-        nothing = step == 0 and self._resumed_dir is None  # nothing trained, nothing resumed
-        already = self._resumed_dir is not None and step == self._resumed_step  # this state is committed
+        nothing, already = self._standing(step)
         if action == "exit" or ((nothing or already) and action == "emergency"):
             self._exit_from_background(notice, None, step)
             return

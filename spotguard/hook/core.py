@@ -85,7 +85,7 @@ from ..notice import Notice
 from ..storage import Storage, StorageError, open_storage
 from ..timefmt import utcnow
 from . import events as ev
-from .agreement import AgreementMixin, BackgroundAgreement
+from .agreement import AgreementMixin, BackgroundAgreement, agreed_notice
 from .dist import (
     NO_DEADLINE_MS,
     Agreement,
@@ -471,8 +471,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         if give_up is not None and self._exit_request is None:
             self._log.error(ev.PEERS_LOST, where="hold", step=give_up,
                             error="the agreement or the copy did not finish within the notice deadline")
-            notice = self._best_notice() or Notice(id=f"agreed-{give_up}", source="signal", kind="termination",
-                                                   deadline=utcnow(), detail="peers lost while holding the step")
+            notice = self._best_notice() or agreed_notice(give_up, 0, "peers lost while holding the step")  # due now
             self._exit(notice, _Result(committed=False, peers_ok=False, error="hold timed out"), give_up)
         self._exit_if_requested()
 

@@ -66,12 +66,16 @@ class ExitMixin:
         checkpoint and did not move since; a run with no checkpoint had nothing to save and
         claims nothing.
         """
-        nothing = result is None and self._resumed_dir is None and step == 0
-        if result is not None:
-            committed = bool(result.committed)
-        else:
-            committed = self._resumed_dir is not None and step == self._resumed_step
+        untrained, already = self._standing(step)
+        nothing = result is None and untrained
+        committed = bool(result.committed) if result is not None else already
         return committed, nothing, self._exit_code if committed or nothing else EXIT_SAVE_FAILED
+
+    def _standing(self, step: int) -> tuple[bool, bool]:
+        """(nothing, already) at completed iteration ``step``: nothing trained and nothing resumed (so nothing
+        to save), or exactly the state this run resumed from (already committed)."""
+        return (step == 0 and self._resumed_dir is None,
+                self._resumed_dir is not None and step == self._resumed_step)
 
     def _exit(self, notice: Notice, result: Optional[_Result], step: Optional[int] = None) -> NoReturn:
         """Teardown without hanging, then raise Preempted (os._exit if teardown itself hung).

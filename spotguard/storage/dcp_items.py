@@ -15,16 +15,39 @@ from typing import Any, Callable, Mapping, cast
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from .base import StorageError, check_key
-from .integrity import BLOCK_SIZE, DamagedCheckpoint, FileDigest
+from .integrity import BLOCK_SIZE, DamagedCheckpoint, FileDigest, verify_span
 from .objstore import MemReader
+from .safeload import load_dcp_metadata
 
-__all__ = ["Group", "recorded_digest", "read_groups", "load_items"]
+__all__ = ["Group", "METADATA", "parse_metadata", "recorded_digest", "read_groups", "load_items"]
+
+#: DCP's metadata file in a checkpoint folder
+METADATA = ".metadata"
 
 #: (file name in the checkpoint folder, start, end, the read items inside [start, end))
 Group = tuple[str, int, int, list[ReadItem]]
+
+
+def parse_metadata(raw: bytes, digests: Mapping[str, FileDigest] | None, where: str, load_id: str) -> Metadata:
+    """The folder ``where``'s ``.metadata`` from ``raw`` (read once): checked against the commit record when
+    verifying, unpickled with the restricted loader, stamped with this load's id."""
+    path = f"{where}/{METADATA}"
+    if digests is not None:
+        digest = digests.get(METADATA)
+        if digest is None:
+            raise DamagedCheckpoint(path, "not named in the commit record")
+        if len(raw) != digest.size:
+            raise DamagedCheckpoint(path, f"{len(raw)} bytes, commit record says {digest.size}")
+        verify_span(path, digest, 0, raw)
+    md = load_dcp_metadata(raw, path)
+    if getattr(md, "storage_meta", None) is None:
+        md.storage_meta = StorageMeta()
+    md.storage_meta.load_id = load_id
+    return md
 
 
 def recorded_digest(digests: Mapping[str, FileDigest] | None, name: str, where: str) -> FileDigest | None:

@@ -59,15 +59,14 @@ from torch.futures import Future
 
 from ..logs import get_logger
 from .base import StorageError, join_key
-from .dcp_items import Group, load_items, read_groups, recorded_digest
+from .dcp_items import METADATA, Group, load_items, parse_metadata, read_groups, recorded_digest
 from .integrity import BLOCK_SIZE, DamagedCheckpoint, FileDigest, verify_span
 from .objstore import ObjectStorage, StagedSource, UploadStream, ZeroCopySource
 from .staging import Stager, shared_stager, wants_staging
-from .safeload import load_dcp_metadata
 
 __all__ = ["ObjectStoreWriter", "ObjectStoreReader", "METADATA_NAME"]
 
-METADATA_NAME = ".metadata"
+METADATA_NAME = METADATA
 SUFFIX = ".distcp"
 log = get_logger("spotguard.storage")
 
@@ -345,20 +344,8 @@ class ObjectStoreReader(StorageReader):
         self.load_id = str(uuid.uuid4())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        where = f"{self.checkpoint_id}/{METADATA_NAME}"
         raw = self.storage.read_bytes(join_key(self.key, METADATA_NAME))
-        if self.digests is not None:
-            digest = self.digests.get(METADATA_NAME)
-            if digest is None:
-                raise DamagedCheckpoint(where, "not named in the commit record")
-            if len(raw) != digest.size:
-                raise DamagedCheckpoint(where, f"{len(raw)} bytes, commit record says {digest.size}")
-            verify_span(where, digest, 0, raw)
-        metadata = load_dcp_metadata(raw, where)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        return parse_metadata(raw, self.digests, self.checkpoint_id, self.load_id)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data

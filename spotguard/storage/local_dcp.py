@@ -20,23 +20,20 @@ from typing import TYPE_CHECKING, Any, Generator, Mapping
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 
 from torch.futures import Future
 
 from .base import join_key
-from .dcp_items import load_items, read_groups, recorded_digest
-from .integrity import Checksummer, DamagedCheckpoint, FileDigest, verify_span
-from .safeload import load_dcp_metadata
+from .dcp_items import METADATA, load_items, parse_metadata, read_groups, recorded_digest
+from .integrity import Checksummer, DamagedCheckpoint, FileDigest
 from .verify import read_verified
 
 if TYPE_CHECKING:
     from .local import LocalStorage
 
 __all__ = ["ChecksumWriter", "VerifyingReader"]
-
-METADATA = ".metadata"
 
 
 class _SummingStream:
@@ -131,23 +128,12 @@ class VerifyingReader(FileSystemReader):
         return f"{self._storage.uri}/{self._key}"
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        where = f"{self._where}/{METADATA}"
         try:
             raw = (pathlib.Path(self.path) / METADATA).read_bytes()
         except FileNotFoundError:
-            raise DamagedCheckpoint(where, "file is missing") from None
+            raise DamagedCheckpoint(f"{self._where}/{METADATA}", "file is missing") from None
         self.bytes_read += len(raw)
-        if self.digests is not None:  # the bytes in hand are checked: no second read
-            digest = recorded_digest(self.digests, METADATA, self._where)
-            assert digest is not None
-            if len(raw) != digest.size:
-                raise DamagedCheckpoint(where, f"{len(raw)} bytes, commit record says {digest.size}")
-            verify_span(where, digest, 0, raw)
-        md = load_dcp_metadata(raw, where)
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
+        return parse_metadata(raw, self.digests, self._where, self.load_id)  # the bytes in hand: no second read
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
         digests = self.digests
