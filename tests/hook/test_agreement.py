@@ -25,10 +25,10 @@ def test_best_candidate_takes_the_highest_level_then_the_earliest_deadline() -> 
 
 def test_agreed_notice_keeps_the_agreed_deadline_and_never_one_in_the_past() -> None:
     t0 = utcnow()
-    n = agreed_notice(7, _ms(t0) + 30_000, "notice withdrawn after agreement")
+    n = agreed_notice(7, _ms(t0) + 45_000, "notice withdrawn after agreement")  # not SIGNAL_GRACE (30)
     assert (n.id, n.source, n.kind, n.detail) == ("agreed-7", "signal", "termination",
                                                   "notice withdrawn after agreement")
-    assert abs((n.deadline - t0).total_seconds() - 30) < 1
+    assert abs((n.deadline - t0).total_seconds() - 45) < 1
     past = agreed_notice(7, _ms(t0) - 60_000)
     assert 0 <= (past.deadline - past.received_at).total_seconds() < 0.01  # due now, not a minute ago
 

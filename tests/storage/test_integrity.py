@@ -173,6 +173,31 @@ def test_local_load_reads_each_byte_once_and_still_verifies_every_block(tmp_path
                  no_dist=True)
 
 
+def test_metadata_is_checked_against_the_record_before_it_is_unpickled(tmp_path: Path) -> None:
+    """Both verifying readers share parse_metadata: unrecorded, resized or flipped .metadata is damage."""
+    from spotguard.storage.dcp_items import parse_metadata
+
+    store = open_storage(str(tmp_path))
+    rec = _save(store, 1)
+    raw = (tmp_path / step_dir(1) / ".metadata").read_bytes()
+    where = f"{tmp_path}/{step_dir(1)}"
+    md = parse_metadata(raw, rec.checksums, where, "load-1")
+    assert md.storage_meta is not None and md.storage_meta.load_id == "load-1"
+    unrecorded = {k: v for k, v in rec.checksums.items() if k != ".metadata"}
+    with pytest.raises(DamagedCheckpoint, match=r"\.metadata: not named in the commit record"):
+        parse_metadata(raw, unrecorded, where, "x")
+    with pytest.raises(DamagedCheckpoint, match="commit record says"):
+        parse_metadata(raw[:-1], rec.checksums, where, "x")
+    flipped = bytearray(raw)
+    flipped[len(raw) // 2] ^= 1
+    with pytest.raises(DamagedCheckpoint, match=r"\.metadata: crc32c mismatch"):
+        parse_metadata(bytes(flipped), rec.checksums, where, "x")
+    # the local reader goes through it: a flipped .metadata fails the load before anything is unpickled
+    _flip(tmp_path / step_dir(1) / ".metadata")
+    with pytest.raises(BaseException, match=r"\.metadata: crc32c mismatch"):
+        _load(store, 1)
+
+
 def test_truncated_read_is_damage_not_a_short_tensor(tmp_path: Path) -> None:
     store = open_storage(str(tmp_path))
     rec = _save(store, 1)
