@@ -1,7 +1,9 @@
 """Model set-ups the API reference says work (``docs/api.md`` "Works with"), for ``torchrun --nproc-per-node 2``.
 
 ``--variant two-opts`` (two models, two optimizers, GAN-style), ``compile`` (``torch.compile`` under DDP),
-``fsdp2`` (``fully_shard`` on a CPU device mesh). ``--phase pre`` first runs the uninterrupted reference
+``fsdp2`` (``fully_shard`` on a CPU device mesh), ``scaler`` (DDP + ``torch.amp.GradScaler``, whose scale
+starts so high that it overflows and skips ``optimizer.step()`` now and then: the hook's clock is then
+``scaler.update()``; lines carry the scale). ``--phase pre`` first runs the uninterrupted reference
 loop without spotguard (``{"ref": step, "hex": loss}`` lines), then the same loop with the hook and a
 notice handed to every rank at step ``--notify-at`` (exits 143); ``--phase resume`` resumes and runs to
 ``--steps`` (``{"step": step, "hex": loss}``). Rank 0 prints.
@@ -43,6 +45,8 @@ def build(variant: str) -> tuple[dict[str, Any], Callable[[torch.Tensor], torch.
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     if variant == "compile":
         model: Any = DDP(torch.compile(net, backend="eager"))
+    elif variant == "scaler":
+        model = DDP(net)
     elif variant == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -56,6 +60,22 @@ def build(variant: str) -> tuple[dict[str, Any], Callable[[torch.Tensor], torch.
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 
+    if variant == "scaler":
+        # 2**127 times the loss's gradients overflows float32: steps are skipped and the scale halves, then it
+        # grows back every 2 good steps and overflows again - a skip every few iterations, on both ranks alike
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**120, growth_interval=3)
+
+        def step2(x: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+            return loss
+
+        return {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler}, step2
+
     def step1(x: torch.Tensor) -> torch.Tensor:
         opt.zero_grad()
         loss = model(x).pow(2).mean()
@@ -67,8 +87,15 @@ def build(variant: str) -> tuple[dict[str, Any], Callable[[torch.Tensor], torch.
     return {"model": model, "optimizer": opt, "scheduler": sched}, step1
 
 
-def batch(step: int) -> torch.Tensor:
-    return torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 2 + dist.get_rank()))
+def extra(state: dict[str, Any]) -> dict[str, Any]:
+    """The scale after the step, where there is a scaler (a skipped step halves it)."""
+    sc = state.get("scaler")
+    return {"scale": sc.get_scale()} if sc is not None else {}
+
+
+def batch(step: int, variant: str = "") -> torch.Tensor:
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 2 + dist.get_rank()))
+    return x * 100 if variant == "scaler" and step % 4 == 1 else x  # a large batch: gradients overflow
 
 
 def main() -> int:
@@ -88,9 +115,9 @@ def main() -> int:
             print(json.dumps(kw), flush=True)
 
     if args.phase == "pre":
-        _, step = build(args.variant)
+        ref_state, step = build(args.variant)
         for i in range(args.steps):
-            out(ref=i, hex=step(batch(i)).item().hex())
+            out(ref=i, hex=step(batch(i, args.variant)).item().hex(), **extra(ref_state))
 
     from spotguard import install_preemption_hook
     from spotguard.notice import Notice
@@ -105,7 +132,7 @@ def main() -> int:
             hook.notify(Notice(id="drill-models", source="drill", kind="preemption",
                                deadline=now + timedelta(seconds=30), received_at=now))
             time.sleep(0.5)  # the ranks agree off the training thread in ms: a deterministic stop step
-        out(step=i, hex=step(batch(i)).item().hex())
+        out(step=i, hex=step(batch(i, args.variant)).item().hex(), **extra(state))
     dist.destroy_process_group()
     return 0
 
