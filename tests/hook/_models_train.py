@@ -61,8 +61,8 @@ def build(variant: str) -> tuple[dict[str, Any], Callable[[torch.Tensor], torch.
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 
     if variant == "scaler":
-        # 2**127 times the loss's gradients overflows float32: steps are skipped and the scale halves, then it
-        # grows back every 2 good steps and overflows again - a skip every few iterations, on both ranks alike
+        # at 2**120 the large batches (steps 1, 5, 9: see batch()) overflow float32, so their optimizer.step() is
+        # skipped and the scale halves; it grows back after 3 good steps (at 4 and 8) - on both ranks alike
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**120, growth_interval=3)
 
         def step2(x: torch.Tensor) -> torch.Tensor:
