@@ -224,7 +224,7 @@ class ObjectStoreContract:
         line12 = next(l for l in text.splitlines() if l.strip().startswith("12 "))
         assert "committed, newest, latest" in line10
         assert "incomplete (no commit record" in line12
-        assert "resume would load step-00000010" in text
+        assert "resume would try step-00000010 first" in text
 
     def test_cli_lists_object_store(self, store: Store) -> None:
         storage = store.open()
