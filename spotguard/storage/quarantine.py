@@ -183,4 +183,5 @@ def write_mark(storage: Storage, dirkey: str, step: int, record_sha256: str, rea
     """Write ``dirkey``'s mark (one atomic small object; replaces a garbage or stale one)."""
     mark = QuarantineMark(step=step, record_sha256=record_sha256, reason=reason, where=where, by=by).sign(key)
     storage.write_bytes(join_key(dirkey, QUARANTINE_NAME), mark.to_json().encode("utf-8"))
+    storage.write_log.discard(join_key(dirkey, QUARANTINE_NAME))  # never a file a later commit names
     return mark
