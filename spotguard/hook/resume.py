@@ -62,8 +62,8 @@ class ResumeMixin:
                         raise RuntimeError(
                             f"spotguard: no committed checkpoint in {self._storage.uri} passed verification "
                             f"(damaged: {', '.join(damaged)}); restore them from a backup (then `spotguard "
-                            f"checkpoints --restore STEP`), or delete them (`--delete-quarantined`) to start "
-                            f"from step 0")
+                            f"checkpoints --restore STEP`), or delete them (`spotguard checkpoints "
+                            f"--delete-quarantined URI`, other folders by hand) to start from step 0")
                     step, from_notice, dirkey = 0, None, None
                     break
                 dirkey, step, from_notice, digests, lineage = found
@@ -242,6 +242,11 @@ class ResumeMixin:
 
 
 def _set_aside(storage: Any) -> Any:
-    """Rank 0, when no loadable checkpoint is left: ``("quarantined", dirs)`` if any was set aside, else None."""
-    dirs = [i.dir for i in scan(storage) if i.quarantine is not None]
+    """Rank 0, when no loadable checkpoint is left: ``("quarantined", dirs)`` if committed work is there, else None.
+
+    Committed work: a quarantined checkpoint, or a folder whose commit record fails its checks (a record
+    is written last, so only damage or forgery leaves one over a truncated shard). Starting from step 0
+    over it is the operator's decision, never a silent one.
+    """
+    dirs = [i.dir for i in scan(storage) if i.quarantine is not None or (i.has_record and not i.committed)]
     return ("quarantined", dirs) if dirs else None
