@@ -245,11 +245,9 @@ def _same(a: Any, b: Any) -> bool:
 
 def run(workdir: Path, trials: int, seed: int) -> dict[str, Any]:
     """``trials`` chains, keep cycling 1, 2, 3; the summary the verdict reads."""
-    os.environ[KEY_ENV] = KEY
     import structlog  # noqa: PLC0415
-    import logging  # noqa: PLC0415
 
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))  # quiet lives
+    os.environ[KEY_ENV] = KEY
     ref = reference(TOTAL)
     results = []
     t0 = time.monotonic()
@@ -257,7 +255,8 @@ def run(workdir: Path, trials: int, seed: int) -> dict[str, Any]:
         root = workdir / f"trial-{n:03d}"
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True)
-        results.append(trial(root, seed * 1000 + n, 1 + n % 3, ref))
+        with structlog.testing.capture_logs():  # quiet lives (hundreds of lines a trial)
+            results.append(trial(root, seed * 1000 + n, 1 + n % 3, ref))
         if not results[-1]["problems"]:
             shutil.rmtree(root, ignore_errors=True)
     kinds = Counter(k for r in results for k in r["injected"])
