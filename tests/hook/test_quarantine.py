@@ -151,3 +151,19 @@ def test_everything_quarantined_stays_a_clear_error(tmp_path: Path, hooks: Calla
     args = argparse.Namespace(uri=str(tmp_path), json=False, verify=False, restore=None, delete_quarantined=True)
     assert listing_main(args, out, err) == 0 and "deleted 2 quarantined" in out.getvalue()
     assert hooks(make(), tmp_path).resume() == 0
+
+
+def test_garbage_marks_never_hide_a_good_checkpoint_nor_crash_resume(tmp_path: Path,
+                                                                     hooks: Callable[..., Hook]) -> None:
+    """A mark is untrusted: a garbage one on the good newest is ignored (verified in full, loaded); a garbage
+    one on a damaged checkpoint is replaced by a real one when resume finds the damage."""
+    _two_commits(tmp_path, hooks)
+    (tmp_path / step_dir(6) / QUARANTINE_NAME).write_bytes(b'{"format": 1, "step": "six"}')
+    (tmp_path / step_dir(3) / QUARANTINE_NAME).write_bytes(b"\x00garbage")
+    with structlog.testing.capture_logs() as logs:
+        assert hooks(make(), tmp_path).resume() == 6
+    assert any(e["event"].startswith("quarantine mark ignored") and e["dir"] == step_dir(6) for e in logs), logs
+    _damage("flip", tmp_path / step_dir(6), tmp_path / "unused")
+    assert hooks(make(), tmp_path).resume() == 3  # 3's garbage mark is ignored too: it verifies and loads
+    states = {i.step: i.state for i in scan(LocalStorage(str(tmp_path)))}
+    assert states == {3: "committed", 6: "quarantined"}, states
