@@ -52,6 +52,10 @@ NOTICE_CANCELLED = "notice_cancelled"
 AGREED = "agreed"
 CHECKPOINT_STARTED = "checkpoint_started"
 CHECKPOINT_STAGED = "checkpoint_staged"
+#: the background read could not be proven exact; the training thread reads the state at its next step
+CHECKPOINT_FALLBACK = "checkpoint_fallback"
+#: a notice found iterations trained that no optimizer step hook counted (nothing exact to save)
+UNTRACKED_TRAINING = "untracked_training"
 CHECKPOINT_COMMITTED = "checkpoint_committed"
 CHECKPOINT_FAILED = "checkpoint_failed"
 PEERS_LOST = "peers_lost"
@@ -65,6 +69,7 @@ TIMELINE: tuple[str, ...] = (
     AGREED,
     CHECKPOINT_STARTED,
     CHECKPOINT_STAGED,
+    CHECKPOINT_FALLBACK,
     CHECKPOINT_COMMITTED,
     CHECKPOINT_FAILED,
     TEARDOWN,

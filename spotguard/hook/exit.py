@@ -74,8 +74,16 @@ class ExitMixin:
     def _standing(self, step: int) -> tuple[bool, bool]:
         """(nothing, already) at completed iteration ``step``: nothing trained and nothing resumed (so nothing
         to save), or exactly the state this run resumed from (already committed)."""
-        return (step == 0 and self._resumed_dir is None,
-                self._resumed_dir is not None and step == self._resumed_step)
+        nothing = step == 0 and self._resumed_dir is None
+        already = self._resumed_dir is not None and step == self._resumed_step
+        if (nothing or already) and self._watch.moved_since(self._baseline):
+            # The parameters moved although no optimizer step was counted since the start or the resume
+            # (SAM's first_step/second_step, manual updates): work was done that no checkpoint can stand for.
+            self._log.error(ev.UNTRACKED_TRAINING, step=step,
+                            fix="call hook.step() at the end of each iteration (or iterate hook.range()), or step "
+                                "the optimizer in the hook's dict with optimizer.step()")
+            return False, False
+        return nothing, already
 
     def _exit(self, notice: Notice, result: Optional[_Result], step: Optional[int] = None) -> NoReturn:
         """Teardown without hanging, then raise Preempted (os._exit if teardown itself hung).

@@ -88,6 +88,7 @@ class ResumeMixin:
             self._internal = False
         self._count = self._resumed_step = step
         self._resumed = True
+        self._baseline = self._watch.baseline()  # the loaded state: "trained since?" is measured from here
         self._fresh_checked = True
         self._agree_at_start()
         self._enable_background()  # implicit mode (hook.range() set its intent first): agree off the training thread
