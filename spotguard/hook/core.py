@@ -235,6 +235,9 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         # The model's first forward after step S (training or evaluation): the loop's work after the step
         # (scheduler, EMA update, scaler) is over, so the small state of S can be read (save.py).
         self._fwd_count = -1
+        self._fwd_train_count = -1
+        self._fwd_rng: Optional[tuple[int, torch.Tensor]] = None  # (count, torch RNG) at the first training forward
+        self._realign: Optional[torch.Tensor] = None  # after a resume: the RNG the first training forward must see
         self._want_small: Optional[int] = None  # a round waits for the small state of this step
         self._want_state: Optional[int] = None  # a round needs the training thread's read of this step (fallback)
         self._want_copy = True  # ... as a copy (an ordinary checkpoint; an emergency reads the held live tensors)
@@ -399,12 +402,36 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
 
     def _on_forward(self, module: Any, args: Any) -> None:
         """Model forward pre-hook: the first forward after step S marks the end of the loop's post-step work."""
-        if self._fwd_count == self._count or not self._bg_on or self._internal:
+        if self._internal:
+            return
+        if self._fwd_train_count != self._count and module.training:
+            self._fwd_train_count = self._count
+            if self._realign is not None:
+                self._realign_rng()
+            self._fwd_rng = (self._count, torch.get_rng_state())  # ~1 us: see _realign_rng
+        if self._fwd_count == self._count or not self._bg_on:
             return
         self._fwd_count = self._count
         if self._want_small == self._count:  # a round waits for this step's small state: read it here
             with self._cv:
                 self._capture_small_for(self._count, "forward")
+
+    def _realign_rng(self) -> None:
+        """First training forward after a resume: the torch RNG must be what the interrupted run had at its
+        first training forward after step S (saved as ``rng_at_forward``). Anything that drew from the global
+        RNG between the resume and here and did not draw in the uninterrupted run — typically a DataLoader
+        iterator built without its own ``generator=`` — would shift every dropout mask after it."""
+        saved, self._realign = self._realign, None
+        if saved is None or torch.equal(torch.get_rng_state(), saved):
+            return
+        torch.set_rng_state(saved)
+        self._log.warning(ev.RNG_REALIGNED, step=self._count,
+                          why="the global torch RNG was drawn from between the resume and the first forward "
+                              "(a DataLoader iterator without its own generator=?); the draw was undone so the "
+                              "run stays exact, but a loader that shuffles or has workers with that RNG still "
+                              "sees other seeds than the uninterrupted run",
+                          fix="DataLoader(..., generator=torch.Generator().manual_seed(SEED)), or a stateful "
+                              "loader / spotguard.data.ElasticDistributedSampler in the hook's dict")
 
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._internal or self._explicit or self._closed or self._torn_down:

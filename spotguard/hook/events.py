@@ -56,6 +56,8 @@ CHECKPOINT_STAGED = "checkpoint_staged"
 CHECKPOINT_FALLBACK = "checkpoint_fallback"
 #: a notice found iterations trained that no optimizer step hook counted (nothing exact to save)
 UNTRACKED_TRAINING = "untracked_training"
+#: after a resume, the global RNG was drawn from before the first forward: set back to the saved state
+RNG_REALIGNED = "rng_realigned"
 CHECKPOINT_COMMITTED = "checkpoint_committed"
 CHECKPOINT_FAILED = "checkpoint_failed"
 PEERS_LOST = "peers_lost"

@@ -271,6 +271,9 @@ class SaveMixin:
             "schedulers": {k: s.state_dict() for k, s in o.schedulers.items()},
             "scalers": {k: s.state_dict() for k, s in o.scalers.items()},
             "stateful": {k: s.state_dict() for k, s in o.stateful.items()},
+            # the torch RNG at the first training forward after ``step`` (when it already ran): resume sets
+            # it back there if something drew in between that the uninterrupted run did not (core._realign_rng)
+            "rng_at_forward": self._fwd_rng[1] if self._fwd_rng is not None and self._fwd_rng[0] == step else None,
         }
 
     def _periodic_flags(self) -> tuple[int, int]:
