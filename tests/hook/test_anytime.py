@@ -194,3 +194,56 @@ def test_rebalance_checkpoint_in_the_background_keeps_training(ref_plain: Path, 
     assert committed(store) == [3]
     assert first_difference(load_out(ref_plain), load_out(out)) is None
     resume_bitwise(tmp_path, store, 3, ref_plain, [])
+
+
+def test_ema_swapped_in_for_evaluation_is_never_committed_as_the_model(ref_plain: Path, tmp_path: Path) -> None:
+    """torch_ema's idiom: EMA weights copied into the model through ``param.data`` for a 3 s evaluation, a
+    preemption during it. The background read cannot prove the model is the trained one (``param.data`` was
+    used since the step), so the training thread reads it at its next ``optimizer.step()``, after the EMA was
+    swapped out again: the commit holds the trained weights and the resume is bitwise. (Before: the EMA weights
+    were committed as the model, exit 143 ``committed: true``, and the resume diverged.)"""
+    store = tmp_path / "ckpt"
+    run = job(tmp_path, "preempted", ["--storage", str(store), "--ema-swap-eval", "--eval-after", "2:3",
+                                      "--notice-at", "2:eval", "--notice-rank", "1"],
+              env={"SPOTGUARD_SIGNAL_GRACE": "20"})
+    exits = stopped(run, 3)
+    assert all(e["committed"] for e in exits.values()), exits
+    fallback = run.events("checkpoint_fallback")
+    assert {e["rank"] for e in fallback} == {0, 1}, run.tail()
+    assert all("Parameter.data" in e["reason"] for e in fallback), fallback
+    assert committed(store) == [3]
+    resume_bitwise(tmp_path, store, 3, ref_plain, ["--ema-swap-eval"])
+
+
+@pytest.mark.parametrize("kind,code", [("rebalance", 0), ("signal", 75)])
+def test_raising_state_dict_fails_the_round_without_touching_training(tmp_path: Path, kind: str, code: int) -> None:
+    """A stateful object whose ``state_dict()`` raises: a rebalance round fails once (``checkpoint_failed``)
+    and training runs to its end (before: the exception surfaced inside ``optimizer.step()``, exit 1); a
+    preemption fails once and exits 75 at once (before: thousands of failing rounds until the deadline)."""
+    store = tmp_path / "ckpt"
+    run = job(tmp_path, kind, ["--storage", str(store), "--raising-state", "--phases", ITER_15S,
+                               "--notice-at", "2:fwd", "--notice-kind", kind], env={"SPOTGUARD_SIGNAL_GRACE": "20"})
+    rc = run.wait(120)
+    assert (rc == 0) if code == 0 else (rc != 0), run.tail()  # torchrun itself exits 1 after a worker's 75
+    failed = run.events("checkpoint_failed")
+    assert failed and all("metrics backend unavailable" in e["error"] for e in failed), run.tail()
+    assert len(run.events("agreed", 0)) == 1, run.events("agreed", 0)
+    assert committed(store) == []
+    if code:
+        [ex] = run.events("exit", 0)
+        assert ex["code"] == 75 and not ex["committed"] and ex["seconds_since_notice"] < 5.0, ex
+
+
+def test_preemption_during_a_round_for_a_far_notice_keeps_its_own_deadline(tmp_path: Path) -> None:
+    """Rank 1's agreement thread never joins. Rank 0 gets a 300 s maintenance notice (a round starts and
+    blocks on rank 1), then a 6 s preemption: rank 0 exits 75 within the 6 s, nothing committed. (Before:
+    the round was bounded by the maintenance notice's deadline, still blocked at 41 s.)"""
+    store = tmp_path / "ckpt"
+    run = job(tmp_path, "far", ["--storage", str(store), "--phases", ITER_15S, "--notice-at", "2:fwd",
+                                "--far-notice", "--notice-rank", "0"],
+              env={"SPOTGUARD_TEST_AGREE_STALL_RANK": "1"})
+    assert run.wait(120) != 0, run.tail()
+    [ex] = run.events("exit", 0)
+    assert ex["code"] == 75 and not ex["committed"], ex
+    assert ex["notice_id"].startswith("preempt-") and ex["seconds_left"] > -0.5, ex
+    assert committed(store) == []
