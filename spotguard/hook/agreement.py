@@ -236,17 +236,24 @@ class AgreementMixin:
         reason = "emergency" if action == "emergency" else "manual"
         if action == "emergency":
             self._install_excepthook(notice, t_end)
+        self._round_action = action
         try:
             result = self._save_staged(notice, reason, step, t_end, bg.group, hold=action == "emergency")
         except Exception as exc:  # noqa: BLE001 - contained: the round fails, training goes on (or exits 75)
             result = self._fail(notice, step, f"background save: {type(exc).__name__}: {exc}", time.monotonic(),
                                 peers_ok=True)
+        finally:
+            self._round_action = None
         if action == "emergency":
             self._exit_from_background(notice, result, step)
             return
         self._release_hold()
         self._forget(ids)  # a failed ordinary checkpoint is not retried in a loop: checkpoint_failed said so
-        if not result.committed:
+        cancelled = self._ordinary_cancel.is_set()
+        self._ordinary_cancel.clear()
+        if result.committed:
+            bg._fails = 0
+        elif not cancelled:
             bg.backoff()
         set_group_timeout(bg.group, 1800.0)
 
@@ -295,6 +302,7 @@ class BackgroundAgreement:
             store = dist.distributed_c10d._get_default_store()
             self._waiter = store.clone()
             self._setter = store.clone()
+            self._checker = store.clone()  # the save's cancellation point asks it (own connection: no lock)
             self.ok = True
         except Exception as exc:  # noqa: BLE001 - no usable store: the boundary path still works
             hook._log.warning("background agreement unavailable: acting on notices at step boundaries",
@@ -325,6 +333,21 @@ class BackgroundAgreement:
                 self._setter.multi_set([self.key(g, r) for r in range(world)], [value] * world)
         except Exception as exc:  # noqa: BLE001 - the boundary path is gone too if the store is: log it
             self.hook._log.warning("cannot wake the agreement through the store", error=f"{type(exc).__name__}: {exc}")
+
+    def cancel_round(self) -> None:
+        """Any thread: every rank's ordinary save of the running round gives up (an emergency pre-empts it)."""
+        try:
+            with self._set_lock:
+                self._setter.set(f"{self.token}/cancel/{self.gen}", "1")
+        except Exception as exc:  # noqa: BLE001 - then only this rank's save gives up (the others fail with it)
+            self.hook._log.warning("cannot reach the store to cancel the ordinary save", error=repr(exc))
+
+    def round_cancelled(self) -> bool:
+        """Has any rank cancelled the running round's ordinary save? (a store check, ~0.1 ms)"""
+        try:
+            return bool(self._checker.check([f"{self.token}/cancel/{self.gen}"]))
+        except Exception:  # noqa: BLE001 - store unreachable: the collectives will say so
+            return False
 
     def backoff(self) -> None:
         """A round failed: the next round this thread starts by itself waits (no livelock of failing rounds)."""
@@ -388,7 +411,8 @@ class BackgroundAgreement:
             try:
                 level, deadline_ms = h._local_level()
                 if level > 0 and h._bg_on:  # a notice that came while the previous round ran
-                    if self._fails and self._closed.wait(min(30.0, 0.5 * 2 ** (self._fails - 1))):
+                    if self._fails and level < LEVEL_EMERGENCY and \
+                            self._closed.wait(min(30.0, 0.5 * 2 ** (self._fails - 1))):
                         return
                     self.wake(deadline_ms)
                 deadline_ms = self._wait(g)

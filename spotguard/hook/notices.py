@@ -117,6 +117,10 @@ class NoticesMixin:
         level = self._level_of(notice)
         if level > 0:
             if bg.busy.is_set():
+                if level >= LEVEL_EMERGENCY and self._round_action == "checkpoint":
+                    self._log.info("an emergency pre-empts the ordinary checkpoint in flight", notice_id=notice.id)
+                    self._ordinary_cancel.set()  # the next round saves the emergency's step instead
+                    bg.cancel_round()  # ... on every rank
                 self._bound_running_round(notice, level)
             bg.wake(_ms(notice.deadline))
         elif notice.emergency and notice.id not in self._committed_ids:

@@ -376,10 +376,15 @@ class SaveMixin:
         self._log.info(ev.CHECKPOINT_STAGED, notice_id=notice.id, step=step, bytes=nbytes,
                        seconds=round(copied, 4), small_state_from=where, tensors_from=where_read)
         sd = _with_small(sd, groups, self._rank_key(self._rank), blob)
-        result = self._save(notice, reason, None, group=group, step=step, write=self._dcp_writer(sd, group, live),
-                            bound=max(1.0, t_end - time.monotonic()))
-        if result.committed or not result.peers_ok or time.monotonic() >= t_end - 1.0:
-            return result
+        cancel = None if hold else self._ordinary_cancel  # an emergency arriving now pre-empts this save
+        if cancel is not None:
+            bg = self._bg
+            if bg is not None:
+                cancel = _StoreCancel(cancel, bg)
+        result = self._save(notice, reason, None, group=group, step=step,
+                            write=self._dcp_writer(sd, group, live, cancel), bound=max(1.0, t_end - time.monotonic()))
+        if result.committed or not result.peers_ok or not hold or time.monotonic() >= t_end - 1.0:
+            return result  # (an ordinary checkpoint is not retried: every rank must take the same branch)
         # Every rank sees the same failed result (``_save``'s all-OK reduction): every rank retries, from the
         # training thread's read at its next pre-hook (held there for an emergency), once.
         self._log.warning(ev.CHECKPOINT_FALLBACK, notice_id=notice.id, step=step, reason=result.error,
@@ -391,11 +396,13 @@ class SaveMixin:
         return self._save(notice, reason, None, group=group, step=step, write=self._dcp_writer(sd, group, False),
                           bound=max(1.0, t_end - time.monotonic()))
 
-    def _dcp_writer(self, sd: dict[str, Any], group: Any, validate: bool) -> Callable[[str], None]:
+    def _dcp_writer(self, sd: dict[str, Any], group: Any, validate: bool,
+                    cancel: Any = None) -> Callable[[str], None]:
         def write(key: str) -> None:
             import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 
-            dcp.save(sd, storage_writer=self._storage.dcp_writer(key), process_group=group)
+            dcp.save(sd, storage_writer=self._storage.dcp_writer(key), process_group=group,
+                     planner=None if cancel is None else _cancellable_planner(cancel))
             if validate:  # written from live tensors: still the state of S at the end of the write?
                 why = self._watch.changed()
                 if why is not None:
@@ -559,6 +566,41 @@ class SaveMixin:
             self._small = None
             self._want_small = self._want_state = None
             self._cv.notify_all()
+
+
+class Cancelled(Exception):
+    """An ordinary checkpoint given up for an emergency that arrived while it was written."""
+
+
+class _StoreCancel:
+    """This rank's cancel flag, or any rank's (the round's cancel key in the c10d store, asked every 20 ms)."""
+
+    def __init__(self, local: threading.Event, bg: Any) -> None:
+        self._local, self._bg, self._next = local, bg, 0.0
+
+    def is_set(self) -> bool:
+        if self._local.is_set():
+            return True
+        now = time.monotonic()
+        if now >= self._next:
+            self._next = now + 0.02
+            if self._bg.round_cancelled():
+                self._local.set()
+                return True
+        return False
+
+
+def _cancellable_planner(cancel: Any) -> Any:
+    """DCP's stock planner with a cancellation point per write item (as the periodic saver's)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner  # noqa: PLC0415
+
+    class CancellablePlanner(DefaultSavePlanner):
+        def resolve_data(self, write_item: Any) -> Any:
+            if cancel.is_set():
+                raise Cancelled("ordinary checkpoint given up: an emergency notice arrived while it was written")
+            return super().resolve_data(write_item)
+
+    return CancellablePlanner()
 
 
 class StateMoved(Exception):

@@ -86,6 +86,30 @@ class SwapEMA:
             s.copy_(v)
 
 
+def _slow_first_save(root: str, delay: float) -> Any:
+    """A local store whose first checkpoint write from the agreement thread takes ``delay`` s per item."""
+    import threading  # noqa: PLC0415
+
+    sys.path.insert(0, str(HERE))
+    from _slowstore import _SlowWriter  # noqa: PLC0415
+
+    from spotguard.storage.local import LocalStorage  # noqa: PLC0415
+
+    class SlowFirst(LocalStorage):
+        slowed = False
+
+        def dcp_writer(self, key: str, *, thread_count: int | None = None) -> Any:
+            if self.slowed or threading.current_thread().name != "spotguard-agreement":
+                return super().dcp_writer(key, thread_count=thread_count)
+            self.slowed = True
+            self._mkdirs(self._path(key))
+            w = _SlowWriter(self, key, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+            w.delay = delay
+            return w
+
+    return SlowFirst(root)
+
+
 class Broken:
     """A user's stateful object whose ``state_dict()`` raises."""
 
@@ -120,6 +144,10 @@ def main() -> int:
     p.add_argument("--raising-state", action="store_true", help="a stateful object whose state_dict() raises")
     p.add_argument("--far-notice", action="store_true",
                    help="at --notice-at, notice-rank first gets a 300 s maintenance notice, then a 6 s preemption")
+    p.add_argument("--slow-first-save", type=float, default=0.0,
+                   help="the first background save writes this many seconds per item (a slow upload)")
+    p.add_argument("--then-signal", type=float, default=-1.0,
+                   help="with --notice-kind rebalance: SIGUSR1 this long after the rebalance notice")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--optim", default="sgd")
@@ -171,6 +199,10 @@ def main() -> int:
                 now = utcnow()
                 hook.notify(Notice(id=f"rebalance-{i}", source="drill", kind="rebalance",
                                    deadline=now + timedelta(seconds=60), received_at=now))
+                if args.then_signal >= 0:
+                    import threading  # noqa: PLC0415
+
+                    threading.Timer(args.then_signal, os.kill, args=(os.getpid(), signal.SIGUSR1)).start()
             else:
                 os.kill(os.getpid(), signal.SIGUSR1)
 
@@ -185,7 +217,10 @@ def main() -> int:
             objs["ema"] = ema
         if args.raising_state:
             objs["broken"] = Broken()
-        hook = install_preemption_hook(objs, storage=args.storage)
+        storage: Any = args.storage
+        if args.slow_first_save > 0:
+            storage = _slow_first_save(args.storage, args.slow_first_save)
+        hook = install_preemption_hook(objs, storage=storage)
         start = hook.resume()
     state: dict[str, Any] = {"i": start, "step_t": 0.0}
     if any(phases) or args.notice_at:

@@ -247,3 +247,24 @@ def test_preemption_during_a_round_for_a_far_notice_keeps_its_own_deadline(tmp_p
     assert ex["code"] == 75 and not ex["committed"], ex
     assert ex["notice_id"].startswith("preempt-") and ex["seconds_left"] > -0.5, ex
     assert committed(store) == []
+
+
+def test_emergency_pre_empts_an_ordinary_save_in_flight(tmp_path: Path) -> None:
+    """A rebalance checkpoint whose upload is slow (2 s per item), then a preemption 1 s into it: the ordinary
+    save gives up on every rank (nothing committed for it), the emergency round saves the step training had
+    reached and every rank exits 143 long before the slow save would have ended. (Before: the emergency waited
+    for the ordinary save to finish, then wrote a second full checkpoint.)"""
+    store = tmp_path / "ckpt"
+    run = job(tmp_path, "preempt", ["--storage", str(store), "--phases", ITER_15S, "--notice-at", "2:fwd",
+                                    "--notice-kind", "rebalance", "--then-signal", "1.0", "--slow-first-save", "2.0"],
+              env={"SPOTGUARD_SIGNAL_GRACE": "20"})
+    assert run.wait(120) != 0, run.tail()
+    actions = [e["action"] for e in run.events("agreed", 0)]
+    assert actions == ["checkpoint", "emergency"], actions
+    failed = run.events("checkpoint_failed")
+    assert {e["rank"] for e in failed} == {0, 1} and all("given up" in e["error"] for e in failed), failed
+    exits = {e["rank"]: e for e in run.events("exit")}
+    assert set(exits) == {0, 1} and all(e["code"] == 143 and e["committed"] for e in exits.values()), exits
+    assert all(e["seconds_since_notice"] < 6.0 for e in exits.values()), exits
+    [c] = run.events("checkpoint_committed", 0)
+    assert committed(store) == [c["step"]]
