@@ -244,6 +244,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         self._handoff: Optional[tuple[int, Any, int, str]] = None  # (step, state dict, bytes, error)
         self._step_event: Any = None  # CUDA: recorded on the training stream at each step's end
         self._sched_marks: list[Any] = []  # each scheduler's last_epoch at the last step's end
+        self._exit_callbacks: list[Callable[[int, bool], Any]] = getattr(self, "_exit_callbacks", [])  # on_exit
         self._ordinary_cancel = threading.Event()  # set: the ordinary background save in flight gives up
         self._round_action: Optional[str] = None  # what the running background round does ("checkpoint"...)
         self._cuda_params = any(p.is_cuda for m in self._objs.models.values() for p in m.parameters())

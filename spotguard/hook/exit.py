@@ -10,8 +10,9 @@ import gc
 import os
 import signal
 import sys
+import threading
 import time
-from typing import Any, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 from ..notice import Notice
 from . import events as ev
@@ -24,6 +25,7 @@ from .dist import (
 from .peers import stop_watch
 from .save import _Result
 from .settings import (
+    EXIT_CALLBACK_TIMEOUT,
     EXIT_GRACE,
     EXIT_SAVE_FAILED,
     QUIESCE_AGREEMENT_TIMEOUT,
@@ -108,6 +110,7 @@ class ExitMixin:
         self._prev_handlers.clear()
         self._log.info(ev.EXIT, notice_id=notice.id, code=code, step=step, committed=committed,
                        nothing_to_save=nothing, by="training-thread", **self._timing(notice))
+        self._run_exit_callbacks(notice, code, committed)
         self.close()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -164,6 +167,7 @@ class ExitMixin:
         self._exiting = True
         self._log.info(ev.EXIT, notice_id=notice.id, code=code, step=step, committed=committed,
                        nothing_to_save=nothing, by=by, **self._timing(notice))
+        self._run_exit_callbacks(notice, code, committed)
         self._flush_intake()
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -171,6 +175,41 @@ class ExitMixin:
             except Exception:  # noqa: BLE001 - leaving anyway
                 pass
         os._exit(code)
+
+    def on_exit(self, callback: Callable[[int, bool], Any]) -> Callable[[int, bool], Any]:
+        """Run ``callback(code, committed)`` right before the process leaves for a notice (usable as a decorator).
+
+        Why: a process leaving from the background (``os._exit`` after
+        ``SPOTGUARD_EXIT_GRACE`` while the training thread is elsewhere) skips the
+        training thread's ``finally`` blocks and ``atexit`` handlers; flushing a
+        W&B/TensorBoard writer or requeueing a Slurm job belongs here. Callbacks
+        run in order, on whichever thread leaves, each bounded by
+        ``SPOTGUARD_EXIT_CALLBACK_TIMEOUT`` (2 s, less when the deadline is nearer);
+        one that raises or overruns is logged and the exit goes on.
+        """
+        if not callable(callback):
+            raise TypeError(f"on_exit takes a callable, got {type(callback).__name__}")
+        self.__dict__.setdefault("_exit_callbacks", []).append(callback)  # framework hooks arm later
+        return callback
+
+    def _run_exit_callbacks(self, notice: Notice, code: int, committed: bool) -> None:
+        callbacks, self._exit_callbacks = list(getattr(self, "_exit_callbacks", [])), []
+        for cb in callbacks:
+            bound = max(0.1, min(EXIT_CALLBACK_TIMEOUT, notice.seconds_left() - 0.5))
+            box: dict[str, Any] = {}
+
+            def run(cb: Any = cb) -> None:
+                try:
+                    cb(code, committed)
+                except BaseException as exc:  # noqa: BLE001 - the user's callback: never stop the exit
+                    box["error"] = f"{type(exc).__name__}: {exc}"
+
+            t = threading.Thread(target=run, name="spotguard-on-exit", daemon=True)
+            t.start()
+            t.join(bound)
+            if t.is_alive() or "error" in box:
+                self._log.warning("on_exit callback did not finish cleanly", callback=getattr(cb, "__name__", repr(cb)),
+                                  error=box.get("error", f"still running after {bound:.1f} s"))
 
     def _exit_if_requested(self) -> None:
         """Training thread, at a hook point: leave if the agreement thread asked for it."""

@@ -148,6 +148,7 @@ def main() -> int:
                    help="the first background save writes this many seconds per item (a slow upload)")
     p.add_argument("--then-signal", type=float, default=-1.0,
                    help="with --notice-kind rebalance: SIGUSR1 this long after the rebalance notice")
+    p.add_argument("--on-exit-dir", default=None, help="hook.on_exit writes <dir>/exit-<rank>.json")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--optim", default="sgd")
@@ -221,6 +222,11 @@ def main() -> int:
         if args.slow_first_save > 0:
             storage = _slow_first_save(args.storage, args.slow_first_save)
         hook = install_preemption_hook(objs, storage=storage)
+        if args.on_exit_dir:
+            @hook.on_exit
+            def record(code: int, committed: bool) -> None:
+                Path(args.on_exit_dir, f"exit-{rank}.json").write_text(json.dumps({"code": code,
+                                                                                  "committed": committed}))
         start = hook.resume()
     state: dict[str, Any] = {"i": start, "step_t": 0.0}
     if any(phases) or args.notice_at:

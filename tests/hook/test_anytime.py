@@ -12,6 +12,8 @@ uninterrupted run of the same loop (``_anytime_train.py --no-hook``).
 
 from __future__ import annotations
 
+import json
+
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -160,6 +162,19 @@ def test_peer_that_never_joins_exits_75_previous_checkpoint_intact(tmp_path: Pat
     assert run.events("peers_lost", 0), run.tail()
     assert not run.events("checkpoint_committed"), run.tail()
     assert committed(store) == [2]
+
+
+def test_on_exit_callbacks_run_when_the_process_leaves_from_the_background(tmp_path: Path) -> None:
+    """A notice during a 30 s evaluation: the process leaves by ``os._exit`` from the agreement thread (the
+    training thread's ``finally``/``atexit`` never run), but ``hook.on_exit`` callbacks do, with the code."""
+    store = tmp_path / "ckpt"
+    run = job(tmp_path, "preempted", ["--storage", str(store), "--eval-after", "2:30", "--notice-at", "2:eval",
+                                      "--notice-rank", "1", "--on-exit-dir", str(tmp_path)],
+              env={"SPOTGUARD_SIGNAL_GRACE": "10"})
+    exits = stopped(run, 3)
+    assert all(e["by"] == "agreement-thread" for e in exits.values()), exits
+    for r in (0, 1):
+        assert json.loads((tmp_path / f"exit-{r}.json").read_text()) == {"code": 143, "committed": True}
 
 
 def test_training_thread_raising_after_the_decision_exits_with_the_decided_code(tmp_path: Path) -> None:
