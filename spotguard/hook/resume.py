@@ -94,6 +94,7 @@ class ResumeMixin:
             self._internal = False
         self._count = self._resumed_step = step
         self._resumed = True
+        self._baseline = self._watch.baseline()  # the loaded state: "trained since?" is measured from here
         self._fresh_checked = True
         self._agree_at_start()
         self._enable_background()  # implicit mode (hook.range() set its intent first): agree off the training thread
@@ -197,6 +198,8 @@ class ResumeMixin:
             self._log.warning("checkpoint has no state for object", keys=done.missing, dir=dirkey)
         old_world = int(per.get("world_size", len(saved)))
         elastic.restore_rng_for(per, done, step=int(per.get("step", 0)), rank=self._rank)  # last
+        fwd = per.get("rng_at_forward") if own else None  # see core._realign_rng
+        self._realign = fwd if isinstance(fwd, torch.Tensor) else None
         if old_world != self._world or not own:
             self._log.info(ev.ELASTIC_RESUME, dir=dirkey, old_world_size=old_world, world_size=self._world,
                            resharded=[*o.models, *o.optimizers],
