@@ -94,6 +94,7 @@ class ResumeMixin:
             self._internal = False
         self._count = self._resumed_step = step
         self._resumed = True
+        self._damaged_dirs = set(damaged)  # a save at one of these steps must never count it as committed
         self._baseline = self._watch.baseline()  # the loaded state: "trained since?" is measured from here
         self._fresh_checked = True
         self._agree_at_start()

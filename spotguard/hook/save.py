@@ -194,8 +194,22 @@ class SaveMixin:
         are not ours. That is an error naming the fix.
         """
         storage = storage or self._storage
-        status = prepare_status(storage, step)
         key = step_dir(step)
+        if key in getattr(self, "_damaged_dirs", ()):
+            # This run's resume found it damaged; its quarantine mark may not have been written (a read-only
+            # or failing store): mark it now, so prepare replaces it — never report it as committed.
+            from ..storage.commit import quarantine_dir  # noqa: PLC0415
+
+            try:
+                quarantine_dir(storage, key, "found damaged by this run's resume", "", "save")
+            except Exception as exc:  # noqa: BLE001 - checked right below
+                self._log.warning("cannot mark a damaged checkpoint before saving the same step", dir=key,
+                                  error=f"{type(exc).__name__}: {exc}")
+        status = prepare_status(storage, step)
+        if status[0] == "already" and key in getattr(self, "_damaged_dirs", ()):
+            return ("error", f"{self._storage.uri}/{key} holds a checkpoint this run found damaged and it cannot "
+                             "be set aside (quarantine mark not written): delete or restore it "
+                             "(`spotguard checkpoints --verify URI`), then run again")
         if status[0] != "already" or key == self._resumed_dir:
             return status
         try:
