@@ -412,6 +412,8 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             if self._realign is not None:
                 self._realign_rng()
             self._fwd_rng = (self._count, torch.get_rng_state())  # ~1 us: see _realign_rng
+            if self._bg_on and self._count > 0:
+                self._watch.mark()  # the post-step writes (AveragedModel, clipping) are part of iteration S
         if self._fwd_count == self._count or not self._bg_on:
             return
         self._fwd_count = self._count

@@ -418,14 +418,15 @@ class SaveMixin:
             dcp.save(sd, storage_writer=self._storage.dcp_writer(key), process_group=group,
                      planner=None if cancel is None else _cancellable_planner(cancel))
             if validate:  # written from live tensors: still the state of S at the end of the write?
-                why = self._watch.changed()
+                why = self._watch.changed(getattr(self, "_live_mark", None))
                 if why is not None:
                     raise StateMoved(f"the state moved while it was written from live tensors: {why}")
         return write
 
     def _background_read(self, step: int, *, copy: bool) -> Any:
         """(state dict, bytes, "background") read off the training thread, or why it cannot be proven exact."""
-        why = self._watch.changed()
+        mark = self._watch.current()  # every check of this read is against the mark it started from
+        why = self._watch.changed(mark)
         if why is not None:
             return why
         ev_ = self._step_event
@@ -441,9 +442,11 @@ class SaveMixin:
         finally:
             _BG.on = False
         if copy:
-            why = self._watch.changed()  # moved during the copy: it may be torn
+            why = self._watch.changed(mark)  # moved during the copy: it may be torn
             if why is not None:
                 return why
+        else:
+            self._live_mark = mark  # the write from these live tensors is checked against it (_dcp_writer)
         return sd, nbytes, "background"
 
     def _prehook_read(self, step: int, t_end: float, *, copy: bool) -> Any:

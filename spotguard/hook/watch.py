@@ -147,7 +147,10 @@ class StateWatch:
                 data_accesses())
 
     def mark(self) -> None:
-        """Training thread, right after optimizer step S: the state the background read must still see.
+        """Training thread, right after optimizer step S — and again at the model's first training-mode
+        forward after it, where the loop's post-step writes (an ``AveragedModel`` update, weight clipping, an
+        EMA swapped back after evaluation) are over and belong to iteration S: the state the background read
+        must still see.
 
         Untracked buffers that moved since the previous mark (a forward updates
         them) join the snapshot from now on.
@@ -165,13 +168,18 @@ class StateWatch:
             cur = self._read()
         self._mark = cur
 
-    def changed(self) -> Optional[str]:
-        """None when nothing the background read depends on moved since the last mark, else why."""
+    def current(self) -> Any:
+        """The mark in force (pass it to ``changed`` to check a read against the mark it started from)."""
+        return self._mark
+
+    def changed(self, mark: Any = None) -> Optional[str]:
+        """None when nothing the background read depends on moved since ``mark`` (default: the last), else why."""
         if self.fsdp:
             return "FSDP2 state-dict hooks must run on the training thread"
-        if self._mark is None:
+        mark = self._mark if mark is None else mark
+        if mark is None:
             return "no optimizer step seen yet"
-        ids, vers, bufs, data = self._mark
+        ids, vers, bufs, data = mark
         try:
             cur_ids, cur_vers, cur_bufs, cur_data = self._read(walk=True)
         except Exception as exc:  # noqa: BLE001 - e.g. a module tree changing under us: cannot prove anything
