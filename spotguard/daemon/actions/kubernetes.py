@@ -11,10 +11,22 @@ loader re-reads the projected service-account token as the kubelet rotates it.
   (not ``NoExecute``: that would evict the trainers mid-checkpoint). ``spec.taints`` is
   replaced whole by a patch, so the patch carries the ``resourceVersion`` it was computed
   from: a concurrent writer makes it a ``409 Conflict``, and the daemon reads and retries.
+* Ownership (as AWS Node Termination Handler labels what it did): the same patch writes
+  the annotations ``spotguard.io/notices`` (the notice ids spotguard cordoned for) and
+  ``spotguard.io/cordoned`` (``"true"``: spotguard set ``unschedulable``; ``"false"``: the
+  node was already cordoned, by an administrator or another tool, and stays so).
+* Reconcile — at daemon start, when a notice expires (the VM survived: GCP maintenance
+  done, AWS stop/hibernate then start, Azure deallocate then start) and when one is
+  withdrawn: if no cloud emergency notice is active on the node any more, remove the
+  taint and the annotations, and set ``unschedulable: false`` only if spotguard set it.
+  Never while another notice is active; never touches a cordon it did not make.
 * At the outcome: one ``Event`` (reason ``SpotNotice``) per subscriber pod, after
   checking with ``GET`` that the pod is on this node (a subscriber only names its pod;
   the daemon does not take its word for it). The Event's name is derived from the notice
   id, so a repeat is ``409 AlreadyExists``, not a duplicate.
+* Node Events (``involvedObject`` = the Node, namespace ``default``, as NTH and the kubelet
+  record them; ``kubectl describe node`` shows them): ``SpotguardCordon``,
+  ``SpotguardUncordon`` and the outcome (``SpotNotice``) of a cloud notice.
 
 A ``403`` means missing RBAC: one line naming the missing verb and the manifest to
 apply, no retry. Everything else retries with backoff until the notice's deadline.
@@ -26,8 +38,8 @@ import asyncio
 import hashlib
 import os
 import random
-from datetime import timezone
-from typing import Any, Optional
+from datetime import datetime, timezone
+from typing import Any, Callable, Collection, Optional
 
 from ...logs import get_logger
 from ...notice import Notice
@@ -40,14 +52,24 @@ __all__ = ["KubernetesAction", "TAINT_KEY", "EVENT_REASON"]
 log = get_logger("spotguard.actions.kubernetes")
 
 TAINT_KEY = "spotguard.io/notice"
+#: Ownership annotations on the Node: which notices spotguard cordoned for, and whether it set
+#: ``unschedulable`` itself (``"true"``) or found the node already cordoned (``"false"``).
+NOTICES_ANNOTATION = "spotguard.io/notices"
+CORDONED_ANNOTATION = "spotguard.io/cordoned"
 EVENT_REASON = "SpotNotice"
+CORDON_REASON = "SpotguardCordon"
+UNCORDON_REASON = "SpotguardUncordon"
+#: Events about cluster-scoped objects (a Node) live in ``default`` with an empty involvedObject namespace.
+NODE_EVENT_NAMESPACE = "default"
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 CLOUD_SOURCES = frozenset({"aws", "gcp", "azure"})
 REQUEST_TIMEOUT = 5.0
 MIN_BUDGET = 10.0
 CONFLICT_RETRIES = 5
-RBAC_FIX = ("grant it in the ClusterRole (deploy/kubernetes/daemonset/rbac.yaml, or the Helm chart's "
-            "kubernetesNodeActions=true)")
+RBAC_FIX = ("grant it in the ClusterRole (deploy/kubernetes/daemonset-node-actions/rbac.yaml, or the Helm "
+            "chart's kubernetesNodeActions=true)")
+#: Reconciling (no notice deadline to follow) gives up after this long; the next start/expiry/cancel retries.
+RECONCILE_BUDGET = 30.0
 
 
 class _Forbidden(Exception):
@@ -65,7 +87,11 @@ class KubernetesAction(Action):
         self._sa_dir = service_account_dir
         self._core: Any = None
         self._exc: Any = None
-        self._tainted: set[str] = set()
+        #: The ids of the cloud emergency notices still active on this node (set by the daemon at start):
+        #: the cordon is never undone while one is. ``None`` (not wired): none known.
+        self.active: Optional[Callable[[], Collection[str]]] = None
+        self._reconciles: set[asyncio.Task[Any]] = set()
+        self._node_uid = ""
 
     async def start(self) -> None:
         try:
@@ -79,11 +105,16 @@ class KubernetesAction(Action):
         self._core = client.CoreV1Api(self._api_client)
 
     async def close(self) -> None:
+        for t in list(self._reconciles):
+            t.cancel()
+        if self._reconciles:
+            await asyncio.wait(list(self._reconciles), timeout=1.0)
+        self._core = None  # a reconcile timer that fires after the stop does nothing
         if self._api_client is not None:
             await self._api_client.close()
             self._api_client = None
 
-    # --- node: taint + cordon -------------------------------------------------------
+    # --- node: taint + cordon, with ownership ---------------------------------------
 
     async def on_notice(self, entry: Entry, node: str) -> Optional[bool]:
         notice = entry.notice
@@ -95,58 +126,112 @@ class KubernetesAction(Action):
         except _Forbidden as exc:
             log.error("kubernetes.forbidden", notice_id=notice.id, node=self.node, missing=str(exc), fix=RBAC_FIX)
             return False
-        done = bool(done)
-        if done:
-            self._tainted.add(notice.id)
+        if done == "patched":
             log.info("kubernetes.node_cordoned", notice_id=notice.id, node=self.node, taint=f"{TAINT_KEY}={notice.kind}"
                      ":NoSchedule")
-        return done
+            await self._node_event(CORDON_REASON, notice.id, "Warning",
+                                   f"spotguard cordoned and tainted the node: {notice.kind} notice from {notice.source} "
+                                   f"({notice.id}), deadline {_k8s_time(notice.deadline)}", budget)
+            if self.active is not None and notice.id not in self.active():  # withdrawn while the patch was in flight
+                self._spawn_reconcile("cancelled")
+        return done in ("patched", "already")
 
-    async def _taint_and_cordon(self, notice: Notice, budget: Deadline) -> bool:
+    async def _taint_and_cordon(self, notice: Notice, budget: Deadline) -> Optional[str]:
+        """``"patched"``, ``"already"`` (nothing to do), or ``None`` (conflicts kept coming)."""
         for _ in range(CONFLICT_RETRIES):
             node = await self._call("get nodes", self._core.read_node(self.node, _request_timeout=budget.timeout(REQUEST_TIMEOUT)))
             taints = self._taints(node)
+            notes = dict(node.metadata.annotations or {})
+            owned = _ids(notes.get(NOTICES_ANNOTATION))
             ours = {"key": TAINT_KEY, "value": notice.kind, "effect": "NoSchedule"}
-            if node.spec.unschedulable and ours in taints:
-                return True
+            # The API adds ``timeAdded`` to a taint: compare what identifies it, not the whole dict.
+            if node.spec.unschedulable and any(_same_taint(t, ours) for t in taints) and notice.id in owned:
+                return "already"
             taints = [t for t in taints if not (t.get("key") == TAINT_KEY and t.get("effect") == "NoSchedule")]
             taints.append({**ours, "timeAdded": _k8s_time()})
-            body = {"metadata": {"resourceVersion": node.metadata.resource_version},
+            # Who cordoned it: kept from an earlier notice (spotguard's own cordon is not an administrator's).
+            cordoned = notes.get(CORDONED_ANNOTATION) or ("false" if node.spec.unschedulable else "true")
+            body = {"metadata": {"resourceVersion": node.metadata.resource_version,
+                                 "annotations": {NOTICES_ANNOTATION: ",".join(sorted(owned | {notice.id})),
+                                                 CORDONED_ANNOTATION: cordoned}},
                     "spec": {"unschedulable": True, "taints": taints}}
             try:
                 await self._call("patch nodes", self._core.patch_node(self.node, body,
                                                                        _request_timeout=budget.timeout(REQUEST_TIMEOUT)))
-                return True
+                return "patched"
             except self._exc as exc:
                 if exc.status != 409:
                     raise
                 log.info("kubernetes.conflict", notice_id=notice.id, node=self.node,
                          detail="the node changed since it was read; reading it again")
-        return False
+        return None
 
     def cancelled(self, notice_id: str) -> None:
-        # The provider withdrew the notice: the node stays; give it back to the scheduler.
-        if notice_id in self._tainted and self._core is not None:
-            self._tainted.discard(notice_id)
-            asyncio.get_running_loop().create_task(self._uncordon(notice_id))
+        # The provider withdrew the notice: the node stays; give it back to the scheduler (if nothing else is active).
+        self._spawn_reconcile("cancelled")
 
-    async def _uncordon(self, notice_id: str) -> None:
-        budget = Deadline(MIN_BUDGET)
+    def _spawn_reconcile(self, why: str) -> None:
+        if self._core is not None:
+            task = asyncio.get_running_loop().create_task(self.reconcile(why), name="kubernetes-reconcile")
+            self._reconciles.add(task)
+            task.add_done_callback(self._reconciles.discard)
 
-        async def once() -> bool:
-            node = await self._call("get nodes", self._core.read_node(self.node, _request_timeout=budget.timeout(5)))
-            keep = [t for t in self._taints(node) if t.get("key") != TAINT_KEY]
-            body = {"metadata": {"resourceVersion": node.metadata.resource_version},
-                    "spec": {"unschedulable": False, "taints": keep}}
-            await self._call("patch nodes", self._core.patch_node(self.node, body, _request_timeout=budget.timeout(5)))
-            return True
+    async def reconcile(self, why: str) -> Optional[bool]:
+        """Undo spotguard's cordon and taint once no cloud emergency notice is active on the node.
+
+        ``None``: nothing of spotguard's on the node, or a notice is still active; True/False: undone/failed.
+        Only what the ownership annotations say spotguard did is undone."""
+        if self._core is None:
+            return None
+        budget = Deadline(RECONCILE_BUDGET)
+        undone: list[str] = []
+        uncordoned: list[bool] = []
+
+        async def once() -> Optional[bool]:
+            for _ in range(CONFLICT_RETRIES):
+                node = await self._call("get nodes", self._core.read_node(self.node, _request_timeout=budget.timeout(5)))
+                notes = node.metadata.annotations or {}
+                taints = self._taints(node)
+                mine = [t for t in taints if t.get("key") == TAINT_KEY]
+                if NOTICES_ANNOTATION not in notes and CORDONED_ANNOTATION not in notes and not mine:
+                    return None
+                active = set(self.active()) if self.active is not None else set()
+                if active:
+                    log.info("kubernetes.cordon_kept", node=self.node, why=why, active=sorted(active)[:8],
+                             detail="a notice is still active on this node")
+                    return None
+                spec: dict[str, Any] = {"taints": [t for t in taints if t.get("key") != TAINT_KEY]}
+                if notes.get(CORDONED_ANNOTATION) == "true":
+                    spec["unschedulable"] = False
+                body = {"metadata": {"resourceVersion": node.metadata.resource_version,
+                                     "annotations": {NOTICES_ANNOTATION: None, CORDONED_ANNOTATION: None}},
+                        "spec": spec}
+                try:
+                    await self._call("patch nodes", self._core.patch_node(self.node, body,
+                                                                           _request_timeout=budget.timeout(5)))
+                except self._exc as exc:
+                    if exc.status != 409:
+                        raise
+                    continue
+                undone[:] = sorted(_ids(notes.get(NOTICES_ANNOTATION)))
+                uncordoned.append("unschedulable" in spec)
+                log.info("kubernetes.node_uncordoned" if "unschedulable" in spec else "kubernetes.node_untainted",
+                         node=self.node, why=why, notices=undone[:8],
+                         detail=("spotguard's cordon and taint removed" if "unschedulable" in spec else
+                                 "spotguard's taint removed; the node was cordoned before spotguard, so it stays"))
+                return True
+            return False
 
         try:
-            if await self._retry(once, budget, "node.uncordon"):
-                log.info("kubernetes.node_uncordoned", notice_id=notice_id, node=self.node,
-                         detail="notice withdrawn by its provider")
+            ok = await self._retry(once, budget, "node.reconcile")
         except _Forbidden as exc:
-            log.error("kubernetes.forbidden", notice_id=notice_id, node=self.node, missing=str(exc), fix=RBAC_FIX)
+            log.error("kubernetes.forbidden", node=self.node, why=why, missing=str(exc), fix=RBAC_FIX)
+            return False
+        if ok:
+            await self._node_event(UNCORDON_REASON, ",".join(undone) or why, "Normal",
+                                   f"spotguard removed its taint{' and cordon' if any(uncordoned) else ''} ({why}; "
+                                   f"notices {', '.join(undone)[:500]}): no notice is active on this node", budget)
+        return ok
 
     # --- pods: Events ------------------------------------------------------------------
 
@@ -155,10 +240,17 @@ class KubernetesAction(Action):
         for s in outcome.subscribers:
             if s.pod and s.namespace:
                 pods.setdefault((s.namespace, s.pod), []).append(s)
-        if not pods:
+        node_event = outcome.notice.source in CLOUD_SOURCES
+        if not pods and not node_event:
             return None
         budget = Deadline(outcome.notice.seconds_left(), minimum=MIN_BUDGET)
-        results = await asyncio.gather(*(self._event(outcome, ns, pod, budget) for ns, pod in pods))
+        jobs = [self._event(outcome, ns, pod, budget) for ns, pod in pods]
+        if node_event:
+            n = outcome.notice
+            jobs.append(self._node_event(EVENT_REASON, f"{n.id}-{outcome.status}",
+                                         "Normal" if outcome.status == "committed" else "Warning",
+                                         outcome.summary(), budget))
+        results = await asyncio.gather(*jobs)
         return all(results)
 
     async def _event(self, outcome: Outcome, namespace: str, pod_name: str, budget: Deadline) -> bool:
@@ -206,10 +298,45 @@ class KubernetesAction(Action):
                      status=outcome.status)
         return bool(ok)
 
+    async def _node_event(self, reason: str, key: str, type_: str, message: str, budget: Deadline) -> bool:
+        """One Event on the Node (``kubectl describe node``); named from ``reason`` and ``key``, so a repeat is a
+        ``409 AlreadyExists``. Best effort: a failure is one log line."""
+        now = _k8s_time()
+        name = f"{self.node[:200]}.spotguard-{reason.lower()}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+        body = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": name, "namespace": NODE_EVENT_NAMESPACE},
+            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": self.node,
+                               "uid": self._node_uid or self.node},  # the kubelet's node events use the name too
+            "reason": reason, "message": message[:1024], "type": type_,
+            "source": {"component": "spotguard", "host": self.node},
+            "reportingComponent": "spotguard.io/daemon", "reportingInstance": self.node[:128],
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+
+        async def create() -> bool:
+            try:
+                await self._call("create events", self._core.create_namespaced_event(
+                    NODE_EVENT_NAMESPACE, body, _request_timeout=budget.timeout(REQUEST_TIMEOUT)))
+            except self._exc as exc:
+                if exc.status != 409:
+                    raise
+            return True
+
+        try:
+            ok = bool(await self._retry(create, budget, "node_event.create"))
+        except _Forbidden as exc:
+            log.error("kubernetes.forbidden", node=self.node, reason=reason, missing=str(exc), fix=RBAC_FIX)
+            return False
+        if ok:
+            log.info("kubernetes.node_event", node=self.node, reason=reason, type=type_)
+        return ok
+
     # --- plumbing ------------------------------------------------------------------------
 
     def _taints(self, node: Any) -> list[dict[str, Any]]:
         """The node's taints as the API's JSON (``timeAdded``, not the model's ``time_added``)."""
+        self._node_uid = node.metadata.uid or self._node_uid
         return [self._api_client.sanitize_for_serialization(t) for t in (node.spec.taints or [])]
 
     async def _call(self, verb: str, coro: Any) -> Any:
@@ -256,9 +383,19 @@ class KubernetesAction(Action):
             await asyncio.sleep(delay)
 
 
-def _k8s_time() -> str:
+def _k8s_time(when: Optional[datetime] = None) -> str:
     """metav1.Time: RFC 3339, whole seconds, UTC."""
-    return utcnow().astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return (when or utcnow()).astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _ids(annotation: Optional[str]) -> set[str]:
+    """The notice ids in the ownership annotation (comma-separated; empty or absent: none)."""
+    return {i for i in (annotation or "").split(",") if i}
+
+
+def _same_taint(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Taints are identified by key, value and effect; the API server adds ``timeAdded``."""
+    return all(a.get(k) == b.get(k) for k in ("key", "value", "effect"))
 
 
 async def _load_client(client: Any, config: Any, kubeconfig: Optional[str], sa_dir: str) -> Any:
