@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import pytest
 from aiohttp import web
 
 from .loopback import serve
@@ -266,3 +267,13 @@ class FakeKube:
         self._release.set()
         assert self._runner is not None
         await self._runner.cleanup()
+
+
+@pytest.fixture
+def kubeconfig_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``kubeconfig_env(kube)``: the daemon under test finds ``kube`` through ``$KUBECONFIG`` (not in-cluster)."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+
+    def _set(kube: FakeKube) -> None:
+        monkeypatch.setenv("KUBECONFIG", kube.kubeconfig(tmp_path / "kubeconfig"))
+    return _set

@@ -19,7 +19,7 @@ from spotguard.daemon.client import Subscription  # noqa: E402
 from spotguard.notice import Cancel  # noqa: E402
 
 from .conftest import FakeWatcher, make_notice, running_daemon  # noqa: E402
-from .fake_kube import FakeKube  # noqa: E402
+from .fake_kube import FakeKube, kubeconfig_env  # noqa: E402,F401  (a fixture)
 from .loopback import assert_notices_prompt  # noqa: E402
 
 NODE = "node-a"
@@ -31,15 +31,6 @@ def manifest_verbs() -> set[str]:
     yaml = pytest.importorskip("yaml")
     role = next(d for d in yaml.safe_load_all(RBAC.read_text()) if d and d["kind"] == "ClusterRole")
     return {f"{v} {r}" for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
-
-
-@pytest.fixture
-def kubeconfig_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-
-    def _set(kube: FakeKube) -> None:
-        monkeypatch.setenv("KUBECONFIG", kube.kubeconfig(tmp_path / "kubeconfig"))
-    return _set
 
 
 def pod_events(kube: FakeKube) -> list[dict]:

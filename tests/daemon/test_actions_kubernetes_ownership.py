@@ -22,19 +22,10 @@ from spotguard.daemon.book import Entry  # noqa: E402
 from spotguard.notice import Cancel, Notice  # noqa: E402
 
 from .conftest import FakeWatcher, eventually, make_notice, running_daemon  # noqa: E402
-from .fake_kube import FakeKube  # noqa: E402
+from .fake_kube import FakeKube, kubeconfig_env  # noqa: E402,F401  (a fixture)
 
 NODE = "node-a"
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def kubeconfig_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-
-    def _set(kube: FakeKube) -> None:
-        monkeypatch.setenv("KUBECONFIG", kube.kubeconfig(tmp_path / "kubeconfig"))
-    return _set
 
 
 def ours(kube: FakeKube) -> list[dict[str, Any]]:

@@ -265,30 +265,12 @@ class KubernetesAction(Action):
                             pod_node=pod.spec.node_name, node=self.node,
                             detail="a subscriber named a pod that is not on this node: no Event")
                 return False
-            now = _k8s_time()
             name = f"{pod_name[:200]}.spotguard-{hashlib.sha256(notice.id.encode()).hexdigest()[:12]}"
-            body = {
-                "apiVersion": "v1", "kind": "Event",
-                "metadata": {"name": name, "namespace": namespace},
-                "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": pod_name, "namespace": namespace,
-                                   "uid": pod.metadata.uid},
-                "reason": EVENT_REASON, "message": outcome.summary()[:1024],
-                "type": "Normal" if outcome.status == "committed" else "Warning",
-                "source": {"component": "spotguard", "host": self.node},
-                "reportingComponent": "spotguard.io/daemon", "reportingInstance": self.node[:128],
-                "firstTimestamp": now, "lastTimestamp": now, "count": 1,
-            }
-
-            async def create() -> bool:
-                try:
-                    await self._call("create events", self._core.create_namespaced_event(
-                        namespace, body, _request_timeout=budget.timeout(REQUEST_TIMEOUT)))
-                except self._exc as exc:
-                    if exc.status != 409:  # AlreadyExists: a repeat of this notice's Event
-                        raise
-                return True
-
-            ok = await self._retry(create, budget, "event.create")
+            body = _event_body(name, namespace, {"apiVersion": "v1", "kind": "Pod", "name": pod_name,
+                                                 "namespace": namespace, "uid": pod.metadata.uid},
+                               EVENT_REASON, "Normal" if outcome.status == "committed" else "Warning",
+                               outcome.summary(), self.node)
+            ok = await self._retry(lambda: self._create_event(namespace, body, budget), budget, "event.create")
         except _Forbidden as exc:
             log.error("kubernetes.forbidden", notice_id=notice.id, pod=pod_name, namespace=namespace, missing=str(exc),
                       fix=RBAC_FIX)
@@ -301,36 +283,29 @@ class KubernetesAction(Action):
     async def _node_event(self, reason: str, key: str, type_: str, message: str, budget: Deadline) -> bool:
         """One Event on the Node (``kubectl describe node``); named from ``reason`` and ``key``, so a repeat is a
         ``409 AlreadyExists``. Best effort: a failure is one log line."""
-        now = _k8s_time()
         name = f"{self.node[:200]}.spotguard-{reason.lower()}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-        body = {
-            "apiVersion": "v1", "kind": "Event",
-            "metadata": {"name": name, "namespace": NODE_EVENT_NAMESPACE},
-            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": self.node,
-                               "uid": self._node_uid or self.node},  # the kubelet's node events use the name too
-            "reason": reason, "message": message[:1024], "type": type_,
-            "source": {"component": "spotguard", "host": self.node},
-            "reportingComponent": "spotguard.io/daemon", "reportingInstance": self.node[:128],
-            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
-        }
-
-        async def create() -> bool:
-            try:
-                await self._call("create events", self._core.create_namespaced_event(
-                    NODE_EVENT_NAMESPACE, body, _request_timeout=budget.timeout(REQUEST_TIMEOUT)))
-            except self._exc as exc:
-                if exc.status != 409:
-                    raise
-            return True
-
+        # The kubelet's own node Events use the node's name as uid; the real uid once the node was read.
+        involved = {"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": self._node_uid or self.node}
+        body = _event_body(name, NODE_EVENT_NAMESPACE, involved, reason, type_, message, self.node)
         try:
-            ok = bool(await self._retry(create, budget, "node_event.create"))
+            ok = bool(await self._retry(lambda: self._create_event(NODE_EVENT_NAMESPACE, body, budget), budget,
+                                        "node_event.create"))
         except _Forbidden as exc:
             log.error("kubernetes.forbidden", node=self.node, reason=reason, missing=str(exc), fix=RBAC_FIX)
             return False
         if ok:
             log.info("kubernetes.node_event", node=self.node, reason=reason, type=type_)
         return ok
+
+    async def _create_event(self, namespace: str, body: dict[str, Any], budget: Deadline) -> bool:
+        """Create one Event; ``409 AlreadyExists`` is a repeat of the same Event (same name): fine."""
+        try:
+            await self._call("create events", self._core.create_namespaced_event(
+                namespace, body, _request_timeout=budget.timeout(REQUEST_TIMEOUT)))
+        except self._exc as exc:
+            if exc.status != 409:
+                raise
+        return True
 
     # --- plumbing ------------------------------------------------------------------------
 
@@ -386,6 +361,20 @@ class KubernetesAction(Action):
 def _k8s_time(when: Optional[datetime] = None) -> str:
     """metav1.Time: RFC 3339, whole seconds, UTC."""
     return (when or utcnow()).astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _event_body(name: str, namespace: str, involved: dict[str, Any], reason: str, type_: str, message: str,
+                node: str) -> dict[str, Any]:
+    """A core/v1 Event as ``kubectl describe`` shows it (reporting component and instance set)."""
+    now = _k8s_time()
+    return {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"name": name, "namespace": namespace},
+        "involvedObject": involved, "reason": reason, "message": message[:1024], "type": type_,
+        "source": {"component": "spotguard", "host": node},
+        "reportingComponent": "spotguard.io/daemon", "reportingInstance": node[:128],
+        "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+    }
 
 
 def _ids(annotation: Optional[str]) -> set[str]:
