@@ -6,7 +6,7 @@ asyncio, ssl and the protocol (about 24 MB RSS); this imports ``socket`` and ``j
 (about 12 MB), and it answers a different question:
 
 * liveness (restart the daemon?) = the event loop accepts a connection on the socket and
-  sends its ``hello`` within the timeout. A blind metadata watcher is *not* a reason to
+  sends its ``hello`` (or, at its connection limit, its one-line refusal) within the timeout. A blind metadata watcher is *not* a reason to
   restart: the watcher retries on its own, and a restart loop ends in CrashLoopBackOff with
   no daemon at all (and every restart replays the active notices).
 * readiness and alerts (is the node protected?) = ``status --check`` / ``/healthz``: the
@@ -62,7 +62,8 @@ def live(path: str, timeout: float = 5.0) -> Optional[str]:
             msg = json.loads(buf.split(b"\n", 1)[0])
         except ValueError:
             return f"{path}: the first line is not JSON: not a spotguard daemon"
-        if not isinstance(msg, dict) or msg.get("type") != "hello":
+        # An ``error`` line ("too many connections") is the event loop answering too: alive, only full.
+        if not isinstance(msg, dict) or msg.get("type") not in ("hello", "error"):
             return f"{path}: the first message is not a hello: not a spotguard daemon"
         return None
     finally:

@@ -66,6 +66,15 @@ def test_live_fails_without_a_daemon_and_on_a_socket_that_never_says_hello(sockd
         mute.listen(4)
         hung = run("status", "--live", "--timeout", "0.5", "--socket", path)
     assert hung.returncode == 1 and "no hello within 0.5s" in hung.stderr, hung
+    os.unlink(path)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as full:  # at its connection limit: refuses, but alive
+        full.bind(path)
+        full.listen(4)
+        probe = subprocess.Popen([*CLI, "status", "--live", "--socket", path], stdout=subprocess.PIPE, text=True)
+        conn, _ = full.accept()
+        conn.sendall(b'{"type":"error","error":"too many connections (max 1)"}\n')
+        assert probe.wait(60) == 0, "a daemon that answers with its refusal is alive"
+        conn.close()
     bad = run("status", "--live", "--timeout", "soon")
     assert bad.returncode == 2 and "not a number of seconds" in bad.stderr
 
