@@ -91,9 +91,12 @@ async def test_administrators_cordon_is_kept_when_the_notice_is_withdrawn(sock_p
         async with running_daemon(sock_path, [w], node=NODE, kubernetes_node_actions=True):
             await w.push(make_notice("aws-adm", kind="termination"))
             await kube.wait_for(lambda: len(ours(kube)) == 1, what="taint")
+            await kube.wait_for(lambda: any(e["reason"] == "SpotguardCordon" for e in kube.events), what="event")
             await w.push(Cancel(id="aws-adm", source="aws"))
             await kube.wait_for(lambda: ours(kube) == [], what="taint removed")
         assert cordoned(kube), "spotguard cleared a cordon it did not make"
+        cordon_events = [e["message"] for e in kube.events if e["reason"] == "SpotguardCordon"]
+        assert len(cordon_events) == 1 and "tainted the node (already cordoned)" in cordon_events[0]
         assert kube.node["metadata"].get("annotations", {}) == {}
 
 

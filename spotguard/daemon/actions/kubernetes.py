@@ -126,18 +126,20 @@ class KubernetesAction(Action):
         except _Forbidden as exc:
             log.error("kubernetes.forbidden", notice_id=notice.id, node=self.node, missing=str(exc), fix=RBAC_FIX)
             return False
-        if done == "patched":
+        if done in ("cordoned", "tainted"):
             log.info("kubernetes.node_cordoned", notice_id=notice.id, node=self.node, taint=f"{TAINT_KEY}={notice.kind}"
-                     ":NoSchedule")
+                     ":NoSchedule", cordoned_by="spotguard" if done == "cordoned" else "already cordoned before")
+            what = "cordoned and tainted the node" if done == "cordoned" else "tainted the node (already cordoned)"
             await self._node_event(CORDON_REASON, notice.id, "Warning",
-                                   f"spotguard cordoned and tainted the node: {notice.kind} notice from {notice.source} "
-                                   f"({notice.id}), deadline {_k8s_time(notice.deadline)}", budget)
+                                   f"spotguard {what}: {notice.kind} notice from {notice.source} ({notice.id}), "
+                                   f"deadline {_k8s_time(notice.deadline)}", budget)
             if self.active is not None and notice.id not in self.active():  # withdrawn while the patch was in flight
                 self._spawn_reconcile("cancelled")
-        return done in ("patched", "already")
+        return done is not None
 
     async def _taint_and_cordon(self, notice: Notice, budget: Deadline) -> Optional[str]:
-        """``"patched"``, ``"already"`` (nothing to do), or ``None`` (conflicts kept coming)."""
+        """``"cordoned"`` (spotguard set unschedulable), ``"tainted"`` (the node was cordoned already),
+        ``"already"`` (done for this notice before, e.g. by an earlier life), or ``None`` (conflicts kept coming)."""
         for _ in range(CONFLICT_RETRIES):
             node = await self._call("get nodes", self._core.read_node(self.node, _request_timeout=budget.timeout(REQUEST_TIMEOUT)))
             taints = self._taints(node)
@@ -158,7 +160,7 @@ class KubernetesAction(Action):
             try:
                 await self._call("patch nodes", self._core.patch_node(self.node, body,
                                                                        _request_timeout=budget.timeout(REQUEST_TIMEOUT)))
-                return "patched"
+                return "cordoned" if cordoned == "true" and not node.spec.unschedulable else "tainted"
             except self._exc as exc:
                 if exc.status != 409:
                     raise
