@@ -229,7 +229,6 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         self._hold_until = 0.0
         self._small: Optional[tuple[int, bytes, dict[str, Any], str]] = None
         self._snap_count = -1
-        self._post_t = 0.0
         self._staged_step: Optional[int] = None
         self._exit_request: Optional[tuple[Notice, Any, Optional[int]]] = None
         # The model's first forward after step S (training or evaluation): the loop's work after the step
@@ -556,7 +555,6 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             self._count += 1
             self._snap, self._snap_count = snap, self._count
             self._in_step = False
-            self._post_t = time.monotonic()
             self._cv.notify_all()
         self._implicit_counted = True
         if self._periodic is not None:  # the step-path reduction only carries periodic votes now
