@@ -8,10 +8,11 @@ between step S's post-hook and the end of the read. Two signals prove it:
 - every tensor's ``_version`` (bumped by every in-place op, ``copy_``,
   ``detach().copy_()``, ``load_state_dict``, foreach updates), and the identity
   of each parameter (a module attribute replaced by a new ``Parameter``);
-- a process-wide count of ``Parameter.data`` gets and sets: writes through
-  ``param.data`` (torch_ema's swap, ``p.data.clamp_`` weight clipping,
-  ``vector_to_parameters``) bypass ``_version`` (PITFALLS.md), so any access at
-  all counts as "may have written".
+- a count of ``Parameter.data`` gets and sets on the watched parameters (a
+  class-level property on ``torch.nn.Parameter``; other parameters are not
+  counted): writes through ``param.data`` (torch_ema's swap, ``p.data.clamp_``
+  weight clipping, ``vector_to_parameters``) bypass ``_version``
+  (PITFALLS.md), so any access at all counts as "may have written".
 
 ``StateWatch.mark()`` runs in the clock's post-hook of every step (one
 ``_version`` read per tensor: ~0.1 us each); ``changed()`` compares. When it
@@ -46,6 +47,7 @@ _lock = threading.Lock()
 _users = 0
 _count = [0]  # Parameter.data gets + sets since the patch went in (a list: one C-level increment site)
 _orig: Any = None
+_watched: dict[int, int] = {}  # id of a watched parameter -> how many watches hold it (others are not counted)
 
 
 def data_accesses() -> Optional[int]:
@@ -64,17 +66,31 @@ def watch_param_data() -> bool:
             orig = _orig
             count = _count
 
+            watched = _watched
+
             def get(self: Any) -> Any:
-                count[0] += 1
+                if id(self) in watched:
+                    count[0] += 1
                 return orig.__get__(self, type(self))
 
             def put(self: Any, value: Any) -> None:
-                count[0] += 1
+                if id(self) in watched:
+                    count[0] += 1
                 orig.__set__(self, value)
 
             torch.nn.Parameter.data = property(get, put, doc=orig.__doc__)  # type: ignore[assignment,method-assign]
         _users += 1
     return True
+
+
+def _hold(ids: list[int], delta: int) -> None:
+    with _lock:
+        for i in ids:
+            n = _watched.get(i, 0) + delta
+            if n > 0:
+                _watched[i] = n
+            else:
+                _watched.pop(i, None)
 
 
 def unwatch_param_data() -> None:
@@ -129,13 +145,18 @@ class StateWatch:
         self._refresh()
 
     def _refresh(self) -> None:
+        old = [id(p) for p in self._plist]
         self._plist = [p for m in self._models.values() for p in m.parameters()]
+        if self.data_watch:  # only accesses to these parameters' .data count
+            _hold([id(p) for p in self._plist], +1)
+            _hold(old, -1)
         self._ulist = [(k, n, b) for k, bufs in self._bufs.items() for n, b in bufs.items()
                        if n not in self.tracked.get(k, {})]
         self._stale = False
 
     def close(self) -> None:
         if self.data_watch:
+            _hold([id(p) for p in self._plist], -1)
             self.data_watch = False
             unwatch_param_data()
 

@@ -84,3 +84,21 @@ def test_untracked_training_is_not_nothing_to_save(tmp_path: Path) -> None:
         assert hook._standing(0) == (False, False)
     finally:
         hook.close()
+
+
+def test_data_of_parameters_outside_the_dict_does_not_count() -> None:
+    """Only the watched models' parameters count: a library using .data on its own parameters (an FSDP
+    unsharded copy, a separate evaluation model) does not send every notice to the fallback read."""
+    m, other = _model(), _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    w = StateWatch({"model": m}, {})
+    try:
+        _step(m, opt)
+        w.mark()
+        for p in other.parameters():
+            p.data.mul_(2.0)
+        assert w.changed() is None
+        next(m.parameters()).data  # noqa: B018 - a read is enough: it may have been a write
+        assert w.changed() == "Parameter.data was used outside optimizer.step()"
+    finally:
+        w.close()
