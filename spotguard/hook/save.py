@@ -435,7 +435,7 @@ class SaveMixin:
         _BG.on = True
         try:
             _skip_fake_step_in_background()
-            sd = self._tensor_state()
+            sd = self._tensor_state() if self._watch.sharded is None else self._sharded_tensor_state()
             sd, nbytes = stage_state_dict(sd) if copy else (sd, _tensor_bytes(sd))
         except Exception as exc:  # noqa: BLE001 - try the training thread's read instead
             return f"background read failed: {type(exc).__name__}: {exc}"
@@ -538,6 +538,32 @@ class SaveMixin:
             self._small = (step, None, None, f"state_dict() of the small state raised at step {step}: "  # type: ignore[assignment]
                                              f"{type(exc).__name__}: {exc}")
         self._cv.notify_all()
+
+    def _sharded_tensor_state(self) -> dict[str, Any]:
+        """FSDP2, off the training thread: what ``get_model_state_dict`` / ``get_optimizer_state_dict`` give
+        (FQN -> sharded DTensor; optimizer state and groups by FQN), built from FSDP2's sharded parameters and
+        ``Optimizer.state_dict()`` without running any module's state-dict hook (FSDP2's reshards)."""
+        from torch.distributed.checkpoint.state_dict import _get_fqns  # noqa: PLC0415
+
+        o, sharded = self._objs, self._watch.sharded
+        assert sharded is not None
+        sd: dict[str, Any] = {}
+        for k, m in o.models.items():
+            msd: dict[str, Any] = {fqn: p.detach() for fqn, p in sharded[k]}
+            for name, b in self._watch._bufs.get(k, {}).items():
+                fqns = _get_fqns(m, name)
+                if len(fqns) != 1:
+                    raise RuntimeError(f"buffer {name}: {len(fqns)} FQNs")
+                msd[next(iter(fqns))] = b.detach()
+            sd[k] = msd
+        for k, opt in o.optimizers.items():
+            fqn_of = {id(p): fqn for fqn, p in sharded[o.owner[k]]}
+            params = [p for g in opt.param_groups for p in g["params"]]
+            by_index = {i: fqn_of[id(p)] for i, p in enumerate(params)}  # KeyError: not an FSDP2 parameter
+            osd = opt.state_dict()
+            sd[k] = {"state": {by_index[i]: v for i, v in osd["state"].items()},
+                     "param_groups": [{**g, "params": [by_index[i] for i in g["params"]]} for g in osd["param_groups"]]}
+        return sd
 
     def _tensor_state(self) -> dict[str, Any]:
         """Model and optimizer state dicts, by model / optimizer name (references: a background save stages

@@ -78,9 +78,24 @@ def watch_param_data() -> bool:
                     count[0] += 1
                 orig.__set__(self, value)
 
-            torch.nn.Parameter.data = property(get, put, doc=orig.__doc__)  # type: ignore[assignment,method-assign]
+            prop = property(get, put, doc=orig.__doc__)
+            for cls in _data_classes():
+                cls.data = prop  # type: ignore[attr-defined]
         _users += 1
     return True
+
+
+def _data_classes() -> list[type]:
+    """``Parameter``, and ``DTensor`` where torch has it (FSDP2's sharded parameters are DTensors, not
+    ``Parameter`` instances)."""
+    out: list[type] = [torch.nn.Parameter]
+    try:
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+        out.append(DTensor)
+    except Exception:  # noqa: BLE001 - torch without DTensor
+        pass
+    return out
 
 
 def _hold(ids: list[int], delta: int) -> None:
@@ -99,8 +114,10 @@ def unwatch_param_data() -> None:
         if _users <= 0:
             return
         _users -= 1
-        if _users == 0 and "data" in torch.nn.Parameter.__dict__:
-            delattr(torch.nn.Parameter, "data")
+        if _users == 0:
+            for cls in _data_classes():
+                if "data" in cls.__dict__:
+                    delattr(cls, "data")
 
 
 def _persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -111,6 +128,37 @@ def _persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             if buf is not None and bname not in skip:
                 out[f"{mname}.{bname}" if mname else bname] = buf
     return out
+
+
+def fsdp2_params(model: torch.nn.Module) -> Optional[list[tuple[str, torch.Tensor]]]:
+    """(FQN, sharded DTensor parameter) of every FSDP2 parameter of ``model``, read from FSDP2's own records
+    (which module, which attribute), never from the module's registered parameters: those are swapped for
+    unsharded ones during forward/backward. None when the layout is not one this understands (a parameter
+    outside FSDP2, shared parameters, another torch version's internals)."""
+    try:
+        from torch.distributed.checkpoint.state_dict import _get_fqns  # noqa: PLC0415
+        from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
+
+        names = {id(m): n for n, m in model.named_modules()}
+        out: list[tuple[str, torch.Tensor]] = []
+        for mod in model.modules():
+            if not isinstance(mod, FSDPModule):
+                continue
+            group = mod._get_fsdp_state()._fsdp_param_group  # type: ignore[attr-defined]
+            for fp in (group.fsdp_params if group is not None else []):
+                info = fp._module_info
+                if getattr(info, "shared_modules", None):
+                    return None
+                prefix = names[id(info.module)]
+                name = f"{prefix}.{info.param_name}" if prefix else info.param_name
+                fqns = _get_fqns(model, name)
+                if len(fqns) != 1:
+                    return None
+                out.append((next(iter(fqns)), fp.sharded_param))
+        count = sum(1 for _ in model.parameters())
+        return out if out and len(out) == count else None
+    except Exception:  # noqa: BLE001 - internals moved: the fallback read stays exact
+        return None
 
 
 def is_fsdp2(model: torch.nn.Module) -> bool:
@@ -135,6 +183,13 @@ class StateWatch:
         else:
             self.tracked = {k: dict(v) for k, v in norm_buffers.items() if v}
         self.fsdp = any(is_fsdp2(m) for m in models.values())
+        # FSDP2: the sharded parameters by model (FQN, DTensor), what a background read may take instead of
+        # the module's state dict (whose hooks reshard under the training thread); None = not understood.
+        self.sharded: Optional[dict[str, list[tuple[str, torch.Tensor]]]] = None
+        if self.fsdp:
+            got = {k: fsdp2_params(m) for k, m in models.items() if is_fsdp2(m)}
+            if all(v is not None for v in got.values()) and all(is_fsdp2(m) for m in models.values()):
+                self.sharded = got  # type: ignore[assignment]
         self._models = dict(models)
         self._mark: Optional[tuple[list[int], list[int], list[int], Optional[int]]] = None
         self.data_watch = watch_param_data()
@@ -146,7 +201,7 @@ class StateWatch:
 
     def _refresh(self) -> None:
         old = [id(p) for p in self._plist]
-        self._plist = [p for m in self._models.values() for p in m.parameters()]
+        self._plist = self._params_now()
         if self.data_watch:  # only accesses to these parameters' .data count
             _hold([id(p) for p in self._plist], +1)
             _hold(old, -1)
@@ -160,10 +215,22 @@ class StateWatch:
             self.data_watch = False
             unwatch_param_data()
 
+    def _params_now(self) -> list[torch.Tensor]:
+        if self.sharded is not None:  # FSDP2: the sharded parameters (stable objects) and their local shards
+            ps: list[torch.Tensor] = []
+            for k, m in self._models.items():
+                now = fsdp2_params(m)
+                if now is None:
+                    raise RuntimeError("FSDP2 parameters no longer readable from FSDP2's records")
+                for _, p in now:
+                    ps += [p, p._local_tensor]  # type: ignore[attr-defined]
+            return ps
+        return [p for m in self._models.values() for p in m.parameters()]
+
     def _read(self, walk: bool = False) -> tuple[list[int], list[int], list[int], Optional[int]]:
         """(parameter ids, their versions, untracked buffer versions, data count); ``walk``: the parameters
         the modules hold now (to see a replaced one), else the cached list."""
-        ps = [p for m in self._models.values() for p in m.parameters()] if walk else self._plist
+        ps = self._params_now() if walk else self._plist
         return ([id(p) for p in ps], [p._version for p in ps], [b._version for _, _, b in self._ulist],
                 data_accesses())
 
@@ -195,8 +262,8 @@ class StateWatch:
 
     def changed(self, mark: Any = None) -> Optional[str]:
         """None when nothing the background read depends on moved since ``mark`` (default: the last), else why."""
-        if self.fsdp:
-            return "FSDP2 state-dict hooks must run on the training thread"
+        if self.fsdp and self.sharded is None:
+            return "FSDP2 state-dict hooks must run on the training thread (parameters not readable from FSDP2)"
         mark = self._mark if mark is None else mark
         if mark is None:
             return "no optimizer step seen yet"

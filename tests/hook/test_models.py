@@ -47,6 +47,10 @@ def test_preempt_and_resume_bitwise(variant: str, tmp_path: Path) -> None:
         assert any(i < stop for i in drops) and any(i > stop for i in drops), scales
     via = {e.get("via") for e in pre.events("agreed")}
     assert via == ({None} if variant == "two-opts" else {"background"}), via
+    if variant == "fsdp2":  # read off the training thread from FSDP2's sharded parameters, no module hook run
+        staged = pre.events("checkpoint_staged")
+        assert {e["rank"] for e in staged} == {0, 1} and {e["tensors_from"] for e in staged} == {"background"}, \
+            staged
 
     res = TorchRun(tmp_path / "res.log", [*args, "--phase", "resume"], script=SCRIPT)
     assert res.wait(180) == 0, res.tail()
