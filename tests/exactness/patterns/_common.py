@@ -6,10 +6,12 @@ Kept deliberately plain (what a user's script has at its top); the oracle's own 
 from __future__ import annotations
 
 import os
+import random
 import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -20,12 +22,15 @@ __all__ = ["setup", "Net", "dataset", "batches", "_rt", "is_rank0"]
 
 
 def setup(distributed: bool = True) -> int:
-    """init_process_group (gloo) under torchrun; the rank."""
+    """init_process_group (gloo) under torchrun, every RNG seeded per rank (a ``seed_everything``); the rank."""
     torch.set_num_threads(1)  # deterministic CPU kernels (no intra-op chunking), and 2 cores are shared
+    rank = 0
     if distributed and "RANK" in os.environ:
         dist.init_process_group("gloo")
-        return dist.get_rank()
-    return 0
+        rank = dist.get_rank()
+    random.seed(100 + rank)
+    np.random.seed(100 + rank)
+    return rank
 
 
 def is_rank0() -> bool:

@@ -16,8 +16,6 @@ from spotguard.data import ElasticDistributedSampler
 
 rank = setup()
 torch.manual_seed(0)
-random.seed(rank)
-np.random.seed(rank)
 data_set = dataset()
 model = torch.nn.parallel.DistributedDataParallel(Net())
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
