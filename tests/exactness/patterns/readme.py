@@ -9,7 +9,6 @@ import os
 import random
 
 import numpy as np
-
 import torch
 import torch.distributed as dist
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
