@@ -82,7 +82,7 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             phases=("load", "fwd", "bwd", "prestep", "step", "after")),
     Pattern("ema_swap", "ema_swap.py", what="torch_ema-style EMA swapped in (param.data.copy_) for eval",
             phases=("load", "fwd", "bwd", "step", "after", "eval")),
-    Pattern("swa", "swa.py", what="swa_utils.AveragedModel updated right after opt.step()",
+    Pattern("swa", "swa.py", what="swa_utils.AveragedModel updated after opt.step(), before the scheduler",
             phases=("load", "fwd", "bwd", "step", "after")),
     Pattern("specnorm", "specnorm.py", what="parametrizations.spectral_norm + BatchNorm",
             phases=("load", "fwd", "bwd", "step", "after")),
@@ -282,6 +282,21 @@ def _exit_codes(run: Run, nproc: int) -> dict[int, Any]:
     return codes
 
 
+def crashes(run: Run) -> list[str]:
+    """What a training process raised: the hook's "training thread raised" line, or a worker's traceback
+    (torchrun's own ``ChildFailedError`` report is not one)."""
+    out = [f"rank {e.get('rank')}: {e.get('error')}" for e in json_lines(run.log)
+           if "raised" in str(e.get("event", "")) and e.get("error")]
+    for block in run.log.split("Traceback (most recent call last):")[1:]:
+        lines = block.strip().splitlines()
+        if "ChildFailedError" in block[:4000] or "torch/distributed/run.py" in block[:4000]:
+            continue
+        last = next((ln for ln in lines if ln and not ln.startswith((" ", "\t")) and not ln.startswith("{")),
+                    lines[-1] if lines else "")
+        out.append(last.strip()[:300])
+    return out
+
+
 def _notice_to_commit(trial: Run, fired_t: Optional[float]) -> Optional[float]:
     if fired_t is None:
         return None
@@ -325,6 +340,11 @@ def _judge(ref: Reference, t: Trial, env: dict[str, str], folder: Path, storage:
     t.codes = _exit_codes(trial, p.nproc)
     if trial.timed_out:
         t.why = f"trial hung: killed after {timeout:.0f} s (notice in {t.phase}); log tail:\n{trial.tail(12)}"
+        return
+    crashed = crashes(trial)
+    if crashed:  # a notice must never kill the training thread, whatever the exit code then says
+        t.why = f"training process raised: {crashed[0]}" + (f" (+{len(crashed) - 1} more)" if len(crashed) > 1 else "")
+        t.step = (committed(storage) or [{}])[-1].get("step")
         return
     ck = committed(storage)
     finished = all(trial.of(r, "final") for r in range(p.nproc)) and trial.returncode == 0

@@ -30,7 +30,7 @@ CASES: dict[str, tuple[str, str]] = {
     "accum-micro-batch": ("accum", "phase:micro@4"),
     "scaler-overflowing-iteration": ("scaler", "phase:bwd@5"),
     "ema-swapped-in-during-eval": ("ema_swap", "phase:eval@5"),
-    "averaged-model-after-update": ("swa", "phase:after@4"),
+    "averaged-model-updated-after-step": ("swa", "phase:after@4"),
     "spectral-norm-after-next-forward": ("specnorm", "phase:bwd@5"),
     "gan-between-d-and-g-step": ("gan", "phase:g_step@4"),
     "sam-between-first-and-second-step": ("sam", "phase:second@4"),

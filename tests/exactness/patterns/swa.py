@@ -1,4 +1,5 @@
-"""DDP + ``torch.optim.swa_utils.AveragedModel`` (an EMA of the weights) updated right after ``opt.step()``."""
+"""DDP + ``torch.optim.swa_utils.AveragedModel`` (an EMA of the weights) updated after ``opt.step()``, before the
+scheduler steps."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ for i in range(start, _rt.steps()):
     opt.zero_grad()
     loss.backward()
     opt.step()
+    _rt.phase("after")  # e.g. logging the grad norm; then the averaged model's update, then the scheduler
     ema.update_parameters(net)
-    _rt.phase("after")
     sched.step()
     _rt.end_iteration(i, state)
 _rt.finished(state, _rt.steps())
