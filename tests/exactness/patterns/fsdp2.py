@@ -23,9 +23,9 @@ state = {"model": model, "optimizer": opt, "scheduler": sched}
 hook = install_preemption_hook(state, storage=_rt.storage())
 _rt.inside_step(opt)
 # the forward and backward phases are inside FSDP2's unsharded window: in fc2's forward (after FSDP's own
-# pre-forward hook gathered its parameters) and in the backward, once fc2's gradients are computed
+# pre-forward hook gathered its parameters) and in the backward, before fc1's (its parameters gathered again)
 net.fc2.register_forward_pre_hook(lambda m, a: _rt.phase("fwd"))
-net.fc2.register_full_backward_hook(lambda m, gi, go: _rt.phase("bwd"))
+net.fc1.register_full_backward_pre_hook(lambda m, go: _rt.phase("bwd"))
 start = hook.resume()
 _rt.resumed(hook, start, state)
 for i in range(start, _rt.steps()):
