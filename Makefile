@@ -45,9 +45,9 @@ chaos: $(STAMP) storage-tools
 # The exactness oracle, long version (docs/exactness.md): every loop pattern of tests/exactness/patterns,
 # >= 200 notices at uniformly random moments, each ending exact (the committed checkpoint equals the
 # uninterrupted run at its step, and the resumed run ends equal) or honest-no-commit - never wrong.
-# Writes benchmarks/results/exactness.json; exit 1 if any trial is wrong. Under real torchrun; ~70-100 min on
+# Writes benchmarks/results/exactness.json; exit 1 if any trial is wrong. Under real torchrun; ~60-80 min on
 # 2 shared cores (each trial starts two torchrun jobs). EXACTNESS_ARGS e.g. "--notices 48 --patterns ddp,fsdp2
-# --jobs 3 --workdir /tmp/exact". The short version (18 named cases) is tests/exactness/test_oracle.py.
+# --jobs 3 --workdir /tmp/exact". The short version (16 named cases, ~5 min) is tests/exactness/test_oracle.py.
 exactness: $(STAMP)
 	$(PY) -m tests.exactness.oracle --notices 216 $(EXACTNESS_ARGS)
 
