@@ -96,6 +96,8 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("readme_fixed", "readme.py", env=(("EXO_LOADER_GENERATOR", "1"),),
             what="the README's script with DataLoader(generator=torch.Generator())",
             phases=("load", "fwd", "bwd", "after")),
+    Pattern("accelerate", "accelerate_loop.py", what="Accelerate on 2 ranks: accelerator.backward, AdamW, "
+            "StepLR; the framework's save_state at the boundary", phases=("load", "fwd", "bwd", "prestep", "after")),
     Pattern("fsdp2", "fsdp2.py", what="FSDP2 fully_shard on 2 ranks, Adam, StepLR",
             phases=("load", "fwd", "bwd", "prestep", "step", "after")),
 )}

@@ -36,6 +36,7 @@ CASES: dict[str, tuple[str, str]] = {
     "sam-between-first-and-second-step": ("sam", "phase:second@4"),
     "readme-script-dropout-global-rng-loader": ("readme", "phase:fwd@4"),
     "readme-script-loader-generator": ("readme_fixed", "phase:fwd@4"),
+    "accelerate-training-step-backward": ("accelerate", "phase:bwd@4"),
     "fsdp2-notice-during-forward": ("fsdp2", "phase:fwd@4"),
     "fsdp2-notice-during-backward": ("fsdp2", "phase:bwd@4"),
 }
