@@ -61,5 +61,7 @@ for step in hook.range(_rt.steps()):
     sched.step()
     _rt.phase("after")
     _rt.end_iteration(step, state)
+if first:  # resumed at the last step: nothing left to train
+    _rt.resumed(hook, _rt.steps(), state)
 _rt.finished(state, _rt.steps())
 dist.destroy_process_group()
