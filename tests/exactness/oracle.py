@@ -11,8 +11,8 @@ state right after ``hook.resume()`` and at the end. Verdict, exactly one of:
   item by item, on every rank; the resumed run's final state equals the reference's final state; the trial
   exited with the hook's "nothing lost" code.
 - ``honest-no-commit``: nothing committed and the exit says so (75 with ``checkpoint_failed``/``peers_lost``,
-  or 143 ``nothing_to_save`` with no iteration trained), or the run finished (the notice came after its last
-  step) with the reference's final state.
+  or 143 ``nothing_to_save`` with no iteration trained), or the run finished with the reference's final state,
+  logging ``notice_after_last_step`` (the notice came too late to act before its last step).
 - ``wrong``: anything else (a differing item is named; a hang; a crash; 143 "nothing lost" with nothing
   committed after trained iterations).
 
@@ -356,8 +356,10 @@ def _judge(ref: Reference, t: Trial, env: dict[str, str], folder: Path, storage:
         if finished:
             bad = [f"rank {r}: {', '.join(d)}" for r in range(p.nproc)
                    if (d := differing(ref.final[r], trial.of(r, "final")[0]))]
-            t.verdict, t.why = ("honest-no-commit", "finished before the notice acted") if not bad else \
-                ("wrong", f"finished without a commit but final state differs: {'; '.join(bad)}")
+            if fired and not trial.events("notice_after_last_step"):
+                bad.append("a notice fired, the run trained to its end and no notice_after_last_step says why")
+            t.verdict, t.why = ("honest-no-commit", "finished before the notice acted (notice_after_last_step)") \
+                if not bad else ("wrong", f"finished without a commit: {'; '.join(bad)}")
             return
         if NOTHING_LOST in codes and t.trained > 0:
             t.why = (f"exit {NOTHING_LOST} ('nothing lost') with nothing committed after {t.trained} trained "
