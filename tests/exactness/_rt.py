@@ -31,7 +31,7 @@ import random
 import struct
 import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch

@@ -10,10 +10,11 @@ per pattern. ``make exactness`` is the long version (random moments, >= 200 noti
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -77,12 +78,14 @@ def _run_all(cases: list[str], work: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def results(request: pytest.FixtureRequest) -> dict[str, Any]:
+def results(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     os.environ.setdefault("EXO_LAUNCHER", "direct")
     oracle.LAUNCHER = os.environ["EXO_LAUNCHER"]
     work = Path(tempfile.mkdtemp(prefix="sg-exact-"))
     _run_all(_selected(request), work)
-    return _RESULTS
+    yield _RESULTS
+    if all(isinstance(r, Trial) and r.verdict != "wrong" for r in _RESULTS.values()):
+        shutil.rmtree(work, ignore_errors=True)  # kept when a case is wrong: its logs are named in the failure
 
 
 @pytest.mark.parametrize("case", list(CASES))
