@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all setup test test-fast demo bench clean chaos
+.PHONY: all setup test test-fast demo bench clean chaos exactness
 
 all: test
 
@@ -43,6 +43,15 @@ chaos: $(STAMP) storage-tools
 	$(PY) -m tests.chaos.driver --preemptions 24 $(CHAOS_ARGS)
 	$(PY) -m tests.chaos.damage --trials 36 $(DAMAGE_ARGS)
 	$(PY) -m tests.chaos.vanish $(VANISH_ARGS)
+
+# The exactness oracle, long version (docs/exactness.md): every loop pattern of tests/exactness/patterns,
+# >= 200 notices at uniformly random moments, each ending exact (the committed checkpoint equals the
+# uninterrupted run at its step, and the resumed run ends equal) or honest-no-commit - never wrong.
+# Writes benchmarks/results/exactness.json; exit 1 if any trial is wrong. Under real torchrun; ~60-80 min on
+# 2 shared cores (each trial starts two torchrun jobs). EXACTNESS_ARGS e.g. "--notices 48 --patterns ddp,fsdp2
+# --jobs 3 --workdir /tmp/exact". The short version (17 named cases, ~5 min) is tests/exactness/test_oracle.py.
+exactness: $(STAMP)
+	$(PY) -m tests.exactness.oracle --notices 216 $(EXACTNESS_ARGS)
 
 bench: $(STAMP) storage-tools frameworks-tools torchft-tools
 	$(PY) -m benchmarks $(BENCH_ARGS)

@@ -1,0 +1,485 @@
+"""The exactness oracle: every committed checkpoint equals the uninterrupted run at its step.
+
+For one loop pattern (a script in ``patterns/``): a **reference** run with no notice records the digest of
+the whole training state at the end of every iteration (``_rt.py``). A **trial** gets one notice (kind
+termination, source signal or drill, deadline 20-30 s; under DDP on one random rank only, as a daemon drill
+reaching one node) at a uniformly random moment of the loop, or when the loop enters a chosen phase. After
+the trial exits, the storage says what was committed; a **resume** run of the same script then records the
+state right after ``hook.resume()`` and at the end. Verdict, exactly one of:
+
+- ``exact``: a checkpoint of step S committed by the trial; the resumed state equals the reference at S,
+  item by item, on every rank; the resumed run's final state equals the reference's final state; the trial
+  exited with the hook's "nothing lost" code.
+- ``honest-no-commit``: nothing committed and the exit says so (75 with ``checkpoint_failed``/``peers_lost``,
+  or 143 ``nothing_to_save`` with no iteration trained), or the run finished with the reference's final state,
+  logging ``notice_after_last_step`` (the notice came too late to act before its last step).
+- ``wrong``: anything else (a differing item is named; a hang; a crash; 143 "nothing lost" with nothing
+  committed after trained iterations).
+
+Run ``python -m tests.exactness.oracle --help`` (``make exactness``); ``test_oracle.py`` is the short version.
+Whatever ``spotguard`` is first on ``PYTHONPATH`` is what is tested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+VERDICTS = ("exact", "honest-no-commit", "wrong")
+NOTHING_LOST = 143
+# How ranks > 1 are started: "torchrun" (its agent, as users run it; `make exactness`) or "direct" (one
+# process per rank with torchrun's environment; the short version: one torch import less per run).
+LAUNCHER = os.environ.get("EXO_LAUNCHER", "torchrun")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """One loop pattern: its script, ranks, iterations, the phases its loop has, and extra environment."""
+
+    name: str
+    script: str
+    nproc: int = 2
+    steps: int = 10
+    phases: tuple[str, ...] = ("load", "fwd", "bwd", "prestep", "step", "after")
+    env: tuple[tuple[str, str], ...] = ()
+    what: str = ""
+
+
+PATTERNS: dict[str, Pattern] = {p.name: p for p in (
+    Pattern("ddp", "ddp.py", what="DDP 2 ranks, dropout, AdamW, StepLR, eval every 4th iteration",
+            phases=("load", "fwd", "bwd", "prestep", "step", "after", "eval")),
+    Pattern("single", "single.py", nproc=1, what="one process, no torch.distributed",
+            phases=("load", "fwd", "bwd", "prestep", "step", "after", "eval")),
+    Pattern("accum", "accum.py", what="DDP, 4 micro-batches per step (no_sync)",
+            phases=("load", "micro", "prestep", "step", "after")),
+    Pattern("scaler", "scaler.py", what="DDP + CPU GradScaler overflowing at iterations 1, 5, 9",
+            phases=("load", "fwd", "bwd", "prestep", "step", "after")),
+    Pattern("ema_swap", "ema_swap.py", what="torch_ema-style EMA swapped in (param.data.copy_) for eval",
+            phases=("load", "fwd", "bwd", "step", "after", "eval")),
+    Pattern("swa", "swa.py", what="swa_utils.AveragedModel updated after opt.step(), before the scheduler",
+            phases=("load", "fwd", "bwd", "step", "after")),
+    Pattern("specnorm", "specnorm.py", what="parametrizations.spectral_norm + BatchNorm",
+            phases=("load", "fwd", "bwd", "step", "after")),
+    Pattern("gan", "gan.py", what="two optimizers: D step, then G step",
+            phases=("load", "fwd", "d_step", "g_step", "after")),
+    Pattern("sam", "sam.py", what="SAM: first_step / second_step, SAM.step() never called",
+            phases=("load", "fwd", "first", "second", "after")),
+    Pattern("readme", "readme.py", what="the README's script as a new user writes it (dropout, AdamW, "
+            "StepLR, AveragedModel EMA, DataLoader drawing from the global RNG, hook.range)",
+            phases=("load", "fwd", "bwd", "after")),
+    Pattern("readme_fixed", "readme.py", env=(("EXO_LOADER_GENERATOR", "1"),),
+            what="the README's script with DataLoader(generator=torch.Generator())",
+            phases=("load", "fwd", "bwd", "after")),
+    Pattern("accelerate", "accelerate_loop.py", what="Accelerate on 2 ranks: accelerator.backward, AdamW, "
+            "StepLR; the framework's save_state at the boundary", phases=("load", "fwd", "bwd", "prestep", "after")),
+    Pattern("fsdp2", "fsdp2.py", what="FSDP2 fully_shard on 2 ranks, Adam, StepLR",
+            phases=("load", "fwd", "bwd", "prestep", "step", "after")),
+)}
+
+
+# ---------------------------------------------------------------- one process (group)
+
+@dataclass
+class Run:
+    """A finished run: exit status, its log (stdout+stderr of every process) and each rank's records."""
+
+    returncode: Optional[int]
+    timed_out: bool
+    log: str
+    records: dict[int, list[dict[str, Any]]]
+    seconds: float
+    codes: dict[int, Optional[int]] = field(default_factory=dict)  # rank -> exit code (direct launcher)
+
+    def events(self, name: Optional[str] = None) -> list[dict[str, Any]]:
+        return [e for e in json_lines(self.log) if e.get("component") == "hook"
+                and (name is None or e.get("event") == name)]
+
+    def of(self, rank: int, kind: str) -> list[dict[str, Any]]:
+        return [r for r in self.records.get(rank, []) if r.get("kind") == kind]
+
+    def tail(self, n: int = 25) -> str:
+        return "\n".join(self.log.splitlines()[-n:])
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    """Every JSON object in a log, also where two processes' lines ran together."""
+    out: list[dict[str, Any]] = []
+    dec = json.JSONDecoder()
+    for raw in text.splitlines():
+        i = raw.find("{")
+        while 0 <= i < len(raw):
+            try:
+                obj, end = dec.raw_decode(raw, i)
+            except json.JSONDecodeError:
+                i = raw.find("{", i + 1)
+                continue
+            if isinstance(obj, dict):
+                out.append(obj)
+            i = raw.find("{", end)
+    return out
+
+
+def launch(p: Pattern, folder: Path, tag: str, storage: Path, env: dict[str, str], timeout: float) -> Run:
+    """Run the pattern's script (torchrun for > 1 rank) to its end or ``timeout``, then kill its group."""
+    folder.mkdir(parents=True, exist_ok=True)
+    log = folder / f"{tag}.log"
+    out = folder / tag
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "SPOTGUARD_SOCKET": str(folder / "no-daemon.sock"), "EXO_OUT": str(out),
+                "EXO_STORAGE": f"file://{storage}", "EXO_STEPS": str(p.steps), **dict(p.env), **env}
+    script = str(HERE / "patterns" / p.script)
+    if p.nproc == 1:
+        cmds = [([sys.executable, script], {})]
+    elif LAUNCHER == "torchrun":
+        cmds = [([str(TORCHRUN), "--standalone", "--nproc-per-node", str(p.nproc), "--monitor-interval", "0.2",
+                  script], {})]
+    else:  # "direct": the ranks as torchrun would start them, without its agent (one torch import less)
+        port = str(free_port())
+        cmds = [([sys.executable, script], {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(p.nproc),
+                                            "LOCAL_WORLD_SIZE": str(p.nproc), "GROUP_RANK": "0",
+                                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+                for r in range(p.nproc)]
+    t0 = time.monotonic()
+    timed_out = False
+    procs: list[subprocess.Popen[bytes]] = []
+    with open(log, "wb") as f:
+        for cmd, extra in cmds:
+            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**full_env, **extra},
+                                          cwd=str(folder), start_new_session=True))
+        end = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+    for proc in procs:  # a hang, or stray workers of a torchrun that died: the whole group goes
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    codes = [proc.returncode for proc in procs]
+    rc = next((c for c in codes if c != 0), 0) if not timed_out else None
+    records: dict[int, list[dict[str, Any]]] = {}
+    for r in range(p.nproc):
+        path = Path(f"{out}.rank{r}.jsonl")
+        if path.exists():
+            records[r] = [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+    return Run(rc, timed_out, log.read_text(errors="replace"), records, time.monotonic() - t0,
+               {r: c for r, c in enumerate(codes)} if len(procs) > 1 else {})
+
+
+def committed(storage: Path) -> list[dict[str, Any]]:
+    """Committed checkpoints under ``storage``, oldest first, as ``spotguard checkpoints --json`` says."""
+    from spotguard.storage.listing import main as listing  # noqa: PLC0415 - the spotguard under test
+
+    if not storage.exists():
+        return []
+    buf, err = io.StringIO(), io.StringIO()
+    listing(argparse.Namespace(uri=f"file://{storage}", json=True, verify=False), out=buf, err=err)
+    try:
+        doc = json.loads(buf.getvalue())
+    except json.JSONDecodeError:
+        return []
+    return [c for c in doc.get("checkpoints", []) if c.get("committed")]
+
+
+# ---------------------------------------------------------------- reference and trials
+
+@dataclass
+class Reference:
+    pattern: Pattern
+    by_rank: dict[int, dict[int, dict[str, Any]]]  # rank -> completed -> record
+    final: dict[int, dict[str, Any]]
+    loop_seconds: float
+    seconds: float
+
+
+def reference(p: Pattern, folder: Path, timeout: float = 180.0) -> Reference:
+    """The uninterrupted run (hook installed, no notice): the digest at the end of every iteration."""
+    run = launch(p, folder, "ref", folder / "ref-ckpt", {}, timeout)
+    if run.timed_out or run.returncode != 0:
+        raise RuntimeError(f"reference run of {p.name} failed (rc {run.returncode}, timed out {run.timed_out}):\n"
+                           f"{run.tail(40)}")
+    by_rank: dict[int, dict[int, dict[str, Any]]] = {}
+    final: dict[int, dict[str, Any]] = {}
+    for r in range(p.nproc):
+        recs = run.records.get(r, [])
+        by_rank[r] = {x["completed"]: x for x in recs if x["kind"] in ("resumed", "iter")}
+        fin = [x for x in recs if x["kind"] == "final"]
+        if len(by_rank[r]) != p.steps + 1 or not fin:
+            raise RuntimeError(f"reference run of {p.name}: rank {r} recorded {sorted(by_rank[r])}, final {bool(fin)}")
+        final[r] = fin[0]
+    r0 = run.records[0]
+    loop = r0[-1]["t"] - r0[0]["t"]
+    return Reference(p, by_rank, final, loop, run.seconds)
+
+
+def differing(want: dict[str, Any], got: dict[str, Any]) -> list[str]:
+    """Names of the items (and first-level keys) whose digests differ."""
+    out: list[str] = []
+    for k in sorted(set(want["items"]) | set(got["items"])):
+        if want["items"].get(k) == got["items"].get(k):
+            continue
+        ws, gs = want.get("sub", {}).get(k, {}), got.get("sub", {}).get(k, {})
+        keys = sorted(kk for kk in set(ws) | set(gs) if ws.get(kk) != gs.get(kk))
+        out.append(f"{k}[{', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}]" if keys else k)
+    return out
+
+
+@dataclass
+class Trial:
+    pattern: str
+    notice: str                    # how it was sent: "at:1.234" or "phase:eval@3"
+    rank: int
+    phase: str = "none"            # where the training thread was when it fired ("none": it never fired)
+    iter: int = -1
+    verdict: str = "wrong"
+    why: str = ""
+    step: Optional[int] = None     # committed step
+    trained: int = 0               # iterations completed before the trial ended
+    codes: dict[int, Any] = field(default_factory=dict)
+    notice_to_commit: Optional[float] = None
+    seconds: float = 0.0
+    folder: str = ""
+
+
+def _exit_codes(run: Run, nproc: int) -> dict[int, Any]:
+    """Each rank's exit code: the hook's ``exit`` line, else torchrun's failure summary, else the process's."""
+    codes: dict[int, Any] = {r: c for r, c in run.codes.items() if c is not None}
+    for e in run.events("exit"):
+        if "rank" in e and "code" in e:
+            codes.setdefault(int(e["rank"]), e["code"])
+    for m in re.finditer(r"rank\s*:\s*(\d+)\s*\(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)", run.log):
+        codes.setdefault(int(m.group(1)), int(m.group(2)))
+    if nproc == 1 and 0 not in codes:
+        codes[0] = run.returncode
+    if run.returncode == 0:
+        for r in range(nproc):
+            codes.setdefault(r, 0)
+    return codes
+
+
+def crashes(run: Run) -> list[str]:
+    """What a training process raised: the hook's "training thread raised" line, or a worker's traceback
+    (torchrun's own ``ChildFailedError`` report is not one)."""
+    out = [f"rank {e.get('rank')}: {e.get('error')}" for e in json_lines(run.log)
+           if "raised" in str(e.get("event", "")) and e.get("error")]
+    for block in run.log.split("Traceback (most recent call last):")[1:]:
+        lines = block.strip().splitlines()
+        if "ChildFailedError" in block[:4000] or "torch/distributed/run.py" in block[:4000]:
+            continue
+        last = next((ln for ln in lines if ln and not ln.startswith((" ", "\t")) and not ln.startswith("{")),
+                    lines[-1] if lines else "")
+        out.append(last.strip()[:300])
+    return out
+
+
+def _notice_to_commit(trial: Run, fired_t: Optional[float]) -> Optional[float]:
+    if fired_t is None:
+        return None
+    for e in trial.events("checkpoint_committed"):
+        ts = e.get("timestamp")
+        if isinstance(ts, str):
+            from spotguard.timefmt import parse_rfc3339  # noqa: PLC0415
+
+            with contextlib.suppress(Exception):
+                return round(parse_rfc3339(ts).timestamp() - fired_t, 3)
+    return None
+
+
+def run_trial(ref: Reference, notice: str, folder: Path, *, seed: int, timeout: float = 120.0) -> Trial:
+    """One notice, its outcome in storage, the resume, and the verdict."""
+    p = ref.pattern
+    rng = random.Random(seed)
+    rank = rng.randrange(p.nproc)
+    env = {"EXO_NOTICE": notice, "EXO_NOTICE_RANK": str(rank), "EXO_SEED": str(seed),
+           "EXO_NOTICE_SOURCE": rng.choice(("signal", "drill")), "EXO_NOTICE_KIND": "termination",
+           "EXO_NOTICE_DEADLINE": f"{rng.uniform(20, 30):.1f}"}
+    storage = folder / "ckpt"
+    t = Trial(p.name, notice, rank, folder=str(folder))
+    t0 = time.monotonic()
+    try:
+        _judge(ref, t, env, folder, storage, timeout)
+    except Exception as exc:  # a bug of the oracle's own must show as such, not as a pass
+        t.verdict, t.why = "wrong", f"oracle error: {type(exc).__name__}: {exc}"
+    t.seconds = round(time.monotonic() - t0, 2)
+    return t
+
+
+def _judge(ref: Reference, t: Trial, env: dict[str, str], folder: Path, storage: Path, timeout: float) -> None:
+    p = ref.pattern
+    trial = launch(p, folder, "trial", storage, env, timeout)
+    fired = [x for recs in trial.records.values() for x in recs if x["kind"] == "notice"]
+    if fired:
+        t.phase, t.iter = fired[0]["phase"], fired[0]["iter"]
+    t.trained = max((x["completed"] for recs in trial.records.values() for x in recs if x["kind"] == "iter"),
+                    default=0)
+    t.codes = _exit_codes(trial, p.nproc)
+    if trial.timed_out:
+        t.why = f"trial hung: killed after {timeout:.0f} s (notice in {t.phase}); log tail:\n{trial.tail(12)}"
+        return
+    crashed = crashes(trial)
+    if crashed:  # a notice must never kill the training thread, whatever the exit code then says
+        t.why = f"training process raised: {crashed[0]}" + (f" (+{len(crashed) - 1} more)" if len(crashed) > 1 else "")
+        t.step = (committed(storage) or [{}])[-1].get("step")
+        return
+    ck = committed(storage)
+    finished = all(trial.of(r, "final") for r in range(p.nproc)) and trial.returncode == 0
+    if not ck:
+        codes = set(t.codes.values())
+        exits = trial.events("exit")
+        if finished:
+            bad = [f"rank {r}: {', '.join(d)}" for r in range(p.nproc)
+                   if (d := differing(ref.final[r], trial.of(r, "final")[0]))]
+            if fired and not trial.events("notice_after_last_step"):
+                bad.append("a notice fired, the run trained to its end and no notice_after_last_step says why")
+            t.verdict, t.why = ("honest-no-commit", "finished before the notice acted (notice_after_last_step)") \
+                if not bad else ("wrong", f"finished without a commit: {'; '.join(bad)}")
+            return
+        if NOTHING_LOST in codes and t.trained > 0:
+            t.why = (f"exit {NOTHING_LOST} ('nothing lost') with nothing committed after {t.trained} trained "
+                     f"iterations (exit lines: {[(e.get('rank'), e.get('nothing_to_save')) for e in exits]})")
+            return
+        if codes == {NOTHING_LOST} and t.trained == 0 and all(e.get("nothing_to_save") for e in exits) and exits:
+            t.verdict, t.why = "honest-no-commit", "nothing trained yet: nothing_to_save"
+            return
+        if codes and codes <= {75} and (trial.events("checkpoint_failed") or trial.events("peers_lost")):
+            t.verdict, t.why = "honest-no-commit", "save failed, said so (75)"
+            return
+        t.why = f"no commit, exit codes {t.codes}, rc {trial.returncode}; log tail:\n{trial.tail(12)}"
+        return
+    s = int(ck[-1]["step"])
+    t.step = s
+    t.notice_to_commit = _notice_to_commit(trial, fired[0]["t"] if fired else None)
+    problems: list[str] = []
+    if finished:
+        problems.append("trial committed a checkpoint yet trained to the end (exit 0)")
+    elif set(t.codes.values()) != {NOTHING_LOST} or len(t.codes) < p.nproc:
+        problems.append(f"exit codes {t.codes} after a commit (want {NOTHING_LOST} on every rank)")
+    if s > t.trained:
+        problems.append(f"committed step {s} > iterations completed {t.trained}")
+    resume = launch(p, folder, "resume", storage, {}, timeout)
+    if resume.timed_out or resume.returncode != 0:
+        problems.append(f"resume run failed (rc {resume.returncode}, timed out {resume.timed_out}):\n{resume.tail(12)}")
+    else:
+        for r in range(p.nproc):
+            got = resume.of(r, "resumed")
+            if not got or got[0]["completed"] != s:
+                problems.append(f"rank {r} resumed at {got[0]['completed'] if got else None}, committed {s}")
+                continue
+            d = differing(ref.by_rank[r][s], got[0])
+            if d:
+                problems.append(f"rank {r} at step {s} differs: {', '.join(d)}")
+            fin = resume.of(r, "final")
+            d = differing(ref.final[r], fin[0]) if fin else ["<no final record>"]
+            if d:
+                problems.append(f"rank {r} final differs: {', '.join(d)}")
+    if problems:
+        t.why = "; ".join(problems)
+    else:
+        t.verdict, t.why = "exact", ""
+
+
+# ---------------------------------------------------------------- the matrix
+
+def summarize(trials: list[Trial]) -> dict[str, Any]:
+    """pattern -> phase -> {trials, exact, honest-no-commit, wrong, first_wrong}."""
+    table: dict[str, dict[str, dict[str, Any]]] = {}
+    for t in trials:
+        cell = table.setdefault(t.pattern, {}).setdefault(t.phase, {"trials": 0, **{v: 0 for v in VERDICTS}})
+        cell["trials"] += 1
+        cell[t.verdict] += 1
+        if t.verdict == "wrong" and "first_wrong" not in cell:
+            cell["first_wrong"] = {"notice": t.notice, "why": t.why[:600], "folder": t.folder}
+    return table
+
+
+def render(table: dict[str, Any]) -> str:
+    lines = [f"{'pattern':<13} {'phase':<9} {'trials':>6} {'exact':>6} {'honest':>6} {'wrong':>6}  first wrong"]
+    for pat, phases in table.items():
+        for ph, c in sorted(phases.items()):
+            why = c.get("first_wrong", {}).get("why", "").splitlines()
+            lines.append(f"{pat:<13} {ph:<9} {c['trials']:>6} {c['exact']:>6} {c['honest-no-commit']:>6} "
+                         f"{c['wrong']:>6}  {why[0][:160] if why else ''}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--patterns", default=",".join(PATTERNS), help="comma-separated (default: all)")
+    ap.add_argument("--notices", type=int, default=216, help="random-moment trials across the matrix")
+    ap.add_argument("--jobs", type=int, default=2, help="trials run at the same time")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workdir", default=None, help="keep every run's logs and records here")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "exactness.json"))
+    args = ap.parse_args(argv)
+    names = [n for n in args.patterns.split(",") if n]
+    unknown = [n for n in names if n not in PATTERNS]
+    if unknown:
+        ap.error(f"unknown patterns {unknown}; known: {', '.join(PATTERNS)}")
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="sg-exact-"))
+    t0 = time.monotonic()
+    rng = random.Random(args.seed)
+    with ThreadPoolExecutor(args.jobs) as pool:
+        refs = dict(zip(names, pool.map(lambda n: reference(PATTERNS[n], work / n / "ref"), names)))
+        plan = []
+        for k in range(args.notices):
+            n = names[k % len(names)]
+            plan.append((n, f"at:{rng.uniform(0, refs[n].loop_seconds):.3f}", rng.randrange(1 << 30), k))
+        done: list[Trial] = []
+        lock = threading.Lock()
+
+        def one(item: tuple[str, str, int, int]) -> Trial:
+            n, notice, seed, k = item
+            tr = run_trial(refs[n], notice, work / n / f"trial-{k:04d}", seed=seed)
+            with lock:
+                done.append(tr)
+                print(f"[{len(done)}/{len(plan)}] {tr.pattern:<13} {tr.phase:<8} {tr.verdict:<16} "
+                      f"{tr.why.splitlines()[0][:140] if tr.why else ''}", flush=True)
+            return tr
+
+        trials = list(pool.map(one, plan))
+    table = summarize(trials)
+    print(render(table))
+    wrong = sum(t.verdict == "wrong" for t in trials)
+    n2c = sorted(t.notice_to_commit for t in trials if t.notice_to_commit is not None)
+    doc = {"seconds": round(time.monotonic() - t0, 1), "notices": len(trials), "wrong": wrong,
+           "patterns": {n: PATTERNS[n].what for n in names},
+           "notice_to_commit_s": {"n": len(n2c), "p50": n2c[len(n2c) // 2] if n2c else None,
+                                  "max": n2c[-1] if n2c else None},
+           "table": table, "trials": [t.__dict__ for t in trials], "workdir": str(work)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    print(f"{len(trials)} notices, {wrong} wrong, {doc['seconds']} s; {args.out}; runs kept in {work}")
+    if not args.workdir and wrong == 0:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The exactness oracle's short version (``make test``): every loop pattern, a few notice moments each, aimed
+at the phases where the any-moment path can go wrong. Each case must end ``exact`` or ``honest-no-commit``:
+``wrong`` (a committed checkpoint that differs from the uninterrupted run at its step, a resumed run that
+ends elsewhere, a hang, a crash, or 143 "nothing lost" with trained work uncommitted) fails, naming the items.
+
+The runs of the selected cases go in parallel (``EXO_JOBS``, default 3: the runs sleep through their phases) on the first test; one reference run
+per pattern. ``make exactness`` is the long version (random moments, >= 200 notices).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from . import oracle
+from .oracle import PATTERNS, Reference, Trial, reference, run_trial
+
+# case id -> (pattern, notice). The issue's reproduced cases are named for what they reproduce.
+CASES: dict[str, tuple[str, str]] = {
+    "ddp-forward": ("ddp", "phase:fwd@4"),
+    "ddp-after-step-before-scheduler": ("ddp", "phase:after@2"),
+    "ddp-inside-step": ("ddp", "phase:step@5"),
+    "ddp-eval": ("ddp", "phase:eval@3"),
+    "single-process-backward": ("single", "phase:bwd@4"),
+    "accum-micro-batch": ("accum", "phase:micro@4"),
+    "scaler-overflowing-iteration": ("scaler", "phase:bwd@5"),
+    "ema-swapped-in-during-eval": ("ema_swap", "phase:eval@5"),
+    "averaged-model-updated-after-step": ("swa", "phase:after@4"),
+    "spectral-norm-after-next-forward": ("specnorm", "phase:bwd@5"),
+    "gan-between-d-and-g-step": ("gan", "phase:g_step@4"),
+    "sam-between-first-and-second-step": ("sam", "phase:second@4"),
+    "readme-script-dropout-global-rng-loader": ("readme", "phase:fwd@4"),
+    "readme-script-loader-generator": ("readme_fixed", "phase:fwd@4"),
+    "accelerate-training-step-backward": ("accelerate", "phase:bwd@4"),
+    "fsdp2-notice-during-forward": ("fsdp2", "phase:fwd@4"),
+    "fsdp2-notice-during-backward": ("fsdp2", "phase:bwd@4"),
+}
+
+# the first case's set-up runs every selected case (in parallel): its timeout covers them all
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+_RESULTS: dict[str, Any] = {}
+
+
+def _selected(request: pytest.FixtureRequest) -> list[str]:
+    out = [item.callspec.params["case"] for item in request.session.items
+           if getattr(item, "module", None) is request.module and hasattr(item, "callspec")
+           and "case" in item.callspec.params]
+    return out or list(CASES)
+
+
+def _run_all(cases: list[str], work: Path) -> None:
+    """References of the patterns these cases need, then the cases, ``EXO_JOBS`` at a time."""
+    jobs = int(os.environ.get("EXO_JOBS", "3"))
+    names = sorted({CASES[c][0] for c in cases})
+    with ThreadPoolExecutor(jobs) as pool:
+        def ref(n: str) -> Any:
+            try:
+                return reference(PATTERNS[n], work / n / "ref")
+            except Exception as exc:  # reported by each case of that pattern
+                return exc
+
+        refs: dict[str, Reference | Exception] = dict(zip(names, pool.map(ref, names)))
+
+        def one(c: str) -> Trial | Exception:
+            r = refs[CASES[c][0]]
+            if isinstance(r, Exception):
+                return r
+            return run_trial(r, CASES[c][1], work / c, seed=sum(map(ord, c)))
+
+        for c, res in zip(cases, pool.map(one, cases)):
+            _RESULTS[c] = res
+
+
+@pytest.fixture(scope="module")
+def results(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    os.environ.setdefault("EXO_LAUNCHER", "direct")
+    oracle.LAUNCHER = os.environ["EXO_LAUNCHER"]
+    work = Path(tempfile.mkdtemp(prefix="sg-exact-"))
+    _run_all(_selected(request), work)
+    yield _RESULTS
+    if all(isinstance(r, Trial) and r.verdict != "wrong" for r in _RESULTS.values()):
+        shutil.rmtree(work, ignore_errors=True)  # kept when a case is wrong: its logs are named in the failure
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_notice_never_yields_a_wrong_checkpoint(case: str, results: dict[str, Any]) -> None:
+    res = results.get(case)
+    if res is None:  # selected after the fixture ran (pytest -k after a first module run): run it alone
+        _run_all([case], Path(tempfile.mkdtemp(prefix="sg-exact-")))
+        res = results[case]
+    if isinstance(res, Exception):
+        raise res
+    pattern, notice = CASES[case]
+    assert res.phase != "none", f"{case}: the notice never fired ({notice}); runs in {res.folder}"
+    assert res.verdict in ("exact", "honest-no-commit"), (
+        f"{case} ({PATTERNS[pattern].what}; notice {notice} on rank {res.rank}, fired in {res.phase}@{res.iter}): "
+        f"{res.verdict}: {res.why}\ncommitted step {res.step}, trained {res.trained}, exit codes {res.codes}; "
+        f"runs in {res.folder}")
