@@ -120,10 +120,18 @@ class ElasticDistributedSampler(Sampler[int]):
         start, self._resume_at = self._resume_at, 0
         self._base, self._handed, self._taken = start, 0, 0
         mine = self._rest_for_rank(start)
-        return self._hand_out(mine)
+        # A DataLoader iterator built for the rest of an epoch after a resume: the uninterrupted run built
+        # its iterator at the epoch's start, so the seed DataLoader draws from the global torch RNG right
+        # after this call (``_base_seed``, when the loader has no generator=) is a draw it never made.
+        # Undo it at the first index (nothing else runs in between), or every later random number shifts.
+        rng = torch.get_rng_state() if start > 0 else None
+        return self._hand_out(mine, rng)
 
-    def _hand_out(self, mine: list[int]) -> Iterator[int]:
+    def _hand_out(self, mine: list[int], rng: Optional[torch.Tensor] = None) -> Iterator[int]:
         for i in mine:
+            if rng is not None:
+                torch.set_rng_state(rng)
+                rng = None
             self._handed += 1
             yield i
 
