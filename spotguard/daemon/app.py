@@ -148,7 +148,10 @@ class Daemon:
         self._signals: list[int] = []
         self._shut = False
         # Cluster actions (webhooks, Kubernetes, ASG lifecycle): off the delivery path, see actions/.
-        self.actions = ActionRunner([], node=self.node, counter=self.metrics.actions)
+        self.actions = ActionRunner([], node=self.node, counter=self.metrics.actions,
+                                    reconnect_grace=config.reconnect_grace, on_change=self._save_state)
+        self._state_dirty = False
+        self._state_writer: Optional[asyncio.Task[None]] = None
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -186,8 +189,10 @@ class Daemon:
             self.server = None
             raise StartupError(str(exc)) from None
         await self._start_actions()
+        await asyncio.to_thread(lambda: None)  # the state writer's thread exists before the first notice
         # Only now: the socket is ours, so no live daemon is using the state file beside it.
         self._persisted = self.state.load()
+        self._restore_action_state()
         if cfg.metrics_port:
             self.metrics_server = MetricsServer(self.metrics, cfg.metrics_port, self._health)
             try:
@@ -232,6 +237,7 @@ class Daemon:
         if self._shut:
             return
         self._shut = True
+        self._stop_deciding()
         self.sd.stopping(f"stopping ({self.shutting_down or 'requested'})")
         if self._signals:
             loop = asyncio.get_running_loop()
@@ -251,6 +257,7 @@ class Daemon:
         closes = [asyncio.ensure_future(self._close_watcher(w)) for w in self.watchers]
         if closes:
             await asyncio.wait(closes, timeout=0.4)
+        await self._flush_state()
         if self.metrics_server is not None:
             await self.metrics_server.close()
         self.sd.close()
@@ -412,11 +419,59 @@ class Daemon:
                  deadline=to_rfc3339(old.deadline), detail="seen before a daemon restart: same id and deadline")
         return dataclasses.replace(notice, id=old.id, deadline=old.deadline, received_at=old.received_at)
 
-    def _save_state(self) -> None:
+    # --- the state file: notices + action state, written off the delivery path ---------------
+
+    def _state_notices(self) -> list[Notice]:
         now = utcnow()
         margin = timedelta(seconds=self.book.expire_margin)
         left = [n for n in self._persisted.values() if n.deadline + margin >= now]  # not re-seen (yet)
-        self.state.save([*(e.notice for e in self.book.active.values() if e.notice.key), *left])
+        return [*(e.notice for e in self.book.active.values() if e.notice.key), *left]
+
+    def _save_state(self) -> None:
+        """The active notices (and their action state) changed: write the state file soon, from a worker
+        thread, after the fan-out already queued has gone out. Never waits: a slow disk (SkyPilot keeps the
+        socket under $HOME) must not stand between a notice and its subscribers."""
+        self._state_dirty = True
+        if self._shut:
+            return  # shutdown writes the final state itself (_flush_state)
+        if self._state_writer is None or self._state_writer.done():
+            try:
+                self._state_writer = asyncio.get_running_loop().create_task(self._write_state(),
+                                                                            name="spotguard-state-writer")
+            except RuntimeError:  # no loop (a unit test calling ingest synchronously)
+                self._write_state_now()
+
+    async def _write_state(self) -> None:
+        await asyncio.sleep(0)  # the client writers queued by this fan-out run first
+        while self._state_dirty:
+            self._state_dirty = False
+            data = self.state.encode(self._state_notices(), self.actions.states())
+            if data is not None:
+                await asyncio.to_thread(self.state.write, data)
+
+    def _write_state_now(self) -> None:
+        self._state_dirty = False
+        self.state.save(self._state_notices(), self.actions.states())
+
+    async def _flush_state(self) -> None:
+        """At shutdown: wait (bounded) for a write in flight, then write what is left inline."""
+        writer = self._state_writer
+        if writer is not None and not writer.done():
+            await asyncio.wait([writer], timeout=2.0)
+        if self._state_dirty or writer is not None:
+            self._write_state_now()
+
+    def _restore_action_state(self) -> None:
+        """Hand the action state of the notices an earlier life persisted to the action runner."""
+        from .actions import ActionState
+
+        self.actions.restore({nid: ActionState.from_dict(doc) for nid, doc in self.state.actions.items()},
+                             restarted=bool(self._persisted))
+
+    def _stop_deciding(self) -> None:
+        """From the first moment of a stop: the disconnects of our own shutdown are not the trainers' outcome;
+        the next daemon life decides it (the notice and its action state stay in the state file)."""
+        self.actions.stopping = True
 
     # --- shutdown on SIGTERM --------------------------------------------------
 
