@@ -152,6 +152,7 @@ class Daemon:
                                     reconnect_grace=config.reconnect_grace, on_change=self._save_state)
         self._state_dirty = False
         self._state_writer: Optional[asyncio.Task[None]] = None
+        self._subscribers_at_stop = 0
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -451,27 +452,31 @@ class Daemon:
 
     def _write_state_now(self) -> None:
         self._state_dirty = False
-        self.state.save(self._state_notices(), self.actions.states())
+        data = self.state.encode(self._state_notices(), self.actions.states(), subscribers=self._subscribers_at_stop)
+        if data is not None:
+            self.state.write(data)
 
     async def _flush_state(self) -> None:
         """At shutdown: wait (bounded) for a write in flight, then write what is left inline."""
         writer = self._state_writer
         if writer is not None and not writer.done():
             await asyncio.wait([writer], timeout=2.0)
-        if self._state_dirty or writer is not None:
+        if self._state_dirty or writer is not None or self._subscribers_at_stop:
             self._write_state_now()
 
     def _restore_action_state(self) -> None:
         """Hand the action state of the notices an earlier life persisted to the action runner."""
         from .actions import ActionState
 
+        restarted = bool(self._persisted) or self.state.subscribers > 0 or bool(self.server and self.server.found_stale)
         self.actions.restore({nid: ActionState.from_dict(doc) for nid, doc in self.state.actions.items()},
-                             restarted=bool(self._persisted))
+                             restarted=restarted)
 
     def _stop_deciding(self) -> None:
         """From the first moment of a stop: the disconnects of our own shutdown are not the trainers' outcome;
         the next daemon life decides it (the notice and its action state stay in the state file)."""
         self.actions.stopping = True
+        self._subscribers_at_stop = 0 if self.server is None else len(self.server.subscribers())
 
     # --- shutdown on SIGTERM --------------------------------------------------
 

@@ -108,6 +108,7 @@ class NoticeState:
         self._last: Optional[bytes] = None
         self._warned = False
         self.actions: dict[str, Any] = {}  # by notice id, from ``load``: the raw per-notice action state
+        self.subscribers = 0  # from ``load``: trainers subscribed when the previous daemon stopped
 
     def load(self) -> dict[Key, Notice]:
         if not self.path:
@@ -140,6 +141,11 @@ class NoticeState:
             os.close(fd)
         self.actions = {}
         entries, problems = parse_state(raw, expire_margin=self.expire_margin, actions=self.actions)
+        try:
+            subs = json.loads(raw.decode("utf-8")).get("subscribers", 0)
+            self.subscribers = subs if isinstance(subs, int) and not isinstance(subs, bool) and subs > 0 else 0
+        except (UnicodeDecodeError, ValueError, RecursionError, AttributeError):
+            self.subscribers = 0
         for p in problems:
             log.warning("notice_state.entry_skipped", path=self.path, reason=p)
         if entries:
@@ -147,8 +153,12 @@ class NoticeState:
                      ids=[n.id for n in entries.values()][:16])
         return entries
 
-    def encode(self, notices: Iterable[Notice], actions: Optional[dict[str, Any]] = None) -> Optional[bytes]:
-        """The file's bytes for these keyed notices (with each one's action state), or ``None`` if unchanged."""
+    def encode(self, notices: Iterable[Notice], actions: Optional[dict[str, Any]] = None,
+               subscribers: int = 0) -> Optional[bytes]:
+        """The file's bytes for these keyed notices (with each one's action state), or ``None`` if unchanged.
+
+        ``subscribers`` (written at a stop): how many trainers were subscribed, so the next daemon knows some
+        are about to reconnect and decides no outcome in its first moments."""
         if not self.path:
             return None
         items = []
@@ -158,8 +168,10 @@ class NoticeState:
                 if actions and n.id in actions:
                     item["actions"] = actions[n.id]
                 items.append(item)
-        data = (json.dumps({"format": FORMAT, "notices": items[:MAX_ENTRIES]}, separators=(",", ":"),
-                           default=str) + "\n").encode()
+        doc: dict[str, Any] = {"format": FORMAT, "notices": items[:MAX_ENTRIES]}
+        if subscribers > 0:
+            doc["subscribers"] = subscribers
+        data = (json.dumps(doc, separators=(",", ":"), default=str) + "\n").encode()
         return None if data == self._last else data
 
     def save(self, notices: Iterable[Notice], actions: Optional[dict[str, Any]] = None) -> bool:
