@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Any
 
 
@@ -30,7 +31,7 @@ def _patch() -> None:
         group_name = self._get_param("AutoScalingGroupName")
         hook = self._get_param("LifecycleHookName")
         instance_id = self._get_param("InstanceId")
-        entry = {"action": action, "group": group_name, "hook": hook, "instance": instance_id,
+        entry = {"action": action, "group": group_name, "hook": hook, "instance": instance_id, "t": time.time(),
                  "result": self._get_param("LifecycleActionResult")}
         if f"{group_name}_{hook}" not in backend.lifecycle_hooks:
             raise ValidationError(f"No Lifecycle Hook found with name {hook} for group {group_name}")
