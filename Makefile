@@ -38,9 +38,13 @@ demo-torchft: $(STAMP) torchft-tools
 # (tests/chaos/test_chaos.py). CHAOS_ARGS e.g. "--seed 7 --preemptions 40 --workdir /tmp/chaos".
 # Then the vanished-node grid (tests/chaos/vanish.py, ~8 trials of ~35 s: node B frozen with SIGSTOP at
 # every point; three of them run in `make test`). VANISH_ARGS e.g. "--trials 3 --peer-timeout 5".
+# Then the daemon's own restarts (tests/chaos/daemon_chaos.py, ~32 trials of ~12 s: SIGTERM/SIGKILL at every
+# phase of an ASG notice with the webhook and ASG actions on; six of them run in `make test`).
+# DAEMON_CHAOS_ARGS e.g. "--trials 64 --seed 3 --json tests/chaos/results/daemon_chaos.json".
 chaos: $(STAMP) storage-tools
 	$(PY) -m tests.chaos.driver --preemptions 24 $(CHAOS_ARGS)
 	$(PY) -m tests.chaos.vanish $(VANISH_ARGS)
+	$(PY) -m tests.chaos.daemon_chaos --trials 32 $(DAEMON_CHAOS_ARGS)
 
 bench: $(STAMP) storage-tools frameworks-tools torchft-tools
 	$(PY) -m benchmarks $(BENCH_ARGS)

@@ -284,7 +284,7 @@ async def test_checkpoint_longer_than_the_notice_keeps_heartbeating(sock_path: s
     (before: 'incomplete' at the notice's deadline, heartbeats stopped, the instance idled until the timeout)."""
     from spotguard.daemon.actions import asg as asg_mod
 
-    monkeypatch.setattr(asg_mod, "HEARTBEAT_CAP", 0.5)  # a heartbeat every 0.5 s instead of HeartbeatTimeout/3
+    monkeypatch.setattr(asg_mod, "HEARTBEAT_CAP", 0.5, raising=False)  # a heartbeat every 0.5 s instead of HeartbeatTimeout/3
     iid = moto.group("long-asg", hook_timeout=30)
     w = aws_watcher(iid)
     with structlog.testing.capture_logs() as logs:
