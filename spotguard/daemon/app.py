@@ -149,7 +149,8 @@ class Daemon:
         self._shut = False
         # Cluster actions (webhooks, Kubernetes, ASG lifecycle): off the delivery path, see actions/.
         self.actions = ActionRunner([], node=self.node, counter=self.metrics.actions,
-                                    reconnect_grace=config.reconnect_grace, on_change=self._save_state)
+                                    reconnect_grace=config.reconnect_grace, on_change=self._save_state,
+                                    persist=self._persist_state)
         self._state_dirty = False
         self._state_writer: Optional[asyncio.Task[None]] = None
         self._subscribers_at_stop = 0
@@ -455,6 +456,13 @@ class Daemon:
         data = self.state.encode(self._state_notices(), self.actions.states(), subscribers=self._subscribers_at_stop)
         if data is not None:
             self.state.write(data)
+
+    async def _persist_state(self) -> None:
+        """Write the state file now (off the loop) and return once it is on disk: before an outcome is sent."""
+        self._save_state()
+        writer = self._state_writer
+        if writer is not None and not writer.done():
+            await asyncio.shield(writer)
 
     async def _flush_state(self) -> None:
         """At shutdown: wait (bounded) for a write in flight, then write what is left inline."""

@@ -31,7 +31,7 @@ import asyncio
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Optional, Sequence
 
 from ...logs import get_logger
 from ...notice import Notice
@@ -296,7 +296,8 @@ class ActionRunner:
 
     def __init__(self, actions: Sequence[Action], *, node: Callable[[], str],
                  counter: Optional[Any] = None, reconnect_grace: float = RECONNECT_GRACE,
-                 on_change: Optional[Callable[[], None]] = None) -> None:
+                 on_change: Optional[Callable[[], None]] = None,
+                 persist: Optional[Callable[[], Awaitable[None]]] = None) -> None:
         self.actions = list(actions)
         self._node = node
         self._counter = counter  # Counter with labels (action, phase, result)
@@ -305,6 +306,7 @@ class ActionRunner:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.reconnect_grace = reconnect_grace
         self.on_change = on_change  # the action state changed: persist it (off the delivery path)
+        self.persist = persist  # awaited before an outcome is sent: the decision is on disk first
         self._restored: dict[str, ActionState] = {}
         self.stopping = False  # set before the daemon's own shutdown disconnects everyone
         self._started = time.monotonic()
@@ -531,10 +533,24 @@ class ActionRunner:
         tracked.state.outcome["status"] = outcome.status
         log.info("action.outcome", notice_id=notice_id, status=outcome.status, reason=reason, step=outcome.step,
                  subscribers=len(subs), lives=tracked.state.lives)
-        self._changed()  # persisted before it is sent: a restart re-sends this outcome, never decides another
-        for a in self.actions:
-            if a.wants(tracked.entry.notice):
-                self._spawn(a, "outcome", a.on_outcome(outcome), notice_id)
+        wanted = [a for a in self.actions if a.wants(tracked.entry.notice)]
+        task = asyncio.get_running_loop().create_task(self._send_decided(tracked, outcome, wanted),
+                                                      name="action-outcome-persist")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send_decided(self, tracked: _Tracked, outcome: Outcome, wanted: list[Action]) -> None:
+        """Write-ahead: the decided outcome reaches the state file before any action sends it, so a daemon
+        killed in between re-sends this outcome and never decides another (its subscribers may be gone)."""
+        if self.persist is not None:
+            try:
+                await self.persist()
+            except Exception as exc:  # a full disk must not swallow the outcome
+                log.warning("action.outcome_not_persisted", notice_id=tracked.entry.id, error=repr(exc)[:300])
+        else:
+            self._changed()
+        for a in wanted:
+            self._spawn(a, "outcome", a.on_outcome(outcome), tracked.entry.id)
 
     def _rebuild(self, tracked: _Tracked) -> Outcome:
         out = tracked.state.outcome or {}

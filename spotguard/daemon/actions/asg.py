@@ -54,6 +54,7 @@ TERMINATING = "autoscaling:EC2_INSTANCE_TERMINATING"
 AUTO_PREFIX = "spotguard"
 #: AWS's ceiling on a lifecycle action's total wait (48 h), and GlobalTimeout = min(100 x HeartbeatTimeout, it).
 MAX_GLOBAL_TIMEOUT = 172800
+IDENTITY_WAIT = 10.0  # seconds on_notice waits for the AWS watcher's identity document (after a restart)
 HEARTBEAT_CAP = 300.0  # seconds: the longest gap between heartbeats, whatever the hook's timeout
 IAM_FIX = ("allow autoscaling:DescribeAutoScalingInstances, DescribeLifecycleHooks, RecordLifecycleActionHeartbeat "
            "and CompleteLifecycleAction in the instance profile (docs/deploy.md)")
@@ -143,7 +144,7 @@ class AsgLifecycleAction(Action):
         notice = entry.notice
         fut: asyncio.Future[Optional[_Target]] = asyncio.get_running_loop().create_future()
         self._targets[notice.id] = fut
-        identity = getattr(entry.watcher, "identity", None) or {}
+        identity = await self._identity(entry)
         instance_id = identity.get("instanceId") or (node if node.startswith("i-") else "")
         if not instance_id:
             log.error("asg.no_instance_id", notice_id=notice.id,
@@ -163,6 +164,17 @@ class AsgLifecycleAction(Action):
         first = asyncio.get_running_loop().create_future()
         self._heartbeats[notice.id] = asyncio.create_task(self._heartbeat(notice, target, first))
         return await first
+
+    @staticmethod
+    async def _identity(entry: Entry, wait: float = IDENTITY_WAIT) -> dict[str, Any]:
+        """The watcher's identity document. Just after a daemon restart the restored notice comes with the
+        first poll, before the watcher read the document (notices first): wait for it, briefly."""
+        end = time.monotonic() + max(0.0, min(wait, entry.notice.seconds_left() - 5.0))
+        while True:
+            identity = getattr(entry.watcher, "identity", None) or {}
+            if identity.get("instanceId") or time.monotonic() >= end:
+                return identity
+            await asyncio.sleep(0.1)
 
     def _resolve(self, instance_id: str, region: Optional[str]) -> Optional[_Target]:
         asg = self._autoscaling(region)
