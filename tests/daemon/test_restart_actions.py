@@ -202,3 +202,21 @@ async def test_state_file_fsync_is_off_the_delivery_path(sock_path: str, monkeyp
     # What a daemon started after a kill -9 at this point reads:
     restored = NoticeState(state_path_for(sock_path)).load()
     assert [x.id for x in restored.values()] == [n.id]
+
+
+def test_second_daemon_on_a_served_socket_waits_then_exits_2(spawn_daemon: Any, sockdir: str) -> None:
+    """docs/deploy.md: a successor started while its predecessor still serves the socket waits up to
+    TAKEOVER_WAIT (5 s) for it to stop, then exits 2 and never displaces it (the doc said 'then takes it')."""
+    from spotguard.daemon.app import TAKEOVER_WAIT
+
+    first = spawn_daemon()
+    t0 = time.monotonic()
+    second = spawn_daemon(sock=first.sock, wait_ready=False)
+    rc = second.proc.wait(30)
+    waited = time.monotonic() - t0
+    assert rc == 2, second.stderr_now()[-2000:]
+    assert TAKEOVER_WAIT <= waited < TAKEOVER_WAIT + 8, waited  # + interpreter start-up on a busy host
+    assert "already serving" in second.stderr_now()
+    assert first.proc.poll() is None and os.path.exists(first.sock), "the live daemon was displaced"
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "deploy.md")).read()
+    assert "waits up to 5 s for it to stop" in doc and "exits 2" in doc
