@@ -220,3 +220,20 @@ def test_second_daemon_on_a_served_socket_waits_then_exits_2(spawn_daemon: Any, 
     assert first.proc.poll() is None and os.path.exists(first.sock), "the live daemon was displaced"
     doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "deploy.md")).read()
     assert "waits up to 5 s for it to stop" in doc and "exits 2" in doc
+
+
+@pytest.mark.parametrize("doc", [
+    None, [], "x", 1, {"subscribers": []}, {"subscribers": {"1:0:": "done"}}, {"subscribers": {"k": {"state": 3}}},
+    {"outcome": {"status": 1}}, {"outcome": {"status": "committed", "reason": "reported", "subscribers": "x"}},
+    {"sent": "asg"}, {"sent": [1, "webhook"]}, {"lives": True}, {"lives": -1}, {"lives": 10 ** 40},
+    {"notes": {"asg": {"heartbeats": [1]}}}, {"notes": []},
+    {"subscribers": {str(i): {"state": "acked", "step": {"x": 1}} for i in range(2000)}},
+])
+def test_action_state_from_a_damaged_file_never_raises(doc: Any) -> None:
+    """The state file is outside input: every field is checked, anything malformed is dropped."""
+    from spotguard.daemon.actions import ActionState
+
+    st = ActionState.from_dict(doc)
+    json.dumps(st.to_dict())
+    assert len(st.subscribers) <= 512 and st.lives >= 1
+    assert all(isinstance(x, str) for x in st.sent)
