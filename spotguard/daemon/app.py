@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+# asyncio.to_thread's executor (the state file writer), loaded at import: a daemon started as root that then
+# drops privileges may not be able to read the standard library any more.
+import concurrent.futures.thread  # noqa: F401
 import dataclasses
 import inspect
 import os
