@@ -116,6 +116,11 @@ def _wait_subscribed(sock: str, n: int, timeout: float = 60.0) -> None:
     raise RuntimeError(f"the hook's intake did not subscribe to {sock} within {timeout} s")
 
 
+def _local(t: Any) -> Any:
+    """A DTensor's local shard (FSDP2), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _trial_worker() -> None:
     import torch
     import torch.distributed as dist
@@ -135,14 +140,26 @@ def _trial_worker() -> None:
     dim = int(math.sqrt(state_mib * 2**20 / 12 / LAYERS))  # fp32 param + exp_avg + exp_avg_sq = 12 B each
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[torch.nn.Linear(dim, dim, bias=False) for _ in range(LAYERS)])
+    fsdp2 = os.environ.get("SG_TTS_MODEL", "ddp") == "fsdp2"
+    if fsdp2:  # every layer sharded over the 2 ranks (state per rank: half), all of it trains
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in net:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(net, mesh=mesh)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     for p in net.parameters():  # one step with synthetic gradients: every parameter has AdamW's two moments
         p.grad = torch.full_like(p, 1e-3)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    for p in list(net.parameters())[:-1]:  # then only the last layer trains (see the module docstring)
-        p.requires_grad_(False)
-    model = DDP(net)
+    if fsdp2:
+        model = net
+    else:
+        for p in list(net.parameters())[:-1]:  # then only the last layer trains (see the module docstring)
+            p.requires_grad_(False)
+        model = DDP(net)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.01 * s))
     loader = _stateful_loader(dim)
     hook = install_preemption_hook({"model": model, "optimizer": opt, "scheduler": sched, "loader": loader},
@@ -170,7 +187,7 @@ def _trial_worker() -> None:
     if rank == 0:
         _wait_subscribed(sock, dist.get_world_size())
     dist.barrier()
-    state_bytes = sum(t.numel() * t.element_size() for p in net.parameters()
+    state_bytes = sum(_local(t).numel() * _local(t).element_size() for p in net.parameters()
                       for t in (p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]))
     if rank == 0:
         info: dict[str, Any] = {"real_part_s": round(float(real[0]), 4), "sleep_s": round(sleep_s, 4),
@@ -325,7 +342,8 @@ def _trial(sock: str, work: Path, mib: float, period: float, phase: float) -> di
     store = Path(tempfile.mkdtemp(prefix="ckpt-", dir=work))
     rc, text = _torchrun("trial", {"SG_TTS_STATE_MIB": str(mib), "SG_TTS_ITER_S": str(period),
                                    "SG_TTS_PHASE": repr(phase), "SG_TTS_STORAGE": str(store),
-                                   "SPOTGUARD_SOCKET": sock}, timeout=120 + 12 * period + mib / 20)
+                                   "SPOTGUARD_SOCKET": sock, "SG_TTS_MODEL": os.environ.get("SG_TTS_MODEL", "ddp")},
+                     timeout=120 + 12 * period + mib / 20)
     info: dict[str, Any] = {}
     iters: list[float] = []
     for d in _prefixed(text, TRIAL_PREFIX):
@@ -474,7 +492,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", help="results file (default benchmarks/results/time_to_safe-<label>.json)")
     ap.add_argument("--seed", type=int, default=14)
     ap.add_argument("--no-overhead", action="store_true")
+    ap.add_argument("--model", choices=("ddp", "fsdp2"), default="ddp",
+                    help="fsdp2: every layer fully_shard-ed (its state-dict hooks send notices to the fallback read)")
     a = ap.parse_args(argv)
+    os.environ["SG_TTS_MODEL"] = a.model
     cells = _parse_cells(a.cells) if a.cells else (QUICK_CELLS if a.quick else CELLS)
     blocks, steps = (2, 40) if a.quick else (6, 150)
     if a.no_overhead:

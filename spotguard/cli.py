@@ -79,6 +79,10 @@ def _quiet_broken_pipe() -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["status"] and "--live" in argv:  # the liveness probe: stdlib only, no argparse (live.py)
+        from .live import main as live_main
+
+        return live_main(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in SUBCOMMANDS else None)
     try:

@@ -198,6 +198,7 @@ class Daemon:
         # Only now: the socket is ours, so no live daemon is using the state file beside it.
         self._persisted = self.state.load()
         self._restore_action_state()
+        self._reconcile_cluster("start")
         if cfg.metrics_port:
             self.metrics_server = MetricsServer(self.metrics, cfg.metrics_port, self._health)
             try:
@@ -815,6 +816,37 @@ class Daemon:
                     del self._aliases[alias]
             if expired:
                 self._save_state()
+                self._reconcile_cluster("expired")
+
+    # --- cluster actions: undo spotguard's cordon once the VM outlived its notices ---------
+
+    def _cluster_active_ids(self) -> set[str]:
+        """Cloud emergency notices still active on this node: in the book, or restored from the state file and
+        not yet re-seen nor expired (a restarted daemon keeps the cordon of a notice that is still running)."""
+        ids = {e.id for e in self.book.active.values()
+               if e.notice.emergency and e.notice.source in ("aws", "gcp", "azure")}
+        margin = timedelta(seconds=self.book.expire_margin)
+        now = utcnow()
+        ids.update(n.id for n in self._persisted.values() if n.emergency and n.deadline + margin >= now)
+        return ids
+
+    def _reconcile_cluster(self, why: str) -> None:
+        """At start and on expiry (cancel goes through ``actions.cancelled``): actions with a ``reconcile``
+        (Kubernetes: uncordon) get the active notices and run in the background; a restored notice that
+        is never re-seen gets one more reconcile when it would have expired."""
+        actions = [a for a in self.actions.actions if hasattr(a, "reconcile")]
+        if not actions:
+            return
+        for a in actions:
+            a.active = self._cluster_active_ids  # type: ignore[attr-defined]
+            self._spawn(a.reconcile(why))  # type: ignore[attr-defined]
+        if why == "start":
+            margin = timedelta(seconds=self.book.expire_margin)
+            ends = [n.deadline + margin for n in self._persisted.values() if n.emergency]
+            if ends:
+                delay = (max(ends) - utcnow()).total_seconds() + 1.0
+                if delay > 0:
+                    asyncio.get_running_loop().call_later(delay, self._reconcile_cluster, "expired")
 
     async def _watchdog(self, interval: float) -> None:
         while True:

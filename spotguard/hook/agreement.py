@@ -104,6 +104,13 @@ def best_candidate(cands: list[Any]) -> Optional[Notice]:
     return Notice.from_wire(max(cands, key=lambda c: (c[0], -c[1]))[2]) if cands else None
 
 
+def _round_end(deadline_ms: int) -> float:
+    """Monotonic time by which a round's work must be over: the deadline less ``SAVE_MARGIN`` (at most half
+    the time left), at least 1 s from now; ``SIGNAL_GRACE`` when there is no deadline."""
+    left = SIGNAL_GRACE if deadline_ms >= NO_DEADLINE_MS else (deadline_ms - _ms(utcnow())) / 1000.0
+    return time.monotonic() + max(1.0, left - min(SAVE_MARGIN, max(0.0, left) / 2))
+
+
 class AgreementMixin:
     """Part of ``Hook`` (``core.py``); see the module docstring."""
 
@@ -180,9 +187,11 @@ class AgreementMixin:
         bg = self._bg
         if self._torn_down or self._exiting or self._closed or self._exit_request is not None:
             return
-        now_ms = _ms(utcnow())
-        left = SIGNAL_GRACE if wake_deadline_ms >= NO_DEADLINE_MS else (wake_deadline_ms - now_ms) / 1000.0
-        t_end = time.monotonic() + max(1.0, left - min(SAVE_MARGIN, max(0.0, left) / 2))
+        # Bounded by the earliest deadline known here (this rank's own notices and the waker's), then by the
+        # agreed earliest one: a short preemption joining a round woken by a far-off notice is never held
+        # to the far deadline.
+        level, deadline_ms = self._local_level()
+        t_end = _round_end(min(wake_deadline_ms, deadline_ms))
         # A rank still inside resume() joins once it is over: the decision reads its count and resumed step.
         self._bg_ready.wait(max(0.0, t_end - time.monotonic()))
         with self._cv:  # join: from here the training thread starts no optimizer step past `stand`
@@ -200,6 +209,10 @@ class AgreementMixin:
         level = max(int(v[0]) for v in allv)
         deadline_ms = min(int(v[1]) for v in allv)
         step = max(int(v[2]) for v in allv)
+        if deadline_ms < NO_DEADLINE_MS:  # every later bound (hold, copy, save) from the agreed earliest deadline
+            t_end = min(t_end, _round_end(deadline_ms))
+            with self._cv:
+                self._hold_until = t_end
         if level <= 0:
             self._release_hold()
             return
@@ -223,12 +236,25 @@ class AgreementMixin:
         reason = "emergency" if action == "emergency" else "manual"
         if action == "emergency":
             self._install_excepthook(notice, t_end)
-        result = self._save_staged(notice, reason, step, t_end, bg.group, hold=action == "emergency")
+        self._round_action = action
+        try:
+            result = self._save_staged(notice, reason, step, t_end, bg.group, hold=action == "emergency")
+        except Exception as exc:  # noqa: BLE001 - contained: the round fails, training goes on (or exits 75)
+            result = self._fail(notice, step, f"background save: {type(exc).__name__}: {exc}", time.monotonic(),
+                                peers_ok=True)
+        finally:
+            self._round_action = None
         if action == "emergency":
             self._exit_from_background(notice, result, step)
             return
         self._release_hold()
-        self._forget(ids)
+        self._forget(ids)  # a failed ordinary checkpoint is not retried in a loop: checkpoint_failed said so
+        cancelled = self._ordinary_cancel.is_set()
+        self._ordinary_cancel.clear()
+        if result.committed:
+            bg._fails = 0
+        elif not cancelled:
+            bg.backoff()
         set_group_timeout(bg.group, 1800.0)
 
     def _best_notice(self) -> Optional[Notice]:
@@ -266,6 +292,7 @@ class BackgroundAgreement:
         self._closed = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._parked = False  # inside the C++ store.wait (what release() must get it out of)
+        self._fails = 0  # consecutive failed rounds: the next self-woken round waits 0.5 s * 2**n (max 30 s)
         self._timers: list[threading.Timer] = []
         self.group = make_group()
         try:
@@ -275,6 +302,7 @@ class BackgroundAgreement:
             store = dist.distributed_c10d._get_default_store()
             self._waiter = store.clone()
             self._setter = store.clone()
+            self._checker = store.clone()  # the save's cancellation point asks it (own connection: no lock)
             self.ok = True
         except Exception as exc:  # noqa: BLE001 - no usable store: the boundary path still works
             hook._log.warning("background agreement unavailable: acting on notices at step boundaries",
@@ -305,6 +333,25 @@ class BackgroundAgreement:
                 self._setter.multi_set([self.key(g, r) for r in range(world)], [value] * world)
         except Exception as exc:  # noqa: BLE001 - the boundary path is gone too if the store is: log it
             self.hook._log.warning("cannot wake the agreement through the store", error=f"{type(exc).__name__}: {exc}")
+
+    def cancel_round(self) -> None:
+        """Any thread: every rank's ordinary save of the running round gives up (an emergency pre-empts it)."""
+        try:
+            with self._set_lock:
+                self._setter.set(f"{self.token}/cancel/{self.gen}", "1")
+        except Exception as exc:  # noqa: BLE001 - then only this rank's save gives up (the others fail with it)
+            self.hook._log.warning("cannot reach the store to cancel the ordinary save", error=repr(exc))
+
+    def round_cancelled(self) -> bool:
+        """Has any rank cancelled the running round's ordinary save? (a store check, ~0.1 ms)"""
+        try:
+            return bool(self._checker.check([f"{self.token}/cancel/{self.gen}"]))
+        except Exception:  # noqa: BLE001 - store unreachable: the collectives will say so
+            return False
+
+    def backoff(self) -> None:
+        """A round failed: the next round this thread starts by itself waits (no livelock of failing rounds)."""
+        self._fails += 1
 
     def wake_at(self, seconds: float, deadline_ms: int) -> None:
         """Wake in ``seconds`` (an emergency notice further off than ``EMERGENCY_LEAD``)."""
@@ -364,6 +411,9 @@ class BackgroundAgreement:
             try:
                 level, deadline_ms = h._local_level()
                 if level > 0 and h._bg_on:  # a notice that came while the previous round ran
+                    if self._fails and level < LEVEL_EMERGENCY and \
+                            self._closed.wait(min(30.0, 0.5 * 2 ** (self._fails - 1))):
+                        return
                     self.wake(deadline_ms)
                 deadline_ms = self._wait(g)
             except Exception as exc:  # noqa: BLE001 - the store went away (job ending): stop quietly
@@ -381,6 +431,11 @@ class BackgroundAgreement:
                 h._background_round(g, deadline_ms)
             except BaseException as exc:  # noqa: BLE001 - never let the thread die silently
                 h._log.error("background agreement failed", error=f"{type(exc).__name__}: {exc}")
+                self.backoff()
+                try:
+                    h._release_hold()
+                except Exception:  # noqa: BLE001
+                    pass
             finally:
                 self.gen = g + 1
                 self.busy.clear()

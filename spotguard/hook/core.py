@@ -118,6 +118,7 @@ from .settings import (  # noqa: F401 - re-exported: adapters, torchft and tests
     _env_float,
 )
 from .state import Objects, Snapshot, classify, tracked_buffers
+from .watch import StateWatch
 
 __all__ = ["Hook", "Preempted", "SIGNAL_GRACE", "EMERGENCY_LEAD", "EXIT_SAVE_FAILED"]
 
@@ -202,6 +203,10 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         self._clock: Optional[torch.optim.Optimizer] = None
         self._buffers = {k: tracked_buffers(m) for k, m in self._objs.models.items()}
         self._buffers = {k: b for k, b in self._buffers.items() if b}
+        # Version marks behind the exact any-moment path (watch.py); its ``tracked`` buffers are the snapshot's.
+        self._watch = StateWatch(self._objs.models, self._buffers)
+        self._buffers = self._watch.tracked
+        self._baseline = self._watch.baseline()  # "did anything train?" when no optimizer step was ever seen
         self._scaler = next(iter(self._objs.scalers.values()), None)
         self._many_opts = len(self._objs.optimizers) > 1
 
@@ -224,9 +229,24 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         self._hold_until = 0.0
         self._small: Optional[tuple[int, bytes, dict[str, Any], str]] = None
         self._snap_count = -1
-        self._post_t = 0.0
         self._staged_step: Optional[int] = None
         self._exit_request: Optional[tuple[Notice, Any, Optional[int]]] = None
+        # The model's first forward after step S (training or evaluation): the loop's work after the step
+        # (scheduler, EMA update, scaler) is over, so the small state of S can be read (save.py).
+        self._fwd_count = -1
+        self._fwd_train_count = -1
+        self._fwd_rng: Optional[tuple[int, torch.Tensor]] = None  # (count, torch RNG) at the first training forward
+        self._realign: Optional[torch.Tensor] = None  # after a resume: the RNG the first training forward must see
+        self._want_small: Optional[int] = None  # a round waits for the small state of this step
+        self._want_state: Optional[int] = None  # a round needs the training thread's read of this step (fallback)
+        self._want_copy = True  # ... as a copy (an ordinary checkpoint; an emergency reads the held live tensors)
+        self._handoff: Optional[tuple[int, Any, int, str]] = None  # (step, state dict, bytes, error)
+        self._step_event: Any = None  # CUDA: recorded on the training stream at each step's end
+        self._sched_marks: list[Any] = []  # each scheduler's last_epoch at the last step's end
+        self._exit_callbacks: list[Callable[[int, bool], Any]] = getattr(self, "_exit_callbacks", [])  # on_exit
+        self._ordinary_cancel = threading.Event()  # set: the ordinary background save in flight gives up
+        self._round_action: Optional[str] = None  # what the running background round does ("checkpoint"...)
+        self._cuda_params = any(p.is_cuda for m in self._objs.models.values() for p in m.parameters())
         self._explicit_intent = False
         self._bg_on = False
         self._bg_ready = threading.Event()  # resume() is over (or training started without it)
@@ -310,6 +330,8 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             return
         self._closed = True
         stop_watch(getattr(self, "_peers", None))  # bye to the peers before anything goes
+        if getattr(self, "_watch", None) is not None:
+            self._watch.close()  # Parameter.data back to torch's own (when no other hook watches)
         self._bg_on = False
         if self._bg is not None:
             self._bg.close(0.0)
@@ -334,7 +356,16 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
     # ------------------------------------------------------------- step hooks
 
     def _install_step_hooks(self) -> None:
-        for opt in self._objs.optimizers.values():
+        for m in self._objs.models.values():  # and the module a wrapper holds (DDP .module, compile's _orig_mod)
+            for mod in {id(x): x for x in (m, getattr(m, "module", None), getattr(m, "_orig_mod", None))
+                        if isinstance(x, torch.nn.Module)}.values():
+                self._handles.append(mod.register_forward_pre_hook(self._on_forward))
+        opts = list(self._objs.optimizers.values())
+        for opt in list(opts):  # SAM-style wrappers step their base optimizer from first/second_step()
+            base = getattr(opt, "base_optimizer", None)
+            if isinstance(base, torch.optim.Optimizer) and all(base is not o for o in opts):
+                opts.append(base)
+        for opt in opts:
             self._handles.append(opt.register_step_pre_hook(self._pre_hook))
             self._handles.append(opt.register_step_post_hook(self._post_hook))
         sc = self._scaler
@@ -370,6 +401,41 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                 except AttributeError:
                     pass
             self._scaler_orig = None
+
+    def _on_forward(self, module: Any, args: Any) -> None:
+        """Model forward pre-hook: the first forward after step S marks the end of the loop's post-step work."""
+        if self._internal:
+            return
+        if self._fwd_train_count != self._count and module.training:
+            self._fwd_train_count = self._count
+            if self._realign is not None:
+                self._realign_rng()
+            self._fwd_rng = (self._count, torch.get_rng_state())  # ~1 us: see _realign_rng
+            if self._bg_on and self._count > 0:
+                self._watch.mark()  # the post-step writes (AveragedModel, clipping) are part of iteration S
+        if self._fwd_count == self._count or not self._bg_on:
+            return
+        self._fwd_count = self._count
+        if self._want_small == self._count:  # a round waits for this step's small state: read it here
+            with self._cv:
+                self._capture_small_for(self._count, "forward")
+
+    def _realign_rng(self) -> None:
+        """First training forward after a resume: the torch RNG must be what the interrupted run had at its
+        first training forward after step S (saved as ``rng_at_forward``). Anything that drew from the global
+        RNG between the resume and here and did not draw in the uninterrupted run — typically a DataLoader
+        iterator built without its own ``generator=`` — would shift every dropout mask after it."""
+        saved, self._realign = self._realign, None
+        if saved is None or torch.equal(torch.get_rng_state(), saved):
+            return
+        torch.set_rng_state(saved)
+        self._log.warning(ev.RNG_REALIGNED, step=self._count,
+                          why="the global torch RNG was drawn from between the resume and the first forward "
+                              "(a DataLoader iterator without its own generator=?); the draw was undone so the "
+                              "run stays exact, but a loader that shuffles or has workers with that RNG still "
+                              "sees other seeds than the uninterrupted run",
+                          fix="DataLoader(..., generator=torch.Generator().manual_seed(SEED)), or a stateful "
+                              "loader / spotguard.data.ElasticDistributedSampler in the hook's dict")
 
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._internal or self._explicit or self._closed or self._torn_down:
@@ -460,9 +526,11 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                 if key is None or self._count < key:
                     self._in_step = True
                     return
-                if self._count == key and self._staged_step != key and (self._small is None or self._small[0] != key):
-                    self._small = self._capture_small(key, "pre-hook")
-                    self._cv.notify_all()
+                if self._count == key and self._staged_step != key:
+                    if self._small is None or self._small[0] != key:
+                        self._capture_small_for(key, "pre-hook")
+                    if self._want_state == key and (self._handoff is None or self._handoff[0] != key):
+                        self._read_for_round(key)
                 left = self._hold_until + HOLD_SLACK - time.monotonic()
                 if left <= 0:
                     give_up = key
@@ -477,12 +545,16 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
 
     def _step_end(self) -> None:
         """Clock post-hook (background mode): count, snapshot, leave "inside optimizer.step"."""
+        self._watch.mark()  # after step S: what a background read must still see (may track more buffers)
+        self._sched_marks = [getattr(s, "last_epoch", None) for s in self._objs.schedulers.values()]
         snap = Snapshot.take(self._objs.loaders, self._buffers)  # before the count: a round may read it at once
+        if self._cuda_params:
+            self._step_event = torch.cuda.Event()
+            self._step_event.record()  # the background read waits on it: step S's kernels are done
         with self._cv:
             self._count += 1
             self._snap, self._snap_count = snap, self._count
             self._in_step = False
-            self._post_t = time.monotonic()
             self._cv.notify_all()
         self._implicit_counted = True
         if self._periodic is not None:  # the step-path reduction only carries periodic votes now

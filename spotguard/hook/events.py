@@ -52,6 +52,12 @@ NOTICE_CANCELLED = "notice_cancelled"
 AGREED = "agreed"
 CHECKPOINT_STARTED = "checkpoint_started"
 CHECKPOINT_STAGED = "checkpoint_staged"
+#: the background read could not be proven exact; the training thread reads the state at its next step
+CHECKPOINT_FALLBACK = "checkpoint_fallback"
+#: a notice found iterations trained that no optimizer step hook counted (nothing exact to save)
+UNTRACKED_TRAINING = "untracked_training"
+#: after a resume, the global RNG was drawn from before the first forward: set back to the saved state
+RNG_REALIGNED = "rng_realigned"
 CHECKPOINT_COMMITTED = "checkpoint_committed"
 CHECKPOINT_FAILED = "checkpoint_failed"
 PEERS_LOST = "peers_lost"
@@ -65,6 +71,7 @@ TIMELINE: tuple[str, ...] = (
     AGREED,
     CHECKPOINT_STARTED,
     CHECKPOINT_STAGED,
+    CHECKPOINT_FALLBACK,
     CHECKPOINT_COMMITTED,
     CHECKPOINT_FAILED,
     TEARDOWN,

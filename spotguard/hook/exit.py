@@ -10,8 +10,9 @@ import gc
 import os
 import signal
 import sys
+import threading
 import time
-from typing import Any, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 from ..notice import Notice
 from . import events as ev
@@ -24,6 +25,7 @@ from .dist import (
 from .peers import stop_watch
 from .save import _Result
 from .settings import (
+    EXIT_CALLBACK_TIMEOUT,
     EXIT_GRACE,
     EXIT_SAVE_FAILED,
     QUIESCE_AGREEMENT_TIMEOUT,
@@ -74,8 +76,16 @@ class ExitMixin:
     def _standing(self, step: int) -> tuple[bool, bool]:
         """(nothing, already) at completed iteration ``step``: nothing trained and nothing resumed (so nothing
         to save), or exactly the state this run resumed from (already committed)."""
-        return (step == 0 and self._resumed_dir is None,
-                self._resumed_dir is not None and step == self._resumed_step)
+        nothing = step == 0 and self._resumed_dir is None
+        already = self._resumed_dir is not None and step == self._resumed_step
+        if (nothing or already) and self._watch.moved_since(self._baseline):
+            # The parameters moved although no optimizer step was counted since the start or the resume
+            # (SAM's first_step/second_step, manual updates): work was done that no checkpoint can stand for.
+            self._log.error(ev.UNTRACKED_TRAINING, step=step,
+                            fix="call hook.step() at the end of each iteration (or iterate hook.range()), or step "
+                                "the optimizer in the hook's dict with optimizer.step()")
+            return False, False
+        return nothing, already
 
     def _exit(self, notice: Notice, result: Optional[_Result], step: Optional[int] = None) -> NoReturn:
         """Teardown without hanging, then raise Preempted (os._exit if teardown itself hung).
@@ -100,6 +110,7 @@ class ExitMixin:
         self._prev_handlers.clear()
         self._log.info(ev.EXIT, notice_id=notice.id, code=code, step=step, committed=committed,
                        nothing_to_save=nothing, by="training-thread", **self._timing(notice))
+        self._run_exit_callbacks(notice, code, committed)
         self.close()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -156,6 +167,7 @@ class ExitMixin:
         self._exiting = True
         self._log.info(ev.EXIT, notice_id=notice.id, code=code, step=step, committed=committed,
                        nothing_to_save=nothing, by=by, **self._timing(notice))
+        self._run_exit_callbacks(notice, code, committed)
         self._flush_intake()
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -163,6 +175,41 @@ class ExitMixin:
             except Exception:  # noqa: BLE001 - leaving anyway
                 pass
         os._exit(code)
+
+    def on_exit(self, callback: Callable[[int, bool], Any]) -> Callable[[int, bool], Any]:
+        """Run ``callback(code, committed)`` right before the process leaves for a notice (usable as a decorator).
+
+        Why: a process leaving from the background (``os._exit`` after
+        ``SPOTGUARD_EXIT_GRACE`` while the training thread is elsewhere) skips the
+        training thread's ``finally`` blocks and ``atexit`` handlers; flushing a
+        W&B/TensorBoard writer or requeueing a Slurm job belongs here. Callbacks
+        run in order, on whichever thread leaves, each bounded by
+        ``SPOTGUARD_EXIT_CALLBACK_TIMEOUT`` (2 s, less when the deadline is nearer);
+        one that raises or overruns is logged and the exit goes on.
+        """
+        if not callable(callback):
+            raise TypeError(f"on_exit takes a callable, got {type(callback).__name__}")
+        self.__dict__.setdefault("_exit_callbacks", []).append(callback)  # framework hooks arm later
+        return callback
+
+    def _run_exit_callbacks(self, notice: Notice, code: int, committed: bool) -> None:
+        callbacks, self._exit_callbacks = list(getattr(self, "_exit_callbacks", [])), []
+        for cb in callbacks:
+            bound = max(0.1, min(EXIT_CALLBACK_TIMEOUT, notice.seconds_left() - 0.5))
+            box: dict[str, Any] = {}
+
+            def run(cb: Any = cb) -> None:
+                try:
+                    cb(code, committed)
+                except BaseException as exc:  # noqa: BLE001 - the user's callback: never stop the exit
+                    box["error"] = f"{type(exc).__name__}: {exc}"
+
+            t = threading.Thread(target=run, name="spotguard-on-exit", daemon=True)
+            t.start()
+            t.join(bound)
+            if t.is_alive() or "error" in box:
+                self._log.warning("on_exit callback did not finish cleanly", callback=getattr(cb, "__name__", repr(cb)),
+                                  error=box.get("error", f"still running after {bound:.1f} s"))
 
     def _exit_if_requested(self) -> None:
         """Training thread, at a hook point: leave if the agreement thread asked for it."""

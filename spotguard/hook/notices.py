@@ -14,6 +14,7 @@ import os
 import signal
 import socket as _socket
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -115,9 +116,47 @@ class NoticesMixin:
             return
         level = self._level_of(notice)
         if level > 0:
+            if bg.busy.is_set():
+                if level >= LEVEL_EMERGENCY and self._round_action == "checkpoint":
+                    self._log.info("an emergency pre-empts the ordinary checkpoint in flight", notice_id=notice.id)
+                    self._ordinary_cancel.set()  # the next round saves the emergency's step instead
+                    bg.cancel_round()  # ... on every rank
+                self._bound_running_round(notice, level)
             bg.wake(_ms(notice.deadline))
         elif notice.emergency and notice.id not in self._committed_ids:
             bg.wake_at(notice.seconds_left() - EMERGENCY_LEAD, _ms(notice.deadline))
+
+    def _bound_running_round(self, notice: Notice, level: int) -> None:
+        """A notice that arrives while a round runs (woken by another, maybe far-off, notice): the round's
+        holds are bounded by this notice's deadline from now on, and an emergency whose deadline comes before
+        the round is over ends the process there (exit 75, nothing committed for it) instead of waiting for
+        a round whose peer may never join."""
+        from .agreement import _round_end  # noqa: PLC0415 - agreement imports this module's users
+
+        end = _round_end(_ms(notice.deadline))
+        with self._cv:
+            if end >= self._hold_until:
+                return
+            self._hold_until = end
+            self._cv.notify_all()
+        if level < LEVEL_EMERGENCY:
+            return
+        bg = self._bg
+        gen = bg.gen
+
+        def overdue() -> None:
+            if bg.gen != gen or not bg.busy.is_set() or self._exit_request is not None or self._exiting:
+                return  # that round is over: the next one acts on this notice
+            from .save import _Result  # noqa: PLC0415
+
+            self._exit_from_background(notice, _Result(committed=False, peers_ok=False, error=(
+                f"the running agreement round did not finish before the deadline of notice {notice.id}")),
+                None, lost_where="agreement")
+
+        t = threading.Timer(max(0.0, end - time.monotonic()), overdue)
+        t.daemon = True
+        t.name = "spotguard-round-deadline"
+        t.start()
 
     def _on_cancel(self, notice_id: str) -> None:
         with self._lock:

@@ -16,6 +16,8 @@ import torch
 
 from ..storage.commit import (
     newest_committed,
+    quarantine_dir,
+    scan,
 )
 from ..storage.integrity import DamagedCheckpoint, damage_in  # noqa: I001
 from ..storage.safeload import SafeLoadPlanner
@@ -45,7 +47,7 @@ class ResumeMixin:
                 if self._rank == 0:
                     try:
                         info = newest_committed(self._storage, below=below)
-                        found = None if info is None else (
+                        found = _set_aside(self._storage) if info is None else (
                             info.dir, info.step, info.record.notice_id if info.record else None,
                             info.record.checksums if info.record and info.record.checksums else None,
                             (info.record.extra.get("lineage") if info.record else None) or None)
@@ -54,12 +56,14 @@ class ResumeMixin:
                 found = self._bcast0(found)
                 if isinstance(found, tuple) and found and found[0] == "error":
                     raise RuntimeError(f"spotguard: cannot list checkpoints in {self._storage.uri}: {found[1]}")
-                if found is None:
-                    if damaged:
+                if found is None or found[0] == "quarantined":
+                    damaged += [d for d in (found[1] if found else []) if d not in damaged]
+                    if damaged:  # starting from 0 over quarantined work is the operator's call, never ours
                         raise RuntimeError(
                             f"spotguard: no committed checkpoint in {self._storage.uri} passed verification "
-                            f"(damaged: {', '.join(damaged)}); restore them from a backup, or delete them to "
-                            f"start from step 0")
+                            f"(damaged: {', '.join(damaged)}); restore them from a backup (then `spotguard "
+                            f"checkpoints --restore STEP`), or delete them (`spotguard checkpoints "
+                            f"--delete-quarantined URI`, other folders by hand) to start from step 0")
                     step, from_notice, dirkey = 0, None, None
                     break
                 dirkey, step, from_notice, digests, lineage = found
@@ -73,6 +77,8 @@ class ResumeMixin:
                 self._log.error("skipping damaged checkpoint", dir=dirkey, step=step, file=problem.where,
                                 problem=problem.what)
                 damaged.append(dirkey)
+                if self._rank == 0:  # the next restart skips it without reading its shards
+                    quarantine_dir(self._storage, dirkey, problem.what, problem.where, "resume")
                 below = step
             if dirkey is not None:
                 self._resumed_dir = dirkey
@@ -88,6 +94,8 @@ class ResumeMixin:
             self._internal = False
         self._count = self._resumed_step = step
         self._resumed = True
+        self._damaged_dirs = set(damaged)  # a save at one of these steps must never count it as committed
+        self._baseline = self._watch.baseline()  # the loaded state: "trained since?" is measured from here
         self._fresh_checked = True
         self._agree_at_start()
         self._enable_background()  # implicit mode (hook.range() set its intent first): agree off the training thread
@@ -191,6 +199,8 @@ class ResumeMixin:
             self._log.warning("checkpoint has no state for object", keys=done.missing, dir=dirkey)
         old_world = int(per.get("world_size", len(saved)))
         elastic.restore_rng_for(per, done, step=int(per.get("step", 0)), rank=self._rank)  # last
+        fwd = per.get("rng_at_forward") if own else None  # see core._realign_rng
+        self._realign = fwd if isinstance(fwd, torch.Tensor) else None
         if old_world != self._world or not own:
             self._log.info(ev.ELASTIC_RESUME, dir=dirkey, old_world_size=old_world, world_size=self._world,
                            resharded=[*o.models, *o.optimizers],
@@ -233,3 +243,14 @@ class ResumeMixin:
                               step=self._count,
                               fix="call start = hook.resume() before the first step (or iterate hook.range(total)), "
                                   "or give this run its own storage prefix; its checkpoints are not this run's")
+
+
+def _set_aside(storage: Any) -> Any:
+    """Rank 0, when no loadable checkpoint is left: ``("quarantined", dirs)`` if committed work is there, else None.
+
+    Committed work: a quarantined checkpoint, or a folder whose commit record fails its checks (a record
+    is written last, so only damage or forgery leaves one over a truncated shard). Starting from step 0
+    over it is the operator's decision, never a silent one.
+    """
+    dirs = [i.dir for i in scan(storage) if i.quarantine is not None or (i.has_record and not i.committed)]
+    return ("quarantined", dirs) if dirs else None

@@ -39,7 +39,7 @@ from .dist import (
     set_group_timeout,
 )
 from .periodic import PERIODIC_SETTLED, stage_state_dict
-from .settings import PERIODIC_NOTICE_PREFIX, SAVE_MARGIN, SMALL_STATE_SETTLE
+from .settings import PERIODIC_NOTICE_PREFIX, SAVE_MARGIN
 from .state import Snapshot, pack
 
 #: "the hook's own group" (the training thread's) as a default argument
@@ -194,8 +194,22 @@ class SaveMixin:
         are not ours. That is an error naming the fix.
         """
         storage = storage or self._storage
-        status = prepare_status(storage, step)
         key = step_dir(step)
+        if key in getattr(self, "_damaged_dirs", ()):
+            # This run's resume found it damaged; its quarantine mark may not have been written (a read-only
+            # or failing store): mark it now, so prepare replaces it — never report it as committed.
+            from ..storage.commit import quarantine_dir  # noqa: PLC0415
+
+            try:
+                quarantine_dir(storage, key, "found damaged by this run's resume", "", "save")
+            except Exception as exc:  # noqa: BLE001 - checked right below
+                self._log.warning("cannot mark a damaged checkpoint before saving the same step", dir=key,
+                                  error=f"{type(exc).__name__}: {exc}")
+        status = prepare_status(storage, step)
+        if status[0] == "already" and key in getattr(self, "_damaged_dirs", ()):
+            return ("error", f"{self._storage.uri}/{key} holds a checkpoint this run found damaged and it cannot "
+                             "be set aside (quarantine mark not written): delete or restore it "
+                             "(`spotguard checkpoints --verify URI`), then run again")
         if status[0] != "already" or key == self._resumed_dir:
             return status
         try:
@@ -271,6 +285,9 @@ class SaveMixin:
             "schedulers": {k: s.state_dict() for k, s in o.schedulers.items()},
             "scalers": {k: s.state_dict() for k, s in o.scalers.items()},
             "stateful": {k: s.state_dict() for k, s in o.stateful.items()},
+            # the torch RNG at the first training forward after ``step`` (when it already ran): resume sets
+            # it back there if something drew in between that the uninterrupted run did not (core._realign_rng)
+            "rng_at_forward": self._fwd_rng[1] if self._fwd_rng is not None and self._fwd_rng[0] == step else None,
         }
 
     def _periodic_flags(self) -> tuple[int, int]:
@@ -322,13 +339,17 @@ class SaveMixin:
         """The agreement thread: checkpoint of completed iteration ``step`` while training goes on. Never raises.
 
         1. wait until this rank's count is ``step`` and its training thread is not
-           inside ``optimizer.step`` (a laggard finishes its step; the others are
-           there already); 2. copy model and optimizer tensors (``stage_state_dict``:
-           they do not change between optimizer steps) — the training thread holds at
-           its next pre-hook only until then; 3. the small state (see
-           ``_capture_small``); 4. DCP save of the copy + commit, on ``group``.
-        ``hold`` (an emergency): the training thread stays held at its next pre-hook
-        after the copy too, until the exit (agreement.py says why).
+           inside ``optimizer.step``; 2. read model and optimizer tensors in the
+           background, but only while ``StateWatch`` proves nothing wrote them since
+           step ``step`` (watch.py) — otherwise, or for FSDP2, the exact fallback: the
+           training thread reads them at its next ``optimizer.step()`` pre-hook, where
+           the loop's post-step work is over; 3. the small state (``_small_state``);
+           4. DCP save + commit on ``group``. An emergency (``hold``) writes straight
+           from the live tensors (no second copy on the host: the training thread
+           stays held at its next step until the exit) and checks the watch again
+           before the commit; a failed or invalidated attempt is retried once from
+           the fallback read. An ordinary checkpoint copies (``stage_state_dict``),
+           checks the watch after the copy, and releases the training thread.
         """
         t0 = time.monotonic()
         with self._cv:
@@ -342,45 +363,181 @@ class SaveMixin:
             return self._fail(notice, step, f"the training thread did not reach step {step} within the notice "
                               f"deadline (at {self._count}, inside a step: {self._in_step}): peers lost?", t0,
                               peers_ok=False)
-        _BG.on = True
-        try:
-            _skip_fake_step_in_background()
-            sd, nbytes = stage_state_dict(self._tensor_state())
-        except Exception as exc:  # noqa: BLE001 - reported like any failed write
-            self._release_hold()
-            return self._fail(notice, step, f"staging: {type(exc).__name__}: {exc}", t0, peers_ok=True)
-        finally:
-            _BG.on = False
+        live = hold
+        got = self._background_read(step, copy=not live)
+        if isinstance(got, str):
+            self._log.info(ev.CHECKPOINT_FALLBACK, notice_id=notice.id, step=step, reason=got,
+                           waits_for="the next optimizer.step() pre-hook")
+            got = self._prehook_read(step, t_end, copy=not hold)
+            live = False
+            if isinstance(got, str):
+                self._release_hold(keep_target=hold)
+                return self._fail(notice, step, got, t0, peers_ok=True)
+        sd, nbytes, where_read = got
+        small = self._small_state(step, t_end)
+        if isinstance(small, str):
+            self._release_hold(keep_target=hold)
+            return self._fail(notice, step, small, t0, peers_ok=True)
+        blob, groups, where = small
         copied = time.monotonic() - t0
-        with self._cv:  # the small state: from the pre-hook of step+1 if it came first, else now (after a settle)
-            settle_end = self._post_t + SMALL_STATE_SETTLE
-            while (self._small is None or self._small[0] != step) and time.monotonic() < settle_end:
-                self._cv.wait(max(0.0, settle_end - time.monotonic()))
-            if self._small is None or self._small[0] != step:
-                self._small = self._capture_small(step, "background")
-            _, blob, groups, where = self._small
-            self._small = None
+        with self._cv:
             self._staged_step = step
             self._freeze = None
             if not hold:
                 self._target = None
+            self._want_small = self._want_state = None
             self._cv.notify_all()
         self._log.info(ev.CHECKPOINT_STAGED, notice_id=notice.id, step=step, bytes=nbytes,
-                       seconds=round(copied, 4), small_state_from=where)
-        for k, pg in groups.items():  # param_groups (lr...) as they stood after the loop's scheduler step
-            staged = sd[k].get("param_groups")
-            if isinstance(staged, list) and len(staged) == len(pg):
-                for dst, src in zip(staged, pg):
-                    dst.update(src)
-        sd[self._rank_key(self._rank)] = blob
+                       seconds=round(copied, 4), small_state_from=where, tensors_from=where_read)
+        sd = _with_small(sd, groups, self._rank_key(self._rank), blob)
+        cancel = None if hold else self._ordinary_cancel  # an emergency arriving now pre-empts this save
+        if cancel is not None:
+            bg = self._bg
+            if bg is not None:
+                cancel = _StoreCancel(cancel, bg)
+        result = self._save(notice, reason, None, group=group, step=step,
+                            write=self._dcp_writer(sd, group, live, cancel), bound=max(1.0, t_end - time.monotonic()))
+        if result.committed or not result.peers_ok or not hold or time.monotonic() >= t_end - 1.0:
+            return result  # (an ordinary checkpoint is not retried: every rank must take the same branch)
+        # Every rank sees the same failed result (``_save``'s all-OK reduction): every rank retries, from the
+        # training thread's read at its next pre-hook (held there for an emergency), once.
+        self._log.warning(ev.CHECKPOINT_FALLBACK, notice_id=notice.id, step=step, reason=result.error,
+                          waits_for="the next optimizer.step() pre-hook (second attempt)")
+        got = self._prehook_read(step, t_end, copy=False)
+        if isinstance(got, str):
+            return self._fail(notice, step, got, t0, peers_ok=True)
+        sd = _with_small(got[0], groups, self._rank_key(self._rank), blob)
+        return self._save(notice, reason, None, group=group, step=step, write=self._dcp_writer(sd, group, False),
+                          bound=max(1.0, t_end - time.monotonic()))
 
+    def _dcp_writer(self, sd: dict[str, Any], group: Any, validate: bool,
+                    cancel: Any = None) -> Callable[[str], None]:
         def write(key: str) -> None:
             import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 
-            dcp.save(sd, storage_writer=self._storage.dcp_writer(key), process_group=group)
+            dcp.save(sd, storage_writer=self._storage.dcp_writer(key), process_group=group,
+                     planner=None if cancel is None else _cancellable_planner(cancel))
+            if validate:  # written from live tensors: still the state of S at the end of the write?
+                why = self._watch.changed(getattr(self, "_live_mark", None))
+                if why is not None:
+                    raise StateMoved(f"the state moved while it was written from live tensors: {why}")
+        return write
 
-        return self._save(notice, reason, None, group=group, step=step, write=write,
-                          bound=max(1.0, t_end - time.monotonic()))
+    def _background_read(self, step: int, *, copy: bool) -> Any:
+        """(state dict, bytes, "background") read off the training thread, or why it cannot be proven exact."""
+        mark = self._watch.current()  # every check of this read is against the mark it started from
+        why = self._watch.changed(mark)
+        if why is not None:
+            return why
+        ev_ = self._step_event
+        if ev_ is not None:
+            ev_.synchronize()  # CUDA: step S's kernels (recorded on the training stream) are done
+        _BG.on = True
+        try:
+            _skip_fake_step_in_background()
+            sd = self._tensor_state()
+            sd, nbytes = stage_state_dict(sd) if copy else (sd, _tensor_bytes(sd))
+        except Exception as exc:  # noqa: BLE001 - try the training thread's read instead
+            return f"background read failed: {type(exc).__name__}: {exc}"
+        finally:
+            _BG.on = False
+        if copy:
+            why = self._watch.changed(mark)  # moved during the copy: it may be torn
+            if why is not None:
+                return why
+        else:
+            self._live_mark = mark  # the write from these live tensors is checked against it (_dcp_writer)
+        return sd, nbytes, "background"
+
+    def _prehook_read(self, step: int, t_end: float, *, copy: bool) -> Any:
+        """Ask the training thread (held at its next ``optimizer.step()`` pre-hook) for the state dict of
+        ``step``; (state dict, bytes, "pre-hook") or why not. Bounded by ``t_end``."""
+        with self._cv:
+            self._handoff = None
+            self._want_state = step
+            self._want_copy = copy
+            self._cv.notify_all()
+            while (self._handoff is None or self._handoff[0] != step) and self._exit_request is None:
+                left = t_end - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(min(0.5, left))
+            got, self._handoff, self._want_state = self._handoff, None, None
+        if got is None or got[0] != step:
+            return (f"the training thread did not reach its next optimizer.step() (after step {step}) within the "
+                    "notice deadline; the state of the end of that iteration could not be read exactly")
+        if got[3]:
+            return got[3]
+        return got[1], got[2], "pre-hook"
+
+    def _read_for_round(self, step: int) -> None:
+        """Training thread, held at the pre-hook after ``step`` (under ``_cv``): the fallback read."""
+        self._internal = True  # DCP's fake step() on a stateless optimizer must not count
+        try:
+            sd = self._tensor_state()
+            sd, nbytes = stage_state_dict(sd) if getattr(self, "_want_copy", True) else (sd, _tensor_bytes(sd))
+            self._handoff = (step, sd, nbytes, "")
+        except Exception as exc:  # noqa: BLE001 - reported by the round, never raised into the training loop
+            self._handoff = (step, None, 0, f"reading the state at step {step}: {type(exc).__name__}: {exc}")
+        finally:
+            self._internal = False
+        self._cv.notify_all()
+
+    def _small_state(self, step: int, t_end: float) -> Any:
+        """(per-rank blob, param_groups, where) of ``step``, or why not.
+
+        Read at the first moment the loop's work after ``optimizer.step()`` is known
+        to be over: the model's next forward (training or evaluation; the forward
+        pre-hook reads it on the training thread) or the next step's pre-hook. If
+        that forward already began, now. If neither comes before the save must
+        start to make the deadline (a long data-loading stall right after the step),
+        it is read anyway and the commit says so (``small_state_from="unanchored"``).
+        """
+        latest = max(time.monotonic(), t_end - max(1.0, (t_end - time.monotonic()) / 2))
+        with self._cv:
+            if self._small is None or self._small[0] != step:
+                if self._fwd_count == step:
+                    self._capture_small_for(step, "after-forward")
+                elif self._schedulers_done():
+                    self._capture_small_for(step, "after-scheduler")
+                else:
+                    self._want_small = step
+                    self._cv.notify_all()
+                    while (self._small is None or self._small[0] != step) and self._fwd_count != step \
+                            and not self._schedulers_done() and self._exit_request is None \
+                            and time.monotonic() < latest:
+                        self._cv.wait(min(0.1, max(0.0, latest - time.monotonic())))
+                    self._want_small = None
+                    if self._small is None or self._small[0] != step:
+                        where = "after-forward" if self._fwd_count == step else \
+                            "after-scheduler" if self._schedulers_done() else "unanchored"
+                        if where == "unanchored":
+                            self._log.warning("small state read before the loop was seen to finish its post-step "
+                                              "work (no forward or optimizer step since step S); it is exact only "
+                                              "if schedulers/EMA/stateful objects were already updated", step=step)
+                        self._capture_small_for(step, where)
+            got, self._small = self._small, None
+        assert got is not None
+        if got[1] is None:
+            return got[3]
+        return got[1], got[2], got[3]
+
+    def _schedulers_done(self) -> bool:
+        """The small state is only schedulers (no stateful objects) and each has stepped since the last
+        optimizer step: the loop's post-step work on it is over (a scheduler steps once per iteration)."""
+        scheds = list(self._objs.schedulers.values())
+        if not scheds or self._objs.stateful or len(self._sched_marks) != len(scheds):
+            return False
+        return all(getattr(s, "last_epoch", None) != m for s, m in zip(scheds, self._sched_marks))
+
+    def _capture_small_for(self, step: int, where: str) -> None:
+        """``_capture_small`` into ``_small`` (under ``_cv``); a raising ``state_dict()`` is recorded, not raised."""
+        try:
+            self._small = self._capture_small(step, where)
+        except Exception as exc:  # noqa: BLE001 - the user's object: the round fails with this, training goes on
+            self._small = (step, None, None, f"state_dict() of the small state raised at step {step}: "  # type: ignore[assignment]
+                                             f"{type(exc).__name__}: {exc}")
+        self._cv.notify_all()
 
     def _tensor_state(self) -> dict[str, Any]:
         """Model and optimizer state dicts, by model / optimizer name (references: a background save stages
@@ -417,8 +574,75 @@ class SaveMixin:
                   for k, opt in o.optimizers.items()}
         return step, pack(per), groups, where
 
-    def _release_hold(self) -> None:
+    def _release_hold(self, keep_target: bool = False) -> None:
+        """Let the training thread step again (``keep_target``: an emergency keeps it held until the exit)."""
         with self._cv:
-            self._freeze = self._target = None
+            self._freeze = None
+            if not keep_target:
+                self._target = None
             self._small = None
+            self._want_small = self._want_state = None
             self._cv.notify_all()
+
+
+class Cancelled(Exception):
+    """An ordinary checkpoint given up for an emergency that arrived while it was written."""
+
+
+class _StoreCancel:
+    """This rank's cancel flag, or any rank's (the round's cancel key in the c10d store, asked every 20 ms)."""
+
+    def __init__(self, local: threading.Event, bg: Any) -> None:
+        self._local, self._bg, self._next = local, bg, 0.0
+
+    def is_set(self) -> bool:
+        if self._local.is_set():
+            return True
+        now = time.monotonic()
+        if now >= self._next:
+            self._next = now + 0.02
+            if self._bg.round_cancelled():
+                self._local.set()
+                return True
+        return False
+
+
+def _cancellable_planner(cancel: Any) -> Any:
+    """DCP's stock planner with a cancellation point per write item (as the periodic saver's)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner  # noqa: PLC0415
+
+    class CancellablePlanner(DefaultSavePlanner):
+        def resolve_data(self, write_item: Any) -> Any:
+            if cancel.is_set():
+                raise Cancelled("ordinary checkpoint given up: an emergency notice arrived while it was written")
+            return super().resolve_data(write_item)
+
+    return CancellablePlanner()
+
+
+class StateMoved(Exception):
+    """A write from live tensors that the watch no longer vouches for (the attempt must not commit)."""
+
+
+def _tensor_bytes(sd: Any) -> int:
+    if isinstance(sd, torch.Tensor):
+        return sd.numel() * sd.element_size()
+    if isinstance(sd, dict):
+        return sum(_tensor_bytes(v) for v in sd.values())
+    if isinstance(sd, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in sd)
+    return 0
+
+
+def _with_small(sd: dict[str, Any], groups: dict[str, list[dict[str, Any]]], rank_key: str, blob: bytes
+                ) -> dict[str, Any]:
+    """The state dict with param_groups (lr...) as they stood after the loop's scheduler step, and the
+    per-rank blob; shallow copies, so a live state dict's optimizer groups are never written."""
+    out = dict(sd)
+    for k, pg in groups.items():
+        osd = out.get(k)
+        staged = osd.get("param_groups") if isinstance(osd, dict) else None
+        if isinstance(staged, list) and len(staged) == len(pg):
+            out[k] = {**osd, "param_groups": [{**dst, **src} for dst, src in zip(staged, pg)]}
+    out[rank_key] = blob
+    return out

@@ -11,7 +11,7 @@ import warnings
 from typing import Any, Callable, Optional
 
 __all__ = [
-    "SMALL_STATE_SETTLE", "EXIT_GRACE", "HOLD_SLACK",
+    "EXIT_GRACE", "EXIT_CALLBACK_TIMEOUT", "HOLD_SLACK",
     "SAVE_MARGIN", "QUIESCE_AGREEMENT_TIMEOUT", "QUIESCE_PERIODIC_TIMEOUT", "SIGNAL_GRACE", "EMERGENCY_LEAD",
     "PERIODIC_NOTICE_PREFIX", "PERIODIC_SYNC_TIMEOUT", "EXIT_SAVE_FAILED",
     "LEVEL_NONE", "LEVEL_CHECKPOINT", "LEVEL_EMERGENCY", "LEVEL_REPLAY",
@@ -77,14 +77,11 @@ def _env_float(name: str) -> Optional[float]:
     except ValueError:
         return None
 
-# The background save copies the small state the loop changes after optimizer.step() (schedulers, scaler,
-# stateful objects, param_groups' lr) at the next pre-hook, or, if the copy of the tensors finishes first,
-# no earlier than this long after the post-hook of the saved step: the loop's own `sched.step()` / EMA
-# update right after `opt.step()` has run by then (docs/reliability.md: the rule and its limit).
-SMALL_STATE_SETTLE = env_seconds("SPOTGUARD_SMALL_STATE_SETTLE", 0.1)
 # After the background commit: how long the training thread has to reach a hook point and leave by
 # Preempted before the agreement thread flushes the logs and os._exit()s with the same code.
 EXIT_GRACE = env_seconds("SPOTGUARD_EXIT_GRACE", 1.0)
+# Each ``hook.on_exit`` callback's bound (less when the deadline is nearer): the VM is going away.
+EXIT_CALLBACK_TIMEOUT = env_seconds("SPOTGUARD_EXIT_CALLBACK_TIMEOUT", 2.0)
 # A pre-hook held by a round gives up (exit 75) this long after the round's own bound, so that the agreement
 # thread, whose collectives time out at that bound, normally reports the loss first.
 HOLD_SLACK = 2.0

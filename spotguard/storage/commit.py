@@ -5,6 +5,7 @@ Layout under the storage root::
     step-00000042/            one folder per checkpoint (DCP shards, .metadata, extras)
     step-00000042/COMMIT.json the commit record, written LAST, atomically
     latest                    a hint ("step-00000042"), written after the commit
+    step-00000042/QUARANTINE.json  only if it failed verification (``quarantine.py``)
 
 Why a record listing every file with its size: on an object store or NFS a
 crashed rank can leave a folder that *looks* complete; resume must be able to
@@ -33,6 +34,7 @@ from ..logs import get_logger
 from ..timefmt import parse_rfc3339, to_rfc3339, utcnow
 from .base import ObjectInfo, Storage, StorageError, check_key, join_key
 from .integrity import ALGORITHM, BLOCK_SIZE, FileDigest
+from .quarantine import QUARANTINE_NAME, QuarantineMark, read_mark, record_digest, write_mark
 
 __all__ = [
     "FORMAT",
@@ -51,6 +53,10 @@ __all__ = [
     "newest_committed",
     "checkpoint_info",
     "apply_retention",
+    "quarantine",
+    "restore_quarantined",
+    "delete_quarantined",
+    "QUARANTINE_NAME",
 ]
 
 FORMAT = 2
@@ -113,6 +119,8 @@ def _check_file_name(name: Any) -> str:
         raise ValueError(f"commit record file name {name!r} is not a safe relative path: {exc}") from None
     if name == COMMIT_NAME:
         raise ValueError(f"commit record lists itself ({COMMIT_NAME}) as a file")
+    if name == QUARANTINE_NAME:
+        raise ValueError(f"commit record lists {QUARANTINE_NAME} (the quarantine mark) as a file")
     return name
 
 
@@ -315,10 +323,15 @@ class CheckpointInfo:
     bytes: int
     mtime: float
     unlisted: list[str] = field(default_factory=list)  # objects in the folder the record does not name
+    quarantine: QuarantineMark | None = None  # set aside after failing verification: never loaded, kept
+    mark_ignored: str | None = None  # a QUARANTINE.json was there but does not apply (garbage, stale, unsigned)
+    record_sha256: str | None = None  # of the commit record's bytes, which a quarantine mark names
 
     @property
     def state(self) -> str:
-        """``committed`` or ``incomplete`` (a record that fails its checks is not loadable either)."""
+        """``committed``, ``quarantined`` or ``incomplete`` (a record that fails its checks is not loadable either)."""
+        if self.quarantine is not None:
+            return "quarantined"
         return "committed" if self.committed else "incomplete"
 
     @property
@@ -330,14 +343,20 @@ class CheckpointInfo:
 NO_RECORD = "no commit record (save interrupted or still in progress)"
 
 
-def _check_folder(storage: Storage, step: int, key: str, objects: Mapping[str, ObjectInfo]) -> tuple[CommitRecord | None, str | None]:
-    """Validate one folder; returns (record, problem) with problem None when it is loadable."""
+def _check_folder(storage: Storage, step: int, key: str, objects: Mapping[str, ObjectInfo]
+                  ) -> tuple[CommitRecord | None, str | None, bytes | None]:
+    """Validate one folder; returns (record, problem, record bytes) with problem None when it is loadable."""
     if COMMIT_NAME not in objects:
-        return None, NO_RECORD
+        return None, NO_RECORD, None
     try:
         raw = storage.read_bytes(join_key(key, COMMIT_NAME))
     except FileNotFoundError:
-        return None, NO_RECORD
+        return None, NO_RECORD, None
+    return (*_check_record(step, key, raw, objects), raw)
+
+
+def _check_record(step: int, key: str, raw: bytes, objects: Mapping[str, ObjectInfo]
+                  ) -> tuple[CommitRecord | None, str | None]:
     try:
         record = CommitRecord.from_json(raw)
     except ValueError as exc:
@@ -379,11 +398,26 @@ def _group(objects: list[ObjectInfo]) -> dict[str, dict[str, ObjectInfo]]:
     return folders
 
 
-def _info(storage: Storage, name: str, objects: dict[str, ObjectInfo], latest: str | None) -> CheckpointInfo:
+def _info(storage: Storage, name: str, objects: dict[str, ObjectInfo], latest: str | None,
+          marks: bool = True) -> CheckpointInfo:
+    """One folder's state; ``marks=False`` looks through a quarantine mark (``restore_quarantined``)."""
     step = parse_step_dir(name)
     assert step is not None
-    record, problem = _check_folder(storage, step, name, objects)
-    unlisted = sorted(n for n in objects if n != COMMIT_NAME and (record is None or n not in record.files)) \
+    record, problem, raw = _check_folder(storage, step, name, objects)
+    sha = record_digest(raw) if raw is not None else None
+    mark: QuarantineMark | None = None
+    ignored: str | None = None
+    if marks and raw is not None and QUARANTINE_NAME in objects:
+        mark, ignored = read_mark(storage, name, step, raw, objects[QUARANTINE_NAME].size, job_key())
+        if ignored:
+            log.warning("quarantine mark ignored: the checkpoint is verified in full before any load",
+                        storage=storage.uri, dir=name, why=ignored,
+                        fix="spotguard checkpoints --verify re-marks it if it is damaged; "
+                            "--restore STEP removes the mark after a successful re-verify")
+        elif problem is None:
+            problem = f"quarantined: {mark.describe()}" if mark else None
+    own = (COMMIT_NAME, QUARANTINE_NAME)
+    unlisted = sorted(n for n in objects if n not in own and (record is None or n not in record.files)) \
         if problem is None else []
     if unlisted:
         log.warning("committed checkpoint holds objects its record does not name; they are never loaded",
@@ -396,8 +430,11 @@ def _info(storage: Storage, name: str, objects: dict[str, ObjectInfo], latest: s
         latest=(name == latest),
         record=record,
         problem=problem,
-        bytes=sum(o.size for n, o in objects.items() if n != COMMIT_NAME),
+        bytes=sum(o.size for n, o in objects.items() if n not in own),
         mtime=max((o.mtime for o in objects.values()), default=0.0),
+        quarantine=mark,
+        mark_ignored=ignored,
+        record_sha256=sha,
     )
 
 
@@ -408,13 +445,13 @@ def scan(storage: Storage) -> list[CheckpointInfo]:
     return [_info(storage, name, folders[name], latest) for name in sorted(folders, key=lambda n: parse_step_dir(n) or 0)]
 
 
-def checkpoint_info(storage: Storage, dirkey: str) -> CheckpointInfo:
-    """The state of one ``step-*`` folder (as ``scan`` reports it)."""
+def checkpoint_info(storage: Storage, dirkey: str, marks: bool = True) -> CheckpointInfo:
+    """The state of one ``step-*`` folder (as ``scan`` reports it; ``marks=False``: ignoring a quarantine mark)."""
     name = dirkey.strip("/")
     if parse_step_dir(name) is None:
         raise StorageError(f"{name!r} is not a step-NNNNNNNN checkpoint folder")
     objects = _group(storage.list(name + "/")).get(name, {})
-    return _info(storage, name, objects, read_latest(storage))
+    return _info(storage, name, objects, read_latest(storage), marks)
 
 
 def newest_committed(storage: Storage, below: int | None = None) -> CheckpointInfo | None:
@@ -433,6 +470,11 @@ def newest_committed(storage: Storage, below: int | None = None) -> CheckpointIn
             if latest is not None and latest != name:
                 log.info("latest hint ignored", storage=storage.uri, latest=latest, chosen=name)
             return info
+        if info.quarantine is not None:  # its shards are not read again
+            log.warning("skipping quarantined checkpoint", storage=storage.uri, dir=name, step=info.step,
+                        reason=info.quarantine.describe(),
+                        fix="spotguard checkpoints --restore STEP after repairing it, or --delete-quarantined")
+            continue
         log.warning(
             "skipping checkpoint that cannot be loaded",
             storage=storage.uri, dir=name, step=info.step, reason=info.problem,
@@ -449,12 +491,20 @@ def prepare_attempt(storage: Storage, step: int) -> str:
 
     Clears what an earlier, uncommitted attempt left there (DCP must not mix old
     shards with new ones) and aborts orphaned multipart uploads of killed saves. Raises ``AlreadyCommitted`` if the folder holds a
-    commit record: a committed checkpoint is never touched. Call on one rank
-    (rank 0), then barrier, before any rank writes.
+    loadable commit record: a committed checkpoint is never touched. A record
+    that is not loadable (quarantined, failing its checks: forged, truncated
+    shard) commits nothing, so it is replaced: its record goes first, then the
+    rest, and this save really commits. Call on one rank (rank 0), then
+    barrier, before any rank writes.
     """
     key = step_dir(step)
     if storage.exists(join_key(key, COMMIT_NAME)):
-        raise AlreadyCommitted(step, key)
+        info = checkpoint_info(storage, key)
+        if info.committed:
+            raise AlreadyCommitted(step, key)
+        log.warning("replacing a checkpoint that cannot be loaded: this save commits the step anew",
+                    storage=storage.uri, dir=key, step=step, state=info.state, reason=info.problem)
+        _delete_folder(storage, key, has_record=True)
     # Object stores: a save killed mid-upload leaves unfinished multipart uploads (billed, invisible
     # to listings). No other save of this job runs now, so every one under step-* is an orphan.
     storage.abort_incomplete_uploads("step-")
@@ -524,7 +574,8 @@ def _write_latest(storage: Storage, step: int) -> None:
     """Point ``latest`` at ``step`` unless it already names a newer committed checkpoint."""
     current = read_latest(storage)
     cur_step = parse_step_dir(current) if current else None
-    if cur_step is not None and cur_step > step and storage.exists(join_key(current or "", COMMIT_NAME)):
+    if cur_step is not None and cur_step > step and storage.exists(join_key(current or "", COMMIT_NAME)) \
+            and not storage.exists(join_key(current or "", QUARANTINE_NAME)):
         return
     try:
         storage.write_bytes(LATEST_NAME, (step_dir(step) + "\n").encode())
@@ -538,7 +589,10 @@ def apply_retention(storage: Storage, keep: int | None) -> list[str]:
     ``keep=None`` keeps every committed checkpoint (still clears stale
     incomplete ones). Folders newer than the newest committed one are left alone
     (a save may be in progress). The newest committed checkpoint is never
-    deleted. Returns the deleted folder keys. Call on one rank.
+    deleted. Quarantined checkpoints neither count toward ``keep`` nor as the
+    newest, and are never deleted here (the operator's evidence:
+    ``spotguard checkpoints --delete-quarantined``). Returns the deleted folder
+    keys. Call on one rank.
     """
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive integer or None, got {keep!r}")
@@ -547,20 +601,99 @@ def apply_retention(storage: Storage, keep: int | None) -> list[str]:
     if not committed:
         return []
     newest = committed[-1]
-    doomed: list[CheckpointInfo] = [i for i in infos if not i.committed and i.step < newest.step]
+    doomed: list[CheckpointInfo] = [i for i in infos
+                                    if not i.committed and i.quarantine is None and i.step < newest.step]
     if keep is not None:
         doomed += committed[:-keep] if len(committed) > keep else []
     deleted: list[str] = []
     for info in sorted(doomed, key=lambda i: i.step):
         if info.dir == newest.dir:  # belt and braces
             continue
-        # Remove the record first so a half-deleted folder can never look committed.
-        if info.committed:
-            storage.delete_prefix(join_key(info.dir, COMMIT_NAME))
-        storage.delete_prefix(info.dir + "/")
+        _delete_folder(storage, info.dir, info.committed)
         deleted.append(info.dir)
     if deleted:
         log.info("retention deleted checkpoints", storage=storage.uri, deleted=deleted, keep=keep, newest=newest.dir)
+    return deleted
+
+
+def _delete_folder(storage: Storage, dirkey: str, has_record: bool) -> None:
+    """Delete a step folder, its record first so a half-deleted folder can never look committed."""
+    if has_record:
+        storage.delete_prefix(join_key(dirkey, COMMIT_NAME))
+    storage.delete_prefix(dirkey + "/")
+
+
+# --- quarantine ---------------------------------------------------------------
+
+
+def quarantine(storage: Storage, info: CheckpointInfo, what: str, where: str = "", by: str = "resume") -> bool:
+    """Set aside ``info`` (committed, failed verification): write its mark, move the ``latest`` hint off it.
+
+    Best effort, never raises (a store that refuses the write only costs the
+    next restart one more full read): returns whether the mark was written.
+    """
+    if info.record_sha256 is None:
+        return False
+    try:
+        mark = write_mark(storage, info.dir, info.step, info.record_sha256, what, where, by, job_key())
+    except Exception as exc:  # noqa: BLE001 - the caller falls back either way
+        log.warning("could not write quarantine mark: the next restart verifies this checkpoint again",
+                    storage=storage.uri, dir=info.dir, error=f"{type(exc).__name__}: {exc}")
+        return False
+    log.error("checkpoint quarantined: never loaded again, kept for inspection", storage=storage.uri,
+              dir=info.dir, step=info.step, reason=mark.describe(),
+              fix="spotguard checkpoints --restore %d after repairing it, or --delete-quarantined" % info.step)
+    try:
+        if read_latest(storage) == info.dir:
+            good = newest_committed(storage, below=info.step)
+            if good is not None:
+                storage.write_bytes(LATEST_NAME, (good.dir + "\n").encode())
+    except Exception as exc:  # noqa: BLE001 - only a hint
+        log.warning("could not move the latest hint off a quarantined checkpoint", storage=storage.uri,
+                    error=repr(exc))
+    return True
+
+
+def quarantine_dir(storage: Storage, dirkey: str, what: str, where: str = "", by: str = "resume") -> bool:
+    """``quarantine`` by folder name (re-reads its record, so the mark names the record that failed)."""
+    try:
+        info = checkpoint_info(storage, dirkey, marks=False)
+    except Exception as exc:  # noqa: BLE001 - best effort, like quarantine()
+        log.warning("could not read the checkpoint to quarantine", storage=storage.uri, dir=dirkey, error=repr(exc))
+        return False
+    return quarantine(storage, info, what, where, by)
+
+
+def restore_quarantined(storage: Storage, step: int, verify: Any) -> tuple[bool, str]:
+    """Lift ``step``'s mark if the checkpoint now checks out in full (``verify(storage, info)`` raises if not).
+
+    Returns (restored, message). A checkpoint that still fails keeps its mark (rewritten with the new reason).
+    """
+    key = step_dir(step)
+    info = checkpoint_info(storage, key, marks=False)
+    if info.record is None or not info.committed:
+        return False, f"{key} is not a committed checkpoint: {info.problem}"
+    if not storage.exists(join_key(key, QUARANTINE_NAME)):
+        return False, f"{key} is not quarantined"
+    try:
+        verify(storage, info)
+    except StorageError as exc:
+        quarantine(storage, info, getattr(exc, "what", str(exc)), getattr(exc, "where", ""), "checkpoints --restore")
+        return False, f"{key} still fails verification: {exc}"
+    storage.delete_prefix(join_key(key, QUARANTINE_NAME))
+    log.info("quarantine lifted: the checkpoint verified in full", storage=storage.uri, dir=key, step=step)
+    return True, f"{key} verified in full; quarantine lifted"
+
+
+def delete_quarantined(storage: Storage) -> list[str]:
+    """Delete every quarantined checkpoint folder (record first); returns their keys."""
+    deleted = []
+    for info in scan(storage):
+        if info.quarantine is not None:
+            _delete_folder(storage, info.dir, has_record=True)
+            deleted.append(info.dir)
+    if deleted:
+        log.info("deleted quarantined checkpoints", storage=storage.uri, deleted=deleted)
     return deleted
 
 

@@ -244,6 +244,12 @@ class WriteLog:
             with self._lock:
                 self._by_folder.setdefault(folder, {})[name] = digest
 
+    def discard(self, key: str) -> None:
+        """Forget one object (a quarantine mark is no checkpoint file: a later commit must not list it)."""
+        folder, _, name = key.partition("/")
+        with self._lock:
+            self._by_folder.get(folder, {}).pop(name, None)
+
     def peek(self, folder: str) -> dict[str, FileDigest]:
         """Everything noted under ``folder`` so far (kept)."""
         with self._lock:

@@ -2,9 +2,13 @@
 
 Uses the same validation as resume (``commit.scan``), so "committed" here means
 exactly "loadable": a folder with a garbage record or a truncated shard shows as
-incomplete with the reason. ``--verify`` also reads every file of every
-committed checkpoint and checks it against the record's checksums; the exit
-code is 1 when any committed checkpoint is damaged.
+incomplete with the reason, a quarantined one (``quarantine.py``) with why and
+by which check. Without ``--verify`` the newest committed checkpoint is named as
+what resume *tries first* (resume reads and checks every block before it counts);
+``--verify`` reads every file of every committed checkpoint, checks it against
+the record's checksums, quarantines the damaged ones (the exit code is then 1)
+and only then names what resume would load. ``--restore STEP`` lifts a
+quarantine after a full re-verify; ``--delete-quarantined`` deletes them.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any, TextIO
 
 from ..timefmt import to_rfc3339
 from . import StorageError, open_storage
-from .commit import CheckpointInfo, read_latest, scan
+from .commit import CheckpointInfo, delete_quarantined, quarantine, read_latest, restore_quarantined, scan
 from .integrity import DamagedCheckpoint
 from .verify import verifiable, verify_checkpoint
 
@@ -34,7 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--verify", action="store_true",
                         help="read every file of every committed checkpoint and check its checksums "
-                             "(exit code 1 if any is damaged)")
+                             "(exit code 1 if any is damaged); damaged ones are quarantined")
+    parser.add_argument("--restore", metavar="STEP", type=int, default=None,
+                        help="re-verify the quarantined checkpoint of STEP in full and lift its quarantine if it "
+                             "checks out (exit code 1 if it still fails)")
+    parser.add_argument("--delete-quarantined", action="store_true",
+                        help="delete every quarantined checkpoint (they are never loaded; retention keeps them)")
 
 
 def human_size(n: int) -> str:
@@ -56,15 +65,22 @@ def _when(info: CheckpointInfo) -> datetime:
 
 
 def _state(info: CheckpointInfo, chosen: str | None, checks: dict[str, str | None] | None = None) -> str:
+    if info.quarantine is not None:
+        return f"QUARANTINED ({info.quarantine.describe()}), never loaded" \
+            + (", latest hint ignored" if info.latest else "")
     if info.committed:
         parts = ["committed"]
         if checks is not None:
             problem = checks.get(info.dir)
-            parts = ["committed, verified"] if problem is None else [f"DAMAGED ({problem})"]
+            parts = ["committed, verified"] if problem is None else [f"DAMAGED, quarantined ({problem})"]
         if info.dir == chosen:
             parts.append("newest")
         if info.latest:
             parts.append("latest")
+        if info.dir == chosen and checks is None:
+            parts.append("not verified: resume verifies it first")
+        if info.mark_ignored:
+            parts.append(f"quarantine mark ignored ({info.mark_ignored})")
         if info.unlisted:
             parts.append(f"{len(info.unlisted)} objects not in the record, ignored: "
                          + ", ".join(repr(n) for n in info.unlisted[:3]) + (" ..." if len(info.unlisted) > 3 else ""))
@@ -112,8 +128,10 @@ def _to_json(info: CheckpointInfo, chosen: str | None, checks: dict[str, str | N
         "time": to_rfc3339(_when(info)),
         "record": info.record.to_dict() if info.record is not None else None,
         "unlisted": info.unlisted,
+        "quarantine": info.quarantine.to_dict() if info.quarantine is not None else None,
+        "quarantine_mark_ignored": info.mark_ignored,
     }
-    if checks is not None and info.committed:
+    if checks is not None and info.dir in checks:
         doc["verified"] = checks.get(info.dir) is None
         doc["damage"] = checks.get(info.dir)
     return doc
@@ -123,6 +141,9 @@ def _verify_all(storage: Any, infos: list[CheckpointInfo]) -> dict[str, str | No
     """dir -> None (every file checks out) or what is wrong, for each committed checkpoint."""
     out: dict[str, str | None] = {}
     for info in infos:
+        if info.quarantine is not None:  # read in full once already: --restore STEP re-verifies it
+            out[info.dir] = f"quarantined: {info.quarantine.describe()}"
+            continue
         if not info.committed:
             continue
         if not verifiable(info):
@@ -133,7 +154,25 @@ def _verify_all(storage: Any, infos: list[CheckpointInfo]) -> dict[str, str | No
             out[info.dir] = None
         except DamagedCheckpoint as exc:
             out[info.dir] = f"{exc.where}: {exc.what}"
+            quarantine(storage, info, exc.what, exc.where, "checkpoints --verify")
     return out
+
+
+def _operate(args: argparse.Namespace, storage: Any, out: TextIO, err: TextIO) -> int | None:
+    """``--restore`` / ``--delete-quarantined``: the exit code, or None when neither was asked for."""
+    restore = getattr(args, "restore", None)
+    if restore is not None:
+        if restore < 0:
+            print(f"spotguard checkpoints: error: --restore takes a step >= 0, got {restore}", file=err)
+            return EXIT_USAGE
+        ok, message = restore_quarantined(storage, restore, verify_checkpoint)
+        print(message, file=out if ok else err)
+        return EXIT_OK if ok else EXIT_DAMAGED
+    if getattr(args, "delete_quarantined", False):
+        gone = delete_quarantined(storage)
+        print(f"deleted {len(gone)} quarantined checkpoint(s)" + (": " + ", ".join(gone) if gone else ""), file=out)
+        return EXIT_OK
+    return None
 
 
 def main(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -144,6 +183,9 @@ def main(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None
         root = storage.local_path("")
         if root is not None and not root.is_dir():
             raise StorageError(f"no such directory: {root}")
+        code = _operate(args, storage, out, err)
+        if code is not None:
+            return code
         infos = scan(storage)
     except StorageError as exc:
         print(f"spotguard checkpoints: error: {exc}", file=err)
@@ -166,6 +208,8 @@ def main(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None
             "uri": storage.uri,
             "latest_hint": read_latest(storage),
             "newest_committed": chosen,
+            "newest_verified": checks is not None and chosen is not None,
+            "quarantined": [i.dir for i in infos if i.quarantine is not None],
             "checkpoints": [_to_json(i, chosen, checks) for i in infos],
         }
         print(json.dumps(doc, indent=2), file=out)
@@ -178,8 +222,15 @@ def main(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None
     if chosen is None:
         print("no committed checkpoint" + (" passed verification" if checks else "")
               + ": a resume would start from step 0" + (" (or stop, if any is damaged)" if checks else ""), file=out)
-    else:
+    elif checks is not None:
         print(f"resume would load {chosen}", file=out)
+    else:
+        print(f"resume would try {chosen} first: committed, not verified (resume checks every block and, if it is "
+              "damaged, quarantines it and loads the previous committed one); --verify checks now", file=out)
+    quarantined = [i for i in infos if i.quarantine is not None]
+    if quarantined:
+        print(f"quarantined (never loaded, kept by retention): {', '.join(i.dir for i in quarantined)}; "
+              "--restore STEP re-verifies one after a repair, --delete-quarantined deletes them", file=out)
     if checks is not None:
         bad = sorted(d for d, v in checks.items() if v is not None)
         print(f"verified {len(checks) - len(bad)} of {len(checks)} committed checkpoints"

@@ -147,17 +147,19 @@ def latest_verified(storage: Storage, log: Any) -> tuple[CheckpointInfo, pathlib
     """The newest committed checkpoint that verifies, as a local folder (downloaded from an object store).
 
     A damaged one is skipped with one log line naming the file and what differed,
-    and the previous one is tried; None when nothing is committed; a
-    ``RuntimeError`` when checkpoints are committed but none verifies.
+    quarantined (``quarantine.py``), and the previous one is tried; None when
+    nothing is committed; a ``RuntimeError`` when checkpoints are committed but
+    none verifies (quarantined ones included).
     """
-    from .commit import newest_committed  # noqa: PLC0415
+    from .commit import newest_committed, quarantine, scan  # noqa: PLC0415
 
     below: int | None = None
     damaged: list[str] = []
     while True:
         info = newest_committed(storage, below=below)
         if info is None:
-            if damaged:
+            damaged += [i.dir for i in scan(storage) if i.quarantine is not None and i.dir not in damaged]
+            if damaged:  # starting from 0 over quarantined work is the operator's call
                 raise RuntimeError(f"spotguard: no committed checkpoint in {storage.uri} passed verification "
                                    f"(damaged: {', '.join(damaged)}); restore them from a backup, or delete "
                                    f"them to start from step 0")
@@ -167,6 +169,7 @@ def latest_verified(storage: Storage, log: Any) -> tuple[CheckpointInfo, pathlib
         except DamagedCheckpoint as exc:
             log.error("skipping damaged checkpoint", dir=info.dir, step=info.step, file=exc.where, problem=exc.what)
             damaged.append(info.dir)
+            quarantine(storage, info, exc.what, exc.where, "latest")  # the next restart does not read it again
             below = info.step
 
 

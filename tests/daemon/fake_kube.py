@@ -6,7 +6,9 @@ objects naming the verb/resource, ``404`` NotFound, ``415`` for a PATCH whose
 Content-Type is not one of the patch types, optimistic concurrency (a patch carrying a
 stale ``metadata.resourceVersion`` is a ``409 Conflict``), ``409 AlreadyExists`` on a
 duplicate create, ``422`` when an Event's involvedObject namespace differs from its own,
-strategic-merge semantics for ``spec.taints`` (no merge key: the list is replaced),
+strategic-merge semantics for ``spec.taints`` (no merge key: the list is replaced) and
+maps (``metadata.annotations``: merged, ``null`` deletes a key), Events about a
+cluster-scoped object (a Node: empty involvedObject namespace, Event in ``default``),
 JSON patch (RFC 6902: add/replace/remove/test). Optional TLS (in-cluster style).
 """
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import pytest
 from aiohttp import web
 
 from .loopback import serve
@@ -37,9 +40,11 @@ def status(code: int, reason: str, message: str, **details: Any) -> web.Response
 
 def _merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
     for k, v in patch.items():
-        if v is None:
+        if v is None:  # JSON merge patch (RFC 7386) and strategic merge: null deletes the key
             target.pop(k, None)
-        elif isinstance(v, dict) and isinstance(target.get(k), dict):
+        elif isinstance(v, dict):
+            if not isinstance(target.get(k), dict):
+                target[k] = {}
             _merge(target[k], v)
         else:
             target[k] = copy.deepcopy(v)  # lists (spec.taints: no patchMergeKey) are replaced whole
@@ -204,7 +209,12 @@ class FakeKube:
         if (body.get("metadata") or {}).get("namespace", namespace) != namespace:
             return status(400, "BadRequest", "the namespace of the provided object does not match the namespace sent "
                                              "on the request")
-        if (body.get("involvedObject") or {}).get("namespace") != namespace:
+        involved_ns = (body.get("involvedObject") or {}).get("namespace") or ""
+        if not involved_ns:  # a cluster-scoped object (a Node): the Event lives in "default" (or no namespace)
+            if namespace not in ("", "default"):
+                return status(422, "Invalid", f'Event "{name}" is invalid: involvedObject.namespace: Invalid value: '
+                                              '"": does not match event.namespace')
+        elif involved_ns != namespace:
             return status(422, "Invalid", f'Event "{name}" is invalid: involvedObject.namespace: Invalid value: '
                                           "does not match event.namespace")
         if any(e["metadata"]["name"] == name and e["metadata"]["namespace"] == namespace for e in self.events):
@@ -257,3 +267,13 @@ class FakeKube:
         self._release.set()
         assert self._runner is not None
         await self._runner.cleanup()
+
+
+@pytest.fixture
+def kubeconfig_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``kubeconfig_env(kube)``: the daemon under test finds ``kube`` through ``$KUBECONFIG`` (not in-cluster)."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+
+    def _set(kube: FakeKube) -> None:
+        monkeypatch.setenv("KUBECONFIG", kube.kubeconfig(tmp_path / "kubeconfig"))
+    return _set

@@ -19,7 +19,7 @@ from spotguard.daemon.client import Subscription  # noqa: E402
 from spotguard.notice import Cancel  # noqa: E402
 
 from .conftest import FakeWatcher, make_notice, running_daemon  # noqa: E402
-from .fake_kube import FakeKube  # noqa: E402
+from .fake_kube import FakeKube, kubeconfig_env  # noqa: E402,F401  (a fixture)
 from .loopback import assert_notices_prompt  # noqa: E402
 
 NODE = "node-a"
@@ -33,13 +33,12 @@ def manifest_verbs() -> set[str]:
     return {f"{v} {r}" for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
 
 
-@pytest.fixture
-def kubeconfig_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+def pod_events(kube: FakeKube) -> list[dict]:
+    return [e for e in kube.events if e["involvedObject"]["kind"] == "Pod"]
 
-    def _set(kube: FakeKube) -> None:
-        monkeypatch.setenv("KUBECONFIG", kube.kubeconfig(tmp_path / "kubeconfig"))
-    return _set
+
+def node_events(kube: FakeKube) -> list[dict]:
+    return [e for e in kube.events if e["involvedObject"]["kind"] == "Node"]
 
 
 def our_taint(kube: FakeKube) -> list[dict]:
@@ -66,16 +65,16 @@ async def test_cordon_at_notice_and_event_after_checkpoint(sock_path: str, kubec
             await a.checkpoint_done("aws-spot-k", step=42)
             await a.status()
             await asyncio.sleep(0.2)
-            assert kube.events == [], "an Event before every subscriber reported"
+            assert pod_events(kube) == [], "an Event before every subscriber reported"
             await b.checkpoint_done("aws-spot-k", step=42)
-            await kube.wait_for(lambda: len(kube.events) == 1, what="event")
-            (ev,) = kube.events
+            await kube.wait_for(lambda: len(pod_events(kube)) == 1, what="event")
+            (ev,) = pod_events(kube)
             assert ev["reason"] == EVENT_REASON and ev["type"] == "Normal"
             assert ev["involvedObject"] == {"apiVersion": "v1", "kind": "Pod", "name": "train-0", "namespace": "ml",
                                             "uid": "uid-ml-train-0"}
             assert "checkpoint committed at step 42, exiting" in ev["message"] and ev["source"]["host"] == NODE
             await asyncio.sleep(0.2)
-            assert len(kube.events) == 1, "one Event per pod, not per rank"
+            assert len(pod_events(kube)) == 1, "one Event per pod, not per rank"
             await a.close()
             await b.close()
         assert d.metrics.actions.labels("kubernetes", "notice", "ok")._value.get() == 1
@@ -83,11 +82,13 @@ async def test_cordon_at_notice_and_event_after_checkpoint(sock_path: str, kubec
 
 
 async def test_stale_resource_version_conflict_is_reread_and_retried(sock_path: str, kubeconfig_env) -> None:
-    async with FakeKube(node_name=NODE, concurrent_writes=2) as kube:
+    async with FakeKube(node_name=NODE) as kube:
         kubeconfig_env(kube)
         w = FakeWatcher("gcp")
         with structlog.testing.capture_logs() as logs:
             async with running_daemon(sock_path, [w], node=NODE, kubernetes_node_actions=True):
+                await kube.wait_for(lambda: len(kube.log) >= 1, what="the reconcile at start reads the node")
+                kube.concurrent_writes = 2
                 await w.push(make_notice("gcp-k", source="gcp"))
                 await kube.wait_for(lambda: kube.node["spec"].get("unschedulable") is True, what="cordon")
         assert [s for m, _, s, _ in kube.log if m == "PATCH"] == [409, 409, 200]
@@ -111,7 +112,7 @@ async def test_missing_rbac_is_one_clear_line_and_not_retried(sock_path: str, ku
                 await asyncio.sleep(0.3)
                 await a.close()
         assert [s for m, _, s, _ in kube.log if m == "PATCH"] == [403]
-        assert len([1 for m, p, s, _ in kube.log if p.endswith("/events")]) == 1
+        assert len([1 for m, p, s, _ in kube.log if p.endswith("/ml/events")]) == 1
         forbidden = [r for r in logs if r["event"] == "kubernetes.forbidden"]
         assert {r["missing"] for r in forbidden} == {"'patch nodes'", "'create events'"}
         assert all("rbac.yaml" in r["fix"] for r in forbidden)
@@ -174,8 +175,8 @@ async def test_in_cluster_service_account_over_tls(tmp_path: Path, monkeypatch: 
             assert await act.on_outcome(outcome) is True, "a repeat is 409 AlreadyExists: still fine"
         finally:
             await act.close()
-        assert kube.node["spec"]["unschedulable"] is True and len(kube.events) == 1
-        assert [s for m, p, s, _ in kube.log if p.endswith("/events")] == [201, 409]
+        assert kube.node["spec"]["unschedulable"] is True and len(pod_events(kube)) == 1
+        assert [s for m, p, s, _ in kube.log if p.endswith("/ml/events")] == [201, 409]
 
 
 async def test_no_credentials_or_no_node_is_a_startup_error(sock_path: str, tmp_path: Path,

@@ -101,8 +101,33 @@ def expressions() -> list[str]:
 def test_promtool_checks_and_unit_tests_the_rules() -> None:
     tool = promtool()
     out = run([tool, "check", "rules", str(RULES)]).stdout
-    assert "SUCCESS: 4 rules found" in out
+    assert "SUCCESS: 7 rules found" in out
     run([tool, "test", "rules", RULES_TEST.name], cwd=RULES_TEST.parent)
+
+
+def test_alerts_use_the_healthz_signal_and_cover_a_down_or_absent_daemon() -> None:
+    """Issue 24: the blind alert read spotguard_watcher_healthy (the last poll), not what /healthz and
+    `status --check` use; nothing fired for a daemon that is down or not there at all."""
+    rules = {r["alert"]: r["expr"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]}
+    assert "spotguard_watcher_seeing_notices" in rules["SpotguardWatcherBlind"]
+    assert "spotguard_watcher_healthy" not in rules["SpotguardWatcherBlind"]
+    assert rules["SpotguardDown"].startswith("up{") and rules["SpotguardAbsent"].startswith("absent(up{")
+
+
+def test_shipped_scrape_config_is_valid_and_scrapes_the_daemonsets_port() -> None:
+    """The loopback-only metrics need a node-local scraper: the shipped config checks with promtool, its
+    job is the one the down/absent alerts select, and it scrapes the DaemonSet's metrics port."""
+    tool = promtool()
+    cfg_path = RULES.parent / "scrape-config.yaml"
+    run([tool, "check", "config", str(cfg_path)])
+    cfg = yaml.safe_load(cfg_path.read_text())
+    (job,) = cfg["scrape_configs"]
+    assert re.fullmatch(r"(.+/)?spotguard", job["job_name"])
+    assert 'job=~"(.+/)?spotguard"' in RULES.read_text()
+    ds = next(d for d in yaml.safe_load_all((Path(REPO) / "deploy" / "kubernetes" / "daemonset" /
+                                             "daemonset.yaml").read_text()) if d and d["kind"] == "DaemonSet")
+    env = {e["name"]: e.get("value") for c in ds["spec"]["template"]["spec"]["containers"] for e in c["env"]}
+    assert job["static_configs"][0]["targets"] == [f"127.0.0.1:{env['SPOTGUARD_METRICS_PORT']}"]
 
 
 def test_dashboard_shape_and_every_expression_parses(tmp_path: Path) -> None:

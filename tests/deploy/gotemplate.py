@@ -167,6 +167,15 @@ class Renderer:
         return value
 
 
+def _coalesce(base: dict[str, Any], over: dict[str, Any]) -> None:
+    """``-f values.yaml`` over the chart's defaults as Helm merges them: maps deeply, everything else replaced."""
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _coalesce(base[k], v)
+        else:
+            base[k] = v
+
+
 def render_chart(chart_dir: Any, release: str = "spotguard", namespace: str = "kube-system",
                  values: dict[str, Any] | None = None) -> dict[str, str]:
     """{template file name: rendered text} for every manifest template, like `helm template`."""
@@ -174,7 +183,7 @@ def render_chart(chart_dir: Any, release: str = "spotguard", namespace: str = "k
     chart_dir = Path(chart_dir)
     chart = yaml.safe_load((chart_dir / "Chart.yaml").read_text())
     vals = yaml.safe_load((chart_dir / "values.yaml").read_text()) or {}
-    vals.update(values or {})
+    _coalesce(vals, values or {})
     root = {
         "Values": vals,
         "Chart": {"Name": chart["name"], "Version": chart["version"], "AppVersion": chart.get("appVersion", "")},

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import REPO, find_tool, load_yaml_docs, run
+from .conftest import REPO, find_tool, load_yaml_docs, require_tool, run
 from .test_kubernetes import K8S_VERSIONS, render, validate
 
 CHART = REPO / "deploy" / "helm" / "spotguard"
@@ -75,6 +75,18 @@ def test_chart_renders_valid(values: dict[str, Any] | None, tmp_path: Path) -> N
     else:
         c = next(c for c in spec["containers"] if c["name"] == "spotguard")
         assert "SPOTGUARD_SIGTERM_NOTICE" not in {e["name"] for e in c["env"]}  # SIGTERM is a clean stop
+
+
+def test_chart_with_node_actions_matches_the_overlay_resources(tmp_path: Path) -> None:
+    chart_ds = next(d for d in helm_template({"actions": {"kubernetesNodeActions": True}}, tmp_path)
+                    if d["kind"] == "DaemonSet")
+    kust = load_yaml_docs(run([require_tool("kubectl"), "kustomize",
+                               str(REPO / "deploy" / "kubernetes" / "daemonset-node-actions")], timeout=60).stdout)
+    kust_ds = next(d for d in kust if d["kind"] == "DaemonSet")
+    ca, cb = (next(c for c in d["spec"]["template"]["spec"]["containers"] if c["name"] == "spotguard")
+              for d in (chart_ds, kust_ds))
+    assert ca["resources"] == cb["resources"]
+    assert ca["livenessProbe"] == cb["livenessProbe"] and ca["readinessProbe"] == cb["readinessProbe"]
 
 
 def test_chart_matches_kustomize_daemonset(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ UNIT = REPO / "systemd" / "spotguard.service"
 DROPIN = REPO / "systemd" / "trainer-dropin.conf"
 TRAINER = REPO / "systemd" / "trainer.service.example"
 SYSUSERS = REPO / "systemd" / "spotguard.sysusers.conf"
+ACTIONS_DROPIN = REPO / "systemd" / "spotguard-actions.conf"
 MAX_EXPOSURE = 3.0
 
 
@@ -112,6 +113,22 @@ def test_verify_is_really_verifying(offline_root: Path) -> None:
     conf = offline_root / "etc/systemd/system/trainer.service.d/spotguard.conf"
     conf.write_text(conf.read_text() + "\nNoSuchDirective=1\n")
     assert "NoSuchDirective" in _verify(offline_root)
+
+
+def test_actions_dropin_verifies_and_lifts_the_address_deny(offline_root: Path) -> None:
+    """Issue 24: IPAddressDeny=any blocks the Auto Scaling API, webhooks and the Kubernetes API; the
+    opt-in drop-in resets it, and `systemd-analyze verify` reads it (a bad key in it is reported)."""
+    d = parse_unit(ACTIONS_DROPIN)
+    assert values(d, "Service", "IPAddressDeny") == [""], "an empty assignment resets the unit's deny list"
+    assert values(parse_unit(UNIT), "Service", "IPAddressDeny") == ["any"], "the base unit stays closed"
+    conf = offline_root / "etc/systemd/system/spotguard.service.d/actions.conf"
+    conf.parent.mkdir(parents=True)
+    shutil.copy(ACTIONS_DROPIN, conf)
+    out = _verify(offline_root)
+    assert out == "", "systemd-analyze verify is not clean with the actions drop-in:\n" + out
+    conf.write_text(conf.read_text() + "\nNoSuchDirective=1\n")
+    assert "NoSuchDirective" in _verify(offline_root)
+    assert "spotguard-actions.conf" in (REPO / "docs" / "deploy.md").read_text()
 
 
 def exposure() -> float:

@@ -53,6 +53,73 @@ def _pair(raw: str | None) -> tuple[int, float] | None:
     return int(a), float(b)
 
 
+class SwapEMA:
+    """torch_ema's ExponentialMovingAverage in miniature: shadow weights, swapped in through ``param.data``."""
+
+    def __init__(self, params: list[torch.nn.Parameter], decay: float = 0.9) -> None:
+        self.params, self.decay = params, decay
+        self.shadow = [p.detach().clone() for p in params]
+        self.backup: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for s, p in zip(self.shadow, self.params):
+            s.mul_(self.decay).add_(p.detach(), alpha=1 - self.decay)
+
+    def store(self) -> None:
+        self.backup = [p.data.clone() for p in self.params]
+
+    def copy_to(self) -> None:
+        for s, p in zip(self.shadow, self.params):
+            p.data.copy_(s)
+
+    def restore(self) -> None:
+        for b, p in zip(self.backup, self.params):
+            p.data.copy_(b)
+        self.backup = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"shadow": [s.clone() for s in self.shadow]}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for s, v in zip(self.shadow, sd["shadow"]):
+            s.copy_(v)
+
+
+def _slow_first_save(root: str, delay: float) -> Any:
+    """A local store whose first checkpoint write from the agreement thread takes ``delay`` s per item."""
+    import threading  # noqa: PLC0415
+
+    sys.path.insert(0, str(HERE))
+    from _slowstore import _SlowWriter  # noqa: PLC0415
+
+    from spotguard.storage.local import LocalStorage  # noqa: PLC0415
+
+    class SlowFirst(LocalStorage):
+        slowed = False
+
+        def dcp_writer(self, key: str, *, thread_count: int | None = None) -> Any:
+            if self.slowed or threading.current_thread().name != "spotguard-agreement":
+                return super().dcp_writer(key, thread_count=thread_count)
+            self.slowed = True
+            self._mkdirs(self._path(key))
+            w = _SlowWriter(self, key, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+            w.delay = delay
+            return w
+
+    return SlowFirst(root)
+
+
+class Broken:
+    """A user's stateful object whose ``state_dict()`` raises."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("metrics backend unavailable (test)")
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        pass
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=10)
@@ -71,6 +138,17 @@ def main() -> int:
     p.add_argument("--stall-before", default=None, help="ITER:SECONDS")
     p.add_argument("--warmup", type=float, default=0.0)
     p.add_argument("--raise-in-eval", type=float, default=-1.0, help="every rank raises this long into the eval")
+    p.add_argument("--ema-swap-eval", action="store_true",
+                   help="an EMA (torch_ema style, in the dict) updated after sched.step() and swapped into the "
+                        "model through param.data for the --eval-after evaluation")
+    p.add_argument("--raising-state", action="store_true", help="a stateful object whose state_dict() raises")
+    p.add_argument("--far-notice", action="store_true",
+                   help="at --notice-at, notice-rank first gets a 300 s maintenance notice, then a 6 s preemption")
+    p.add_argument("--slow-first-save", type=float, default=0.0,
+                   help="the first background save writes this many seconds per item (a slow upload)")
+    p.add_argument("--then-signal", type=float, default=-1.0,
+                   help="with --notice-kind rebalance: SIGUSR1 this long after the rebalance notice")
+    p.add_argument("--on-exit-dir", default=None, help="hook.on_exit writes <dir>/exit-<rank>.json")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--optim", default="sgd")
@@ -100,7 +178,20 @@ def main() -> int:
     def notice(i: int | None, phase: str) -> None:
         if rank == args.notice_rank and phase == notice_phase and (i == notice_iter or phase == "warmup"):
             print(json.dumps({"notice_sent": phase, "iter": i, "t": time.time(), "rank": rank}), flush=True)
-            if args.notice_kind == "rebalance":
+            if args.far_notice:
+                from datetime import timedelta  # noqa: PLC0415
+
+                from spotguard.notice import Notice  # noqa: PLC0415
+                from spotguard.timefmt import utcnow  # noqa: PLC0415
+
+                now = utcnow()
+                hook.notify(Notice(id=f"maint-{i}", source="drill", kind="maintenance",
+                                   deadline=now + timedelta(seconds=300), received_at=now))
+                time.sleep(0.5)  # the round for it is in its agreement (its peer never joins)
+                now = utcnow()
+                hook.notify(Notice(id=f"preempt-{i}", source="drill", kind="preemption",
+                                   deadline=now + timedelta(seconds=6), received_at=now))
+            elif args.notice_kind == "rebalance":
                 from datetime import timedelta  # noqa: PLC0415
 
                 from spotguard.notice import Notice  # noqa: PLC0415
@@ -109,16 +200,33 @@ def main() -> int:
                 now = utcnow()
                 hook.notify(Notice(id=f"rebalance-{i}", source="drill", kind="rebalance",
                                    deadline=now + timedelta(seconds=60), received_at=now))
+                if args.then_signal >= 0:
+                    import threading  # noqa: PLC0415
+
+                    threading.Timer(args.then_signal, os.kill, args=(os.getpid(), signal.SIGUSR1)).start()
             else:
                 os.kill(os.getpid(), signal.SIGUSR1)
 
+    ema = SwapEMA(list(net.parameters()))
     start = 0
     hook: Any = None
     if not args.no_hook:
         from spotguard import install_preemption_hook
 
-        hook = install_preemption_hook({"model": model, "optimizer": opt, "scheduler": sched, "loader": loader},
-                                       storage=args.storage)
+        objs: dict[str, Any] = {"model": model, "optimizer": opt, "scheduler": sched, "loader": loader}
+        if args.ema_swap_eval:
+            objs["ema"] = ema
+        if args.raising_state:
+            objs["broken"] = Broken()
+        storage: Any = args.storage
+        if args.slow_first_save > 0:
+            storage = _slow_first_save(args.storage, args.slow_first_save)
+        hook = install_preemption_hook(objs, storage=storage)
+        if args.on_exit_dir:
+            @hook.on_exit
+            def record(code: int, committed: bool) -> None:
+                Path(args.on_exit_dir, f"exit-{rank}.json").write_text(json.dumps({"code": code,
+                                                                                  "committed": committed}))
         start = hook.resume()
     state: dict[str, Any] = {"i": start, "step_t": 0.0}
     if any(phases) or args.notice_at:
@@ -175,6 +283,7 @@ def main() -> int:
                 time.sleep(args.micro_time)
         opt.step()
         sched.step()
+        ema.update()
         notice(i, "after")
         if rank == 0:
             print(json.dumps({"step": i, "loss": round(total, 6), "t": time.time()}), flush=True)
@@ -182,6 +291,9 @@ def main() -> int:
         if eval_after is not None and eval_after[0] == i:
             notice(i, "eval")
             model.eval()
+            if args.ema_swap_eval:
+                ema.store()
+                ema.copy_to()
             end = time.monotonic() + eval_after[1]
             g = torch.Generator().manual_seed(99)
             acc = torch.zeros(1)
@@ -192,6 +304,8 @@ def main() -> int:
                     if 0 <= args.raise_in_eval < eval_after[1] - (end - time.monotonic()):
                         raise RuntimeError("a collective of the user's failed (test)")
             dist.all_reduce(acc)
+            if args.ema_swap_eval:
+                ema.restore()
             model.train()
 
     if args.out and rank == 0:

@@ -12,6 +12,8 @@ uninterrupted run of the same loop (``_anytime_train.py --no-hook``).
 
 from __future__ import annotations
 
+import json
+
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -162,6 +164,19 @@ def test_peer_that_never_joins_exits_75_previous_checkpoint_intact(tmp_path: Pat
     assert committed(store) == [2]
 
 
+def test_on_exit_callbacks_run_when_the_process_leaves_from_the_background(tmp_path: Path) -> None:
+    """A notice during a 30 s evaluation: the process leaves by ``os._exit`` from the agreement thread (the
+    training thread's ``finally``/``atexit`` never run), but ``hook.on_exit`` callbacks do, with the code."""
+    store = tmp_path / "ckpt"
+    run = job(tmp_path, "preempted", ["--storage", str(store), "--eval-after", "2:30", "--notice-at", "2:eval",
+                                      "--notice-rank", "1", "--on-exit-dir", str(tmp_path)],
+              env={"SPOTGUARD_SIGNAL_GRACE": "10"})
+    exits = stopped(run, 3)
+    assert all(e["by"] == "agreement-thread" for e in exits.values()), exits
+    for r in (0, 1):
+        assert json.loads((tmp_path / f"exit-{r}.json").read_text()) == {"code": 143, "committed": True}
+
+
 def test_training_thread_raising_after_the_decision_exits_with_the_decided_code(tmp_path: Path) -> None:
     """Every rank's loop raises 0.3 s into an evaluation that a notice interrupted (as when a peer left first
     and a collective of the user's failed): the process still exits 143 once the checkpoint is committed,
@@ -194,3 +209,77 @@ def test_rebalance_checkpoint_in_the_background_keeps_training(ref_plain: Path, 
     assert committed(store) == [3]
     assert first_difference(load_out(ref_plain), load_out(out)) is None
     resume_bitwise(tmp_path, store, 3, ref_plain, [])
+
+
+def test_ema_swapped_in_for_evaluation_is_never_committed_as_the_model(ref_plain: Path, tmp_path: Path) -> None:
+    """torch_ema's idiom: EMA weights copied into the model through ``param.data`` for a 3 s evaluation, a
+    preemption during it. The background read cannot prove the model is the trained one (``param.data`` was
+    used since the step), so the training thread reads it at its next ``optimizer.step()``, after the EMA was
+    swapped out again: the commit holds the trained weights and the resume is bitwise. (Before: the EMA weights
+    were committed as the model, exit 143 ``committed: true``, and the resume diverged.)"""
+    store = tmp_path / "ckpt"
+    run = job(tmp_path, "preempted", ["--storage", str(store), "--ema-swap-eval", "--eval-after", "2:3",
+                                      "--notice-at", "2:eval", "--notice-rank", "1"],
+              env={"SPOTGUARD_SIGNAL_GRACE": "20"})
+    exits = stopped(run, 3)
+    assert all(e["committed"] for e in exits.values()), exits
+    fallback = run.events("checkpoint_fallback")
+    assert {e["rank"] for e in fallback} == {0, 1}, run.tail()
+    assert all("Parameter.data" in e["reason"] for e in fallback), fallback
+    assert committed(store) == [3]
+    resume_bitwise(tmp_path, store, 3, ref_plain, ["--ema-swap-eval"])
+
+
+@pytest.mark.parametrize("kind,code", [("rebalance", 0), ("signal", 75)])
+def test_raising_state_dict_fails_the_round_without_touching_training(tmp_path: Path, kind: str, code: int) -> None:
+    """A stateful object whose ``state_dict()`` raises: a rebalance round fails once (``checkpoint_failed``)
+    and training runs to its end (before: the exception surfaced inside ``optimizer.step()``, exit 1); a
+    preemption fails once and exits 75 at once (before: thousands of failing rounds until the deadline)."""
+    store = tmp_path / "ckpt"
+    run = job(tmp_path, kind, ["--storage", str(store), "--raising-state", "--phases", ITER_15S,
+                               "--notice-at", "2:fwd", "--notice-kind", kind], env={"SPOTGUARD_SIGNAL_GRACE": "20"})
+    rc = run.wait(120)
+    assert (rc == 0) if code == 0 else (rc != 0), run.tail()  # torchrun itself exits 1 after a worker's 75
+    failed = run.events("checkpoint_failed")
+    assert failed and all("metrics backend unavailable" in e["error"] for e in failed), run.tail()
+    assert len(run.events("agreed", 0)) == 1, run.events("agreed", 0)
+    assert committed(store) == []
+    if code:
+        [ex] = run.events("exit", 0)
+        assert ex["code"] == 75 and not ex["committed"] and ex["seconds_since_notice"] < 5.0, ex
+
+
+def test_preemption_during_a_round_for_a_far_notice_keeps_its_own_deadline(tmp_path: Path) -> None:
+    """Rank 1's agreement thread never joins. Rank 0 gets a 300 s maintenance notice (a round starts and
+    blocks on rank 1), then a 6 s preemption: rank 0 exits 75 within the 6 s, nothing committed. (Before:
+    the round was bounded by the maintenance notice's deadline, still blocked at 41 s.)"""
+    store = tmp_path / "ckpt"
+    run = job(tmp_path, "far", ["--storage", str(store), "--phases", ITER_15S, "--notice-at", "2:fwd",
+                                "--far-notice", "--notice-rank", "0"],
+              env={"SPOTGUARD_TEST_AGREE_STALL_RANK": "1"})
+    assert run.wait(120) != 0, run.tail()
+    [ex] = run.events("exit", 0)
+    assert ex["code"] == 75 and not ex["committed"], ex
+    assert ex["notice_id"].startswith("preempt-") and ex["seconds_left"] > -0.5, ex
+    assert committed(store) == []
+
+
+def test_emergency_pre_empts_an_ordinary_save_in_flight(tmp_path: Path) -> None:
+    """A rebalance checkpoint whose upload is slow (2 s per item), then a preemption 1 s into it: the ordinary
+    save gives up on every rank (nothing committed for it), the emergency round saves the step training had
+    reached and every rank exits 143 long before the slow save would have ended. (Before: the emergency waited
+    for the ordinary save to finish, then wrote a second full checkpoint.)"""
+    store = tmp_path / "ckpt"
+    run = job(tmp_path, "preempt", ["--storage", str(store), "--phases", ITER_15S, "--notice-at", "2:fwd",
+                                    "--notice-kind", "rebalance", "--then-signal", "1.0", "--slow-first-save", "2.0"],
+              env={"SPOTGUARD_SIGNAL_GRACE": "20"})
+    assert run.wait(120) != 0, run.tail()
+    actions = [e["action"] for e in run.events("agreed", 0)]
+    assert actions == ["checkpoint", "emergency"], actions
+    failed = run.events("checkpoint_failed")
+    assert {e["rank"] for e in failed} == {0, 1} and all("given up" in e["error"] for e in failed), failed
+    exits = {e["rank"]: e for e in run.events("exit")}
+    assert set(exits) == {0, 1} and all(e["code"] == 143 and e["committed"] for e in exits.values()), exits
+    assert all(e["seconds_since_notice"] < 6.0 for e in exits.values()), exits
+    [c] = run.events("checkpoint_committed", 0)
+    assert committed(store) == [c["step"]]

@@ -43,8 +43,18 @@ def losses(run: TorchRun) -> dict[int, str]:
     return out
 
 
-def test_readme_script_runs_is_preempted_and_resumes_bitwise(tmp_path: Path) -> None:
+WITH_DROPOUT = "torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1))"
+
+
+@pytest.mark.parametrize("model", ["as-written", "with-dropout"])
+def test_readme_script_runs_is_preempted_and_resumes_bitwise(tmp_path: Path, model: str) -> None:
+    """``with-dropout``: the README's script with the user's own model drawing from the global RNG every
+    step (issue 22: the resumed run's DataLoader iterator, built after the RNG was restored, drew from it
+    and shifted every mask; the README's loader now has its own ``generator=``)."""
     script = readme_script()
+    if model == "with-dropout":
+        assert "torch.nn.Linear(32, 1)" in script
+        script = script.replace("torch.nn.Linear(32, 1)", WITH_DROPOUT, 1)
     total = int(re.search(r"hook\.range\((\d+)\)", script).group(1))  # type: ignore[union-attr]
     ref_dir, job_dir = tmp_path / "ref", tmp_path / "job"
     for d in (ref_dir, job_dir):

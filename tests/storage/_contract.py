@@ -224,7 +224,27 @@ class ObjectStoreContract:
         line12 = next(l for l in text.splitlines() if l.strip().startswith("12 "))
         assert "committed, newest, latest" in line10
         assert "incomplete (no commit record" in line12
-        assert "resume would load step-00000010" in text
+        assert "resume would try step-00000010 first" in text
+
+    def test_quarantine_mark_through_the_backend(self, store: Store) -> None:
+        """Issue 24: the mark is one object beside the record; skipped without reading shards, replaced by a save."""
+        from spotguard.storage.commit import QUARANTINE_NAME, quarantine_dir
+
+        storage = store.open()
+        _save_commit(storage, 10, _small_state(5))
+        _save_commit(storage, 12, _small_state(6))
+        assert quarantine_dir(storage, "step-00000012", "crc32c mismatch", "step-00000012/__0_0.distcp", "test")
+        assert storage.exists("step-00000012/" + QUARANTINE_NAME)
+        infos = {i.step: i for i in scan(storage)}
+        assert infos[12].state == "quarantined" and infos[12].quarantine.reason == "crc32c mismatch"
+        assert newest_committed(storage).step == 10  # type: ignore[union-attr]
+        assert storage.read_bytes("latest").strip() == b"step-00000010"  # the hint moved off it
+        _save_commit(storage, 12, _small_state(7))  # a later save at the step replaces it and commits
+        info = {i.step: i for i in scan(storage)}[12]
+        assert info.state == "committed" and not storage.exists("step-00000012/" + QUARANTINE_NAME)
+        out = _empty_like(_small_state(7))
+        dcp.load(out, storage_reader=storage.dcp_reader("step-00000012", info.record.checksums))  # type: ignore[union-attr]
+        assert torch.equal(out["w"], _small_state(7)["w"])  # type: ignore[arg-type]
 
     def test_cli_lists_object_store(self, store: Store) -> None:
         storage = store.open()

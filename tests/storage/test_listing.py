@@ -61,10 +61,10 @@ def test_table(populated: pathlib.Path) -> None:
     rows = {line.split()[0]: line for line in lines[2:6]}
     assert [rows[s].split()[1] for s in ("100", "200", "300")] == ["2", "4", "-"]  # world size that wrote it
     assert "3.0 KiB" in rows["100"] and rows["100"].endswith("committed")
-    assert rows["200"].endswith("committed, newest")
+    assert rows["200"].endswith("committed, newest, not verified: resume verifies it first")  # no latest hint
     assert "incomplete (truncated shard __0_0.distcp: 5 of 2048 bytes)" in rows["250"]
     assert "incomplete (no commit record" in rows["300"] and rows["300"].endswith("latest hint ignored")
-    assert lines[-1] == "resume would load step-00000200"
+    assert lines[-1].startswith("resume would try step-00000200 first: committed, not verified")
 
 
 def test_json_and_file_uri(populated: pathlib.Path) -> None:

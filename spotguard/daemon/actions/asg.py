@@ -131,6 +131,14 @@ class AsgLifecycleAction(Action):
                               "has it)") from None
         self._boto3 = boto3
         self._config = Config(connect_timeout=3, read_timeout=5, retries={"mode": "standard", "max_attempts": 3})
+        await self._run(self._preload)
+
+    def _preload(self) -> None:
+        """Build a client now: botocore loads the service model and endpoint data (~11 MB) at start, not at
+        the notice, when the memory limit matters most. No network call; the client of the notice's own
+        region reuses the loaded data (the default session's loader caches it)."""
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        self._boto3.client("autoscaling", region_name=region, config=self._config)
 
     def _autoscaling(self, region: Optional[str]) -> Any:
         if self._client is None:
