@@ -26,6 +26,7 @@ from spotguard.timefmt import utcnow
 
 from .conftest import FakeWatcher, eventually, running_daemon
 from .loopback import LoopbackServer
+from .fake_kube import kubeconfig_env  # noqa: F401 - a fixture
 from .test_actions_asg import REGION, Moto, moto  # noqa: F401 - the fixture
 
 GRACE = 2.5  # --reconnect-grace here (the default is 10 s); longer than the intake's 2 s of reconnect jitter
@@ -237,3 +238,32 @@ def test_action_state_from_a_damaged_file_never_raises(doc: Any) -> None:
     json.dumps(st.to_dict())
     assert len(st.subscribers) <= 512 and st.lives >= 1
     assert all(isinstance(x, str) for x in st.sent)
+
+
+async def test_a_true_outcome_is_never_swallowed_by_an_earlier_event(kubeconfig_env: Any) -> None:
+    """The pod Event is named from the notice and its outcome: a false 'incomplete' Event of an earlier daemon
+    life (or any earlier outcome) cannot make the true 'committed' one a 409 counted as success, never written."""
+    pytest.importorskip("kubernetes_asyncio")
+    from spotguard.daemon.actions import Outcome, SubscriberOutcome
+    from spotguard.daemon.actions.kubernetes import KubernetesAction
+
+    from .fake_kube import FakeKube
+
+    async with FakeKube(node_name="node-a") as kube:
+        kube.add_pod("ml", "p")
+        kubeconfig_env(kube)
+        act = KubernetesAction("node-a")
+        await act.start()
+        try:
+            notice = asg_notice("aws-two-outcomes")
+            started = SubscriberOutcome(client=1, state="checkpoint_started", pod="p", namespace="ml")
+            done = SubscriberOutcome(client=1, state="checkpoint_done", step=9, pod="p", namespace="ml")
+            assert await act.on_outcome(Outcome(notice, "node-a", "reported", (started,))) is True
+            assert await act.on_outcome(Outcome(notice, "node-a", "reported", (done,))) is True
+            assert await act.on_outcome(Outcome(notice, "node-a", "reported", (done,))) is True  # a repeat: 409
+        finally:
+            await act.close()
+    events = [e for e in kube.events if e["involvedObject"]["kind"] == "Pod"]
+    assert [e["type"] for e in events] == ["Warning", "Normal"], [e["message"] for e in events]
+    assert "committed at step 9" in events[1]["message"]
+    assert [s for m, p, s, _ in kube.log if p.endswith("/ml/events")] == [201, 201, 409]
