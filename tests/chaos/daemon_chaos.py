@@ -5,8 +5,9 @@ that the cluster actions still tell the truth exactly once.
 
 Per trial, on loopback only: the emulator (AWS IMDS with ``target-lifecycle-state``), moto's Auto Scaling
 (``tests/daemon/moto_asg.py``: the lifecycle calls as AWS documents them, each logged with its time), a
-webhook receiver, a real ``spotguard daemon`` with ``--asg-lifecycle-hook auto --webhook-url``, and 1-2
-subscriber processes that use the hook's own intake (``spotguard.hook.intake.NoticeIntake``: reconnects
+webhook receiver, the fake Kubernetes API server (``tests/daemon/fake_kube.py``: a node and one pod per
+subscriber), a real ``spotguard daemon`` with ``--asg-lifecycle-hook auto --webhook-url
+--kubernetes-node-actions``, and 1-2 subscriber processes that use the hook's own intake (``spotguard.hook.intake.NoticeIntake``: reconnects
 with jittered backoff, drops a report while disconnected) and report ``checkpoint_started`` /
 ``checkpoint_done`` as the hook does, after a 0.5-4 s "checkpoint". The daemon is killed at one phase:
 
@@ -19,7 +20,8 @@ then restarted after 0-1 s. Verdict per trial (``verdict``): no ``CompleteLifecy
 before every subscriber committed; no false webhook (``no_subscribers``, ``incomplete`` or ``failed`` are
 false here: every subscriber commits; ``unreported`` is true only when a ``checkpoint_done`` was lost
 because no daemon listened); exactly one outcome (one distinct ``Idempotency-Key``; a repeat of the
-same one after a kill during its POST is counted, not failed); the outcome and CONTINUE arrive at all.
+same one after a kill during its POST is counted, not failed); per pod at most one Event, and it says the
+webhook's outcome (``Normal`` iff committed); the outcome and CONTINUE arrive at all.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from typing import Any, Optional
 REPO = Path(__file__).resolve().parents[2]
 PHASES = ("before_delivery", "during_checkpoint", "after_commit", "during_outcome")
 SIGNALS = ("SIGTERM", "SIGKILL")
-GRACE = 3.0  # --reconnect-grace for the daemons (the intake reconnects within 2 s)
+GRACE = 3.0
+NODE = "chaos-node"  # --reconnect-grace for the daemons (the intake reconnects within 2 s)
 TRUE_STATUSES = ("committed",)
 
 
@@ -186,11 +189,16 @@ class Trial:
         self.daemons: list[subprocess.Popen[bytes]] = []
         self.t0 = 0.0
 
+    kubeconfig = ""
+
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_") and k != "NOTIFY_SOCKET"}
         env.update(AWS_ENDPOINT_URL=self.moto.url, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
                    AWS_REGION="us-east-1", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
         env.pop("AWS_PROFILE", None)
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        if self.kubeconfig:
+            env["KUBECONFIG"] = self.kubeconfig
         return env
 
     async def _daemon(self, emu_url: str, webhook_url: str, life: int) -> subprocess.Popen[bytes]:
@@ -201,7 +209,8 @@ class Trial:
         proc = subprocess.Popen(
             [sys.executable, "-m", "spotguard", "daemon", "--socket", self.sock, "--cloud", "aws",
              "--metadata-url", emu_url, "--poll-interval", "0.2", "--log-format", "json",
-             "--asg-lifecycle-hook", "auto", "--webhook-url", webhook_url],
+             "--asg-lifecycle-hook", "auto", "--webhook-url", webhook_url,
+             "--kubernetes-node-actions", "--node", NODE],
             stdout=log, stderr=subprocess.STDOUT, env={**self._env(), "SPOTGUARD_RECONNECT_GRACE": str(GRACE),
                                                        "PYTHONPATH": self.code},
             cwd=self.code)  # `python -m` puts the working directory first on sys.path
@@ -233,7 +242,13 @@ class Trial:
         killed_at = restarted_at = 0.0
         exit_code: Optional[int] = None
         error = ""
-        async with Webhook(delay=2.0 if self.phase == "during_outcome" else 0.0) as hook:
+        from tests.daemon.fake_kube import FakeKube
+
+        async with Webhook(delay=2.0 if self.phase == "during_outcome" else 0.0) as hook, \
+                FakeKube(node_name=NODE) as kube:
+            for r in range(nsubs):
+                kube.add_pod("ml", f"train-{r}")
+            self.kubeconfig = kube.kubeconfig(self.work / "kubeconfig")
             async with running_emulator(asg=True) as emu:
                 try:
                     d1 = await self._daemon(emu.url, hook.url, 1)
@@ -241,7 +256,8 @@ class Trial:
                         self.procs.append(subprocess.Popen(
                             [sys.executable, "-m", "tests.chaos.daemon_chaos", "--subscriber", "--socket", self.sock,
                              "--rank", str(r), "--log", str(self.subs_log), "--ckpt", str(ckpt[r])],
-                            env=self._env(), cwd=str(REPO), stdout=subprocess.DEVNULL,
+                            env={**self._env(), "SPOTGUARD_POD_NAME": f"train-{r}", "SPOTGUARD_POD_NAMESPACE": "ml"},
+                            cwd=str(REPO), stdout=subprocess.DEVNULL,
                             stderr=open(self.work / f"sub-{r}.log", "ab")))
                     await _wait(lambda: len(self._subs("up")) == nsubs, 20, "subscribers up")
                     await asyncio.sleep(0.3)  # subscribed (the intake connects within ms of starting)
@@ -271,6 +287,7 @@ class Trial:
                     await _wait(lambda: any(p["answered"] for p in hook.posts), GRACE + 20, "the outcome")
                     await _wait(lambda: self._continued(), 15, "CompleteLifecycleAction") \
                         if hook.posts[0]["status"] == "committed" else None
+                    await _wait(lambda: self._pod_events(kube) >= nsubs, 15, "the pods' Events")
                     await asyncio.sleep(0.5)
                     d2.send_signal(signal.SIGINT)
                     await asyncio.to_thread(d2.wait, 10)
@@ -287,12 +304,19 @@ class Trial:
                   "exit_code_first_life": exit_code, "killed_at": killed_at, "restarted_at": restarted_at,
                   "webhooks": hook.posts, "asg_calls": [{k: c[k] for k in ("action", "hook", "result", "t")}
                                                         for c in calls],
-                  "subscriber_events": subs, "error": error, "seconds": round(time.time() - t0, 2)}
+                  "subscriber_events": subs, "error": error, "seconds": round(time.time() - t0, 2),
+                  "pod_events": [{"pod": e["involvedObject"]["name"], "name": e["metadata"]["name"],
+                                  "type": e["type"], "message": e["message"][:200]}
+                                 for e in kube.events if e["involvedObject"]["kind"] == "Pod"]}
         result["violations"] = verdict(result)
         if not result["violations"]:
             shutil.rmtree(self.work, ignore_errors=True)
         shutil.rmtree(self.dir, ignore_errors=True)
         return result
+
+    @staticmethod
+    def _pod_events(kube: Any) -> int:
+        return len({e["involvedObject"]["name"] for e in kube.events if e["involvedObject"]["kind"] == "Pod"})
 
     def _continued(self) -> bool:
         return any(c["action"] == "CompleteLifecycleAction" and c.get("result") == "CONTINUE"
@@ -334,6 +358,17 @@ def verdict(r: dict[str, Any]) -> list[str]:
         if s == "unreported" and lost:
             continue  # true: a trainer's report was lost with the daemon, and the daemon says just that
         bad.append(f"false outcome {s!r} (every subscriber committed; reports lost: {len(lost)})")
+    by_pod: dict[str, set[str]] = {}
+    for e in r.get("pod_events", []):
+        by_pod.setdefault(e["pod"], set()).add(e["name"])
+        want = "Normal" if statuses == {"committed"} else "Warning"
+        if e["type"] != want:
+            bad.append(f"pod {e['pod']}: a {e['type']} Event for outcome {sorted(map(str, statuses))}")
+    for pod, names in by_pod.items():
+        if len(names) > 1:
+            bad.append(f"pod {pod}: {len(names)} Events (different outcomes)")
+    if posts and len(by_pod) < r["subscribers"]:
+        bad.append(f"Events on {len(by_pod)} of {r['subscribers']} pods")
     if "committed" in statuses and not continues:
         bad.append("committed, but no CompleteLifecycleAction CONTINUE")
     return bad
