@@ -1,5 +1,6 @@
 """The short daemon chaos run inside ``make test`` (``make chaos`` runs 32 trials): six trials, the four kill
-phases and both signals, each with the ASG and webhook actions against loopback fakes. ~1 min on 2 cores."""
+phases and both signals, each with the ASG, webhook and Kubernetes actions against loopback fakes. ~1-1.5 min
+on 2 busy cores."""
 
 from __future__ import annotations
 
