@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+# asyncio.to_thread's executor (the state file writer), loaded at import: a daemon started as root that then
+# drops privileges may not be able to read the standard library any more.
+import concurrent.futures.thread  # noqa: F401
 import dataclasses
 import inspect
 import os
@@ -148,7 +151,12 @@ class Daemon:
         self._signals: list[int] = []
         self._shut = False
         # Cluster actions (webhooks, Kubernetes, ASG lifecycle): off the delivery path, see actions/.
-        self.actions = ActionRunner([], node=self.node, counter=self.metrics.actions)
+        self.actions = ActionRunner([], node=self.node, counter=self.metrics.actions,
+                                    reconnect_grace=config.reconnect_grace, on_change=self._save_state,
+                                    persist=self._persist_state)
+        self._state_dirty = False
+        self._state_writer: Optional[asyncio.Task[None]] = None
+        self._subscribers_at_stop = 0
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -186,8 +194,10 @@ class Daemon:
             self.server = None
             raise StartupError(str(exc)) from None
         await self._start_actions()
+        await asyncio.to_thread(lambda: None)  # the state writer's thread exists before the first notice
         # Only now: the socket is ours, so no live daemon is using the state file beside it.
         self._persisted = self.state.load()
+        self._restore_action_state()
         self._reconcile_cluster("start")
         if cfg.metrics_port:
             self.metrics_server = MetricsServer(self.metrics, cfg.metrics_port, self._health)
@@ -233,6 +243,7 @@ class Daemon:
         if self._shut:
             return
         self._shut = True
+        self._stop_deciding()
         self.sd.stopping(f"stopping ({self.shutting_down or 'requested'})")
         if self._signals:
             loop = asyncio.get_running_loop()
@@ -252,6 +263,7 @@ class Daemon:
         closes = [asyncio.ensure_future(self._close_watcher(w)) for w in self.watchers]
         if closes:
             await asyncio.wait(closes, timeout=0.4)
+        await self._flush_state()
         if self.metrics_server is not None:
             await self.metrics_server.close()
         self.sd.close()
@@ -413,11 +425,70 @@ class Daemon:
                  deadline=to_rfc3339(old.deadline), detail="seen before a daemon restart: same id and deadline")
         return dataclasses.replace(notice, id=old.id, deadline=old.deadline, received_at=old.received_at)
 
-    def _save_state(self) -> None:
+    # --- the state file: notices + action state, written off the delivery path ---------------
+
+    def _state_notices(self) -> list[Notice]:
         now = utcnow()
         margin = timedelta(seconds=self.book.expire_margin)
         left = [n for n in self._persisted.values() if n.deadline + margin >= now]  # not re-seen (yet)
-        self.state.save([*(e.notice for e in self.book.active.values() if e.notice.key), *left])
+        return [*(e.notice for e in self.book.active.values() if e.notice.key), *left]
+
+    def _save_state(self) -> None:
+        """The active notices (and their action state) changed: write the state file soon, from a worker
+        thread, after the fan-out already queued has gone out. Never waits: a slow disk (SkyPilot keeps the
+        socket under $HOME) must not stand between a notice and its subscribers."""
+        self._state_dirty = True
+        if self._shut:
+            return  # shutdown writes the final state itself (_flush_state)
+        if self._state_writer is None or self._state_writer.done():
+            try:
+                self._state_writer = asyncio.get_running_loop().create_task(self._write_state(),
+                                                                            name="spotguard-state-writer")
+            except RuntimeError:  # no loop (a unit test calling ingest synchronously)
+                self._write_state_now()
+
+    async def _write_state(self) -> None:
+        await asyncio.sleep(0)  # the client writers queued by this fan-out run first
+        while self._state_dirty:
+            self._state_dirty = False
+            data = self.state.encode(self._state_notices(), self.actions.states())
+            if data is not None:
+                await asyncio.to_thread(self.state.write, data)
+
+    def _write_state_now(self) -> None:
+        self._state_dirty = False
+        data = self.state.encode(self._state_notices(), self.actions.states(), subscribers=self._subscribers_at_stop)
+        if data is not None:
+            self.state.write(data)
+
+    async def _persist_state(self) -> None:
+        """Write the state file now (off the loop) and return once it is on disk: before an outcome is sent."""
+        self._save_state()
+        writer = self._state_writer
+        if writer is not None and not writer.done():
+            await asyncio.shield(writer)
+
+    async def _flush_state(self) -> None:
+        """At shutdown: wait (bounded) for a write in flight, then write what is left inline."""
+        writer = self._state_writer
+        if writer is not None and not writer.done():
+            await asyncio.wait([writer], timeout=2.0)
+        if self._state_dirty or writer is not None or self._subscribers_at_stop:
+            self._write_state_now()
+
+    def _restore_action_state(self) -> None:
+        """Hand the action state of the notices an earlier life persisted to the action runner."""
+        from .actions import ActionState
+
+        restarted = bool(self._persisted) or self.state.subscribers > 0 or bool(self.server and self.server.found_stale)
+        self.actions.restore({nid: ActionState.from_dict(doc) for nid, doc in self.state.actions.items()},
+                             restarted=restarted)
+
+    def _stop_deciding(self) -> None:
+        """From the first moment of a stop: the disconnects of our own shutdown are not the trainers' outcome;
+        the next daemon life decides it (the notice and its action state stay in the state file)."""
+        self.actions.stopping = True
+        self._subscribers_at_stop = 0 if self.server is None else len(self.server.subscribers())
 
     # --- shutdown on SIGTERM --------------------------------------------------
 

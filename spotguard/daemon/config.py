@@ -63,7 +63,10 @@ class DaemonConfig:
     webhook_template: Optional[str] = None
     slack_webhook_url: Optional[str] = None
     kubernetes_node_actions: bool = False
-    asg_lifecycle_hook: Optional[str] = None  # "auto" (DescribeLifecycleHooks) or a hook name
+    asg_lifecycle_hook: Optional[str] = None  # a hook name, or "auto": the group's hooks named spotguard*
+    # Seconds a notice restored after a daemon restart waits for the subscribers it reached in an
+    # earlier life to reconnect before any outcome counts them as gone (intakes retry within 2 s).
+    reconnect_grace: float = 10.0
 
     # Resolved by ``validate``: numeric gid for ``socket_group``.
     socket_gid: Optional[int] = None
@@ -237,7 +240,11 @@ _OPTIONS: tuple[_Opt, ...] = (
     _Opt("kubernetes-node-actions", "flag", "on a cloud preemption/termination notice taint and cordon --node, "
          "and put an Event on each subscriber's pod after its checkpoint (in-cluster service account)"),
     _Opt("asg-lifecycle-hook", "str", "on an Auto Scaling Terminated notice, heartbeat this terminating "
-         "lifecycle hook ('auto': discover it) and complete it with CONTINUE once every subscriber committed"),
+         "lifecycle hook ('auto': the group's terminating hooks whose name starts with 'spotguard') and complete "
+         "it with CONTINUE once every subscriber committed"),
+    _Opt("reconnect-grace", "float", "seconds a notice restored after a daemon restart waits for the trainers "
+         "it reached before to reconnect before deciding its outcome (default 10; trainers retry within 2 s)",
+         minimum=0, maximum=600),
 )
 
 DEFAULTS = DaemonConfig()

@@ -13,7 +13,17 @@ matches keeps the persisted id, deadline and ``received_at``.
 
 The file lives next to the socket (``RuntimeDirectory=spotguard`` under systemd:
 it survives a daemon restart — with ``RuntimeDirectoryPreserve=restart`` — but
-not a reboot, which is a new VM anyway). Reading is defensive: the file must be
+not a reboot, which is a new VM anyway).
+
+Each notice also carries its cluster-action state (``actions``: which subscribers it
+reached and what they reported in every daemon life, the outcome once decided, which
+actions sent it; ``actions.ActionState``), so a restarted daemon neither decides an
+outcome before those subscribers could reconnect nor sends a decided one twice. Older
+daemons ignore the extra field.
+
+Writing is split so the daemon can keep it off the delivery path: ``encode`` (cheap,
+on the event loop, after the fan-out was queued) and ``write`` (write + fsync + rename,
+in a worker thread; ``save`` does both inline). Reading is defensive: the file must be
 a regular file owned by the daemon's uid (``O_NOFOLLOW``: a planted symlink is
 refused), at most ``MAX_BYTES``, and every entry is validated; anything wrong is
 one logged line and the entry (or the file) is ignored — never a crash.
@@ -26,7 +36,7 @@ import os
 import secrets
 import stat
 from datetime import timedelta
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from ..logs import get_logger
 from ..notice import Notice
@@ -49,8 +59,12 @@ def state_path_for(socket_path: str) -> str:
     return socket_path + ".notices.json"
 
 
-def parse_state(raw: bytes, *, expire_margin: float = 60.0) -> tuple[dict[Key, Notice], list[str]]:
-    """Entries of a state file by ``(source, key)``, and why any were skipped. Never raises."""
+def parse_state(raw: bytes, *, expire_margin: float = 60.0,
+                actions: Optional[dict[str, Any]] = None) -> tuple[dict[Key, Notice], list[str]]:
+    """Entries of a state file by ``(source, key)``, and why any were skipped. Never raises.
+
+    ``actions``, if given, receives each kept notice's raw ``actions`` object by notice id
+    (validated later by ``ActionState.from_dict``)."""
     problems: list[str] = []
     try:
         doc = json.loads(raw.decode("utf-8"))
@@ -75,6 +89,8 @@ def parse_state(raw: bytes, *, expire_margin: float = 60.0) -> tuple[dict[Key, N
             continue
         if notice.deadline < limit:
             continue  # expired while the daemon was down
+        if actions is not None and isinstance(item.get("actions"), dict):
+            actions[notice.id] = item["actions"]
         out[(notice.source, key)] = Notice(id=notice.id, source=notice.source, kind=notice.kind,
                                            deadline=notice.deadline, received_at=notice.received_at,
                                            detail=notice.detail, key=key)
@@ -91,6 +107,8 @@ class NoticeState:
         self.expire_margin = expire_margin
         self._last: Optional[bytes] = None
         self._warned = False
+        self.actions: dict[str, Any] = {}  # by notice id, from ``load``: the raw per-notice action state
+        self.subscribers = 0  # from ``load``: trainers subscribed when the previous daemon stopped
 
     def load(self) -> dict[Key, Notice]:
         if not self.path:
@@ -121,7 +139,13 @@ class NoticeState:
             return {}
         finally:
             os.close(fd)
-        entries, problems = parse_state(raw, expire_margin=self.expire_margin)
+        self.actions = {}
+        entries, problems = parse_state(raw, expire_margin=self.expire_margin, actions=self.actions)
+        try:
+            subs = json.loads(raw.decode("utf-8")).get("subscribers", 0)
+            self.subscribers = subs if isinstance(subs, int) and not isinstance(subs, bool) and subs > 0 else 0
+        except (UnicodeDecodeError, ValueError, RecursionError, AttributeError):
+            self.subscribers = 0
         for p in problems:
             log.warning("notice_state.entry_skipped", path=self.path, reason=p)
         if entries:
@@ -129,16 +153,35 @@ class NoticeState:
                      ids=[n.id for n in entries.values()][:16])
         return entries
 
-    def save(self, notices: Iterable[Notice]) -> bool:
-        """Write the keyed notices atomically (temp file + rename); unchanged content is not rewritten."""
+    def encode(self, notices: Iterable[Notice], actions: Optional[dict[str, Any]] = None,
+               subscribers: int = 0) -> Optional[bytes]:
+        """The file's bytes for these keyed notices (with each one's action state), or ``None`` if unchanged.
+
+        ``subscribers`` (written at a stop): how many trainers were subscribed, so the next daemon knows some
+        are about to reconnect and decides no outcome in its first moments."""
         if not self.path:
-            return True
+            return None
         items = []
         for n in notices:
             if n.key:
-                items.append({**n.to_wire(), "key": n.key})
-        data = (json.dumps({"format": FORMAT, "notices": items[:MAX_ENTRIES]}, separators=(",", ":")) + "\n").encode()
-        if data == self._last:
+                item: dict[str, Any] = {**n.to_wire(), "key": n.key}
+                if actions and n.id in actions:
+                    item["actions"] = actions[n.id]
+                items.append(item)
+        doc: dict[str, Any] = {"format": FORMAT, "notices": items[:MAX_ENTRIES]}
+        if subscribers > 0:
+            doc["subscribers"] = subscribers
+        data = (json.dumps(doc, separators=(",", ":"), default=str) + "\n").encode()
+        return None if data == self._last else data
+
+    def save(self, notices: Iterable[Notice], actions: Optional[dict[str, Any]] = None) -> bool:
+        """Write the keyed notices atomically (temp file + rename); unchanged content is not rewritten."""
+        data = self.encode(notices, actions)
+        return True if data is None else self.write(data)
+
+    def write(self, data: bytes) -> bool:
+        """Write + fsync + rename (blocking: the daemon runs it in a worker thread). Never raises."""
+        if not self.path:
             return True
         directory = os.path.dirname(os.path.abspath(self.path))
         tmp = os.path.join(directory, f".{os.path.basename(self.path)}.{secrets.token_hex(6)}.tmp")

@@ -322,11 +322,16 @@ class Server:
         self._sock_ident: Optional[tuple[int, int]] = None
         self._ping_task: Optional[asyncio.Task[None]] = None
         self._handlers: set[asyncio.Task[Any]] = set()
+        self.found_stale = False
 
     # --- lifecycle -----------------------------------------------------------
 
     async def start(self) -> None:
+        existed = os.path.lexists(self.path)
         sock = bind_unix_socket(self.path, gid=self.socket_gid)
+        # Something was there and we could replace it: a daemon's leftover after kill -9 / OOM (its
+        # trainers may be reconnecting right now).
+        self.found_stale = existed
         st = os.stat(self.path)
         self._sock_ident = (st.st_dev, st.st_ino)
         # limit = MAX_LINE - 1: readuntil accepts a separator at index <= limit,

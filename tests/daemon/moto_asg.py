@@ -5,7 +5,7 @@ but not CompleteLifecycleAction or RecordLifecycleActionHeartbeat (it answers th
 an error). They are added here as AWS documents them: both need an existing hook on the
 group and an instance of that group, else ``ValidationError`` (400); the result must be
 ``CONTINUE`` or ``ABANDON``; completing a terminating action moves the instance to
-``Terminating:Proceed``. Every call is appended as a JSON line to ``$MOTO_ASG_LOG`` for
+``Terminating:Proceed``; ``GlobalTimeout`` follows AWS's rule min(100 x HeartbeatTimeout, 172800). Every call is appended as a JSON line to ``$MOTO_ASG_LOG`` for
 the tests to read. ``$MOTO_FIRST_INSTANCE_ID`` fixes the first instance id (the
 emulator's identity document names ``i-0123456789abcdef0``).
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Any
 
 
@@ -30,7 +31,7 @@ def _patch() -> None:
         group_name = self._get_param("AutoScalingGroupName")
         hook = self._get_param("LifecycleHookName")
         instance_id = self._get_param("InstanceId")
-        entry = {"action": action, "group": group_name, "hook": hook, "instance": instance_id,
+        entry = {"action": action, "group": group_name, "hook": hook, "instance": instance_id, "t": time.time(),
                  "result": self._get_param("LifecycleActionResult")}
         if f"{group_name}_{hook}" not in backend.lifecycle_hooks:
             raise ValidationError(f"No Lifecycle Hook found with name {hook} for group {group_name}")
@@ -50,6 +51,17 @@ def _patch() -> None:
 
     AutoScalingResponse.complete_lifecycle_action = lambda self: _record(self, "CompleteLifecycleAction")
     AutoScalingResponse.record_lifecycle_action_heartbeat = lambda self: _record(self, "RecordLifecycleActionHeartbeat")
+
+    # AWS: GlobalTimeout = min(100 x HeartbeatTimeout, 172800) (moto hard-codes 172800).
+    from moto.autoscaling.models import LifecycleHook
+
+    original_init = LifecycleHook.__init__
+
+    def init(self: Any, *a: Any, **kw: Any) -> None:
+        original_init(self, *a, **kw)
+        self.global_timeout = min(100 * int(self.heartbeat_timeout), 172800)
+
+    LifecycleHook.__init__ = init
 
     first = os.environ.get("MOTO_FIRST_INSTANCE_ID")
     if first:

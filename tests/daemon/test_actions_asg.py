@@ -63,16 +63,19 @@ class Moto:
         self.asg = boto3.client("autoscaling", region_name=REGION, endpoint_url=self.url,
                                 aws_access_key_id="testing", aws_secret_access_key="testing")
 
-    def group(self, name: str, hook_timeout: int = 30) -> str:
-        """A group of one instance with a terminating hook; returns the instance id."""
+    def group(self, name: str, hook_timeout: int = 30, hook: str = "spotguard-drain",
+              others: tuple[str, ...] = ()) -> str:
+        """A group of one instance with a terminating hook (and ``others``: hooks other tools own);
+        returns the instance id."""
         self.asg.create_launch_configuration(LaunchConfigurationName=f"{name}-lc", ImageId="ami-12c6146b",
                                              InstanceType="t3.micro")
         self.asg.create_auto_scaling_group(AutoScalingGroupName=name, LaunchConfigurationName=f"{name}-lc",
                                            MinSize=1, MaxSize=1, DesiredCapacity=1,
                                            AvailabilityZones=[f"{REGION}a"])
-        self.asg.put_lifecycle_hook(LifecycleHookName="drain", AutoScalingGroupName=name,
-                                    LifecycleTransition="autoscaling:EC2_INSTANCE_TERMINATING",
-                                    HeartbeatTimeout=hook_timeout, DefaultResult="ABANDON")
+        for h in (hook, *others):
+            self.asg.put_lifecycle_hook(LifecycleHookName=h, AutoScalingGroupName=name,
+                                        LifecycleTransition="autoscaling:EC2_INSTANCE_TERMINATING",
+                                        HeartbeatTimeout=hook_timeout, DefaultResult="ABANDON")
         (inst,) = self.asg.describe_auto_scaling_groups(AutoScalingGroupNames=[name])["AutoScalingGroups"][0]["Instances"]
         return inst["InstanceId"]
 
@@ -136,8 +139,8 @@ async def test_heartbeat_then_continue_once_every_checkpoint_committed(sock_path
                          timeout=15, what="CompleteLifecycleAction")
         await a.close()
         await b.close()
-    done = [c for c in moto.calls() if c["action"] == "CompleteLifecycleAction"]
-    assert done == [{"action": "CompleteLifecycleAction", "group": "train-asg", "hook": "drain", "instance": iid,
+    done = [{k: v for k, v in c.items() if k != "t"} for c in moto.calls() if c["action"] == "CompleteLifecycleAction"]
+    assert done == [{"action": "CompleteLifecycleAction", "group": "train-asg", "hook": "spotguard-drain", "instance": iid,
                      "result": "CONTINUE"}]
     assert moto.state(iid) == "Terminating:Proceed"
     assert d.metrics.actions.labels("asg", "outcome", "ok")._value.get() == 1
@@ -147,7 +150,7 @@ async def test_failed_checkpoint_leaves_the_hook_to_its_timeout(sock_path: str, 
     iid = moto.group("fail-asg")
     w = aws_watcher(iid)
     with structlog.testing.capture_logs() as logs:
-        async with running_daemon(sock_path, [w], asg_lifecycle_hook="drain"):
+        async with running_daemon(sock_path, [w], asg_lifecycle_hook="spotguard-drain"):
             a = await Subscription(sock_path).open()
             await w.push(asg_notice("aws-asg-2"))
             await a.next_notice(timeout=5)
@@ -226,3 +229,79 @@ async def test_hanging_autoscaling_endpoint_never_delays_notices(sock_path: str,
             await a.close()
             t0 = time.monotonic()
         assert time.monotonic() - t0 < 9, "shutdown waited for a hung AWS call"
+
+
+# --- issue 24: whose hook, and how long it holds ------------------------------------------------
+
+
+async def test_auto_leaves_hooks_of_other_tools_alone(sock_path: str, moto: Moto) -> None:
+    """`auto` heartbeats and completes only hooks named spotguard*; a log shipper's hook on the same group is
+    never touched (before: every terminating hook of the group was heartbeated and completed)."""
+    iid = moto.group("shared-asg", others=("someone-elses-log-shipper",))
+    w = aws_watcher(iid)
+    with structlog.testing.capture_logs() as logs:
+        async with running_daemon(sock_path, [w], asg_lifecycle_hook="auto"):
+            a = await Subscription(sock_path).open()
+            await w.push(asg_notice("aws-asg-shared"))
+            await a.next_notice(timeout=5)
+            await eventually(lambda: any(c["action"] == "RecordLifecycleActionHeartbeat" for c in moto.calls()),
+                             timeout=15, what="a heartbeat")
+            await a.checkpoint_done("aws-asg-shared", step=3)
+            await eventually(lambda: any(c["action"] == "CompleteLifecycleAction" for c in moto.calls()),
+                             timeout=15, what="CompleteLifecycleAction")
+            await a.close()
+    assert {c["hook"] for c in moto.calls()} == {"spotguard-drain"}, moto.calls()
+    assert any(r["event"] == "asg.hooks_left_alone" and r["hooks"] == ["someone-elses-log-shipper"] for r in logs)
+
+
+async def test_auto_without_a_spotguard_hook_is_one_clear_line(sock_path: str, moto: Moto) -> None:
+    iid = moto.group("foreign-asg", hook="someone-elses-log-shipper")
+    w = aws_watcher(iid)
+    with structlog.testing.capture_logs() as logs:
+        async with running_daemon(sock_path, [w], asg_lifecycle_hook="auto") as d:
+            await w.push(asg_notice("aws-asg-foreign"))
+            await eventually(lambda: d.metrics.actions.labels("asg", "notice", "failed")._value.get() == 1,
+                             timeout=15, what="the refusal")
+    assert moto.calls() == []
+    assert any(r["event"] == "asg.no_hook" and "--asg-lifecycle-hook NAME" in r["fix"] for r in logs)
+
+
+def test_global_timeout_follows_aws_rule(moto: Moto) -> None:
+    from spotguard.daemon.actions.asg import global_timeout
+
+    moto.group("rule-asg", hook_timeout=30)
+    (hook,) = moto.asg.describe_lifecycle_hooks(AutoScalingGroupName="rule-asg")["LifecycleHooks"]
+    assert hook["GlobalTimeout"] == 3000  # the fake follows AWS's documented min(100 x 30, 172800)
+    assert global_timeout(hook) == 3000
+    assert global_timeout({"HeartbeatTimeout": 7200}) == 172800
+    assert global_timeout({"HeartbeatTimeout": 30, "GlobalTimeout": 172800}) == 3000
+
+
+async def test_checkpoint_longer_than_the_notice_keeps_heartbeating(sock_path: str, moto: Moto,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watcher's ASG notice says 120 s (here 2 s); the hook holds the instance HeartbeatTimeout past each
+    heartbeat. A checkpoint that outlasts the notice keeps heartbeating and still completes with CONTINUE
+    (before: 'incomplete' at the notice's deadline, heartbeats stopped, the instance idled until the timeout)."""
+    from spotguard.daemon.actions import asg as asg_mod
+
+    monkeypatch.setattr(asg_mod, "HEARTBEAT_CAP", 0.5, raising=False)  # a heartbeat every 0.5 s instead of HeartbeatTimeout/3
+    iid = moto.group("long-asg", hook_timeout=30)
+    w = aws_watcher(iid)
+    with structlog.testing.capture_logs() as logs:
+        async with running_daemon(sock_path, [w], asg_lifecycle_hook="auto"):
+            a = await Subscription(sock_path).open()
+            await w.push(asg_notice("aws-asg-long", in_seconds=2))
+            n = await a.next_notice(timeout=5)
+            await a.checkpoint_started(n.id, step=9)
+            beats = lambda: sum(c["action"] == "RecordLifecycleActionHeartbeat" for c in moto.calls())  # noqa: E731
+            await eventually(lambda: n.seconds_left() < -1.0, timeout=10, what="past the notice's deadline")
+            seen = beats()
+            await eventually(lambda: beats() >= seen + 2, timeout=10, what="heartbeats past the deadline")
+            assert not [r for r in logs if r["event"] == "action.outcome"], "decided at the notice's deadline"
+            await a.checkpoint_done(n.id, step=9)
+            await eventually(lambda: any(c["action"] == "CompleteLifecycleAction" for c in moto.calls()),
+                             timeout=15, what="CompleteLifecycleAction")
+            await a.close()
+    (outcome,) = [r for r in logs if r["event"] == "action.outcome"]
+    assert outcome["status"] == "committed"
+    assert moto.state(iid) == "Terminating:Proceed"

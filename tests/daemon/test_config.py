@@ -124,6 +124,7 @@ SAMPLES: dict[str, tuple[str, object, list[str], object]] = {
                           ["--slack-webhook-url", "http://127.0.0.1:2"], "http://127.0.0.1:2"),
     "kubernetes-node-actions": ("yes", True, ["--no-kubernetes-node-actions"], False),
     "asg-lifecycle-hook": ("auto", "auto", ["--asg-lifecycle-hook", "drain-hook"], "drain-hook"),
+    "reconnect-grace": ("3", 3.0, ["--reconnect-grace", "0.5"], 0.5),
     "sigterm-notice": ("1", True, ["--no-sigterm-notice"], False),
     "azure-vm-name": ("vm-env", "vm-env", ["--azure-vm-name", "vm-flag"], "vm-flag"),
     "health-stale-after": ("30", 30.0, ["--health-stale-after", "45"], 45.0),

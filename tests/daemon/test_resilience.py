@@ -121,7 +121,8 @@ async def test_kill9_restart_keeps_notice_id_and_deadline(sockdir: str, cloud: s
             async with Subscription(sock, rank=0) as sub:
                 emu.notice(cloud, "preemption", 120)
                 before = await sub.next_notice(timeout=20)
-            assert os.path.exists(state_path_for(sock))
+            # Written off the delivery path, just after it (a kill -9 in those few ms loses only the id).
+            await _until(lambda: _persisted(sock, before.id), 10, "the state file")
             await first.kill9()
             assert os.path.exists(sock), "kill -9 leaves the socket file behind (stale)"
             second = await _Daemon(sock, os.path.join(sockdir, "d2.log"), *args).start()  # stale socket handled
@@ -142,12 +143,23 @@ async def test_kill9_restart_keeps_notice_id_and_deadline(sockdir: str, cloud: s
                 async with Subscription(sock, rank=2) as sub3:
                     await _until(lambda: _no_active(sock), 15, "the cancel")
                     del sub3
-                saved = json.loads(open(state_path_for(sock)).read())
-                assert saved["notices"] == []
+                async def forgotten() -> bool:  # written off the delivery path, just after the cancel
+                    return json.loads(open(state_path_for(sock)).read())["notices"] == []
+
+                await _until(forgotten, 10, "the state file to forget the cancelled notice")
         finally:
             await first.stop()
             if second is not None:
                 await second.stop()
+
+
+async def _persisted(sock: str, notice_id: str) -> bool:
+    """The state file (written off the delivery path) names the notice."""
+    try:
+        saved = json.loads(open(state_path_for(sock)).read())
+    except (OSError, ValueError):
+        return False
+    return any(n["id"] == notice_id for n in saved["notices"])
 
 
 async def _polled(sock: str, cloud: str, n: int) -> bool:
@@ -171,6 +183,7 @@ async def test_reconnecting_subscriber_gets_the_notice_again_after_restart(sockd
             sub = await Subscription(sock, rank=0).open()
             emu.notice("gcp", "termination", 60)
             first = await sub.next_notice(timeout=20)
+            await _until(lambda: _persisted(sock, first.id), 10, "the state file")
             await d1.kill9()
             with pytest.raises((EOFError, ConnectionError)):
                 while True:

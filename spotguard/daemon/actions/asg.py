@@ -7,8 +7,17 @@ reads ``Terminated`` and the AWS watcher yields a ``termination`` notice. Then:
 * at the notice: ``DescribeAutoScalingInstances`` (instance id and region from the
   identity document) gives the group; the hook is the one named by
   ``--asg-lifecycle-hook`` or, with ``auto``, every ``autoscaling:EC2_INSTANCE_TERMINATING``
-  hook of the group (``DescribeLifecycleHooks``); ``RecordLifecycleActionHeartbeat``
-  now and every third of the hook's ``HeartbeatTimeout`` while the checkpoint runs;
+  hook of the group whose name starts with ``spotguard`` (``AUTO_PREFIX``; e.g.
+  ``spotguard-drain``) — never a hook another tool owns (a log shipper's, a drainer's):
+  heartbeating or completing it would cut that tool's own work short;
+  ``RecordLifecycleActionHeartbeat`` now and every third of the hook's ``HeartbeatTimeout``
+  while the checkpoint runs;
+* the deadline: the watcher's notice says 120 s, but a held hook keeps the instance for
+  ``HeartbeatTimeout`` after each heartbeat, up to the hook's ``GlobalTimeout`` (AWS:
+  ``min(100 × HeartbeatTimeout, 172800 s)``) after the wait began. So each good heartbeat
+  moves the outcome's deadline to ``min(now + HeartbeatTimeout, start + GlobalTimeout)``
+  (``Action.extend``): a checkpoint longer than 119 s keeps heartbeating and still ends
+  in ``CompleteLifecycleAction``;
 * at the outcome: every subscriber committed (or none was subscribed) →
   ``CompleteLifecycleAction`` with ``CONTINUE``, and the instance terminates now
   instead of at the timeout. A failed or missing checkpoint completes nothing: the
@@ -26,11 +35,13 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from ...logs import get_logger
 from ...notice import Notice
+from ...timefmt import utcnow
 from ..book import Entry
 from . import Action, ActionError, Outcome
 
@@ -39,6 +50,12 @@ __all__ = ["AsgLifecycleAction", "is_asg_notice"]
 log = get_logger("spotguard.actions.asg")
 
 TERMINATING = "autoscaling:EC2_INSTANCE_TERMINATING"
+#: ``--asg-lifecycle-hook auto`` acts only on the group's terminating hooks whose name starts with this.
+AUTO_PREFIX = "spotguard"
+#: AWS's ceiling on a lifecycle action's total wait (48 h), and GlobalTimeout = min(100 x HeartbeatTimeout, it).
+MAX_GLOBAL_TIMEOUT = 172800
+IDENTITY_WAIT = 10.0  # seconds on_notice waits for the AWS watcher's identity document (after a restart)
+HEARTBEAT_CAP = 300.0  # seconds: the longest gap between heartbeats, whatever the hook's timeout
 IAM_FIX = ("allow autoscaling:DescribeAutoScalingInstances, DescribeLifecycleHooks, RecordLifecycleActionHeartbeat "
            "and CompleteLifecycleAction in the instance profile (docs/deploy.md)")
 
@@ -54,14 +71,24 @@ class _Target:
     instance_id: str
     group: str
     hooks: list[tuple[str, int]]  # (name, HeartbeatTimeout seconds)
+    global_timeout: int = MAX_GLOBAL_TIMEOUT  # the smallest of the hooks' GlobalTimeout
+
+
+def global_timeout(hook: dict[str, Any]) -> int:
+    """The hook's ``GlobalTimeout``, never above AWS's rule ``min(100 x HeartbeatTimeout, 172800)``."""
+    heartbeat = int(hook.get("HeartbeatTimeout") or 3600)
+    rule = min(100 * heartbeat, MAX_GLOBAL_TIMEOUT)
+    given = hook.get("GlobalTimeout")
+    return min(int(given), rule) if isinstance(given, int) and given > 0 else rule
 
 
 class AsgLifecycleAction(Action):
     name = "asg"
+    holds = True
 
-    def __init__(self, hook_name: Optional[str] = None, *, heartbeat_cap: float = 300.0) -> None:
+    def __init__(self, hook_name: Optional[str] = None, *, heartbeat_cap: Optional[float] = None) -> None:
         self.hook_name = hook_name
-        self.heartbeat_cap = heartbeat_cap
+        self.heartbeat_cap = HEARTBEAT_CAP if heartbeat_cap is None else heartbeat_cap
         self._boto3: Any = None
         self._config: Any = None
         self._client: Any = None
@@ -125,7 +152,7 @@ class AsgLifecycleAction(Action):
         notice = entry.notice
         fut: asyncio.Future[Optional[_Target]] = asyncio.get_running_loop().create_future()
         self._targets[notice.id] = fut
-        identity = getattr(entry.watcher, "identity", None) or {}
+        identity = await self._identity(entry)
         instance_id = identity.get("instanceId") or (node if node.startswith("i-") else "")
         if not instance_id:
             log.error("asg.no_instance_id", notice_id=notice.id,
@@ -146,6 +173,17 @@ class AsgLifecycleAction(Action):
         self._heartbeats[notice.id] = asyncio.create_task(self._heartbeat(notice, target, first))
         return await first
 
+    @staticmethod
+    async def _identity(entry: Entry, wait: float = IDENTITY_WAIT) -> dict[str, Any]:
+        """The watcher's identity document. Just after a daemon restart the restored notice comes with the
+        first poll, before the watcher read the document (notices first): wait for it, briefly."""
+        end = time.monotonic() + max(0.0, min(wait, entry.notice.seconds_left() - 5.0))
+        while True:
+            identity = getattr(entry.watcher, "identity", None) or {}
+            if identity.get("instanceId") or time.monotonic() >= end:
+                return identity
+            await asyncio.sleep(0.1)
+
     def _resolve(self, instance_id: str, region: Optional[str]) -> Optional[_Target]:
         asg = self._autoscaling(region)
         found = asg.describe_auto_scaling_instances(InstanceIds=[instance_id]).get("AutoScalingInstances", [])
@@ -157,18 +195,36 @@ class AsgLifecycleAction(Action):
         kw: dict[str, Any] = {"AutoScalingGroupName": group}
         if self.hook_name:
             kw["LifecycleHookNames"] = [self.hook_name]
-        hooks = [(h["LifecycleHookName"], int(h.get("HeartbeatTimeout") or 3600))
-                 for h in asg.describe_lifecycle_hooks(**kw).get("LifecycleHooks", [])
-                 if h.get("LifecycleTransition") == TERMINATING]
+        found_hooks = [h for h in asg.describe_lifecycle_hooks(**kw).get("LifecycleHooks", [])
+                       if h.get("LifecycleTransition") == TERMINATING]
+        if not self.hook_name:
+            others = [h["LifecycleHookName"] for h in found_hooks
+                      if not str(h.get("LifecycleHookName", "")).startswith(AUTO_PREFIX)]
+            found_hooks = [h for h in found_hooks if str(h.get("LifecycleHookName", "")).startswith(AUTO_PREFIX)]
+            if others:
+                log.info("asg.hooks_left_alone", group=group, hooks=others[:16],
+                         detail=f"--asg-lifecycle-hook auto acts only on hooks named {AUTO_PREFIX}*; "
+                                "these belong to other tools")
+        hooks = [(h["LifecycleHookName"], int(h.get("HeartbeatTimeout") or 3600)) for h in found_hooks]
+        if not hooks and not self.hook_name:
+            log.error("asg.no_hook", group=group, hook="auto",
+                      fix=f"name spotguard's terminating lifecycle hook on {group} '{AUTO_PREFIX}...' (auto acts "
+                          f"only on those) or pass its name: --asg-lifecycle-hook NAME")
+            return None
         if not hooks:
             log.error("asg.no_hook", group=group, hook=self.hook_name or "auto",
                       fix=f"create a terminating lifecycle hook on {group} (aws autoscaling put-lifecycle-hook "
                           f"--lifecycle-transition {TERMINATING} ...) or fix --asg-lifecycle-hook")
             return None
-        return _Target(instance_id, group, hooks)
+        return _Target(instance_id, group, hooks, min(global_timeout(h) for h in found_hooks))
 
     async def _heartbeat(self, notice: Notice, target: _Target, first: asyncio.Future[bool]) -> None:
-        interval = max(1.0, min(self.heartbeat_cap, min(t for _, t in target.hooks) / 3))
+        timeout = min(t for _, t in target.hooks)
+        interval = max(0.2, min(self.heartbeat_cap, timeout / 3))
+        # The wait began when the instance entered Terminating:Wait, about when the notice was first seen.
+        global_end = time.monotonic() - max(0.0, (utcnow() - notice.received_at).total_seconds()) + \
+            target.global_timeout
+        beats = 0
         while True:
             ok = True
             for hook, _ in target.hooks:
@@ -180,6 +236,11 @@ class AsgLifecycleAction(Action):
                 except Exception as exc:
                     ok = False
                     self._log_error("asg.heartbeat_failed", notice.id, exc)
+            if ok:
+                beats += 1
+                self.note(notice.id, heartbeats=beats, hooks=",".join(h for h, _ in target.hooks))
+                # Held for HeartbeatTimeout from now, never past the global timeout: the outcome may wait that long.
+                self.extend(notice.id, min(float(timeout), global_end - time.monotonic()))
             if not first.done():
                 first.set_result(ok)
             await asyncio.sleep(interval)

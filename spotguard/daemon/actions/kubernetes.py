@@ -23,7 +23,8 @@ loader re-reads the projected service-account token as the kubelet rotates it.
 * At the outcome: one ``Event`` (reason ``SpotNotice``) per subscriber pod, after
   checking with ``GET`` that the pod is on this node (a subscriber only names its pod;
   the daemon does not take its word for it). The Event's name is derived from the notice
-  id, so a repeat is ``409 AlreadyExists``, not a duplicate.
+  id and the outcome's status (``Outcome.key``), so a repeat of the same outcome is
+  ``409 AlreadyExists``, not a duplicate, and a different outcome is never swallowed.
 * Node Events (``involvedObject`` = the Node, namespace ``default``, as NTH and the kubelet
   record them; ``kubectl describe node`` shows them): ``SpotguardCordon``,
   ``SpotguardUncordon`` and the outcome (``SpotNotice``) of a cloud notice.
@@ -267,7 +268,9 @@ class KubernetesAction(Action):
                             pod_node=pod.spec.node_name, node=self.node,
                             detail="a subscriber named a pod that is not on this node: no Event")
                 return False
-            name = f"{pod_name[:200]}.spotguard-{hashlib.sha256(notice.id.encode()).hexdigest()[:12]}"
+            # Named from the notice *and* its outcome (Outcome.key, the shared action layer's): a repeat of this
+            # outcome is 409 AlreadyExists, a different outcome of the same notice is a new Event, never swallowed.
+            name = f"{pod_name[:200]}.spotguard-{outcome.key[:12]}"
             body = _event_body(name, namespace, {"apiVersion": "v1", "kind": "Pod", "name": pod_name,
                                                  "namespace": namespace, "uid": pod.metadata.uid},
                                EVENT_REASON, "Normal" if outcome.status == "committed" else "Warning",

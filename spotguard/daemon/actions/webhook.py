@@ -113,7 +113,7 @@ def _strings(doc: Any) -> list[str]:
 
 
 _SAMPLE_FIELDS = ("id", "source", "kind", "deadline", "received_at", "detail", "node", "status", "reason", "step",
-                  "uri", "subscribers", "done", "failed", "summary")
+                  "uri", "subscribers", "done", "failed", "summary", "outcome_key")
 
 
 def render(template: Any, fields: dict[str, Any]) -> Any:
@@ -186,7 +186,10 @@ class WebhookAction(Action):
     async def on_outcome(self, outcome: Outcome) -> Optional[bool]:
         assert self._session is not None, "start() first"
         body = json.dumps(self.payload(outcome), separators=(",", ":"), default=str).encode()
-        headers = {**self.headers, "Content-Type": "application/json", "User-Agent": "spotguard"}
+        # Idempotency-Key names the notice *and* its outcome: a receiver that de-duplicates on it drops a
+        # repeat of the same outcome (a re-send after a daemon restart), never a different one.
+        headers = {**self.headers, "Content-Type": "application/json", "User-Agent": "spotguard",
+                   "Idempotency-Key": f"spotguard-{outcome.key}"}
         budget = Deadline(outcome.notice.seconds_left(), minimum=self.min_budget)
         target = redact_url(self.url)
         attempt, delay = 0, 0.25
