@@ -97,6 +97,7 @@ class ElasticDistributedSampler(Sampler[int]):
         self.drop_last = bool(drop_last)
         self.epoch = 0
         self._resume_at = 0  # global position the next __iter__ starts from (set by load_state_dict)
+        self._resume_rng: Optional[torch.Tensor] = None  # the global RNG right after a resume (note_resume_rng)
         self._base = 0  # global position the current iterator started from
         self._handed = 0  # indices the current iterator has handed out (this rank)
         self._loader: Optional[weakref.ref[Any]] = None
@@ -121,16 +122,20 @@ class ElasticDistributedSampler(Sampler[int]):
         self._base, self._handed, self._taken = start, 0, 0
         mine = self._rest_for_rank(start)
         # A DataLoader iterator built for the rest of an epoch after a resume: the uninterrupted run built
-        # its iterator at the epoch's start, so the seed DataLoader draws from the global torch RNG right
-        # after this call (``_base_seed``, when the loader has no generator=) is a draw it never made.
-        # Undo it at the first index (nothing else runs in between), or every later random number shifts.
-        rng = torch.get_rng_state() if start > 0 else None
+        # its iterator at the epoch's start, so the seed DataLoader draws from the global torch RNG for it
+        # (``_base_seed``, when the loader has no generator=) is a draw that run never made at this point.
+        # Undone at the first index (see note_resume_rng), or every later random number shifts.
+        rng, self._resume_rng = (self._resume_rng if start > 0 else None), None
         return self._hand_out(mine, rng)
+
+    def note_resume_rng(self, state: torch.Tensor) -> None:
+        """The global torch RNG as the resume left it (the spotguard hook calls this after restoring it)."""
+        self._resume_rng = state.clone()
 
     def _hand_out(self, mine: list[int], rng: Optional[torch.Tensor] = None) -> Iterator[int]:
         for i in mine:
             if rng is not None:
-                torch.set_rng_state(rng)
+                _undo_base_seed_draw(rng)
                 rng = None
             self._handed += 1
             yield i
@@ -216,6 +221,18 @@ class ElasticDistributedSampler(Sampler[int]):
                              f"{bool(state.get('shuffle'))}, this sampler has shuffle={self.shuffle}")
         self.epoch, self.seed, self._resume_at = epoch, seed, consumed
         self._base = self._handed = self._taken = 0
+
+
+def _undo_base_seed_draw(before: torch.Tensor) -> None:
+    """Set the global torch RNG back to ``before`` if exactly DataLoader's one base-seed draw happened since
+    (anything else drew too, or nothing: leave it, those draws are the loop's own)."""
+    now = torch.get_rng_state()
+    torch.set_rng_state(before)
+    torch.empty((), dtype=torch.int64).random_()  # the draw _BaseDataLoaderIter makes without a generator
+    if torch.equal(torch.get_rng_state(), now):
+        torch.set_rng_state(before)
+    else:
+        torch.set_rng_state(now)
 
 
 class _Counted:

@@ -199,6 +199,10 @@ class ResumeMixin:
             self._log.warning("checkpoint has no state for object", keys=done.missing, dir=dirkey)
         old_world = int(per.get("world_size", len(saved)))
         elastic.restore_rng_for(per, done, step=int(per.get("step", 0)), rank=self._rank)  # last
+        for obj in o.loaders.values():  # the shipped sampler undoes DataLoader's extra base-seed draw
+            note = getattr(obj, "note_resume_rng", None)
+            if callable(note):
+                note(torch.get_rng_state())
         fwd = per.get("rng_at_forward") if own else None  # see core._realign_rng
         self._realign = fwd if isinstance(fwd, torch.Tensor) else None
         if old_world != self._world or not own:

@@ -147,3 +147,42 @@ def test_attached_persistent_workers_count_per_epoch() -> None:
     for _ in it:
         pass
     assert s.state_dict()["consumed"] == n
+
+
+def test_mid_epoch_iterator_after_a_resume_leaves_the_global_rng_alone() -> None:
+    """DataLoader draws its base seed from the global RNG when it has no generator=; the uninterrupted run
+    drew it at the epoch's start, so the iterator a resumed run builds mid-epoch must not draw again (the
+    README's script with dropout diverged after every resume). A fresh epoch still draws, as DataLoader does,
+    and a draw of the loop's own between iter() and next() is kept."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from spotguard.data import ElasticDistributedSampler
+
+    data = list(range(32))
+    src = ElasticDistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
+    it = iter(DataLoader(data, batch_size=4, sampler=src))
+    next(it)
+    state = src.state_dict()
+
+    resumed = ElasticDistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
+    resumed.load_state_dict(state)
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    resumed.note_resume_rng(before)  # what the hook does after restoring the RNG
+    next(iter(DataLoader(data, batch_size=4, sampler=resumed)))
+    assert torch.equal(torch.get_rng_state(), before)
+
+    torch.manual_seed(7)  # a fresh epoch: the draw is DataLoader's own, as in an uninterrupted run
+    next(iter(DataLoader(data, batch_size=4, sampler=ElasticDistributedSampler(data, num_replicas=1, rank=0))))
+    assert not torch.equal(torch.get_rng_state(), before)
+
+    again = ElasticDistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
+    again.load_state_dict(state)
+    torch.manual_seed(7)
+    again.note_resume_rng(torch.get_rng_state())
+    loader_it = iter(DataLoader(data, batch_size=4, sampler=again))
+    torch.rand(1)  # the loop's own draw
+    mine = torch.get_rng_state()
+    next(loader_it)
+    assert torch.equal(torch.get_rng_state(), mine)
