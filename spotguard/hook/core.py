@@ -100,7 +100,7 @@ from .periodic import PeriodicSaver
 from .preflight import check_launcher, probe_writable, unwritable_message
 from .peers import stop_watch, watch_peers  # peer-liveness watch (#14 item 3)
 from .resume import ResumeMixin
-from .save import SaveMixin, _Result
+from .save import SaveMixin, _Result, _skip_fake_step_in_background
 from .settings import (  # noqa: F401 - re-exported: adapters, torchft and tests import them from core
     EMERGENCY_LEAD,
     EXIT_SAVE_FAILED,
@@ -204,6 +204,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         self._buffers = {k: tracked_buffers(m) for k, m in self._objs.models.items()}
         self._buffers = {k: b for k, b in self._buffers.items() if b}
         # Version marks behind the exact any-moment path (watch.py); its ``tracked`` buffers are the snapshot's.
+        _skip_fake_step_in_background()  # DCP's fake step: never off the training thread, never a SAM wrapper's
         self._watch = StateWatch(self._objs.models, self._buffers)
         self._buffers = self._watch.tracked
         self._baseline = self._watch.baseline()  # "did anything train?" when no optimizer step was ever seen
@@ -410,7 +411,8 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             self._fwd_train_count = self._count
             if self._realign is not None:
                 self._realign_rng()
-            self._fwd_rng = (self._count, torch.get_rng_state())  # ~1 us: see _realign_rng
+            if self._bg_on:  # one optimizer: its step ends the iteration (not so with a GAN's two)
+                self._fwd_rng = (self._count, torch.get_rng_state())  # ~1 us: see _realign_rng
             if self._bg_on and self._count > 0:
                 self._watch.mark()  # the post-step writes (AveragedModel, clipping) are part of iteration S
         if self._fwd_count == self._count or not self._bg_on:

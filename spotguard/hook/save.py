@@ -79,7 +79,12 @@ def _skip_fake_step_in_background() -> None:
     def init(optim: Any) -> None:
         if getattr(_BG, "on", False):
             return
-        orig(optim)
+        try:
+            orig(optim)
+        except NotImplementedError:
+            # A wrapper whose step() is not the update (SAM: first_step/second_step): there is no fake step
+            # to run; its state dict is what it holds (an empty state loads into a fresh one as well).
+            pass
 
     init.__spotguard__ = True  # type: ignore[attr-defined]
     sdmod._init_optim_state = init
