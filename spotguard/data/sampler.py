@@ -133,10 +133,9 @@ class ElasticDistributedSampler(Sampler[int]):
         self._resume_rng = state.clone()
 
     def _hand_out(self, mine: list[int], rng: Optional[torch.Tensor] = None) -> Iterator[int]:
+        if rng is not None:  # the first next(): right after DataLoader's draw (also when nothing is left,
+            _undo_base_seed_draw(rng)  # a resume at the very end of an epoch: an empty iterator, then the next)
         for i in mine:
-            if rng is not None:
-                _undo_base_seed_draw(rng)
-                rng = None
             self._handed += 1
             yield i
 

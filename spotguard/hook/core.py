@@ -258,6 +258,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             self._bg.start()
 
         self._handles: list[Any] = []
+        self._unwrap: list[tuple[Any, str]] = []  # instance attributes the hook set over methods
         self._scaler_orig: Optional[tuple[Any, Any]] = None
         self._install_step_hooks()
         self._prev_handlers: dict[int, Any] = {}
@@ -366,6 +367,8 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             base = getattr(opt, "base_optimizer", None)
             if isinstance(base, torch.optim.Optimizer) and all(base is not o for o in opts):
                 opts.append(base)
+                if callable(getattr(opt, "first_step", None)):
+                    self._wrap_first_step(opt, base)
         for opt in opts:
             self._handles.append(opt.register_step_pre_hook(self._pre_hook))
             self._handles.append(opt.register_step_post_hook(self._post_hook))
@@ -391,10 +394,31 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             sc.step, sc.update = step, update
             self._scaler_orig = (orig_step, orig_update)
 
+    def _wrap_first_step(self, opt: Any, base: torch.optim.Optimizer) -> None:
+        """SAM: the update spans ``first_step()`` (perturb the weights, keep the old ones in the wrapper's
+        state) .. ``second_step()`` (restore, ``base_optimizer.step()``). The step begins at ``first_step``:
+        a notice in between waits for the step to end, as one inside ``optimizer.step()`` does (the
+        wrapper's state at the end of the previous iteration is gone by then)."""
+        orig = opt.first_step
+        hook = self
+
+        def first_step(*args: Any, **kwargs: Any) -> Any:
+            hook._pre_hook(base, args, kwargs)
+            return orig(*args, **kwargs)
+
+        opt.first_step = first_step
+        self._unwrap.append((opt, "first_step"))
+
     def _remove_step_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for obj, name in getattr(self, "_unwrap", []):
+            try:
+                delattr(obj, name)  # the instance attribute shadowing the method
+            except AttributeError:
+                pass
+        self._unwrap = []
         if self._scaler is not None and self._scaler_orig is not None:
             for name in ("step", "update"):
                 try:

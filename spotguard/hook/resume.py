@@ -153,6 +153,7 @@ class ResumeMixin:
             sd[k] = get_model_state_dict(m)
         for k, opt in o.optimizers.items():
             sd[k] = get_optimizer_state_dict(o.models[o.owner[k]], opt)  # fake step() on a fresh optimizer
+            _state_from_metadata(sd[k], k, o.models[o.owner[k]], meta.state_dict_metadata)
         if rkey is not None:
             sd[rkey] = b""
         try:
@@ -247,6 +248,32 @@ class ResumeMixin:
                               step=self._count,
                               fix="call start = hook.resume() before the first step (or iterate hook.range(total)), "
                                   "or give this run its own storage prefix; its checkpoints are not this run's")
+
+
+def _state_from_metadata(osd: dict[str, Any], key: str, model: Any, meta: Any) -> None:
+    """Per-parameter optimizer tensors the checkpoint holds that a fresh optimizer has no slot for (DCP
+    loads only what the template names): a wrapper whose ``step()`` cannot run the fake step that creates
+    them (SAM keeps the weights before its perturbation as ``old_p``). Empty tensors of the saved shape and
+    dtype are added to the template so the load fills them."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
+    from torch.distributed.checkpoint.state_dict import _get_fqns  # noqa: PLC0415
+
+    state = osd.get("state")
+    if not isinstance(state, dict):
+        return
+    fqns = sorted({f for n, _ in model.named_parameters() for f in _get_fqns(model, n)}, key=len, reverse=True)
+    prefix = f"{key}.state."
+    for name, md in meta.items():
+        if not name.startswith(prefix) or not isinstance(md, TensorStorageMetadata):
+            continue
+        rest = name[len(prefix):]
+        fqn = next((f for f in fqns if rest.startswith(f + ".")), None)
+        if fqn is None or "." in rest[len(fqn) + 1:]:
+            continue
+        slot = state.setdefault(fqn, {})
+        field_name = rest[len(fqn) + 1:]
+        if isinstance(slot, dict) and field_name not in slot:
+            slot[field_name] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
 
 
 def _set_aside(storage: Any) -> Any:
