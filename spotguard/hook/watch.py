@@ -12,7 +12,7 @@ between step S's post-hook and the end of the read. Two signals prove it:
   class-level property on ``torch.nn.Parameter``; other parameters are not
   counted): writes through ``param.data`` (torch_ema's swap, ``p.data.clamp_``
   weight clipping, ``vector_to_parameters``) bypass ``_version``
-  (PITFALLS.md), so any access at all counts as "may have written".
+  (a measured trap), so any access at all counts as "may have written".
 
 ``StateWatch.mark()`` runs in the clock's post-hook of every step (one
 ``_version`` read per tensor: ~0.1 us each); ``changed()`` compares. When it
