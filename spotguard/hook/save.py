@@ -393,7 +393,8 @@ class SaveMixin:
             self._want_small = self._want_state = None
             self._cv.notify_all()
         self._log.info(ev.CHECKPOINT_STAGED, notice_id=notice.id, step=step, bytes=nbytes,
-                       seconds=round(copied, 4), small_state_from=where, tensors_from=where_read)
+                       seconds=round(copied, 4), small_state_from=where, tensors_from=where_read,
+                       host_copy=not hold)  # an emergency writes the held live tensors: no second copy
         sd = _with_small(sd, groups, self._rank_key(self._rank), blob)
         cancel = None if hold else self._ordinary_cancel  # an emergency arriving now pre-empts this save
         if cancel is not None:

@@ -113,6 +113,11 @@ def test_ten_second_iteration_commits_long_before_it_ends(ref_plain: Path, tmp_p
     assert since - save <= 1.0, (since, save)
     assert all(e["seconds_since_notice"] < 4.0 for e in exits.values()), exits  # the iteration had 10 s to go
     assert all(e["by"] != "training-thread" for e in exits.values()), exits
+    # an emergency writes the live tensors of S (held until the exit): no second whole copy on the host
+    # (issue 22: the background path cloned the state, +515 MiB for 512 MiB)
+    staged = run.events("checkpoint_staged")
+    assert {e["rank"] for e in staged} == {0, 1}, staged
+    assert all(e["host_copy"] is False and e["tensors_from"] == "background" for e in staged), staged
     assert committed(store) == [2]
     resume_bitwise(tmp_path, store, 2, ref_plain, [])
 
