@@ -235,6 +235,9 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         # The model's first forward after step S (training or evaluation): the loop's work after the step
         # (scheduler, EMA update, scaler) is over, so the small state of S can be read (save.py).
         self._fwd_count = -1
+        self._post_seq = 0  # optimizer post-hooks so far (any optimizer of the dict; the scaler's update)
+        self._fwd_seq = 0  # _post_seq at the last forward that snapshotted the buffers
+        self._fwd_bufs: Optional[tuple[int, dict[str, dict[str, torch.Tensor]]]] = None
         self._fwd_train_count = -1
         self._fwd_rng: Optional[tuple[int, torch.Tensor]] = None  # (count, torch RNG) at the first training forward
         self._realign: Optional[torch.Tensor] = None  # after a resume: the RNG the first training forward must see
@@ -388,6 +391,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             def update(*args: Any, **kwargs: Any) -> Any:
                 out = orig_update(*args, **kwargs)
                 if not (hook._internal or hook._explicit or hook._closed):
+                    hook._post_seq += 1
                     hook._decide()
                 return out
 
@@ -431,6 +435,10 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         """Model forward pre-hook: the first forward after step S marks the end of the loop's post-step work."""
         if self._internal:
             return
+        if self._fwd_seq != self._post_seq:  # the first forward after an optimizer step: buffers of the end
+            self._fwd_seq = self._post_seq  # of the iteration (post-step updates in, this forward's not yet)
+            self._fwd_bufs = (self._count, {mk: {n: b.detach().clone() for n, b in bufs.items()}
+                                            for mk, bufs in self._buffers.items() if bufs})
         if self._fwd_train_count != self._count and module.training:
             self._fwd_train_count = self._count
             if self._realign is not None:
@@ -480,12 +488,13 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._internal or self._explicit or self._closed or self._torn_down:
             return
+        self._post_seq += 1
         if self._scaler is not None:
             return  # GradScaler.update() is the clock
         if optimizer is self._clock:
             self._decide()
         elif self._many_opts:
-            self._snap = Snapshot.take(self._objs.loaders, self._buffers)
+            self._snap = Snapshot.take(self._objs.loaders, {})
 
     def _decide(self) -> None:
         """End of an iteration as the hook sees it: count, snapshot, launch the flag reduction."""
@@ -503,7 +512,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                 self._act(res[0], res[1], snap=None, final=False)
         self._count += 1
         self._implicit_counted = True
-        self._snap = Snapshot.take(self._objs.loaders, self._buffers)
+        self._snap = Snapshot.take(self._objs.loaders, {})
         level, deadline_ms = self._local_level()
         self._agree.launch(level, deadline_ms, self._periodic_flags())
 
@@ -573,7 +582,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         """Clock post-hook (background mode): count, snapshot, leave "inside optimizer.step"."""
         self._watch.mark()  # after step S: what a background read must still see (may track more buffers)
         self._sched_marks = [getattr(s, "last_epoch", None) for s in self._objs.schedulers.values()]
-        snap = Snapshot.take(self._objs.loaders, self._buffers)  # before the count: a round may read it at once
+        snap = Snapshot.take(self._objs.loaders, {})  # before the count: a round may read it at once
         if self._cuda_params:
             self._step_event = torch.cuda.Event()
             self._step_event.record()  # the background read waits on it: step S's kernels are done

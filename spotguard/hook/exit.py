@@ -283,6 +283,23 @@ class ExitMixin:
             self._log.info(ev.NOTICE_AFTER_LAST_STEP, notice_id=nid, step=self._count)
         self.close()  # waits (bounded) for an in-flight periodic upload
 
+    def _serve_last_round(self, timeout: float) -> None:
+        """The training thread, in ``destroy_process_group()`` after its last step: the loop's work is over,
+        so this is a point where the state of the last step is known. A round in flight that waits for the
+        next ``optimizer.step()`` (the exact fallback read, the small state) is served here instead — there
+        will be no next step."""
+        bg = self._bg
+        end = time.monotonic() + timeout
+        with self._cv:
+            while bg is not None and bg.busy.is_set() and time.monotonic() < end and self._exit_request is None:
+                if not self._in_step:
+                    key = self._count
+                    if self._want_small == key and (self._small is None or self._small[0] != key):
+                        self._capture_small_for(key, "end-of-training")
+                    if self._want_state == key and (self._handoff is None or self._handoff[0] != key):
+                        self._read_for_round(key)
+                self._cv.wait(0.05)
+
     def _quiesce(self) -> None:
         """Runs inside ``torch.distributed.destroy_process_group()`` (every rank), before the groups go.
 
@@ -298,7 +315,10 @@ class ExitMixin:
         stop_watch(getattr(self, "_peers", None))  # before any group is destroyed
         self._bg_on = False
         if self._bg is not None:  # wait (bounded) for a round in flight, unless we are leaving
-            self._bg.close(0.0 if self._exiting or self._exit_request is not None else QUIESCE_AGREEMENT_TIMEOUT / 2)
+            leaving = self._exiting or self._exit_request is not None
+            if not leaving:
+                self._serve_last_round(QUIESCE_AGREEMENT_TIMEOUT / 2)
+            self._bg.close(0.0 if leaving else QUIESCE_AGREEMENT_TIMEOUT / 2)
             if not self._bg.busy.is_set():
                 destroy_group(self._bg.group)
                 self._bg.group = None

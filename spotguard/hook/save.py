@@ -272,7 +272,7 @@ class SaveMixin:
 
     def _save_state_dict(self, snap: Optional[Snapshot]) -> dict[str, Any]:
         if snap is None:
-            snap = Snapshot.take(self._objs.loaders, self._buffers)
+            snap = Snapshot.take(self._objs.loaders, {})
         sd = self._tensor_state()
         sd[self._rank_key(self._rank)] = pack(self._per_rank_state(self._count, snap))
         return sd
@@ -286,7 +286,7 @@ class SaveMixin:
             "world_size": self._world,
             "rng": snap.rng,
             "loaders": snap.loaders,
-            "buffers": snap.buffers,
+            "buffers": self._end_buffers(step),
             "schedulers": {k: s.state_dict() for k, s in o.schedulers.items()},
             "scalers": {k: s.state_dict() for k, s in o.scalers.items()},
             "stateful": {k: s.state_dict() for k, s in o.stateful.items()},
@@ -294,6 +294,16 @@ class SaveMixin:
             # it back there if something drew in between that the uninterrupted run did not (core._realign_rng)
             "rng_at_forward": self._fwd_rng[1] if self._fwd_rng is not None and self._fwd_rng[0] == step else None,
         }
+
+    def _end_buffers(self, step: int) -> dict[str, dict[str, torch.Tensor]]:
+        """The tracked buffers at the end of iteration ``step``: after the loop's post-step updates (an
+        ``AveragedModel``'s ``n_averaged``), before the next forward's (BatchNorm statistics, spectral norm's
+        ``_u``/``_v``) — the copy the first forward after the step took, or, when no forward ran since the last
+        optimizer step, the buffers as they are now."""
+        got = self._fwd_bufs
+        if got is not None and got[0] == step and self._fwd_seq == self._post_seq:
+            return got[1]
+        return {mk: {n: b.detach().clone() for n, b in bufs.items()} for mk, bufs in self._buffers.items() if bufs}
 
     def _periodic_flags(self) -> tuple[int, int]:
         p = self._periodic
@@ -600,7 +610,7 @@ class SaveMixin:
         o = self._objs
         snap = self._snap if self._snap is not None and self._snap_count == step else None
         if snap is None:
-            snap = Snapshot.take(o.loaders, self._buffers)
+            snap = Snapshot.take(o.loaders, {})
         per = self._per_rank_state(step, snap)
         groups = {k: [{n: copy.deepcopy(v) for n, v in g.items() if n != "params"} for g in opt.param_groups]
                   for k, opt in o.optimizers.items()}

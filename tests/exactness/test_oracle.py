@@ -32,6 +32,8 @@ CASES: dict[str, tuple[str, str]] = {
     "scaler-overflowing-iteration": ("scaler", "phase:bwd@5"),
     "ema-swapped-in-during-eval": ("ema_swap", "phase:eval@5"),
     "averaged-model-updated-after-step": ("swa", "phase:after@4"),
+    # the last step: no next optimizer.step() to read at — destroy_process_group() serves the read
+    "averaged-model-notice-inside-last-step": ("swa", "phase:step@9"),
     "spectral-norm-after-next-forward": ("specnorm", "phase:bwd@5"),
     "gan-between-d-and-g-step": ("gan", "phase:g_step@4"),
     "sam-between-first-and-second-step": ("sam", "phase:second@4"),

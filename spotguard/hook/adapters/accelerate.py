@@ -92,7 +92,7 @@ class AccelerateHook(FrameworkHook):
         now_rng = capture_rng()
         now_bufs = {mk: {n: b.detach().clone() for n, b in bufs.items()} for mk, bufs in self._buffers.items()}
         restore_rng(snap.rng)
-        self._copy_buffers(snap.buffers)
+        self._copy_buffers(self._end_buffers(self._count))
         try:
             yield
         finally:
