@@ -35,7 +35,7 @@ from typing import Any, Optional, Sequence
 
 from .. import __version__
 from ..logs import configure_logging, get_logger
-from ..notice import KINDS, Cancel, Notice
+from ..notice import EMERGENCY_KINDS, KINDS, Cancel, Notice
 from ..protocol import (
     VERSION,
     CancelMsg,
@@ -605,8 +605,25 @@ class Daemon:
         if self.config.azure_ack_after_checkpoint and self.book.ready_for_approval(entry):
             entry.approved = True
             self._spawn(self._approve(entry))
-        self.actions.progress([entry])
+        touched = [entry, *self._same_report_for_siblings(client, msg, entry)]
+        self.actions.progress(touched)
         self._progress.set()
+
+    def _same_report_for_siblings(self, client: Client, msg: Message, entry: Any) -> list[Any]:
+        """A trainer's final report on one emergency notice stands for every other emergency notice it was sent:
+        the hook checkpoints once and reports for the notice it acted on, and a spot interruption inside an ASG
+        is two notices (instance-action and target-lifecycle-state) — the other one must not end ``incomplete``."""
+        if not isinstance(msg, (CheckpointDone, CheckpointFailed)) or entry.notice.kind not in EMERGENCY_KINDS:
+            return []
+        out = []
+        for other in list(self.book.active.values()):
+            if other is entry or other.notice.kind not in EMERGENCY_KINDS or other.id not in client.sent_ids:
+                continue
+            got, changed = self.book.record(client.id, dataclasses.replace(msg, id=other.id))
+            if got is not None and changed:
+                log.info(f"notice.{msg.type}", notice_id=other.id, same_as=entry.id, **client.log_fields())
+                out.append(got)
+        return out
 
     async def _approve(self, entry: Entry) -> None:
         w = entry.watcher

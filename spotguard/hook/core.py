@@ -123,6 +123,15 @@ from .watch import StateWatch
 __all__ = ["Hook", "Preempted", "SIGNAL_GRACE", "EMERGENCY_LEAD", "EXIT_SAVE_FAILED"]
 
 
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Never traced by torch.compile (a module hook inside a compiled region would be, with guards on the
+    hook's counters: a recompilation every step)."""
+    try:
+        return torch._dynamo.disable(fn)  # type: ignore[no-any-return]
+    except Exception:  # noqa: BLE001 - torch without dynamo
+        return fn
+
+
 def periodic_notice(step: int) -> Notice:
     """The synthetic notice an adapter's ``every=`` checkpoint is written under (never sent anywhere)."""
     now = utcnow()
@@ -246,7 +255,6 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         self._want_copy = True  # ... as a copy (an ordinary checkpoint; an emergency reads the held live tensors)
         self._handoff: Optional[tuple[int, Any, int, str]] = None  # (step, state dict, bytes, error)
         self._step_event: Any = None  # CUDA: recorded on the training stream at each step's end
-        self._sched_marks: list[Any] = []  # each scheduler's last_epoch at the last step's end
         self._exit_callbacks: list[Callable[[int, bool], Any]] = getattr(self, "_exit_callbacks", [])  # on_exit
         self._ordinary_cancel = threading.Event()  # set: the ordinary background save in flight gives up
         self._round_action: Optional[str] = None  # what the running background round does ("checkpoint"...)
@@ -362,9 +370,9 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
 
     def _install_step_hooks(self) -> None:
         for m in self._objs.models.values():  # and the module a wrapper holds (DDP .module, compile's _orig_mod)
-            for mod in {id(x): x for x in (m, getattr(m, "module", None), getattr(m, "_orig_mod", None))
-                        if isinstance(x, torch.nn.Module)}.values():
-                self._handles.append(mod.register_forward_pre_hook(self._on_forward))
+            # (not a compiled module's _orig_mod: dynamo would trace the hook and guard on the hook's counters)
+            for mod in {id(x): x for x in (m, getattr(m, "module", None)) if isinstance(x, torch.nn.Module)}.values():
+                self._handles.append(mod.register_forward_pre_hook(_eager(self._on_forward)))
         opts = list(self._objs.optimizers.values())
         for opt in list(opts):  # SAM-style wrappers step their base optimizer from first/second_step()
             base = getattr(opt, "base_optimizer", None)
@@ -465,9 +473,9 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         torch.set_rng_state(saved)
         self._log.warning(ev.RNG_REALIGNED, step=self._count,
                           why="the global torch RNG was drawn from between the resume and the first forward "
-                              "(a DataLoader iterator without its own generator=?); the draw was undone so the "
-                              "run stays exact, but a loader that shuffles or has workers with that RNG still "
-                              "sees other seeds than the uninterrupted run",
+                              "(a DataLoader iterator without its own generator=?); the torch RNG was set back "
+                              "to the interrupted run's, but whatever consumed that draw (a loader that shuffles "
+                              "or has workers with it) got other seeds than the uninterrupted run",
                           fix="DataLoader(..., generator=torch.Generator().manual_seed(SEED)), or a stateful "
                               "loader / spotguard.data.ElasticDistributedSampler in the hook's dict")
 
@@ -561,11 +569,11 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                 if key is None or self._count < key:
                     self._in_step = True
                     return
-                if self._count == key and self._staged_step != key:
-                    if self._small is None or self._small[0] != key:
+                if self._count == key:
+                    if self._staged_step != key and (self._small is None or self._small[0] != key):
                         self._capture_small_for(key, "pre-hook")
                     if self._want_state == key and (self._handoff is None or self._handoff[0] != key):
-                        self._read_for_round(key)
+                        self._read_for_round(key)  # also for a retry after the first attempt was staged
                 left = self._hold_until + HOLD_SLACK - time.monotonic()
                 if left <= 0:
                     give_up = key
@@ -581,7 +589,6 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
     def _step_end(self) -> None:
         """Clock post-hook (background mode): count, snapshot, leave "inside optimizer.step"."""
         self._watch.mark()  # after step S: what a background read must still see (may track more buffers)
-        self._sched_marks = [getattr(s, "last_epoch", None) for s in self._objs.schedulers.values()]
         snap = Snapshot.take(self._objs.loaders, {})  # before the count: a round may read it at once
         if self._cuda_params:
             self._step_event = torch.cuda.Event()

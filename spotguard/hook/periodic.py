@@ -302,7 +302,7 @@ class PeriodicSaver:
                         seconds=round(time.monotonic() - job.started, 3),
                         extra={"staging_seconds": round(job.staging_seconds, 4), "spotguard": __version__,
                                "lineage": h._lineage},
-                    ), h._keep, h._log, written)
+                    ), h._keep, h._log, written, exclude=frozenset(getattr(h, "_damaged_dirs", ())))
             stage = "commit-barrier"
             outcome = self._bcast0(outcome)
             if outcome[0] != "ok":

@@ -177,7 +177,7 @@ class SaveMixin:
                     extra={"spotguard": __version__, "lineage": self._lineage} if reason == "periodic" else
                     {"notice_kind": notice.kind, "notice_source": notice.source,
                      "deadline": to_rfc3339(notice.deadline), "spotguard": __version__, "lineage": self._lineage},
-                ), self._keep, self._log, written)
+                ), self._keep, self._log, written, exclude=frozenset(getattr(self, "_damaged_dirs", ())))
             stage = "commit-barrier"
             # Every rank passes this only after the record is durable: no rank may exit before it.
             outcome = self._bcast0(outcome, group)
@@ -230,6 +230,7 @@ class SaveMixin:
 
     def _finish_ok(self, notice: Notice, step: int, uri: str, nbytes: int, t0: float, already: bool = False) -> _Result:
         secs = round(time.monotonic() - t0, 3)
+        self._last_save_seconds = secs  # what the next save's wait for the end of an iteration leaves room for
         self._committed_ids.add(notice.id)
         if self._periodic is not None:
             self._periodic.restart_clock()
@@ -378,6 +379,13 @@ class SaveMixin:
             return self._fail(notice, step, f"the training thread did not reach step {step} within the notice "
                               f"deadline (at {self._count}, inside a step: {self._in_step}): peers lost?", t0,
                               peers_ok=False)
+        # The small state first: its anchor (the model's next forward, the next step, the end of training) is
+        # also where the loop's post-step writes to tensors are over (an AveragedModel update, an EMA swapped
+        # back); reading the tensors before it could commit them without those writes.
+        small = self._small_state(step, t_end)
+        if isinstance(small, str):
+            self._release_hold(keep_target=hold)
+            return self._fail(notice, step, small, t0, peers_ok=True)
         live = hold
         got = self._background_read(step, copy=not live)
         if isinstance(got, str):
@@ -389,10 +397,6 @@ class SaveMixin:
                 self._release_hold(keep_target=hold)
                 return self._fail(notice, step, got, t0, peers_ok=True)
         sd, nbytes, where_read = got
-        small = self._small_state(step, t_end)
-        if isinstance(small, str):
-            self._release_hold(keep_target=hold)
-            return self._fail(notice, step, small, t0, peers_ok=True)
         blob, groups, where = small
         copied = time.monotonic() - t0
         with self._cv:
@@ -504,47 +508,35 @@ class SaveMixin:
 
         Read at the first moment the loop's work after ``optimizer.step()`` is known
         to be over: the model's next forward (training or evaluation; the forward
-        pre-hook reads it on the training thread) or the next step's pre-hook. If
-        that forward already began, now. If neither comes before the save must
-        start to make the deadline (a long data-loading stall right after the step),
-        it is read anyway and the commit says so (``small_state_from="unanchored"``).
+        pre-hook reads it on the training thread), the next step's pre-hook, or the
+        end of training (``destroy_process_group()``). If that forward already
+        began, now. If none comes before the save must start to make the deadline
+        (a data-loading stall right after the step longer than the notice), nothing
+        is committed: the state of the end of the iteration is not known yet.
         """
-        latest = max(time.monotonic(), t_end - max(1.0, (t_end - time.monotonic()) / 2))
+        latest = t_end - max(1.0, getattr(self, "_last_save_seconds", 2.0) * 1.5)
         with self._cv:
             if self._small is None or self._small[0] != step:
                 if self._fwd_count == step:
                     self._capture_small_for(step, "after-forward")
-                elif self._schedulers_done():
-                    self._capture_small_for(step, "after-scheduler")
                 else:
                     self._want_small = step
                     self._cv.notify_all()
                     while (self._small is None or self._small[0] != step) and self._fwd_count != step \
-                            and not self._schedulers_done() and self._exit_request is None \
-                            and time.monotonic() < latest:
+                            and self._exit_request is None and time.monotonic() < latest:
                         self._cv.wait(min(0.1, max(0.0, latest - time.monotonic())))
                     self._want_small = None
-                    if self._small is None or self._small[0] != step:
-                        where = "after-forward" if self._fwd_count == step else \
-                            "after-scheduler" if self._schedulers_done() else "unanchored"
-                        if where == "unanchored":
-                            self._log.warning("small state read before the loop was seen to finish its post-step "
-                                              "work (no forward or optimizer step since step S); it is exact only "
-                                              "if schedulers/EMA/stateful objects were already updated", step=step)
-                        self._capture_small_for(step, where)
-            got, self._small = self._small, None
-        assert got is not None
+                    if (self._small is None or self._small[0] != step) and self._fwd_count == step:
+                        self._capture_small_for(step, "after-forward")
+            got = self._small if self._small is not None and self._small[0] == step else None
+            self._small = None
+        if got is None:
+            return (f"the loop's work after step {step} was not seen to end (no forward of the model and no "
+                    "optimizer step since) before the save had to start to make the deadline: the state of the "
+                    "end of that iteration is not known, nothing is committed")
         if got[1] is None:
             return got[3]
         return got[1], got[2], got[3]
-
-    def _schedulers_done(self) -> bool:
-        """The small state is only schedulers (no stateful objects) and each has stepped since the last
-        optimizer step: the loop's post-step work on it is over (a scheduler steps once per iteration)."""
-        scheds = list(self._objs.schedulers.values())
-        if not scheds or self._objs.stateful or len(self._sched_marks) != len(scheds):
-            return False
-        return all(getattr(s, "last_epoch", None) != m for s, m in zip(scheds, self._sched_marks))
 
     def _capture_small_for(self, step: int, where: str) -> None:
         """``_capture_small`` into ``_small`` (under ``_cv``); a raising ``state_dict()`` is recorded, not raised."""

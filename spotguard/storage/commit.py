@@ -583,7 +583,8 @@ def _write_latest(storage: Storage, step: int) -> None:
         log.warning("could not write latest hint", storage=storage.uri, step=step, error=str(exc))
 
 
-def apply_retention(storage: Storage, keep: int | None) -> list[str]:
+def apply_retention(storage: Storage, keep: int | None, *, upto: int | None = None,
+                    exclude: "frozenset[str] | set[str]" = frozenset()) -> list[str]:
     """Delete committed checkpoints beyond the newest ``keep`` and unloadable folders older than the newest committed.
 
     ``keep=None`` keeps every committed checkpoint (still clears stale
@@ -593,10 +594,23 @@ def apply_retention(storage: Storage, keep: int | None) -> list[str]:
     newest, and are never deleted here (the operator's evidence:
     ``spotguard checkpoints --delete-quarantined``). Returns the deleted folder
     keys. Call on one rank.
+
+    From a save (``upto``: the step it just committed), only checkpoints at or
+    below that step count or go: a newer committed one was not verified by this
+    run, and may be a damaged one whose quarantine mark could not be written or
+    read (it must never make retention delete the good ones under it).
+    ``exclude``: folders the caller found damaged (neither counted nor deleted).
+    A quarantine mark that cannot be read (an I/O error, not bad content) stops
+    retention for this save: unknown is not "no mark".
     """
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive integer or None, got {keep!r}")
     infos = scan(storage)
+    unread = [i.dir for i in infos if (i.mark_ignored or "").startswith("quarantine mark cannot be read")]
+    if unread:
+        log.warning("retention skipped: a quarantine mark could not be read", storage=storage.uri, dirs=unread)
+        return []
+    infos = [i for i in infos if i.dir not in exclude and (upto is None or i.step <= upto)]
     committed = [i for i in infos if i.committed]
     if not committed:
         return []
@@ -713,7 +727,8 @@ def prepare_status(storage: Storage, step: int) -> tuple[str, Any]:
 
 
 def commit_and_retain(storage: Storage, step: int, record: CommitRecord, keep: int | None,
-                      log: Any, written: Mapping[str, FileDigest] | None = None) -> tuple[str, Any]:
+                      log: Any, written: Mapping[str, FileDigest] | None = None,
+                      exclude: "frozenset[str] | set[str]" = frozenset()) -> tuple[str, Any]:
     """Rank 0's part of a save: commit, then retention; never raises.
 
     Returns ``("ok", bytes)`` (``("ok", 0)`` when the step was already committed)
@@ -726,7 +741,7 @@ def commit_and_retain(storage: Storage, step: int, record: CommitRecord, keep: i
     except Exception as exc:  # noqa: BLE001 - reported to every rank
         return ("error", f"{type(exc).__name__}: {exc}")
     try:
-        apply_retention(storage, keep)
+        apply_retention(storage, keep, upto=step, exclude=exclude)
     except Exception as exc:  # noqa: BLE001 - the commit stands
         log.warning("retention failed", error=repr(exc))
     return ("ok", rec.bytes)

@@ -116,6 +116,9 @@ async def running_daemon(sock: str, watchers: Optional[list[Watcher]] = None, *,
     daemon_kw = {k: kw.pop(k) for k in ("restart_backoff", "expire_margin", "housekeeping_interval", "write_timeout",
                                         "metrics") if k in kw}
     daemon_kw.setdefault("restart_backoff", (0.01, 0.05))
+    # Every daemon life waits --reconnect-grace before deciding no_subscribers (10 s by default): short here,
+    # except in the tests about that wait, which set it themselves.
+    kw.setdefault("reconnect_grace", 0.3)
     d = Daemon(make_config(sock, **kw), watchers=watchers or [], install_signals=False,
                notifier=notifier if notifier is not None else SdNotifier(env={}), **daemon_kw)
     task = asyncio.create_task(d.run())

@@ -438,12 +438,14 @@ class ActionRunner:
         tracked.timer = loop.call_later(max(0.0, left - OUTCOME_MARGIN), self._decide, entry.id, "deadline")
         # Subscribers may still be reconnecting: those this notice reached in an earlier life, or, in the
         # first moments of a restarted daemon's life, any at all. Decide nothing before that.
+        # Any life's first reconnect_grace seconds count as "maybe restarted": an earlier daemon (another
+        # version, an unreadable state file) may have left no trace, and deciding no_subscribers then would
+        # complete an ASG hook (CONTINUE) under trainers that are still reconnecting. On a fresh node this
+        # delays only a no_subscribers outcome, by at most the grace.
         if restored is not None and restored.subscribers:
             wait = self.reconnect_grace
-        elif self._restart:
-            wait = self._started + self.reconnect_grace - time.monotonic()
         else:
-            wait = 0.0
+            wait = self._started + self.reconnect_grace - time.monotonic()
         if wait > 0:
             tracked.grace_timer = loop.call_later(wait, self._grace_over, entry.id)
             log.info("action.awaiting_reconnect", notice_id=entry.id, seconds=round(wait, 3),
