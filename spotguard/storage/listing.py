@@ -96,6 +96,12 @@ def _world(info: CheckpointInfo) -> str:
     return str(info.record.world_size) if info.record is not None else "-"
 
 
+def _printable(text: str) -> str:
+    """Text from storage (a quarantine mark's reason, host) as the terminal may show it: control characters
+    (an ANSI/OSC escape in a forged mark) escaped, never sent raw to the operator's terminal."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def render_table(infos: list[CheckpointInfo], chosen: str | None,
                  checks: dict[str, str | None] | None = None) -> str:
     rows = [("STEP", "WORLD", "SIZE", "TIME (UTC)", "STATE")]
@@ -105,7 +111,7 @@ def render_table(infos: list[CheckpointInfo], chosen: str | None,
             _world(info),
             human_size(info.bytes),
             _when(info).strftime("%Y-%m-%d %H:%M:%S"),
-            _state(info, chosen, checks),
+            _printable(_state(info, chosen, checks)),
         ))
     w = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = []

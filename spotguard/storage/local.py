@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import pathlib
 import shutil
 import sys
@@ -107,8 +108,12 @@ class LocalStorage(Storage):
 
     def read_bytes(self, key: str) -> bytes:
         path = self._path(key)
-        if path.is_dir():
-            raise FileNotFoundError(f"{self.uri}/{key} is a folder, not an object")
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.uri}/{key} does not exist") from None
+        if not stat.S_ISREG(st.st_mode):  # a folder, FIFO, device or symlink: never read (a FIFO blocks forever)
+            raise FileNotFoundError(f"{self.uri}/{key} is not a regular file (a folder, link, FIFO or device)")
         return path.read_bytes()
 
     def read_range(self, key: str, start: int, end: int) -> bytes:
@@ -139,8 +144,10 @@ class LocalStorage(Storage):
                 if not key.startswith(prefix):
                     continue
                 try:
-                    st = os.stat(os.path.join(dirpath, name))
+                    st = os.lstat(os.path.join(dirpath, name))
                 except FileNotFoundError:  # deleted while we walked
+                    continue
+                if not stat.S_ISREG(st.st_mode):  # a FIFO, device or symlink is no object (reading could hang)
                     continue
                 out.append(ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime))
         out.sort(key=lambda o: o.key)

@@ -108,3 +108,11 @@ def test_real_entry_point_help() -> None:
     r = subprocess.run([sys.executable, "-m", "spotguard", "checkpoints", "--help"], capture_output=True,
                        text=True, cwd=REPO, timeout=60)
     assert r.returncode == 0 and "--json" in r.stdout
+
+
+def test_control_characters_from_storage_are_escaped_in_the_table() -> None:
+    """A forged quarantine mark's reason may carry terminal escapes: the table never prints them raw."""
+    from spotguard.storage.listing import _printable
+
+    assert _printable("flip\x1b]0;owned\x07 in shard") == "flip\\x1b]0;owned\\x07 in shard"
+    assert _printable("plain reason, 42 bytes") == "plain reason, 42 bytes"

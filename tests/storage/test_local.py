@@ -185,3 +185,23 @@ def test_dcp_writer_and_reader_roundtrip(store: LocalStorage) -> None:
     assert torch.equal(target["w"], state["w"]) and int(target["n"]) == 7
     with pytest.raises(FileNotFoundError):
         store.dcp_reader("step-00000099")
+
+
+def test_fifo_or_symlink_is_not_an_object(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A FIFO named like a checkpoint file (a forged QUARANTINE.json) would block a read forever, a symlink
+    could point anywhere: neither is listed nor read."""
+    import os
+
+    import pytest
+
+    from spotguard.storage.local import LocalStorage
+
+    store = LocalStorage(tmp_path)
+    store.write_bytes("step-00000001/COMMIT.json", b"{}")
+    os.mkfifo(tmp_path / "step-00000001" / "QUARANTINE.json")
+    os.symlink("/etc/hostname", tmp_path / "step-00000001" / "x.distcp")
+    assert [o.key for o in store.list("step-00000001/")] == ["step-00000001/COMMIT.json"]
+    with pytest.raises(FileNotFoundError):
+        store.read_bytes("step-00000001/QUARANTINE.json")
+    with pytest.raises(FileNotFoundError):
+        store.read_bytes("step-00000001/x.distcp")
