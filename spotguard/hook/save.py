@@ -514,7 +514,9 @@ class SaveMixin:
         (a data-loading stall right after the step longer than the notice), nothing
         is committed: the state of the end of the iteration is not known yet.
         """
-        latest = t_end - max(1.0, getattr(self, "_last_save_seconds", 2.0) * 1.5)
+        now = time.monotonic()  # wait for the anchor while the save still fits, and always a little
+        latest = max(now + min(1.0, max(0.0, t_end - now) / 3),
+                     t_end - max(0.5, getattr(self, "_last_save_seconds", 1.0) * 1.5))
         with self._cv:
             if self._small is None or self._small[0] != step:
                 if self._fwd_count == step:
