@@ -117,7 +117,7 @@ from .settings import (  # noqa: F401 - re-exported: adapters, torchft and tests
     SIGNAL_GRACE,
     _env_float,
 )
-from .state import Objects, Snapshot, classify, tracked_buffers
+from .state import Objects, Snapshot, classify, clone_buffers, tracked_buffers
 from .watch import StateWatch
 
 __all__ = ["Hook", "Preempted", "SIGNAL_GRACE", "EMERGENCY_LEAD", "EXIT_SAVE_FAILED"]
@@ -445,8 +445,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             return
         if self._fwd_seq != self._post_seq:  # the first forward after an optimizer step: buffers of the end
             self._fwd_seq = self._post_seq  # of the iteration (post-step updates in, this forward's not yet)
-            self._fwd_bufs = (self._count, {mk: {n: b.detach().clone() for n, b in bufs.items()}
-                                            for mk, bufs in self._buffers.items() if bufs})
+            self._fwd_bufs = (self._count, clone_buffers(self._buffers))
         if self._fwd_train_count != self._count and module.training:
             self._fwd_train_count = self._count
             if self._realign is not None:

@@ -40,7 +40,7 @@ from .dist import (
 )
 from .periodic import PERIODIC_SETTLED, stage_state_dict
 from .settings import PERIODIC_NOTICE_PREFIX, SAVE_MARGIN
-from .state import Snapshot, pack
+from .state import Snapshot, clone_buffers, pack
 
 #: "the hook's own group" (the training thread's) as a default argument
 _OWN: Any = object()
@@ -304,7 +304,7 @@ class SaveMixin:
         got = self._fwd_bufs
         if got is not None and got[0] == step and self._fwd_seq == self._post_seq:
             return got[1]
-        return {mk: {n: b.detach().clone() for n, b in bufs.items()} for mk, bufs in self._buffers.items() if bufs}
+        return clone_buffers(self._buffers)
 
     def _periodic_flags(self) -> tuple[int, int]:
         p = self._periodic

@@ -60,6 +60,7 @@ __all__ = [
     "Snapshot",
     "tracked_buffers",
     "pack",
+    "clone_buffers",
     "unpack",
     "GLOBAL",
     "PER_RANK",
@@ -251,6 +252,11 @@ def tracked_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def clone_buffers(buffers: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+    """A copy of tracked buffers by model key and name (models with none left out)."""
+    return {mk: {n: b.detach().clone() for n, b in bufs.items()} for mk, bufs in buffers.items() if bufs}
+
+
 @dataclass
 class Snapshot:
     """State that moves on before the next optimizer step, taken right after the deciding step."""
@@ -264,7 +270,7 @@ class Snapshot:
         return cls(
             rng=capture_rng(),
             loaders={k: copy.deepcopy(v.state_dict()) for k, v in loaders.items()},
-            buffers={mk: {n: b.detach().clone() for n, b in bufs.items()} for mk, bufs in buffers.items() if bufs},
+            buffers=clone_buffers(buffers),
         )
 
 

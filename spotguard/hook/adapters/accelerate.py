@@ -39,7 +39,7 @@ import torch
 
 from ...storage import Storage
 from ..core import Hook
-from ..state import Snapshot, capture_rng, restore_rng
+from ..state import Snapshot, capture_rng, clone_buffers, restore_rng
 from ._base import FrameworkHook
 from ...storage.integrity import DamagedCheckpoint
 from ...storage.verify import verified_folder
@@ -90,7 +90,7 @@ class AccelerateHook(FrameworkHook):
             yield
             return
         now_rng = capture_rng()
-        now_bufs = {mk: {n: b.detach().clone() for n, b in bufs.items()} for mk, bufs in self._buffers.items()}
+        now_bufs = clone_buffers(self._buffers)
         restore_rng(snap.rng)
         self._copy_buffers(self._end_buffers(self._count))
         try:
