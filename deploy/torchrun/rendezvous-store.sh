@@ -18,5 +18,9 @@ from torch.distributed import TCPStore
 port = int(os.environ["RDZV_PORT"])
 store = TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=timedelta(hours=1))
 print(f"rendezvous store listening on 0.0.0.0:{store.port}", flush=True)
-signal.sigwait({signal.SIGINT, signal.SIGTERM})
+stop = {signal.SIGINT, signal.SIGTERM}
+for sig in stop:  # an ignored disposition inherited from the parent would make the store unstoppable
+    signal.signal(sig, signal.SIG_DFL)
+signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # sigwait takes them; nothing else does
+signal.sigwait(stop)
 PY

@@ -33,6 +33,44 @@ from .settings import (
 )
 
 
+_LATE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def _swallow(signum: int, frame: Any) -> None:
+    """A late signal while leaving: nothing to do (the code is already decided)."""
+
+
+def _ignore_late_at_exit() -> None:
+    for sig in _LATE_SIGNALS:
+        try:
+            if signal.getsignal(sig) is _swallow:
+                signal.signal(sig, signal.SIG_IGN)
+        except (ValueError, OSError):
+            pass
+
+
+def _ignore_late_signals() -> None:
+    """From here the process is leaving: a late SIGTERM (torchrun tells the others
+    once one rank exits) must not turn our code into -15 during interpreter exit.
+
+    A Python handler, not SIG_IGN: an ignored disposition survives exec, so a process
+    that catches ``Preempted`` and goes on (a test runner, a wrapper) would hand
+    SIGTERM-deaf children to everything it starts. SIG_IGN only at interpreter exit,
+    for the part of shutdown where Python handlers no longer run.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in _LATE_SIGNALS:
+        try:
+            signal.signal(sig, _swallow)
+        except (ValueError, OSError):
+            pass
+    import atexit
+
+    atexit.unregister(_ignore_late_at_exit)
+    atexit.register(_ignore_late_at_exit)
+
+
 class Preempted(SystemExit):
     """Raised after the emergency checkpoint (or its failure): the process should exit so the launcher restarts it."""
 
@@ -100,13 +138,7 @@ class ExitMixin:
         self._log.info(ev.TEARDOWN, notice_id=notice.id, method=method, seconds=round(secs, 3))
         committed, nothing, code = self._outcome(result, step)
         self._flush_intake()
-        # From here the process is leaving: a late SIGTERM (torchrun tells the others
-        # once one rank exits) must not turn our code into -15 during interpreter exit.
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            try:
-                signal.signal(sig, signal.SIG_IGN)
-            except (ValueError, OSError):
-                pass
+        _ignore_late_signals()
         self._prev_handlers.clear()
         self._log.info(ev.EXIT, notice_id=notice.id, code=code, step=step, committed=committed,
                        nothing_to_save=nothing, by="training-thread", **self._timing(notice))

@@ -6,6 +6,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import uuid
 from datetime import timedelta
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 from spotguard import install_preemption_hook
 from spotguard.hook import Hook, Preempted, events, parse_every
+from spotguard.hook import exit as exit_mod
 from spotguard.hook.state import classify
 from spotguard.notice import Notice
 from spotguard.storage import open_storage
@@ -393,7 +396,12 @@ def test_sigusr1_chains_previous_handler(tmp_path: Path, hooks: Callable[..., Ho
             for _ in range(3):
                 one_iteration(s)
         assert info.value.code == 143
-        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN  # leaving: late signals ignored
+        # leaving: late signals swallowed by a Python handler, not SIG_IGN (which a child inherits)
+        assert signal.getsignal(signal.SIGUSR1) is exit_mod._swallow
+        assert signal.getsignal(signal.SIGTERM) is exit_mod._swallow
+        child = subprocess.run([sys.executable, "-c", "import signal; print(int(signal.getsignal(signal.SIGTERM)))"],
+                               capture_output=True, text=True, timeout=60)
+        assert child.stdout.strip() == str(int(signal.SIG_DFL)), "a process that caught Preempted must not start SIGTERM-deaf children"
     finally:
         signal.signal(signal.SIGUSR1, prev)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
