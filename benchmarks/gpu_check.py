@@ -55,11 +55,14 @@ TOTAL_BUDGET_S = 480
 
 
 def _device_kind() -> str:
-    """``cuda`` | ``cpu`` (forced dry run) | ``none``."""
+    """``cuda`` | ``cpu`` (forced dry run) | ``none`` | ``notorch`` (this Python cannot import torch)."""
     forced = os.environ.get("SG_GPU_CHECK_DEVICE", "")
     if forced == "cpu":
         return "cpu"
-    import torch
+    try:
+        import torch
+    except ImportError:
+        return "notorch"
 
     return "cuda" if torch.cuda.is_available() else "none"
 
@@ -627,6 +630,12 @@ def _environment() -> dict[str, Any]:
 
 def orchestrate() -> int:
     kind = _device_kind()
+    if kind == "notorch":
+        why = (f"{sys.executable} cannot import torch: run it with a Python that has torch, "
+               "e.g. make gpu-check GPU_PY=.venv/bin/python")
+        print(f"SKIP gpu-check: {why}", flush=True)
+        _write({"skipped": why, "pass": True})
+        return 0
     if kind == "none":
         summary = {"skipped": "no CUDA device: gpu-check needs a GPU (set SG_GPU_CHECK_DEVICE=cpu for a dry run "
                               "of the script on the CPU)", "pass": True}

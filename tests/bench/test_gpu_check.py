@@ -45,3 +45,20 @@ def test_cpu_dry_run_of_the_kit(tmp_path):
     # the exit code follows the thresholds, and the staging one is a timing ratio that a loaded CPU
     # may miss (meaningless on a CPU anyway): only its consistency with the summary is asserted
     assert proc.returncode == (0 if summary["pass"] else 1), proc.stderr[-2000:]
+
+
+def test_make_gpu_check_skips_when_gpu_py_has_no_torch(tmp_path):
+    """Issue 23: ``make gpu-check`` with a ``python3`` that lacks torch ended in ModuleNotFoundError;
+    it must print the documented SKIP and name GPU_PY (the fix)."""
+    blocker = tmp_path / "shadow" / "torch"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('torch is not installed for this Python (test)')\n")
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHONPATH": str(tmp_path / "shadow")}
+    env.pop("SG_GPU_CHECK_DEVICE", None)
+    proc = subprocess.run(["make", "-s", "gpu-check", f"GPU_PY={sys.executable}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("SKIP gpu-check:") and "cannot import torch" in first and "GPU_PY=" in first, first
+    summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert summary["pass"] is True and "checks" not in summary
