@@ -293,6 +293,9 @@ def add_drill_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cancel", default=None, metavar="ID",
                         help="withdraw the active drill ID (printed by `spotguard drill`, listed by "
                              "`spotguard status`): subscribers get a cancel and it is no longer replayed")
+    parser.add_argument("--clear", action="store_true",
+                        help="withdraw every active drill (ends a rehearsal; cloud notices are the cloud's: "
+                             "cancel those in the emulator, `spotguard emulate`)")
     parser.add_argument("--json", action="store_true", help="print the reply as JSON")
 
 
@@ -391,7 +394,33 @@ def _check(state: dict[str, Any], as_json: bool) -> int:
     return 0 if healthy else 1
 
 
+def _clear_drills(args: argparse.Namespace) -> int:
+    """``drill --clear``: cancel each active drill the daemon lists; other notices stay (and are named)."""
+    reply = _ask("drill", args, StatusRequest())
+    if reply is None:
+        return 1
+    assert isinstance(reply, StatusReply)
+    active = [n for n in reply.state.get("active_notices") or [] if isinstance(n, dict)]
+    drills = [str(n.get("id")) for n in active if n.get("source") == "drill"]
+    others = [f"{n.get('id')} ({n.get('source')} {n.get('kind')})" for n in active if n.get("source") != "drill"]
+    done: list[str] = []
+    for nid in drills:
+        r = _ask("drill", args, DrillCancel(id=nid))
+        if r is not None:
+            done.append(nid)
+    if args.json:
+        print(json.dumps({"cancelled": done, "not_drills": others}))
+    else:
+        print(f"{len(done)} drill(s) cancelled" + (f": {', '.join(done)}" if done else ""), file=sys.stderr)
+        if others:
+            print("still active (not drills; withdrawn by their source, e.g. the emulator's cancel, or expired "
+                  f"60 s after their deadline): {', '.join(others)}", file=sys.stderr)
+    return 0 if len(done) == len(drills) else 1
+
+
 def drill_main(args: argparse.Namespace) -> int:
+    if getattr(args, "clear", False):
+        return _clear_drills(args)
     if args.cancel is not None:
         reply = _ask("drill", args, DrillCancel(id=args.cancel))
         if reply is None:

@@ -201,3 +201,28 @@ async def test_cli_daemon_auto_detects_and_delivers_from_the_emulator(spawn_daem
         await sub.close()
     finally:
         await asyncio.to_thread(emulator.stop)
+
+
+@pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])
+async def test_emulator_cancel_withdraws_the_notice_from_the_daemon(emu: Emulator, sock_path: str, cloud: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 23's rehearsal trap: after a cancel in the emulator the daemon kept an AWS notice until 60 s past
+    its deadline, and every trainer restart in those minutes exited at once. Every cloud's cancel now reaches
+    the subscribers and empties the daemon's book (AWS: after SPOT_WITHDRAWN_AFTER of 404s)."""
+    from spotguard.daemon.watchers import aws as aws_mod
+    from spotguard.protocol import CancelMsg
+
+    monkeypatch.setattr(aws_mod, "SPOT_WITHDRAWN_AFTER", 0.5)
+    w = FAST[cloud](emu.url)
+    async with running_daemon(sock_path, [w], cloud=cloud):
+        sub = await Subscription(sock_path).open()
+        emu.notice(cloud, "preemption", 90)
+        notice = await sub.next_notice(timeout=8)
+        emu.cancel(cloud)
+        msg = await sub.next(timeout=10)
+        assert isinstance(msg, CancelMsg) and msg.id == notice.id
+        assert (await sub.status())["active_notices"] == []
+        late = await Subscription(sock_path).open()  # a trainer restarted now is not told of it
+        assert (await late.status())["active_notices"] == []
+        await late.close()
+        await sub.close()

@@ -128,6 +128,29 @@ def test_drill_cancel_sends_cancel_to_subscribers_and_stops_the_replay(spawn_dae
     asyncio.run(go())
 
 
+def test_drill_clear_ends_every_active_drill(spawn_daemon) -> None:
+    """Issue 23: a rehearsal resets cleanly — ``drill --clear`` cancels every active drill (no ids needed)."""
+    dp = spawn_daemon()
+
+    async def go() -> None:
+        sub = await Subscription(dp.sock).open()
+        ids = [json.loads(run_cli("drill", "--socket", dp.sock, "--deadline-in", "120", "--json").stdout)["id"]
+               for _ in range(2)]
+        got = {(await sub.next_notice(timeout=10)).id for _ in ids}
+        assert got == set(ids)
+        out = run_cli("drill", "--socket", dp.sock, "--clear", "--json")
+        assert out.returncode == 0, out.stderr
+        assert sorted(json.loads(out.stdout)["cancelled"]) == sorted(ids)
+        cancels = {(await sub.next(timeout=10)).id for _ in ids}
+        assert cancels == set(ids)
+        assert (await sub.status())["active_notices"] == []
+        again = run_cli("drill", "--socket", dp.sock, "--clear")
+        assert again.returncode == 0 and "0 drill(s) cancelled" in again.stderr
+        await sub.close()
+
+    asyncio.run(go())
+
+
 def test_status_never_shows_negative_seconds_left() -> None:
     state = {"active_notices": [{"id": "aws-1", "source": "aws", "kind": "preemption",
                                  "deadline": "2026-12-03T07:00:00.000Z", "seconds_left": -12.5, "expires_in": 47.5}]}

@@ -71,6 +71,11 @@ SPOT_NOTICE = timedelta(seconds=120)
 
 _LIFECYCLE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz:")
 _IDENTITY_ATTEMPTS = 5
+# A spot notice that answers 404 for this long (every poll in between) is withdrawn. AWS itself never
+# withdraws one; what does is an emulator's or a fault-injection tool's cancel, which a rehearsal must see
+# (without it the daemon kept the notice a minute past its deadline and every restart exited at once).
+# Long enough that a metadata blip (a 404 or two) never withdraws a real notice.
+SPOT_WITHDRAWN_AFTER = 5.0
 
 
 @dataclass
@@ -79,6 +84,7 @@ class _Seen:
 
     key: str
     id: str
+    gone_since: Optional[float] = None  # monotonic time of the first 404 in a row (spot only)
 
 
 def _status_fault(resp: Resp, path: str) -> Fault:
@@ -365,16 +371,15 @@ class AwsWatcher(PollingWatcher):
 
     def _handle_spot(self, resp: Resp, now: datetime) -> list[WatchEvent]:
         if resp.status == 404:
-            self._spot = None
-            return []
+            return self._spot_absent()
         if resp.status != 200:
             raise _status_fault(resp, PATH_SPOT)
         doc = _json(resp, PATH_SPOT)
         if not isinstance(doc, dict) or not isinstance(doc.get("action"), str):
             raise Fault("bad_json", f"{PATH_SPOT}: expected {{'action', 'time'}}, got {resp.text[:200]!r}")
         action = doc["action"]
-        if self._spot is not None and self._spot.key == action:
-            return []  # same notice; a recomputed `time` must not make it new
+        if self._spot is not None and self._spot.key == action and self._spot.gone_since is None:
+            return []  # same notice; a recomputed `time` must not make it new (after a 404: a new occurrence)
         notice_id = stable_id("aws", "spot", action, doc.get("time"), now.isoformat())
         notice = Notice(
             id=notice_id,
@@ -390,6 +395,21 @@ class AwsWatcher(PollingWatcher):
         )
         self._spot = _Seen(key=action, id=notice.id)
         return self._emit(notice)
+
+    def _spot_absent(self) -> list[WatchEvent]:
+        """No spot notice now: withdraw the one seen once it has been absent for ``SPOT_WITHDRAWN_AFTER``."""
+        seen = self._spot
+        if seen is None:
+            return []
+        mono = time.monotonic()
+        if seen.gone_since is None:
+            seen.gone_since = mono
+            return []
+        if mono - seen.gone_since < SPOT_WITHDRAWN_AFTER:
+            return []
+        self._spot = None
+        return self._cancel(seen.id, f"{PATH_SPOT} answered 404 for {mono - seen.gone_since:.1f} s: withdrawn "
+                                     "(AWS does not withdraw spot notices; an emulator or fault-injection cancel does)")
 
     def _handle_rebalance(self, resp: Resp, now: datetime) -> list[WatchEvent]:
         if resp.status == 404:

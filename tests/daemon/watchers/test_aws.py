@@ -302,3 +302,28 @@ def test_constructor_defaults() -> None:
     assert w.base_url == "http://169.254.169.254" and w.poll_interval == 0.5 and w.node is None
     with pytest.raises(ValueError):
         AwsWatcher(token_ttl=0)
+
+
+async def test_spot_notice_cancelled_in_the_emulator_is_withdrawn(emu: Emulator, collect: Callable,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 23's rehearsal trap: an emulator cancel left the notice in the daemon a minute past its
+    deadline. A spot notice absent for SPOT_WITHDRAWN_AFTER (every poll a 404) is withdrawn."""
+    monkeypatch.setattr(aws_mod, "SPOT_WITHDRAWN_AFTER", 0.3)
+    c = collect(watcher(emu.url))
+    emu.notice("aws", "preemption", 120)
+    n = await c.next_notice()
+    emu.cancel("aws")
+    cancel = await c.next_cancel()
+    assert cancel.id == n.id and cancel.source == "aws" and "404" in cancel.detail
+
+
+async def test_spot_notice_briefly_absent_is_not_withdrawn(emu: Emulator, collect: Callable,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """AWS never withdraws a spot notice: 404s shorter than the threshold (a metadata blip) cancel nothing."""
+    monkeypatch.setattr(aws_mod, "SPOT_WITHDRAWN_AFTER", 3600.0)
+    c = collect(watcher(emu.url))
+    emu.notice("aws", "preemption", 120)
+    await c.next_notice()
+    emu.cancel("aws")
+    await emu.state.wait_requests("GET", PATH_SPOT, emu.state.request_count("GET", PATH_SPOT) + 20)
+    c.assert_empty()
