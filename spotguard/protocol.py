@@ -171,6 +171,8 @@ class CheckpointDone(Message):
     uri: str = ""
     bytes: int = 0
     seconds: float = 0.0
+    late: bool = False  # committed after the notice's deadline: it would not have survived a real notice
+    seconds_past: float = 0.0  # how far past the deadline (0 when not late)
 
 
 @dataclass
@@ -249,6 +251,10 @@ def _check(cls: type[Message], name: str, value: Any) -> Any:
     if exp == "str":
         if not isinstance(value, str):
             raise ProtocolError(f"{cls.type}.{name} must be a string, got {type(value).__name__}")
+        return value
+    if exp == "bool":
+        if not isinstance(value, bool):
+            raise ProtocolError(f"{cls.type}.{name} must be true or false, got {type(value).__name__}")
         return value
     if exp == "list":
         if not isinstance(value, list):

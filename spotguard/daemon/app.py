@@ -592,6 +592,11 @@ class Daemon:
             fields = {"step": msg.step}
         elif isinstance(msg, CheckpointDone):
             fields = {"step": msg.step, "uri": msg.uri, "bytes": msg.bytes, "seconds": msg.seconds}
+            if msg.late:
+                fields.update(late=True, seconds_past=msg.seconds_past)
+                log.warning("notice.checkpoint_late", notice_id=nid, step=msg.step, seconds_past=msg.seconds_past,
+                            why="committed after the notice's deadline: it would not have survived a real notice",
+                            **client.log_fields())
             if msg.seconds >= 0:
                 self.metrics.checkpoint_seconds.observe(msg.seconds)
             if msg.bytes >= 0:

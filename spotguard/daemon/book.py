@@ -33,6 +33,8 @@ class Report:
     bytes: Optional[int] = None
     seconds: Optional[float] = None
     error: Optional[str] = None
+    late: Optional[bool] = None  # checkpoint_done after the notice's deadline (seconds_past beside it)
+    seconds_past: Optional[float] = None
     updated_monotonic: float = field(default_factory=time.monotonic)
 
     def to_dict(self) -> dict[str, Any]:
@@ -185,6 +187,8 @@ class NoticeBook:
             rep.step = msg.step
         elif isinstance(msg, CheckpointDone):
             rep.step, rep.uri, rep.bytes, rep.seconds = msg.step, msg.uri, msg.bytes, msg.seconds
+            if msg.late:
+                rep.late, rep.seconds_past = True, msg.seconds_past
         elif isinstance(msg, CheckpointFailed):
             rep.error = msg.error
         if state in FINAL_STATES and entry.notice.kind in EMERGENCY_KINDS:

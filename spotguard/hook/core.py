@@ -503,8 +503,17 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         elif self._many_opts:
             self._snap = Snapshot.take(self._objs.loaders, {})
 
+    def _tick(self) -> None:
+        """An iteration boundary: how long the iteration took (the boundary path's warning at a notice)."""
+        now = time.monotonic()
+        last = getattr(self, "_boundary_at", None)
+        if last is not None:
+            self._iteration_seconds = now - last
+        self._boundary_at = now
+
     def _decide(self) -> None:
         """End of an iteration as the hook sees it: count, snapshot, launch the flag reduction."""
+        self._tick()
         if not self._fresh_checked:
             self._warn_unresumed()
         if self._torn_down:  # the process group is gone: count, but launch nothing
@@ -605,6 +614,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         self._exit_if_requested()
 
     def _explicit_boundary(self, *, final: bool) -> None:
+        self._tick()
         if not self._fresh_checked:
             self._warn_unresumed()
         if self._torn_down:  # after destroy_process_group(): no collective any more

@@ -24,6 +24,13 @@ is known, ``notice_id``. Fields per event:
   copied; the training thread is released here), small_state_from ("pre-hook" | "background")
 - ``checkpoint_committed``: notice_id, step, uri, bytes, seconds, seconds_left
 - ``checkpoint_failed``: notice_id, step, error, seconds
+- ``checkpoint_late`` (warning, after ``checkpoint_committed``): notice_id, step, seconds_past, source, why, fix —
+  an emergency checkpoint committed after the notice's deadline: on a real VM it would not have survived;
+  the exit code is then 75, never 143
+- ``deadline_at_risk`` (warning, boundary path only, at the notice): notice_id, seconds_left, estimate,
+  iteration_seconds, why, fix — the next boundary plus the save is further off than the deadline
+- ``drill_verdict`` (a drill's commit): notice_id, seconds_since_notice, would_beat ({cloud: bool}: within
+  GCP's/Azure's 30 s and AWS's 120 s)
 - ``peers_lost``, two origins: (1) the notice path, fields where ("agreement" | "hold" | "save"), error — a
   bounded wait of a notice round ran out: the process exits ``EXIT_SAVE_FAILED`` (75) with nothing committed
   for this notice; (2) the peer-liveness watch (``spotguard/hook/peers.py``), fields below — a peer stopped
@@ -58,6 +65,9 @@ CHECKPOINT_FALLBACK = "checkpoint_fallback"
 UNTRACKED_TRAINING = "untracked_training"
 #: after a resume, the global RNG was drawn from before the first forward: set back to the saved state
 RNG_REALIGNED = "rng_realigned"
+DEADLINE_AT_RISK = "deadline_at_risk"
+CHECKPOINT_LATE = "checkpoint_late"
+DRILL_VERDICT = "drill_verdict"
 CHECKPOINT_COMMITTED = "checkpoint_committed"
 CHECKPOINT_FAILED = "checkpoint_failed"
 PEERS_LOST = "peers_lost"
@@ -73,6 +83,9 @@ TIMELINE: tuple[str, ...] = (
     CHECKPOINT_STAGED,
     CHECKPOINT_FALLBACK,
     CHECKPOINT_COMMITTED,
+    CHECKPOINT_LATE,
+    DEADLINE_AT_RISK,
+    DRILL_VERDICT,
     CHECKPOINT_FAILED,
     TEARDOWN,
     EXIT,

@@ -75,12 +75,17 @@ class Preempted(SystemExit):
     """Raised after the emergency checkpoint (or its failure): the process should exit so the launcher restarts it."""
 
     def __init__(self, code: int = 143, *, notice_id: str | None = None, step: int | None = None,
-                 uri: str | None = None, committed: bool = False) -> None:
+                 uri: str | None = None, committed: bool = False, late: bool = False) -> None:
         super().__init__(code)
         self.notice_id = notice_id
         self.step = step
         self.uri = uri
         self.committed = committed
+        self.late = late  # committed after the notice's deadline (the code is then 75)
+
+
+def _late(result: Optional[_Result]) -> bool:
+    return result is not None and result.committed and result.late_seconds > 0
 
 
 
@@ -109,6 +114,8 @@ class ExitMixin:
         untrained, already = self._standing(step)
         nothing = result is None and untrained
         committed = bool(result.committed) if result is not None else already
+        if committed and result is not None and result.late_seconds > 0:
+            return committed, nothing, EXIT_SAVE_FAILED  # committed, but after the deadline: never "nothing lost"
         return committed, nothing, self._exit_code if committed or nothing else EXIT_SAVE_FAILED
 
     def _standing(self, step: int) -> tuple[bool, bool]:
@@ -141,7 +148,7 @@ class ExitMixin:
         _ignore_late_signals()
         self._prev_handlers.clear()
         self._log.info(ev.EXIT, notice_id=notice.id, code=code, step=step, committed=committed,
-                       nothing_to_save=nothing, by="training-thread", **self._timing(notice))
+                       nothing_to_save=nothing, by="training-thread", late=_late(result), **self._timing(notice))
         self._run_exit_callbacks(notice, code, committed)
         self.close()
         sys.stdout.flush()
@@ -151,7 +158,7 @@ class ExitMixin:
         gc.collect()
         gc.freeze()  # interpreter teardown with torch's heap: ~1 s -> ~0.1 s
         raise Preempted(code, notice_id=notice.id, step=step,
-                        uri=result.uri if result is not None else None, committed=committed)
+                        uri=result.uri if result is not None else None, committed=committed, late=_late(result))
 
     def _teardown_timeout(self, notice: Notice) -> float:
         """Each bounded teardown step: 5 s, less when the deadline is nearer (never under 0.5 s)."""
@@ -190,15 +197,16 @@ class ExitMixin:
             backstop = time.monotonic() + max(1.0, notice.seconds_left() - 0.3)
             while time.monotonic() < backstop:
                 time.sleep(0.2)  # the process is expected to be gone long before: nothing to await
-            self._hard_exit(notice, code, step, committed, nothing, "backstop")
-        self._hard_exit(notice, code, step, committed, nothing, "agreement-thread")
+            self._hard_exit(notice, code, step, committed, nothing, "backstop", late=_late(result))
+        self._hard_exit(notice, code, step, committed, nothing, "agreement-thread", late=_late(result))
 
-    def _hard_exit(self, notice: Notice, code: int, step: int, committed: bool, nothing: bool, by: str) -> NoReturn:
+    def _hard_exit(self, notice: Notice, code: int, step: int, committed: bool, nothing: bool, by: str,
+                   late: bool = False) -> NoReturn:
         """Leave now from a non-training thread: log, report, flush, ``os._exit`` (no teardown needed: the
         commit barrier already held every rank until the record was durable)."""
         self._exiting = True
         self._log.info(ev.EXIT, notice_id=notice.id, code=code, step=step, committed=committed,
-                       nothing_to_save=nothing, by=by, **self._timing(notice))
+                       nothing_to_save=nothing, by=by, late=late, **self._timing(notice))
         self._run_exit_callbacks(notice, code, committed)
         self._flush_intake()
         for stream in (sys.stdout, sys.stderr):
@@ -294,7 +302,7 @@ class ExitMixin:
             committed, nothing, code = self._outcome(result, step)
             self._log.warning("interpreter exiting after the checkpoint decision; exiting with the decided code",
                               notice_id=notice.id, code=code)
-            self._hard_exit(notice, code, step, committed, nothing, "atexit")
+            self._hard_exit(notice, code, step, committed, nothing, "atexit", late=_late(result))
         if self._closed or self._exiting:
             return
         res = None

@@ -108,6 +108,26 @@ class NoticesMixin:
                            acts_in=round(notice.seconds_left() - EMERGENCY_LEAD, 3))
         if self._bg_on:
             self._arm_wake(notice)
+        elif notice.emergency:
+            self._warn_if_boundary_too_far(notice)
+
+    def _warn_if_boundary_too_far(self, notice: Notice) -> None:
+        """Boundary path: say at once when the iteration boundary (plus the save) is further off than the
+        deadline — the commit would be late, and the user learns it now rather than from a lost VM."""
+        last, took = getattr(self, "_boundary_at", None), getattr(self, "_iteration_seconds", None)
+        if last is None or took is None:
+            return  # no iteration timed yet
+        into = time.monotonic() - last
+        wait = max(0.0, took - into) + (took if self._dist else 0.0)  # + one boundary for the flag reduction
+        estimate = wait + float(getattr(self, "_last_save_seconds", None) or 1.0)
+        left = notice.seconds_left()
+        if estimate > left:
+            self._log.warning(ev.DEADLINE_AT_RISK, notice_id=notice.id, seconds_left=round(left, 3),
+                              estimate=round(estimate, 3), iteration_seconds=round(took, 3),
+                              why="this loop is acted on at iteration boundaries, and the next one plus the save "
+                                  "is further off than the deadline",
+                              fix="a loop the hook can act in at any moment (docs/api.md, the per-pattern table), "
+                                  "shorter iterations, or a periodic checkpoint (every=)")
 
     def _arm_wake(self, notice: Notice) -> None:
         """Background mode: wake every rank's agreement thread now, or at ``deadline - EMERGENCY_LEAD``."""

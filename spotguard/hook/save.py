@@ -31,7 +31,7 @@ from ..storage.commit import (
     prepare_status,
     step_dir,
 )
-from ..timefmt import to_rfc3339
+from ..timefmt import to_rfc3339, utcnow
 from . import elastic
 from . import events as ev
 from .dist import (
@@ -39,7 +39,7 @@ from .dist import (
     set_group_timeout,
 )
 from .periodic import PERIODIC_SETTLED, stage_state_dict
-from .settings import PERIODIC_NOTICE_PREFIX, SAVE_MARGIN
+from .settings import EMERGENCY_LEAD, PERIODIC_NOTICE_PREFIX, SAVE_MARGIN
 from .state import Snapshot, clone_buffers, pack
 
 #: "the hook's own group" (the training thread's) as a default argument
@@ -54,7 +54,29 @@ class _Result:
     bytes: int = 0
     seconds: float = 0.0
     error: str = ""
+    late_seconds: float = 0.0  # > 0: committed that long after the emergency notice's deadline
 
+
+
+# The shortest notices real clouds give (CLOUD_FACTS.md): what a drill's save is compared with.
+REAL_NOTICE_SECONDS = {"gcp": 30.0, "azure": 30.0, "aws": 120.0}
+
+
+def late_by(notice: Notice) -> float:
+    """Seconds past an emergency notice's deadline now (<= 0: in time). Rebalance and maintenance notices
+    carry no deadline by which the VM is gone, so nothing is late for them."""
+    if not notice.emergency:
+        return 0.0
+    return (utcnow() - notice.deadline).total_seconds()
+
+
+def drill_verdict(notice: Notice) -> dict[str, Any]:
+    """For a drill: whether the same save would have beaten each cloud's real notice (seconds from the moment
+    the hook acts on it: receipt, or ``EMERGENCY_LEAD`` before a far deadline)."""
+    start = max(notice.received_at.timestamp(), notice.deadline.timestamp() - EMERGENCY_LEAD)
+    took = utcnow().timestamp() - start
+    return {"seconds_since_notice": round(took, 3),
+            "would_beat": {cloud: took <= secs for cloud, secs in REAL_NOTICE_SECONDS.items()}}
 
 
 _BG = threading.local()  # ``on`` while the agreement thread reads state dicts
@@ -234,11 +256,22 @@ class SaveMixin:
         self._committed_ids.add(notice.id)
         if self._periodic is not None:
             self._periodic.restart_clock()
+        past = late_by(notice)
         self._log.info(ev.CHECKPOINT_COMMITTED, notice_id=notice.id, step=step, uri=uri, bytes=nbytes,
-                       seconds=secs, already_committed=already, **self._timing(notice))
-        self._report(CheckpointDone(id=notice.id, step=step, uri=uri, bytes=nbytes, seconds=secs))
+                       seconds=secs, already_committed=already, late=past > 0, **self._timing(notice))
+        if past > 0:
+            self._log.warning(ev.CHECKPOINT_LATE, notice_id=notice.id, step=step, seconds_past=round(past, 3),
+                              source=notice.source,
+                              why="committed after the notice's deadline: on a real VM it would have been gone "
+                                  "before this commit; the checkpoint is kept (it is valid if the VM lived)",
+                              fix="a shorter iteration or save, or a loop the hook can act in at any moment "
+                                  "(docs/api.md, the per-pattern table)")
+        if notice.source == "drill":
+            self._log.info(ev.DRILL_VERDICT, notice_id=notice.id, **drill_verdict(notice))
+        self._report(CheckpointDone(id=notice.id, step=step, uri=uri, bytes=nbytes, seconds=secs,
+                                    late=past > 0, seconds_past=round(max(0.0, past), 3)))
         self._after_commit(notice, step, uri)
-        return _Result(committed=True, uri=uri, bytes=nbytes, seconds=secs)
+        return _Result(committed=True, uri=uri, bytes=nbytes, seconds=secs, late_seconds=max(0.0, past))
 
     def _after_commit(self, notice: Notice, step: int, uri: str) -> None:
         """Every rank, right after the commit barrier: tell the framework (Ray Train). Must not raise."""

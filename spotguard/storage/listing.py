@@ -19,7 +19,8 @@ import sys
 from datetime import datetime, timezone
 from typing import Any, TextIO
 
-from ..timefmt import to_rfc3339
+from ..notice import EMERGENCY_KINDS
+from ..timefmt import parse_rfc3339, to_rfc3339
 from . import StorageError, open_storage
 from .commit import CheckpointInfo, delete_quarantined, quarantine, read_latest, restore_quarantined, scan
 from .integrity import DamagedCheckpoint
@@ -64,6 +65,19 @@ def _when(info: CheckpointInfo) -> datetime:
     return datetime.fromtimestamp(info.mtime, tz=timezone.utc)
 
 
+def late_seconds(info: CheckpointInfo) -> float | None:
+    """How far past its emergency notice's deadline the record was written (None: in time, or no deadline).
+    ``created_at`` is taken just before the commit, so this is a lower bound (by milliseconds)."""
+    rec = info.record
+    if rec is None or not isinstance(rec.extra, dict) or rec.extra.get("notice_kind") not in EMERGENCY_KINDS:
+        return None
+    try:
+        past = (parse_rfc3339(rec.created_at) - parse_rfc3339(str(rec.extra.get("deadline")))).total_seconds()
+    except (TypeError, ValueError):
+        return None
+    return round(past, 3) if past > 0 else None
+
+
 def _state(info: CheckpointInfo, chosen: str | None, checks: dict[str, str | None] | None = None) -> str:
     if info.quarantine is not None:
         return f"QUARANTINED ({info.quarantine.describe()}), never loaded" \
@@ -73,6 +87,9 @@ def _state(info: CheckpointInfo, chosen: str | None, checks: dict[str, str | Non
         if checks is not None:
             problem = checks.get(info.dir)
             parts = ["committed, verified"] if problem is None else [f"DAMAGED, quarantined ({problem})"]
+        past = late_seconds(info)
+        if past is not None:
+            parts.append(f"LATE: committed {past:.1f} s after its notice's deadline (a real VM would have been gone)")
         if info.dir == chosen:
             parts.append("newest")
         if info.latest:
@@ -136,6 +153,7 @@ def _to_json(info: CheckpointInfo, chosen: str | None, checks: dict[str, str | N
         "unlisted": info.unlisted,
         "quarantine": info.quarantine.to_dict() if info.quarantine is not None else None,
         "quarantine_mark_ignored": info.mark_ignored,
+        "late_seconds": late_seconds(info),
     }
     if checks is not None and info.dir in checks:
         doc["verified"] = checks.get(info.dir) is None
