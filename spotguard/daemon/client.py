@@ -246,8 +246,10 @@ class Subscription:
         await self._send(CheckpointStarted(id=notice_id, step=step))
 
     async def checkpoint_done(self, notice_id: str, step: int, uri: str = "", nbytes: int = 0,
-                              seconds: float = 0.0) -> None:
-        await self._send(CheckpointDone(id=notice_id, step=step, uri=uri, bytes=nbytes, seconds=seconds))
+                              seconds: float = 0.0, seconds_past: float = 0.0) -> None:
+        """``seconds_past`` > 0: committed that long after the notice's deadline (reported ``late``)."""
+        await self._send(CheckpointDone(id=notice_id, step=step, uri=uri, bytes=nbytes, seconds=seconds,
+                                        late=seconds_past > 0, seconds_past=max(0.0, seconds_past)))
 
     async def checkpoint_failed(self, notice_id: str, error: str) -> None:
         await self._send(CheckpointFailed(id=notice_id, error=error))

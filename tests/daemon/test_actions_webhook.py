@@ -90,6 +90,29 @@ async def test_default_payload_and_slack_on_failed_checkpoint(sock_path: str) ->
             await a.close()
 
 
+async def test_late_commit_is_never_a_plain_success_in_the_outcome(sock_path: str) -> None:
+    """Issue 23: a checkpoint committed after the deadline reaches the webhook and Slack as LATE, with the
+    seconds past, and the daemon's status keeps it per subscriber."""
+    async with LoopbackServer() as generic, LoopbackServer() as slack:
+        w = FakeWatcher("gcp")
+        async with running_daemon(sock_path, [w], webhook_url=generic.url, slack_webhook_url=slack.url + "/services/T/B/x"):
+            a = await Subscription(sock_path, rank=0, job="llm").open()
+            await w.push(make_notice("gcp-late", source="gcp"))
+            await a.next_notice(timeout=5)
+            await a.checkpoint_done("gcp-late", step=7, uri="s3://b/run/step-00000007", seconds_past=1.6)
+            (g,) = await generic.wait_requests(1)
+            (s,) = await slack.wait_requests(1)
+            body = g.json()
+            assert body["outcome"]["status"] == "committed" and body["outcome"]["late_seconds"] == 1.6
+            (sub,) = body["outcome"]["subscribers"]
+            assert sub["seconds_past"] == 1.6
+            assert "LATE, 1.6 s after the deadline" in s.json()["text"]
+            (entry,) = (await a.status())["active_notices"]
+            (rep,) = entry["subscribers"].values()
+            assert rep["late"] is True and rep["seconds_past"] == 1.6
+            await a.close()
+
+
 async def test_failing_server_is_retried_within_the_deadline_and_secrets_stay_out_of_logs(
         sock_path: str, headers_file: str) -> None:
     async with LoopbackServer(statuses=[503, 500, 200]) as hook:

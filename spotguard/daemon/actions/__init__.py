@@ -57,7 +57,7 @@ RECONNECT_GRACE = 10.0
 UNREPORTED = "unreported"
 _STATE_RANK = {s: i for i, s in enumerate(("queued", "delivered", "acked", "checkpoint_started", UNREPORTED,
                                             "checkpoint_done", "checkpoint_failed"))}
-_SUB_FIELDS = ("state", "step", "uri", "error", "rank", "job", "pid", "pod", "namespace")
+_SUB_FIELDS = ("state", "step", "uri", "error", "rank", "job", "pid", "pod", "namespace", "seconds_past")
 MAX_STATE_SUBSCRIBERS = 512
 
 
@@ -93,6 +93,7 @@ class SubscriberOutcome:
     step: Optional[int] = None
     uri: Optional[str] = None
     error: Optional[str] = None
+    seconds_past: Optional[float] = None  # checkpoint_done after the notice's deadline (late), by this much
 
 
 @dataclass(frozen=True)
@@ -136,12 +137,22 @@ class Outcome:
     def uri(self) -> Optional[str]:
         return next((s.uri for s in self.subscribers if s.state == "checkpoint_done" and s.uri), None)
 
+    @property
+    def late_seconds(self) -> Optional[float]:
+        """The furthest past the deadline a subscriber committed (None: every commit in time)."""
+        past = [s.seconds_past for s in self.subscribers if s.state == "checkpoint_done" and s.seconds_past]
+        return max(past) if past else None
+
     def summary(self) -> str:
         """One human sentence: the Event message and the Slack text."""
         n = self.notice
         head = f"spot notice ({n.kind}, {n.source}) on {self.node}"
         status = self.status
         if status == "committed":
+            late = self.late_seconds
+            if late is not None:
+                return (f"{head}: checkpoint committed at step {self.step} but LATE, {late:.1f} s after the "
+                        "deadline (a real VM would have been gone), exiting")
             return f"{head}: checkpoint committed at step {self.step}, exiting"
         if status == "failed":
             err = next((s.error for s in self.subscribers if s.error), "") or "unknown error"
@@ -165,7 +176,7 @@ class Outcome:
             "subscribers": len(self.subscribers),
             "done": sum(1 for s in self.subscribers if s.state == "checkpoint_done"),
             "failed": sum(1 for s in self.subscribers if s.state == "checkpoint_failed"),
-            "summary": self.summary(), "outcome_key": self.key,
+            "summary": self.summary(), "outcome_key": self.key, "late_seconds": self.late_seconds,
         }
 
 
@@ -274,7 +285,12 @@ def _sub_outcome(key: str, d: dict[str, Any]) -> SubscriberOutcome:
     return SubscriberOutcome(client=0, state=text("state") or "queued", rank=num("rank") or 0, job=text("job"),
                              pid=num("pid") or 0, pod=text("pod"), namespace=text("namespace"), step=num("step"),
                              uri=d.get("uri") if isinstance(d.get("uri"), str) else None,
-                             error=d.get("error") if isinstance(d.get("error"), str) else None)
+                             error=d.get("error") if isinstance(d.get("error"), str) else None,
+                             seconds_past=_past(d.get("seconds_past")))
+
+
+def _past(v: Any) -> Optional[float]:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e9 else None
 
 
 @dataclass
@@ -377,7 +393,8 @@ class ActionRunner:
             subs[key] = {"state": rep.state, "step": rep.step, "uri": rep.uri, "error": rep.error,
                          "rank": info.rank if info else 0, "job": info.job if info else "",
                          "pid": info.pid if info else 0, "pod": getattr(info, "pod", "") if info else "",
-                         "namespace": getattr(info, "namespace", "") if info else ""}
+                         "namespace": getattr(info, "namespace", "") if info else "",
+                         "seconds_past": rep.seconds_past if rep.late else None}
             changed = True
         return changed
 

@@ -251,7 +251,7 @@ class KubernetesAction(Action):
         if node_event:
             n = outcome.notice
             jobs.append(self._node_event(EVENT_REASON, f"{n.id}-{outcome.status}",
-                                         "Normal" if outcome.status == "committed" else "Warning",
+                                         "Normal" if outcome.status == "committed" and outcome.late_seconds is None else "Warning",
                                          outcome.summary(), budget))
         results = await asyncio.gather(*jobs)
         return all(results)
@@ -273,7 +273,7 @@ class KubernetesAction(Action):
             name = f"{pod_name[:200]}.spotguard-{outcome.key[:12]}"
             body = _event_body(name, namespace, {"apiVersion": "v1", "kind": "Pod", "name": pod_name,
                                                  "namespace": namespace, "uid": pod.metadata.uid},
-                               EVENT_REASON, "Normal" if outcome.status == "committed" else "Warning",
+                               EVENT_REASON, "Normal" if outcome.status == "committed" and outcome.late_seconds is None else "Warning",
                                outcome.summary(), self.node)
             ok = await self._retry(lambda: self._create_event(namespace, body, budget), budget, "event.create")
         except _Forbidden as exc:

@@ -137,8 +137,10 @@ def default_payload(outcome: Outcome) -> dict[str, Any]:
         "node": outcome.node,
         "outcome": {
             "status": outcome.status, "reason": outcome.reason, "step": outcome.step, "uri": outcome.uri,
+            "late_seconds": outcome.late_seconds,
             "subscribers": [{"rank": s.rank, "job": s.job, "pod": s.pod, "namespace": s.namespace,
-                             "state": s.state, "step": s.step, "error": (s.error or "")[:500] or None}
+                             "state": s.state, "step": s.step, "error": (s.error or "")[:500] or None,
+                             "seconds_past": s.seconds_past}
                             for s in outcome.subscribers],
         },
         "summary": outcome.summary(),
@@ -146,7 +148,8 @@ def default_payload(outcome: Outcome) -> dict[str, Any]:
 
 
 def slack_payload(outcome: Outcome) -> dict[str, Any]:
-    icon = ":white_check_mark:" if outcome.status in ("committed", "no_subscribers") else ":warning:"
+    ok = outcome.status in ("committed", "no_subscribers") and outcome.late_seconds is None
+    icon = ":white_check_mark:" if ok else ":warning:"
     return {"text": f"{icon} spotguard: {outcome.summary()} (notice {outcome.notice.id})"}
 
 
