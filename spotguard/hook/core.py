@@ -605,6 +605,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         with self._cv:
             self._confirmed = start
             self._range_clock = True
+        self._loop_kind = loop
         self._enable_background(clocked=True)
         self._log_path("any-moment", loop, "one optimizer: its step hooks mark each iteration's end; every "
                                           "boundary checks that exactly one optimizer step ran in the iteration")
@@ -656,8 +657,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         here) or hands its notice over (it stays pending, and the boundary reduction carries it)."""
         with self._cv:
             self._break_clock(why)
-        loop = "hook.range()" if self._explicit_intent else "hook.step()"
-        self._log_path("boundary", loop, why)
+        self._log_path("boundary", getattr(self, "_loop_kind", "hook.range()"), why)
         bg = self._bg
         if bg is not None and bg.busy.is_set():
             end = max(self._hold_until, time.monotonic()) + HOLD_SLACK
