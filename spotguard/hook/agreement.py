@@ -42,8 +42,16 @@ Every collective of a round runs under a group timeout of the time left to
 the deadline minus ``SAVE_MARGIN``: a peer that never joins makes the round
 fail in bounded time ("peers lost": exit 75, nothing committed).
 
-**At the step boundary** (the explicit ``hook.range()``/``hook.step()`` mode,
-framework adapters, a single process, several optimizers, or when the store
+**A single process** (no ``torch.distributed``): ``LocalAgreement``, the same
+rounds with a dict of wake keys instead of the store and no collective.
+
+**Explicit loops** (``hook.range()``/``hook.step()``): the optimizer clock counts and
+each loop boundary proves that one clock step ran in the iteration (``core.py``:
+``_clocked_boundary``); a round saves only a proven step, else hands its notice to
+the boundary path (``_hand_over``; every rank alike: the gathered entries carry why).
+
+**At the step boundary** (framework adapters, several optimizers, explicit loops
+whose optimizer steps do not map one to one onto iterations, or when the store
 cannot be reached): the flag all-reduce launched at an iteration's end and read
 at the next boundary (``dist.Agreement``); then each rank enters ``_plan``
 (all-gather of the notice to act on, the ``agreed`` log line) and

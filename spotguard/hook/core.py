@@ -11,13 +11,17 @@ the optimizer step hooks.
 
 Two ways to act on a notice:
 
-- **At any moment** (under ``torch.distributed``, one optimizer, optimizer
-  hooks; agreement.py): the step hooks only keep ``_count`` / ``_in_step``
+- **At any moment** (one optimizer; under ``torch.distributed`` or in a single
+  process, whose rounds need no collective; implicit loops, and ``hook.range()`` /
+  ``hook.step()`` loops whose boundaries prove one optimizer step per iteration;
+  agreement.py): the step hooks only keep ``_count`` / ``_in_step``
   under ``_cv`` and snapshot RNG/loader/buffers at the post-hook; an agreement
   thread per rank decides S and writes the checkpoint; the pre-hook holds a step
   only while a round runs and until the tensors of S are copied (``_step_begin``).
-- **At the step boundary** (explicit mode, adapters, a single process, several
-  optimizers, ``SPOTGUARD_BACKGROUND_AGREEMENT=0``), below.
+- **At the step boundary** (adapters, several optimizers, explicit loops whose
+  optimizer steps do not map one to one onto iterations,
+  ``SPOTGUARD_BACKGROUND_AGREEMENT=0``), below. Which one a process uses is logged
+  once per loop kind (``notice_path``).
 
 Shape of one iteration with no loop change, boundary path (see docs/api.md)::
 
