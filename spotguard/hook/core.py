@@ -636,14 +636,13 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             self._snap, self._snap_count = snap, expected
             self._fwd_bufs, self._fwd_seq = (expected, bufs), self._post_seq
             self._confirmed = expected
-            # The small state of this iteration's end, read here and kept until the next boundary: the one
+            # The small state of this iteration's end, copied here and kept until the next boundary: the one
             # moment it is known exactly (the loop may change a stateful object before its next forward or
-            # step). A round for this step takes it whenever it comes — no wait for an anchor.
-            prev, self._small, self._range_small = self._small, None, None
-            self._capture_small_for(expected, "iteration-boundary")
-            self._range_small = self._small
-            if self._want_small != expected:
-                self._small = prev  # kept in _range_small; _small belongs to a round
+            # step). A round for this step takes it whenever it comes — no wait for an anchor. Copied, not
+            # packed: packing (torch.save) costs ms, and only a round needs it (``_capture_small_for``).
+            self._range_small = self._copy_small(expected, "iteration-boundary")
+            if self._want_small == expected:
+                self._capture_small_for(expected, "iteration-boundary")
             self._cv.notify_all()
         self._exit_if_requested()
 

@@ -535,7 +535,7 @@ class SaveMixin:
         with self._cv:
             rs = self._range_small
             if (self._small is None or self._small[0] != step) and rs is not None and rs[0] == step:
-                self._small = rs  # an explicit loop's boundary read it
+                self._capture_small_for(step, "iteration-boundary")  # what the explicit loop's boundary copied
             if self._small is None or self._small[0] != step:
                 if self._fwd_count == step and self._anchor_ok(step):
                     self._capture_small_for(step, "after-forward")
@@ -565,7 +565,14 @@ class SaveMixin:
         An explicit loop's step: what its boundary read (the exact end of that iteration), whoever asks."""
         rs = getattr(self, "_range_small", None)
         if rs is not None and rs[0] == step:
-            self._small = rs
+            if rs[1] is None:  # its state_dict() raised at the boundary
+                self._small = rs
+            else:
+                try:
+                    self._small = (step, pack(rs[1]), rs[2], rs[3])
+                except Exception as exc:  # noqa: BLE001 - recorded for the round, never raised into the loop
+                    self._small = (step, None, None, f"packing the small state of step {step}: "  # type: ignore[assignment]
+                                                     f"{type(exc).__name__}: {exc}")
             self._cv.notify_all()
             return
         try:
@@ -635,6 +642,25 @@ class SaveMixin:
         groups = {k: [{n: copy.deepcopy(v) for n, v in g.items() if n != "params"} for g in opt.param_groups]
                   for k, opt in o.optimizers.items()}
         return step, pack(per), groups, where
+
+    def _copy_small(self, step: int, where: str) -> tuple[int, Any, Any, str]:
+        """(step, per-rank state, param_groups, where) as ``_capture_small`` reads them, copied instead of
+        packed (an explicit loop's boundary: every iteration); (step, None, None, why) if a state_dict() raised."""
+        import copy  # noqa: PLC0415
+
+        o = self._objs
+        try:
+            snap = self._snap if self._snap is not None and self._snap_count == step else \
+                Snapshot.take(o.loaders, {})
+            per = self._per_rank_state(step, snap)
+            for k in ("schedulers", "scalers", "stateful"):  # state_dict() may hand out live containers
+                per[k] = copy.deepcopy(per[k])
+            groups = {k: [{n: copy.deepcopy(v) for n, v in g.items() if n != "params"} for g in opt.param_groups]
+                      for k, opt in o.optimizers.items()}
+        except Exception as exc:  # noqa: BLE001 - the user's object: a round for this step fails with it
+            return step, None, None, (f"state_dict() of the small state raised at step {step}: "
+                                      f"{type(exc).__name__}: {exc}")
+        return step, per, groups, where
 
     def _release_hold(self, keep_target: bool = False) -> None:
         """Let the training thread step again (``keep_target``: an emergency keeps it held until the exit)."""
