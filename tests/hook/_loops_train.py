@@ -64,6 +64,9 @@ def main() -> int:
     p.add_argument("--storage", default=None)
     p.add_argument("--out", default=None)
     p.add_argument("--no-hook", action="store_true")
+    p.add_argument("--double-at", type=int, default=-1,
+                   help="iteration ITER steps the optimizer twice (a second backward/step after the first), "
+                        "with --notice-at ITER: the notice comes between the two steps")
     a = p.parse_args()
 
     rank = 0
@@ -103,7 +106,8 @@ def main() -> int:
         x, y = next(loader)
         x = x + 0.01 * float(np.random.randn())
         out = model(x)
-        notify(i)
+        if i != a.double_at:
+            notify(i)
         if i >= a.slow_from:
             time.sleep(a.iter_s)  # the workload: a long forward/backward (not a synchronisation)
         loss = F.mse_loss(out, y) / a.accum
@@ -112,6 +116,13 @@ def main() -> int:
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
+        if i == a.double_at:  # an extra step in this iteration (the notice lands between the two)
+            notify(i)
+            if a.iter_s:
+                time.sleep(a.iter_s)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         if rank == 0:
             print(json.dumps({"step": i, "loss": float(loss), "t": time.time()}), flush=True)
 

@@ -120,3 +120,25 @@ def test_hook_range_with_accumulation_across_iterations_keeps_the_boundary_path(
     [agreed] = run.events("agreed")
     assert agreed.get("via") != "background" and agreed["step"] == 5, agreed
     assert [e["step"] for e in run.events("checkpoint_committed")] == [5]
+
+
+def test_round_for_a_step_no_boundary_proved_hands_its_notice_to_the_boundary_path(tmp_path: Path) -> None:
+    """Iteration 3 of a ``hook.range`` loop steps the optimizer twice and the notice lands between the two
+    steps: the round agreed on step 4, which no boundary proves to end an iteration, so it saves nothing
+    (``checkpoint_fallback``), the loop leaves the clock at its next boundary and the boundary path commits
+    iteration 5; the resumed run ends bitwise where the uninterrupted one does."""
+    extra = ["--double-at", "3"]
+    ref = reference(tmp_path, True, extra)
+    store = tmp_path / "ckpt"
+    run = launch(tmp_path, "preempted", True, ["--loop", "range", "--storage", str(store), "--iter-s", "1",
+                                              "--notice-at", "3", "--deadline", "30", *extra])
+    assert run.wait(120) == 143, run.tail()
+    [agreed_bg, agreed] = run.events("agreed")
+    assert agreed_bg.get("via") == "background" and agreed_bg["step"] == 4, agreed_bg
+    [fallback] = run.events("checkpoint_fallback")
+    assert "two optimizer steps" in fallback["reason"], fallback
+    assert agreed.get("via") != "background" and agreed["step"] == 5, agreed
+    assert [e["step"] for e in run.events("checkpoint_committed")] == [5]
+    assert [(e["path"], e["loop"]) for e in run.events("notice_path")] == [("any-moment", "hook.range()"),
+                                                                          ("boundary", "hook.range()")]
+    resumed_equals(tmp_path, True, "range", store, 5, ref, extra)
