@@ -32,6 +32,13 @@ installed (``install_preemption_hook``, intake subscribed to the same daemon)
 and without, interleaved in one job (A B, B A, ...) so drift hits both alike;
 µs/step and % from the medians of the blocks, every block's figure kept.
 
+**Loop shapes** (issue 23): ``--loop range`` writes the trial's loop as the README does (``for i in
+hook.range(n)``, no ``hook.resume()`` call); ``--single`` runs one plain ``python`` process without
+``torch.distributed`` (the one-GPU spot VM: no DDP, no process group); ``--busy-at forward`` puts the
+simulated compute between the real forward and backward (where a real model spends it, so the forward
+pre-hook fires at the start of the iteration's work) instead of before the loader (``before``, the
+default, as the earlier results were measured).
+
 ``python -m benchmarks.time_to_safe [--quick] [--label NAME] [--cells MIB:SECONDS:TRIALS,...]``
 writes ``benchmarks/results/time_to_safe-<label>.json``; ``--quick`` is a
 smoke test (16 MiB, 0.6 s iterations, 2 trials, short overhead blocks) for
@@ -134,8 +141,14 @@ def _trial_worker() -> None:
     period = float(os.environ["SG_TTS_ITER_S"])
     phase = float(os.environ["SG_TTS_PHASE"])
     sock = os.environ["SPOTGUARD_SOCKET"]
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    single = os.environ.get("SG_TTS_SINGLE") == "1"
+    loop = os.environ.get("SG_TTS_LOOP", "plain")
+    busy_at = os.environ.get("SG_TTS_BUSY_AT", "before")
+    world = 1
+    if not single:
+        dist.init_process_group("gloo")
+        world = dist.get_world_size()
+    rank = dist.get_rank() if not single else 0
     torch.set_num_threads(1)
     dim = int(math.sqrt(state_mib * 2**20 / 12 / LAYERS))  # fp32 param + exp_avg + exp_avg_sq = 12 B each
     torch.manual_seed(0)
@@ -159,19 +172,27 @@ def _trial_worker() -> None:
     else:
         for p in list(net.parameters())[:-1]:  # then only the last layer trains (see the module docstring)
             p.requires_grad_(False)
-        model = DDP(net)
+        model = net if single else DDP(net)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.01 * s))
     loader = _stateful_loader(dim)
     hook = install_preemption_hook({"model": model, "optimizer": opt, "scheduler": sched, "loader": loader},
                                    os.environ["SG_TTS_STORAGE"])
-    assert hook.resume() == 0
+    steps = iter(hook.range(10**9)) if loop == "range" else None  # resumes at its first next()
+    if steps is None:
+        assert hook.resume() == 0
     done = [0]
 
     def iteration(sleep_s: float) -> None:
-        busy(sleep_s)
+        if steps is not None:
+            next(steps)  # the previous iteration's boundary, as a `for i in hook.range(n):` loop runs it
+        if busy_at == "before":
+            busy(sleep_s)
         x = next(loader)
         opt.zero_grad(set_to_none=True)
-        model(x).square().mean().backward()
+        out = model(x)
+        if busy_at == "forward":
+            busy(sleep_s)
+        out.square().mean().backward()
         opt.step()
         sched.step()
         done[0] += 1
@@ -182,11 +203,13 @@ def _trial_worker() -> None:
         iteration(0.0)
         times.append(time.perf_counter() - t0)
     real = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)
-    dist.all_reduce(real, op=dist.ReduceOp.MAX)
+    if not single:
+        dist.all_reduce(real, op=dist.ReduceOp.MAX)
     sleep_s = max(0.0, period - float(real[0]))
     if rank == 0:
-        _wait_subscribed(sock, dist.get_world_size())
-    dist.barrier()
+        _wait_subscribed(sock, world)
+    if not single:
+        dist.barrier()
     state_bytes = sum(_local(t).numel() * _local(t).element_size() for p in net.parameters()
                       for t in (p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]))
     if rank == 0:
@@ -295,15 +318,16 @@ def _ts(event: dict[str, Any]) -> float:
 
 
 def _torchrun(mode: str, env: dict[str, str], timeout: float) -> tuple[int, str]:
-    """One 2-rank job of this file's ``--worker mode``; (exit code or -1 on timeout, its output).
-    Its own session, killed whole on a timeout or when the benchmark itself is stopped."""
+    """One 2-rank job of this file's ``--worker mode`` (``SG_TTS_SINGLE=1``: one plain process); (exit code
+    or -1 on timeout, its output). Its own session, killed whole on a timeout or when the benchmark stops."""
     torchrun = Path(sys.executable).parent / "torchrun"
     job_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "SPOTGUARD_LOG_LEVEL": "info",
                "SPOTGUARD_LOG_FORMAT": "json", **env,
                "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node", "2", str(Path(__file__).resolve()),
-                             "--worker", mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=job_env, start_new_session=True)
+    launcher = [sys.executable] if job_env.get("SG_TTS_SINGLE") == "1" else \
+        [str(torchrun), "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.Popen([*launcher, str(Path(__file__).resolve()), "--worker", mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=job_env, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
         return proc.returncode, out
@@ -342,7 +366,9 @@ def _trial(sock: str, work: Path, mib: float, period: float, phase: float) -> di
     store = Path(tempfile.mkdtemp(prefix="ckpt-", dir=work))
     rc, text = _torchrun("trial", {"SG_TTS_STATE_MIB": str(mib), "SG_TTS_ITER_S": str(period),
                                    "SG_TTS_PHASE": repr(phase), "SG_TTS_STORAGE": str(store),
-                                   "SPOTGUARD_SOCKET": sock, "SG_TTS_MODEL": os.environ.get("SG_TTS_MODEL", "ddp")},
+                                   "SPOTGUARD_SOCKET": sock, "SG_TTS_MODEL": os.environ.get("SG_TTS_MODEL", "ddp"),
+                                   **{k: os.environ[k] for k in ("SG_TTS_SINGLE", "SG_TTS_LOOP", "SG_TTS_BUSY_AT")
+                                      if k in os.environ}},
                      timeout=120 + 12 * period + mib / 20)
     info: dict[str, Any] = {}
     iters: list[float] = []
@@ -438,9 +464,13 @@ def bench(cells: list[tuple[float, float, int]], *, overhead_blocks: int, overhe
     daemon = start_daemon(sock, cloud="none", log_path=work / "daemon.log")
     t0 = time.monotonic()
     try:
+        shape = "1 plain process, no torch.distributed" if os.environ.get("SG_TTS_SINGLE") == "1" else \
+            "2 ranks torchrun gloo CPU"
         out: dict[str, Any] = {
             "what": "notice_seen -> checkpoint_committed (hook log timestamps), drill through a real daemon at a "
-                    "uniformly random phase of an iteration; 2 ranks torchrun gloo CPU; local-folder storage",
+                    f"uniformly random phase of an iteration; {shape}; local-folder storage",
+            "loop": os.environ.get("SG_TTS_LOOP", "plain"), "single_process": os.environ.get("SG_TTS_SINGLE") == "1",
+            "busy_at": os.environ.get("SG_TTS_BUSY_AT", "before"),
             "storage": "local folder (file://, tmp); object-store throughput: bench_storage.py",
             "deadline_s": DEADLINE_S, "seed": seed, "load_avg_start": os.getloadavg(), "cells": [],
         }
@@ -494,8 +524,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--model", choices=("ddp", "fsdp2"), default="ddp",
                     help="fsdp2: every layer fully_shard-ed (its state-dict hooks send notices to the fallback read)")
+    ap.add_argument("--loop", choices=("plain", "range"), default="plain",
+                    help="range: the README's `for i in hook.range(n)` loop (default: hook.resume() + own loop)")
+    ap.add_argument("--single", action="store_true", help="one plain process without torch.distributed")
+    ap.add_argument("--busy-at", choices=("before", "forward"), default="before",
+                    help="the simulated compute before the loader (default) or between forward and backward")
     a = ap.parse_args(argv)
     os.environ["SG_TTS_MODEL"] = a.model
+    os.environ["SG_TTS_LOOP"] = a.loop
+    os.environ["SG_TTS_BUSY_AT"] = a.busy_at
+    if a.single:
+        if a.model != "ddp":
+            ap.error("--single runs one process: no --model fsdp2")
+        os.environ["SG_TTS_SINGLE"] = "1"
     cells = _parse_cells(a.cells) if a.cells else (QUICK_CELLS if a.quick else CELLS)
     blocks, steps = (2, 40) if a.quick else (6, 150)
     if a.no_overhead:

@@ -42,8 +42,16 @@ Every collective of a round runs under a group timeout of the time left to
 the deadline minus ``SAVE_MARGIN``: a peer that never joins makes the round
 fail in bounded time ("peers lost": exit 75, nothing committed).
 
-**At the step boundary** (the explicit ``hook.range()``/``hook.step()`` mode,
-framework adapters, a single process, several optimizers, or when the store
+**A single process** (no ``torch.distributed``): ``LocalAgreement``, the same
+rounds with a dict of wake keys instead of the store and no collective.
+
+**Explicit loops** (``hook.range()``/``hook.step()``): the optimizer clock counts and
+each loop boundary proves that one clock step ran in the iteration (``core.py``:
+``_clocked_boundary``); a round saves only a proven step, else hands its notice to
+the boundary path (``_hand_over``; every rank alike: the gathered entries carry why).
+
+**At the step boundary** (framework adapters, several optimizers, explicit loops
+whose optimizer steps do not map one to one onto iterations, or when the store
 cannot be reached): the flag all-reduce launched at an iteration's end and read
 at the next boundary (``dist.Agreement``); then each rank enters ``_plan``
 (all-gather of the notice to act on, the ``agreed`` log line) and
@@ -75,6 +83,7 @@ from .dist import (
 from .save import _Result
 from .settings import (
     _ACTIONS,
+    HANDED_OVER,
     LEVEL_EMERGENCY,
     LEVEL_REPLAY,
     SAVE_MARGIN,
@@ -199,7 +208,8 @@ class AgreementMixin:
             self._freeze, self._target, self._hold_until = stand, None, t_end
         level, deadline_ms = self._local_level()
         try:
-            allv = bg.gather((level, deadline_ms, stand, self._best_local()), max(0.5, t_end - time.monotonic()))
+            allv = bg.gather((level, deadline_ms, stand, self._best_local(), self._range_broken),
+                             max(0.5, t_end - time.monotonic()))
         except RoundFailed as exc:
             notice = self._best_notice() or agreed_notice(self._count, wake_deadline_ms,
                                                           "peers lost during the agreement")
@@ -215,6 +225,10 @@ class AgreementMixin:
                 self._hold_until = t_end
         if level <= 0:
             self._release_hold()
+            return
+        broken = next((v[4] for v in allv if len(v) > 4 and v[4]), None)
+        if broken is not None:  # an explicit loop left the any-moment path (on some rank): its boundary acts
+            self._hand_over(step, broken)
             return
         notice = best_candidate([v[3] for v in allv]) or agreed_notice(step, deadline_ms,
                                                                        "notice withdrawn after agreement")
@@ -244,6 +258,9 @@ class AgreementMixin:
                                 peers_ok=True)
         finally:
             self._round_action = None
+        if result.error == HANDED_OVER:  # every rank alike: no rank entered the save's collectives
+            self._hand_over(step, self._range_broken or "")
+            return
         if action == "emergency":
             self._exit_from_background(notice, result, step)
             return
@@ -256,6 +273,16 @@ class AgreementMixin:
         elif not cancelled:
             bg.backoff()
         set_group_timeout(bg.group, 1800.0)
+
+    def _hand_over(self, step: int, why: str) -> None:
+        """The round's step is not one the explicit loop proved to end an iteration (it stepped twice, or not
+        at all, in one iteration): nothing is saved here; the notices stay pending and the loop's boundary
+        path acts on them at its next boundary (exact there, one iteration later)."""
+        with self._cv:
+            self._break_clock(why)  # every rank leaves the clock at the same boundary, so their reductions match
+        self._log.warning(ev.CHECKPOINT_FALLBACK, step=step, reason=why,
+                          waits_for="the loop's next iteration boundary (boundary path)")
+        self._release_hold()
 
     def _best_notice(self) -> Optional[Notice]:
         best = self._best_local()
@@ -410,7 +437,7 @@ class BackgroundAgreement:
             g = self.gen
             try:
                 level, deadline_ms = h._local_level()
-                if level > 0 and h._bg_on:  # a notice that came while the previous round ran
+                if level > 0 and h._bg_on and h._range_broken is None:  # came while the previous round ran
                     if self._fails and level < LEVEL_EMERGENCY and \
                             self._closed.wait(min(30.0, 0.5 * 2 ** (self._fails - 1))):
                         return
@@ -470,3 +497,83 @@ class BackgroundAgreement:
         except Exception as exc:  # noqa: BLE001 - gloo timeout / connection reset
             raise RoundFailed(f"agreement round: {type(exc).__name__}: {exc}") from exc
         return out
+
+
+class LocalAgreement(BackgroundAgreement):
+    """The agreement thread of a process without ``torch.distributed`` (world size 1: a single-GPU VM).
+
+    Why a variant and not the store-based class: there is no c10d store and no
+    process group to gather over (and the hook never creates one on the user's
+    behalf). A round with one rank needs no collective: the wake keys live in a
+    dict under a condition variable, ``gather`` returns this rank's own entry,
+    and the save runs with ``group=None`` (``_save`` skips its collectives when
+    not distributed). Everything else — the rounds, the hold, the staged save,
+    leaving from the background — is the same code as under ``torch.distributed``.
+    """
+
+    def __init__(self, hook: Any) -> None:  # noqa: D107 - no super().__init__: no group, no store
+        self.hook = hook
+        self.ok = True
+        self.group = None
+        self.token = f"spotguard-local/{uuid.uuid4().hex}"
+        self._set_lock = threading.Lock()
+        self._keys_cv = threading.Condition(threading.Lock())
+        self._keys: dict[int, str] = {}  # round -> its wake value (a deadline in ms, or "closed")
+        self._cancelled: set[int] = set()
+        self.gen = 0
+        self.busy = threading.Event()
+        self._closed = threading.Event()
+        self._thread = None
+        self._parked = False
+        self._fails = 0
+        self._timers = []
+        self._stall = False
+        self._stall_from = 0
+
+    def _put(self, gen: int, value: str) -> None:
+        with self._keys_cv:
+            self._keys.setdefault(gen, value)  # the first wake of a round wins (as a store key once set)
+            self._keys_cv.notify_all()
+
+    def wake(self, deadline_ms: int) -> None:
+        if self._closed.is_set():
+            return
+        self._put(self.gen, str(int(deadline_ms)))
+
+    def cancel_round(self) -> None:
+        with self._keys_cv:
+            self._cancelled.add(self.gen)
+
+    def round_cancelled(self) -> bool:
+        return self.gen in self._cancelled
+
+    def release(self) -> None:
+        """Wake this process's own parked thread so that it leaves (no store: a condition variable)."""
+        self._closed.set()
+        with self._keys_cv:
+            self._keys_cv.notify_all()
+        t = self._thread
+        if t is not None and t.is_alive() and t is not threading.current_thread() and self._parked:
+            t.join(RELEASE_JOIN)
+
+    def _wait(self, g: int) -> Optional[int]:
+        with self._keys_cv:
+            self._parked = True
+            try:
+                while g not in self._keys and not self._closed.is_set():
+                    self._keys_cv.wait()
+            finally:
+                self._parked = False
+            raw = self._keys.pop(g, None)
+            for old in [k for k in self._keys if k < g]:
+                self._keys.pop(old, None)
+        if raw is None:
+            return None
+        try:
+            return int(raw)
+        except ValueError:
+            return NO_DEADLINE_MS
+
+    def gather(self, mine: Any, bound: float) -> list[Any]:
+        """One rank: the round's "collective" is this rank's own entry."""
+        return [mine]

@@ -11,13 +11,17 @@ the optimizer step hooks.
 
 Two ways to act on a notice:
 
-- **At any moment** (under ``torch.distributed``, one optimizer, optimizer
-  hooks; agreement.py): the step hooks only keep ``_count`` / ``_in_step``
+- **At any moment** (one optimizer; under ``torch.distributed`` or in a single
+  process, whose rounds need no collective; implicit loops, and ``hook.range()`` /
+  ``hook.step()`` loops whose boundaries prove one optimizer step per iteration;
+  agreement.py): the step hooks only keep ``_count`` / ``_in_step``
   under ``_cv`` and snapshot RNG/loader/buffers at the post-hook; an agreement
   thread per rank decides S and writes the checkpoint; the pre-hook holds a step
   only while a round runs and until the tensors of S are copied (``_step_begin``).
-- **At the step boundary** (explicit mode, adapters, a single process, several
-  optimizers, ``SPOTGUARD_BACKGROUND_AGREEMENT=0``), below.
+- **At the step boundary** (adapters, several optimizers, explicit loops whose
+  optimizer steps do not map one to one onto iterations,
+  ``SPOTGUARD_BACKGROUND_AGREEMENT=0``), below. Which one a process uses is logged
+  once per loop kind (``notice_path``).
 
 Shape of one iteration with no loop change, boundary path (see docs/api.md)::
 
@@ -85,7 +89,7 @@ from ..notice import Notice
 from ..storage import Storage, StorageError, open_storage
 from ..timefmt import utcnow
 from . import events as ev
-from .agreement import AgreementMixin, BackgroundAgreement, agreed_notice
+from .agreement import AgreementMixin, BackgroundAgreement, LocalAgreement, agreed_notice
 from .dist import (
     NO_DEADLINE_MS,
     Agreement,
@@ -263,9 +267,18 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         self._bg_on = False
         self._bg_ready = threading.Event()  # resume() is over (or training started without it)
         self._bg: Optional[BackgroundAgreement] = None
-        if self._dist and self._background_capable and len(self._objs.optimizers) == 1 and \
-                os.environ.get("SPOTGUARD_BACKGROUND_AGREEMENT", "1").strip() != "0":
-            self._bg = BackgroundAgreement(self)
+        # An explicit loop (hook.range()/hook.step()) on the any-moment path: the optimizer clock counts, each
+        # explicit boundary proves that it ended exactly one clock step (``_clocked_boundary``).
+        self._range_clock = False
+        self._confirmed = 0  # the count at the last boundary that proved "one clock step per iteration"
+        self._range_broken: Optional[str] = None  # why that proof failed (the loop goes back to the boundary path)
+        self._range_small: Any = None  # the small state read at the last proven boundary (``_capture_small``)
+        self._path_logged: set[tuple[str, str]] = set()
+        self._boundary_why = self._why_not_background()
+        if self._boundary_why is None:
+            # Under torch.distributed: a thread + gloo group + the c10d store; a single process: the same rounds
+            # with no collective at all (never an init_process_group on the user's behalf).
+            self._bg = BackgroundAgreement(self) if self._dist else LocalAgreement(self)
             self._bg.start()
 
         self._handles: list[Any] = []
@@ -284,6 +297,31 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             ev.HOOK_INSTALLED, world_size=self._world, storage=self._storage.uri, pid=os.getpid(),
             objects=self._objs.roles(), socket=getattr(self._intake, "socket_path", None),
         )
+        if self._boundary_why is not None:
+            self._log_path("boundary", "any", self._boundary_why)
+
+    def _why_not_background(self) -> Optional[str]:
+        """None when notices can be acted on at any moment (one optimizer: its step hooks are the clock);
+        otherwise why this hook acts at iteration boundaries (said once in the ``notice_path`` line)."""
+        if not self._background_capable:
+            return "the framework writes the checkpoint itself, at its own step boundary"
+        if os.environ.get("SPOTGUARD_BACKGROUND_AGREEMENT", "1").strip() == "0":
+            return "SPOTGUARD_BACKGROUND_AGREEMENT=0"
+        n = len(self._objs.optimizers)
+        if n == 0:
+            return "no optimizer in the dict: no optimizer step shows where an iteration ends"
+        if n > 1:
+            return (f"{n} optimizers (a GAN's D and G steps): which optimizer step ends an iteration cannot be "
+                    "proven from the step hooks, so the state of an iteration's end is known only at the boundary")
+        return None
+
+    def _log_path(self, path: str, loop: str, why: str) -> None:
+        """Once per (path, loop): which way this process acts on a notice, and why (``notice_path``)."""
+        if (path, loop) in self._path_logged:
+            return
+        self._path_logged.add((path, loop))
+        log = self._log.info if path == "any-moment" or loop == "any" else self._log.warning
+        log(ev.NOTICE_PATH, path=path, loop=loop, why=why, world_size=self._world)
 
     def _probe_storage(self) -> None:
         """Every rank writes and deletes a small object; any failure is one StorageError on every rank."""
@@ -313,21 +351,30 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         """``for step in hook.range(total):`` resumes, then yields steps; each iteration's end is a boundary."""
         if isinstance(total, bool) or not isinstance(total, int) or total < 0:
             raise ValueError(f"total must be a non-negative integer, got {total!r}")
-        self._explicit_intent = True  # resume() must not arm the background agreement
+        self._explicit_intent = True  # resume() must not arm the background agreement (hook.range does, below)
         if not self._resumed:
             self.resume()
-        self._enter_explicit()
+        self._begin_explicit("hook.range()", self._count)
         for i in builtins.range(self._count, total):
             yield i
-            self._count += 1
-            self._explicit_boundary(final=(i == total - 1))
+            if self._range_clock:
+                self._clocked_boundary(final=(i == total - 1))
+            else:
+                self._count += 1
+                self._explicit_boundary(final=(i == total - 1))
 
     def step(self) -> int:
         """An explicit iteration boundary (call once at the end of each iteration); returns completed iterations."""
-        skip = False
-        if not self._explicit:
-            skip = self._implicit_counted  # this iteration was already counted by the optimizer post-hook
-            self._enter_explicit()
+        if not self._explicit and not self._range_clock:
+            self._explicit_intent = True
+            # the loop started at the resumed step (0 without a resume): one optimizer step since then proves
+            # the first boundary; anything else hands this loop to the boundary path
+            self._begin_explicit("hook.step()", self._resumed_step)
+        if self._range_clock:
+            self._clocked_boundary(final=False)
+            return self._count
+        skip = self._implicit_counted  # this iteration was already counted by the optimizer post-hook
+        self._implicit_counted = False
         if not skip:
             self._count += 1
         self._explicit_boundary(final=False)
@@ -452,12 +499,12 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                 self._realign_rng()
             if self._bg_on:  # one optimizer: its step ends the iteration (not so with a GAN's two)
                 self._fwd_rng = (self._count, torch.get_rng_state())  # ~1 us: see _realign_rng
-            if self._bg_on and self._count > 0:
+            if self._bg_on and self._count > 0 and not self._range_clock:
                 self._watch.mark()  # the post-step writes (AveragedModel, clipping) are part of iteration S
         if self._fwd_count == self._count or not self._bg_on:
             return
         self._fwd_count = self._count
-        if self._want_small == self._count:  # a round waits for this step's small state: read it here
+        if self._want_small == self._count and self._anchor_ok(self._count):  # a round waits: read it here
             with self._cv:
                 self._capture_small_for(self._count, "forward")
 
@@ -544,17 +591,108 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         if self._explicit:
             return
         self._explicit = True
+        self._range_clock = False
         self._bg_on = False  # the explicit boundary decides (the hook cannot see optimizer steps any more)
         self._remove_step_hooks()
 
+    # ------------------------------------- explicit loops on the any-moment path (hook.range / hook.step)
+
+    def _begin_explicit(self, loop: str, start: int) -> None:
+        """An explicit loop starts (``hook.range()``, the first ``hook.step()``): any-moment if the optimizer
+        clock is observable (one optimizer, the background agreement running), else the boundary path.
+
+        Why the clock can stand for the loop: with one optimizer stepped once per iteration, the end of
+        optimizer step S *is* the end of iteration S-1 as far as model and optimizer go, and the loop's
+        boundary right after it is where the rest (scheduler, RNG, loader, buffers) is read. Each boundary
+        checks that exactly one clock step ran since the previous one (``_clocked_boundary``); a round may
+        only save a step that such a check has proven (``_confirmed``).
+        """
+        if self._explicit or self._range_clock:
+            return
+        bg = self._bg
+        if bg is None or not bg.ok or bg.closed or self._torn_down or self._range_broken is not None:
+            self._log_path("boundary", loop, self._range_broken or self._boundary_why or
+                           "the background agreement is not available")
+            self._enter_explicit()
+            return
+        with self._cv:
+            self._confirmed = start
+            self._range_clock = True
+        self._loop_kind = loop
+        self._enable_background(clocked=True)
+        self._log_path("any-moment", loop, "one optimizer: its step hooks mark each iteration's end; every "
+                                          "boundary checks that exactly one optimizer step ran in the iteration")
+
+    def _clocked_boundary(self, *, final: bool) -> None:
+        """The loop's boundary on the any-moment path: prove "one clock step in this iteration", then record
+        what the end of the iteration is (RNG, loader, buffers, the watch's mark) and serve a round that waits
+        for this step's small state. Any other count hands the loop to the boundary path (``_leave_clock``)."""
+        if not self._fresh_checked:
+            self._warn_unresumed()
+        expected = self._confirmed + 1
+        why = self._range_broken
+        if why is None and (self._count != expected or self._in_step):
+            why = (f"{self._count - self._confirmed} optimizer steps in the iteration that ended at boundary "
+                   f"{expected} (gradient accumulation, a skipped or an extra optimizer.step()): optimizer steps "
+                   "do not map one to one onto iterations")
+        if why is not None:
+            self._leave_clock(expected, why, final=final)
+            return
+        snap = Snapshot.take(self._objs.loaders, {})
+        bufs = clone_buffers(self._buffers)
+        self._watch.mark()  # the loop's post-step writes (AveragedModel, clipping) belong to this iteration
+        with self._cv:
+            self._snap, self._snap_count = snap, expected
+            self._fwd_bufs, self._fwd_seq = (expected, bufs), self._post_seq
+            self._confirmed = expected
+            # The small state of this iteration's end, copied here and kept until the next boundary: the one
+            # moment it is known exactly (the loop may change a stateful object before its next forward or
+            # step). A round for this step takes it whenever it comes — no wait for an anchor. Copied, not
+            # packed: packing (torch.save) costs ms, and only a round needs it (``_capture_small_for``).
+            self._range_small = self._copy_small(expected, "iteration-boundary")
+            if self._want_small == expected:
+                self._capture_small_for(expected, "iteration-boundary")
+            self._cv.notify_all()
+        self._exit_if_requested()
+
+    def _break_clock(self, why: str) -> None:
+        """(under ``_cv``) The mapping iteration -> optimizer step is disproven: a round waiting for a step
+        no boundary proved hands its notice to the boundary path."""
+        if self._range_broken is None:
+            self._range_broken = why
+        self._cv.notify_all()
+
+    def _leave_clock(self, expected: int, why: str, *, final: bool) -> None:
+        """From this boundary on, this loop acts on notices at iteration boundaries (said once, with why).
+
+        A round in flight either saves a step that was proven before (its commit then ends the process
+        here) or hands its notice over (it stays pending, and the boundary reduction carries it)."""
+        with self._cv:
+            self._break_clock(why)
+        self._log_path("boundary", getattr(self, "_loop_kind", "hook.range()"), why)
+        bg = self._bg
+        if bg is not None and bg.busy.is_set():
+            end = max(self._hold_until, time.monotonic()) + HOLD_SLACK
+            with self._cv:
+                while bg.busy.is_set() and self._exit_request is None and time.monotonic() < end:
+                    self._cv.wait(0.05)  # `busy` clears without a notify: look again shortly
+        self._exit_if_requested()
+        self._count = expected
+        self._enter_explicit()
+        self._explicit_boundary(final=final)
+
     # ------------------------------------------- background agreement: the training thread's side
 
-    def _enable_background(self) -> None:
-        """From now on notices are agreed off the training thread (implicit mode only; see agreement.py)."""
+    def _enable_background(self, clocked: bool = False) -> None:
+        """From now on notices are agreed off the training thread (see agreement.py): implicit loops, and
+        explicit ones whose boundaries are checked against the optimizer clock (``clocked``)."""
         self._bg_ready.set()  # training starts here: a round may read this rank's count and resume state
-        if self._bg is None or not self._bg.ok or self._explicit or self._explicit_intent or self._bg_on:
+        if self._bg is None or not self._bg.ok or self._explicit or self._bg_on or \
+                (self._explicit_intent and not clocked):
             return
         self._bg_on = True
+        if not clocked:
+            self._log_path("any-moment", "implicit", "one optimizer: its step hooks mark each iteration's end")
         with self._lock:
             notices = list(self._pending.values())
         for n in notices:  # notices that came before training started (warm-up, resume)
@@ -577,7 +715,11 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                 if key is None or self._count < key:
                     self._in_step = True
                     return
-                if self._count == key:
+                if self._count == key and not self._anchor_ok(key):
+                    # an explicit loop's second optimizer step in one iteration: no boundary proved `key`
+                    self._break_clock("two optimizer steps in one iteration: optimizer steps do not map one to "
+                                      "one onto iterations")
+                elif self._count == key:
                     if self._staged_step != key and (self._small is None or self._small[0] != key):
                         self._capture_small_for(key, "pre-hook")
                     if self._want_state == key and (self._handoff is None or self._handoff[0] != key):
@@ -594,16 +736,23 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             self._exit(notice, _Result(committed=False, peers_ok=False, error="hold timed out"), give_up)
         self._exit_if_requested()
 
+    def _anchor_ok(self, step: int) -> bool:
+        """May the small state of ``step`` be read now? Always in an implicit loop; in an explicit one only
+        once the loop's boundary has proven that ``step`` ends an iteration (``_clocked_boundary``)."""
+        return not self._range_clock or self._confirmed == step
+
     def _step_end(self) -> None:
         """Clock post-hook (background mode): count, snapshot, leave "inside optimizer.step"."""
         self._watch.mark()  # after step S: what a background read must still see (may track more buffers)
-        snap = Snapshot.take(self._objs.loaders, {})  # before the count: a round may read it at once
+        # before the count: a round may read it at once (an explicit loop: taken at its boundary instead)
+        snap = None if self._range_clock else Snapshot.take(self._objs.loaders, {})
         if self._cuda_params:
             self._step_event = torch.cuda.Event()
             self._step_event.record()  # the background read waits on it: step S's kernels are done
         with self._cv:
             self._count += 1
-            self._snap, self._snap_count = snap, self._count
+            if snap is not None:
+                self._snap, self._snap_count = snap, self._count
             self._in_step = False
             self._cv.notify_all()
         self._implicit_counted = True

@@ -42,6 +42,10 @@ is known, ``notice_id``. Fields per event:
 - ``not_resumed``: uri, committed_step, step, fix (rank 0, once: training started without ``hook.resume()``
   while the storage already holds a committed checkpoint)
 - ``notice_after_last_step``: notice_id, step (the job finished its work; exit code unchanged)
+- ``notice_path``: path ("any-moment": agreed and saved off the training thread within about a second of the
+  notice; "boundary": acted on at the next iteration boundary), loop ("implicit" | "hook.range()" |
+  "hook.step()" | "any"), why, world_size — once per (path, loop); a loop that leaves the any-moment path
+  (its optimizer steps do not map one to one onto iterations) says so at warning level
 - ``peers_lost`` from the watch (``spotguard/hook/peers.py``): lost_ranks, hosts, silent_seconds, left_ranks, timeout, step,
   notice_ids, committed, code (69, or 143 when this run's state at the current step is committed), action, detail;
   followed by ``exit`` with reason "peers_lost" and the process's ``os._exit``
@@ -75,6 +79,8 @@ TEARDOWN = "teardown"
 EXIT = "exit"
 NOTICE_AFTER_LAST_STEP = "notice_after_last_step"
 NOT_RESUMED = "not_resumed"
+#: once per loop kind: how this process acts on a notice ("any-moment" | "boundary") and why
+NOTICE_PATH = "notice_path"
 
 TIMELINE: tuple[str, ...] = (
     NOTICE_SEEN,

@@ -295,7 +295,14 @@ class ExitMixin:
         it.flush(timeout)
 
     def _at_exit(self) -> None:
-        """Process exit is the last boundary: a notice seen now came after the last step; keep the exit code."""
+        """Process exit is the last boundary: a notice seen now came after the last step; keep the exit code.
+
+        A round still in flight (a single process has no ``destroy_process_group()`` to serve it) gets the
+        state of the last step here — the loop's work is over — and its decided code ends the process."""
+        bg = self._bg
+        if bg is not None and bg.busy.is_set() and not (self._torn_down or self._exiting or self._closed) and \
+                self._exit_request is None:
+            self._serve_last_round(QUIESCE_AGREEMENT_TIMEOUT)
         req = self._exit_request
         if req is not None and not self._exiting:  # the decision was taken: leave with its code, not the user's
             notice, result, step = req
@@ -332,7 +339,12 @@ class ExitMixin:
         end = time.monotonic() + timeout
         with self._cv:
             while bg is not None and bg.busy.is_set() and time.monotonic() < end and self._exit_request is None:
-                if not self._in_step:
+                if not self._in_step and not self._anchor_ok(self._count):
+                    # an explicit loop left inside an iteration (a `break` after its optimizer step): that
+                    # step is no iteration's end; the round hands its notice over (logged at exit)
+                    self._break_clock("training ended inside an iteration of an explicit loop (no boundary after "
+                                      "its last optimizer step)")
+                elif not self._in_step:
                     key = self._count
                     if self._want_small == key and (self._small is None or self._small[0] != key):
                         self._capture_small_for(key, "end-of-training")

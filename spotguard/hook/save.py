@@ -39,7 +39,7 @@ from .dist import (
     set_group_timeout,
 )
 from .periodic import PERIODIC_SETTLED, stage_state_dict
-from .settings import EMERGENCY_LEAD, PERIODIC_NOTICE_PREFIX, SAVE_MARGIN
+from .settings import EMERGENCY_LEAD, HANDED_OVER, PERIODIC_NOTICE_PREFIX, SAVE_MARGIN
 from .state import Snapshot, clone_buffers, pack
 
 #: "the hook's own group" (the training thread's) as a default argument
@@ -402,12 +402,15 @@ class SaveMixin:
         """
         t0 = time.monotonic()
         with self._cv:
-            while not (self._count >= step and not self._in_step) and self._exit_request is None:
+            while not (self._count >= step and not self._in_step) and self._exit_request is None and \
+                    not self._handing_over(step):
                 left = t_end - time.monotonic()
                 if left <= 0:
                     break
                 self._cv.wait(min(0.5, left))
             reached = self._count == step and not self._in_step
+        if self._handing_over(step):
+            return _Result(committed=False, peers_ok=True, error=HANDED_OVER)
         if not reached:
             return self._fail(notice, step, f"the training thread did not reach step {step} within the notice "
                               f"deadline (at {self._count}, inside a step: {self._in_step}): peers lost?", t0,
@@ -416,6 +419,8 @@ class SaveMixin:
         # also where the loop's post-step writes to tensors are over (an AveragedModel update, an EMA swapped
         # back); reading the tensors before it could commit them without those writes.
         small = self._small_state(step, t_end)
+        if isinstance(small, str) and self._handing_over(step):
+            return _Result(committed=False, peers_ok=True, error=HANDED_OVER)
         if isinstance(small, str):
             self._release_hold(keep_target=hold)
             return self._fail(notice, step, small, t0, peers_ok=True)
@@ -426,6 +431,8 @@ class SaveMixin:
                            waits_for="the next optimizer.step() pre-hook")
             got = self._prehook_read(step, t_end, copy=not hold)
             live = False
+            if isinstance(got, str) and self._handing_over(step):
+                return _Result(committed=False, peers_ok=True, error=HANDED_OVER)
             if isinstance(got, str):
                 self._release_hold(keep_target=hold)
                 return self._fail(notice, step, got, t0, peers_ok=True)
@@ -468,13 +475,20 @@ class SaveMixin:
         def write(key: str) -> None:
             import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 
-            dcp.save(sd, storage_writer=self._storage.dcp_writer(key), process_group=group,
-                     planner=None if cancel is None else _cancellable_planner(cancel))
+            with warnings.catch_warnings():  # a single process: DCP's "assuming a single process" note
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                dcp.save(sd, storage_writer=self._storage.dcp_writer(key), process_group=group,
+                         planner=None if cancel is None else _cancellable_planner(cancel))
             if validate:  # written from live tensors: still the state of S at the end of the write?
                 why = self._watch.changed(getattr(self, "_live_mark", None))
                 if why is not None:
                     raise StateMoved(f"the state moved while it was written from live tensors: {why}")
         return write
+
+    def _handing_over(self, step: int) -> bool:
+        """An explicit loop left the any-moment path before ``step`` was proven to end an iteration: the
+        round hands its notice to the loop's boundary path instead of failing it."""
+        return self._range_broken is not None and getattr(self, "_confirmed", None) != step
 
     def _background_read(self, step: int, *, copy: bool) -> Any:
         """(state dict, bytes, "background") read off the training thread, or why it cannot be proven exact."""
@@ -510,7 +524,8 @@ class SaveMixin:
             self._want_state = step
             self._want_copy = copy
             self._cv.notify_all()
-            while (self._handoff is None or self._handoff[0] != step) and self._exit_request is None:
+            while (self._handoff is None or self._handoff[0] != step) and self._exit_request is None and \
+                    not self._handing_over(step):
                 left = t_end - time.monotonic()
                 if left <= 0:
                     break
@@ -551,17 +566,22 @@ class SaveMixin:
         latest = max(now + min(1.0, max(0.0, t_end - now) / 3),
                      t_end - max(0.5, getattr(self, "_last_save_seconds", 1.0) * 1.5))
         with self._cv:
+            rs = self._range_small
+            if (self._small is None or self._small[0] != step) and rs is not None and rs[0] == step:
+                self._capture_small_for(step, "iteration-boundary")  # what the explicit loop's boundary copied
             if self._small is None or self._small[0] != step:
-                if self._fwd_count == step:
+                if self._fwd_count == step and self._anchor_ok(step):
                     self._capture_small_for(step, "after-forward")
                 else:
                     self._want_small = step
                     self._cv.notify_all()
-                    while (self._small is None or self._small[0] != step) and self._fwd_count != step \
-                            and self._exit_request is None and time.monotonic() < latest:
+                    while (self._small is None or self._small[0] != step) and \
+                            not (self._fwd_count == step and self._anchor_ok(step)) and \
+                            not self._handing_over(step) and self._exit_request is None and time.monotonic() < latest:
                         self._cv.wait(min(0.1, max(0.0, latest - time.monotonic())))
                     self._want_small = None
-                    if (self._small is None or self._small[0] != step) and self._fwd_count == step:
+                    if (self._small is None or self._small[0] != step) and self._fwd_count == step and \
+                            self._anchor_ok(step):
                         self._capture_small_for(step, "after-forward")
             got = self._small if self._small is not None and self._small[0] == step else None
             self._small = None
@@ -574,7 +594,20 @@ class SaveMixin:
         return got[1], got[2], got[3]
 
     def _capture_small_for(self, step: int, where: str) -> None:
-        """``_capture_small`` into ``_small`` (under ``_cv``); a raising ``state_dict()`` is recorded, not raised."""
+        """``_capture_small`` into ``_small`` (under ``_cv``); a raising ``state_dict()`` is recorded, not raised.
+        An explicit loop's step: what its boundary read (the exact end of that iteration), whoever asks."""
+        rs = getattr(self, "_range_small", None)
+        if rs is not None and rs[0] == step:
+            if rs[1] is None:  # its state_dict() raised at the boundary
+                self._small = rs
+            else:
+                try:
+                    self._small = (step, pack(rs[1]), rs[2], rs[3])
+                except Exception as exc:  # noqa: BLE001 - recorded for the round, never raised into the loop
+                    self._small = (step, None, None, f"packing the small state of step {step}: "  # type: ignore[assignment]
+                                                     f"{type(exc).__name__}: {exc}")
+            self._cv.notify_all()
+            return
         try:
             self._small = self._capture_small(step, where)
         except Exception as exc:  # noqa: BLE001 - the user's object: the round fails with this, training goes on
@@ -642,6 +675,25 @@ class SaveMixin:
         groups = {k: [{n: copy.deepcopy(v) for n, v in g.items() if n != "params"} for g in opt.param_groups]
                   for k, opt in o.optimizers.items()}
         return step, pack(per), groups, where
+
+    def _copy_small(self, step: int, where: str) -> tuple[int, Any, Any, str]:
+        """(step, per-rank state, param_groups, where) as ``_capture_small`` reads them, copied instead of
+        packed (an explicit loop's boundary: every iteration); (step, None, None, why) if a state_dict() raised."""
+        import copy  # noqa: PLC0415
+
+        o = self._objs
+        try:
+            snap = self._snap if self._snap is not None and self._snap_count == step else \
+                Snapshot.take(o.loaders, {})
+            per = self._per_rank_state(step, snap)
+            for k in ("schedulers", "scalers", "stateful"):  # state_dict() may hand out live containers
+                per[k] = copy.deepcopy(per[k])
+            groups = {k: [{n: copy.deepcopy(v) for n, v in g.items() if n != "params"} for g in opt.param_groups]
+                      for k, opt in o.optimizers.items()}
+        except Exception as exc:  # noqa: BLE001 - the user's object: a round for this step fails with it
+            return step, None, None, (f"state_dict() of the small state raised at step {step}: "
+                                      f"{type(exc).__name__}: {exc}")
+        return step, per, groups, where
 
     def _release_hold(self, keep_target: bool = False) -> None:
         """Let the training thread step again (``keep_target``: an emergency keeps it held until the exit)."""

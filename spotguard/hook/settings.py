@@ -63,6 +63,8 @@ PERIODIC_SYNC_TIMEOUT = 600.0
 #: and it tells the user apart from 143 ("stopped for a notice, nothing lost").
 EXIT_SAVE_FAILED = 75
 LEVEL_NONE, LEVEL_CHECKPOINT, LEVEL_EMERGENCY, LEVEL_REPLAY = 0, 1, 2, 3
+#: ``_Result.error`` of a background save that handed its notice to an explicit loop's boundary path
+HANDED_OVER = "handed over to the boundary path"
 _ACTIONS = {0: "none", 1: "checkpoint", 2: "emergency", 3: "exit"}
 
 

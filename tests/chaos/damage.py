@@ -57,7 +57,7 @@ if str(REPO) not in sys.path:  # absolute imports: pytest (importlib mode) and `
 from spotguard.hook import Hook, Preempted  # noqa: E402
 from spotguard.storage.commit import KEY_ENV, CommitRecord, delete_quarantined, step_dir  # noqa: E402
 from spotguard.storage.integrity import digest_of  # noqa: E402
-from tests.hook.test_boundary import make, notice, one_iteration, reference, snapshot  # noqa: E402
+from tests.hook.test_boundary import boundary_path, make, notice, one_iteration, reference, snapshot  # noqa: E402
 from tests.hook.test_quarantine import CountingStorage  # noqa: E402
 
 KINDS = ("flip", "truncate", "forge_sizes", "forge_lineage")
@@ -174,7 +174,8 @@ def trial(root: Path, seed: int, keep: int, ref: dict[str, Any]) -> dict[str, An
         shas = {d: _sha(root / d / COMMIT) for d in bad}
         storage = CountingStorage(str(root))
         s = make()
-        h = Hook(s, storage, keep=keep, signals=False, intake=False)
+        with boundary_path():
+            h = Hook(s, storage, keep=keep, signals=False, intake=False)
         try:
             try:
                 got: Optional[int] = h.resume()

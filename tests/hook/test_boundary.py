@@ -1,7 +1,13 @@
-"""Fast single-process tests of the hook's boundary logic (no torchrun, no daemon)."""
+"""Fast single-process tests of the hook's boundary logic (no torchrun, no daemon).
+
+A single process acts on notices at any moment by default (issue 23; ``test_anymoment_loops.py``): these
+tests pin the boundary path, which adapters, several optimizers and loops whose optimizer steps do not map
+onto iterations still take, with ``SPOTGUARD_BACKGROUND_AGREEMENT=0``.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -136,14 +142,32 @@ def notice(kind: str = "preemption", nid: str | None = None) -> Notice:
                   deadline=now + timedelta(seconds=30), received_at=now)
 
 
+@contextlib.contextmanager
+def boundary_path() -> Iterator[None]:
+    """Hooks built inside act at iteration boundaries (the variable is read at construction only, so nothing
+    leaks into the processes a test starts). Why in-process tests need it: on the any-moment path a process
+    that caught ``Preempted`` and went on is ended by the hook's backstop (``os._exit``) — pytest included."""
+    old = os.environ.get("SPOTGUARD_BACKGROUND_AGREEMENT")
+    os.environ["SPOTGUARD_BACKGROUND_AGREEMENT"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("SPOTGUARD_BACKGROUND_AGREEMENT", None)
+        else:
+            os.environ["SPOTGUARD_BACKGROUND_AGREEMENT"] = old
+
+
 @pytest.fixture
 def hooks() -> Iterator[Callable[..., Hook]]:
+    """Hooks on the boundary path (other test files import this fixture for their step-exact scenarios)."""
     made: list[Hook] = []
 
     def factory(state: dict[str, Any], storage: Any, **kw: Any) -> Hook:
         kw.setdefault("signals", False)
         kw.setdefault("intake", False)
-        h = Hook(state, str(storage), **kw)
+        with boundary_path():
+            h = Hook(state, str(storage), **kw)
         made.append(h)
         return h
 

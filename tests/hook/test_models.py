@@ -69,10 +69,12 @@ def test_compiled_and_plain_modules_load_each_others_checkpoints(tmp_path: Path)
     from spotguard.hook import Hook, Preempted
     from spotguard.notice import Notice
     from spotguard.timefmt import utcnow
+    from .test_boundary import boundary_path
 
     def train(model: torch.nn.Module, store: Path, notice_at: int) -> torch.nn.Module:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        hook = Hook({"model": model, "optimizer": opt}, str(store), signals=False, intake=False)
+        with boundary_path():  # an in-process notice: the step-exact boundary path
+            hook = Hook({"model": model, "optimizer": opt}, str(store), signals=False, intake=False)
         try:
             for i in range(hook.resume(), 6):
                 if i == notice_at:

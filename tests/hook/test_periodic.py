@@ -22,13 +22,14 @@ from spotguard.timefmt import utcnow
 from ._slowstore import SlowPeriodicStorage
 from ._stores import Store, servers, store  # noqa: F401 - fixtures (moto server, bucket, env)
 from ._torchrun import TorchRun, first_difference, load_out, reference_run
-from .test_boundary import assert_same, make, one_iteration, reference, snapshot
+from .test_boundary import assert_same, boundary_path, make, one_iteration, reference, snapshot
 
 STEP_SLEEP = 0.02
 
 
 def _hook(state: dict[str, Any], storage: Any, **kw: Any) -> Hook:
-    return Hook(state, storage, signals=False, intake=False, **kw)
+    with boundary_path():  # in-process notices: the step-exact boundary path (test_boundary.boundary_path)
+        return Hook(state, storage, signals=False, intake=False, **kw)
 
 
 def _events(logs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from .test_boundary import hooks, make, notice, run_until_preempted  # noqa: F401
+from .test_boundary import boundary_path, hooks, make, notice, run_until_preempted  # noqa: F401
 from .test_integrity_resume import TOTAL, _damage, _two_commits
 from spotguard.hook import Hook
 from spotguard.storage.commit import scan, step_dir
@@ -50,7 +50,8 @@ def _damaged_six(tmp: Path, hooks: Any) -> None:
 
 def _life(storage: Any, keep: int) -> Any:
     s = make()
-    h = Hook(s, storage, signals=False, intake=False, keep=keep)
+    with boundary_path():
+        h = Hook(s, storage, signals=False, intake=False, keep=keep)
     try:
         return run_until_preempted(h, s, TOTAL, 4, notice())  # resumes 3 (6 damaged), commits 5
     finally:
@@ -72,7 +73,8 @@ def test_mark_write_fails_keep1_loses_everything(tmp_path: Path, hooks: Any) -> 
 def test_transient_mark_read_error_at_retention_loses_everything(tmp_path: Path, hooks: Any) -> None:
     _damaged_six(tmp_path, hooks)
     s = make()
-    h = Hook(s, str(tmp_path), signals=False, intake=False)
+    with boundary_path():
+        h = Hook(s, str(tmp_path), signals=False, intake=False)
     assert h.resume() == 3  # first life: 6 verified in full, found damaged, quarantined
     h.close()
     assert _states(tmp_path)[6] == "quarantined"

@@ -22,7 +22,7 @@ from spotguard.timefmt import utcnow
 
 from ._stores import Store, servers, store  # noqa: F401 - fixtures (moto server, bucket, env)
 from ._torchrun import TorchRun, first_difference, load_out, reference_run
-from .test_boundary import assert_same, make, notice, one_iteration, reference, snapshot
+from .test_boundary import assert_same, boundary_path, make, notice, one_iteration, reference, snapshot
 
 
 class FailingWriter(FileSystemWriter):
@@ -51,7 +51,8 @@ class FlakyStorage(LocalStorage):
 
 
 def _hook(state: dict[str, Any], storage: Any, **kw: Any) -> Hook:
-    return Hook(state, storage, signals=False, intake=False, **kw)
+    with boundary_path():  # in-process notices: the step-exact boundary path (test_boundary.boundary_path)
+        return Hook(state, storage, signals=False, intake=False, **kw)
 
 
 def test_failed_save_reports_checkpoint_failed_and_keeps_previous(tmp_path: Path) -> None:

@@ -1,0 +1,151 @@
+"""One training loop written the ways users write it, for notices at any moment (issue 23).
+
+``--loop plain`` (``hook.resume()`` + ``for i in range(start, steps)``), ``range`` (``for i in
+hook.range(steps)``, the README's pattern) or ``step`` (``hook.step()`` at the end of each iteration);
+``--single``: one process without ``torch.distributed`` (a one-GPU spot VM), else 2 ranks under torchrun
+(gloo, DDP). Each iteration: load -> [work: ``--iter-s`` seconds of sleep standing for a long forward, from
+iteration ``--slow-from`` on, after the forward] -> backward -> ``opt.step()`` every ``--accum`` iterations ->
+``sched.step()``. ``--notice-at ITER`` hands rank ``--notice-rank`` a preemption notice (deadline
+``--deadline`` s) through ``hook.notify`` right after iteration ITER's forward, and prints ``notice_sent``.
+Dropout and a numpy draw make every RNG matter; ``--out`` writes the final state, so an interrupted and
+resumed run can be compared bitwise with ``--no-hook``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+class Loader:
+    """A stateful per-rank loader: batch ``pos`` is a pure function of (seed, rank, pos)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.pos = rank, 0
+
+    def __iter__(self) -> "Loader":
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * (self.rank + 1) + self.pos)
+        self.pos += 1
+        x = torch.randn(8, 16, generator=g)
+        return x, x.sum(dim=1, keepdim=True).tanh()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.pos = int(sd["pos"])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--loop", choices=("plain", "range", "step"), default="plain")
+    p.add_argument("--single", action="store_true")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--iter-s", type=float, default=0.0)
+    p.add_argument("--slow-from", type=int, default=0)
+    p.add_argument("--notice-at", type=int, default=-1)
+    p.add_argument("--notice-rank", type=int, default=0)
+    p.add_argument("--deadline", type=float, default=8.0)
+    p.add_argument("--storage", default=None)
+    p.add_argument("--out", default=None)
+    p.add_argument("--no-hook", action="store_true")
+    p.add_argument("--double-at", type=int, default=-1,
+                   help="iteration ITER steps the optimizer twice (a second backward/step after the first), "
+                        "with --notice-at ITER: the notice comes between the two steps")
+    a = p.parse_args()
+
+    rank = 0
+    if not a.single:
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                              torch.nn.Linear(32, 1))
+    model: Any = net if a.single else torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    loader = Loader(rank)
+    torch.manual_seed(10 + rank)
+    np.random.seed(10 + rank)
+    random.seed(10 + rank)
+    state = {"model": model, "optimizer": opt, "scheduler": sched, "loader": loader}
+    hook = None
+    if not a.no_hook:
+        from spotguard import install_preemption_hook  # noqa: PLC0415
+
+        hook = install_preemption_hook(state, storage=a.storage)
+
+    def notify(i: int) -> None:
+        if hook is None or i != a.notice_at or rank != a.notice_rank:
+            return
+        from spotguard.notice import Notice  # noqa: PLC0415
+        from spotguard.timefmt import utcnow  # noqa: PLC0415
+
+        now = utcnow()
+        print(json.dumps({"notice_sent": i, "t": time.time(), "rank": rank}), flush=True)
+        hook.notify(Notice(id=f"drill-{i}-{os.getpid()}", source="drill", kind="preemption",
+                           deadline=now + timedelta(seconds=a.deadline), received_at=now))
+
+    def iteration(i: int) -> None:
+        x, y = next(loader)
+        x = x + 0.01 * float(np.random.randn())
+        out = model(x)
+        if i != a.double_at:
+            notify(i)
+        if i >= a.slow_from:
+            time.sleep(a.iter_s)  # the workload: a long forward/backward (not a synchronisation)
+        loss = F.mse_loss(out, y) / a.accum
+        loss.backward()
+        if (i + 1) % a.accum == 0:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+        if i == a.double_at:  # an extra step in this iteration (the notice lands between the two)
+            notify(i)
+            if a.iter_s:
+                time.sleep(a.iter_s)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if rank == 0:
+            print(json.dumps({"step": i, "loss": float(loss), "t": time.time()}), flush=True)
+
+    if hook is None:
+        for i in range(a.steps):
+            iteration(i)
+    elif a.loop == "range":
+        for i in hook.range(a.steps):
+            iteration(i)
+    else:
+        start = hook.resume()
+        for i in range(start, a.steps):
+            iteration(i)
+            if a.loop == "step":
+                hook.step()
+    if a.out and rank == 0:
+        torch.save({"model": {k: v.clone() for k, v in net.state_dict().items()}, "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict(), "loader": loader.state_dict(),
+                    "rng": torch.get_rng_state()}, a.out)
+    if not a.single:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Issue 23: a notice is acted on at any moment also in a single process and in ``hook.range()``/``hook.step()``
+loops (``_loops_train.py``), not one iteration later at the next boundary.
+
+Each trial: iterations of ``ITER`` seconds from iteration 2 on, a preemption notice with a deadline shorter
+than two iterations handed to the hook right after iteration 3's forward. The commit must come within a third
+of an iteration of the notice (on main the boundary path committed one iteration later, past the deadline),
+the process exits 143 having saved step 3 (the last completed iteration), and the resumed run ends bitwise
+where an uninterrupted one does. Synchronisation is the processes' own exit and their JSON log lines.
+A loop whose optimizer steps do not map one to one onto iterations (gradient accumulation across
+``hook.range`` iterations) stays on the exact boundary path and says so once (``notice_path``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from ._torchrun import TorchRun, first_difference, load_out
+
+SCRIPT = Path(__file__).resolve().parent / "_loops_train.py"
+STEPS = 7
+ITER = 6.0  # seconds per slow iteration
+DEADLINE = 8.0  # the notice's: shorter than the rest of iteration 3 plus iteration 4 (the boundary path's commit)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+class Single(TorchRun):
+    """One plain ``python`` process (no torch.distributed), read like a torchrun job."""
+
+    def __init__(self, log: Path, args: list[str], env: Optional[dict[str, str]] = None) -> None:  # noqa: D107
+        self.log = log
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                    "SPOTGUARD_SOCKET": str(log.parent / "no-daemon.sock"), **(env or {})}
+        with open(log, "wb") as f:
+            self.proc = subprocess.Popen([sys.executable, str(SCRIPT), "--single", *args], stdout=f,
+                                         stderr=subprocess.STDOUT, env=full_env, cwd=str(log.parent),
+                                         start_new_session=True)
+
+
+def launch(tmp: Path, name: str, single: bool, args: list[str]) -> TorchRun:
+    args = ["--steps", str(STEPS), *args]
+    if single:
+        return Single(tmp / f"{name}.log", args)
+    return TorchRun(tmp / f"{name}.log", args, script=SCRIPT)
+
+
+def reference(tmp: Path, single: bool, extra: list[str]) -> Path:
+    out = tmp / "ref.pt"
+    run = launch(tmp, "ref", single, ["--no-hook", "--out", str(out), *extra])
+    assert run.wait(120) == 0, run.tail()
+    return out
+
+
+def preempted(tmp: Path, single: bool, loop: str, extra: list[str]) -> tuple[TorchRun, Path]:
+    store = tmp / "ckpt"
+    run = launch(tmp, "preempted", single, ["--loop", loop, "--storage", str(store), "--iter-s", str(ITER),
+                                            "--slow-from", "2", "--notice-at", "3", "--notice-rank", "1" if not
+                                            single else "0", "--deadline", str(DEADLINE), *extra])
+    assert run.wait(120) == 143 if single else run.wait(120) != 0, run.tail()
+    return run, store
+
+
+def resumed_equals(tmp: Path, single: bool, loop: str, store: Path, step: int, ref: Path, extra: list[str]) -> None:
+    out = tmp / "resumed.pt"
+    run = launch(tmp, "resumed", single, ["--loop", loop, "--storage", str(store), "--out", str(out), *extra])
+    assert run.wait(120) == 0, run.tail()
+    assert {e["step"] for e in run.events("resumed")} == {step}, run.events("resumed")
+    diff = first_difference(load_out(ref), load_out(out))
+    assert diff is None, f"resumed run differs from the uninterrupted one at {diff}"
+
+
+def any_moment(run: TorchRun, ranks: set[int], loop: str) -> None:
+    paths = run.events("notice_path")
+    assert {e["rank"] for e in paths if e["path"] == "any-moment" and e["loop"] == loop} == ranks, paths
+    assert not [e for e in paths if e["path"] == "boundary"], paths
+
+
+@pytest.mark.parametrize("single,loop", [(True, "plain"), (True, "range"), (True, "step"), (False, "range")],
+                         ids=["single-process-own-loop", "single-process-hook-range", "single-process-hook-step",
+                              "two-ranks-hook-range"])
+def test_long_iterations_commit_within_a_third_of_an_iteration(tmp_path: Path, single: bool, loop: str) -> None:
+    ranks = {0} if single else {0, 1}
+    ref = reference(tmp_path, single, [])
+    run, store = preempted(tmp_path, single, loop, [])
+    any_moment(run, ranks, "implicit" if loop == "plain" else f"hook.{loop}()")
+    [sent] = [e for e in run.lines() if "notice_sent" in e]
+    agreed = run.events("agreed")
+    assert {e["rank"] for e in agreed} == ranks and {e["step"] for e in agreed} == {3}, agreed
+    assert all(e.get("via") == "background" for e in agreed), agreed
+    committed: list[dict[str, Any]] = run.events("checkpoint_committed")
+    assert {e["rank"] for e in committed} == ranks and {e["step"] for e in committed} == {3}, committed
+    assert max(e["seconds_since_notice"] for e in committed) < ITER / 3, committed
+    assert min(e["seconds_left"] for e in committed) > 0, committed
+    exits = run.events("exit")
+    assert {e["rank"]: (e["code"], e["step"], e["committed"]) for e in exits} == {r: (143, 3, True) for r in ranks}
+    # committed before iteration 3 ended (its loss line comes after the slow part)
+    ends = [e["t"] for e in run.lines() if e.get("step") == 3 and "loss" in e]
+    assert not ends or all(sent["t"] + ITER / 3 < t for t in ends), (sent, ends)
+    resumed_equals(tmp_path, single, loop, store, 3, ref, [])
+
+
+def test_hook_range_with_accumulation_across_iterations_keeps_the_boundary_path(tmp_path: Path) -> None:
+    """``opt.step()`` every 2nd iteration of ``hook.range``: the optimizer clock cannot stand for the loop's
+    iterations, so the loop says why it acts at boundaries, once, and a notice is acted on there (counted in
+    iterations, as before)."""
+    store = tmp_path / "ckpt"
+    run = launch(tmp_path, "accum", True, ["--loop", "range", "--accum", "2", "--storage", str(store),
+                                           "--notice-at", "3", "--deadline", "30"])
+    assert run.wait(120) == 143, run.tail()
+    paths = [(e["path"], e["loop"]) for e in run.events("notice_path")]
+    assert paths == [("any-moment", "hook.range()"), ("boundary", "hook.range()")], paths
+    [why] = [e["why"] for e in run.events("notice_path") if e["path"] == "boundary"]
+    assert "one to one" in why, why
+    [agreed] = run.events("agreed")
+    assert agreed.get("via") != "background" and agreed["step"] == 5, agreed
+    assert [e["step"] for e in run.events("checkpoint_committed")] == [5]
+
+
+def test_round_for_a_step_no_boundary_proved_hands_its_notice_to_the_boundary_path(tmp_path: Path) -> None:
+    """Iteration 3 of a ``hook.range`` loop steps the optimizer twice and the notice lands between the two
+    steps: the round agreed on step 4, which no boundary proves to end an iteration, so it saves nothing
+    (``checkpoint_fallback``), the loop leaves the clock at its next boundary and the boundary path commits
+    iteration 5; the resumed run ends bitwise where the uninterrupted one does."""
+    extra = ["--double-at", "3"]
+    ref = reference(tmp_path, True, extra)
+    store = tmp_path / "ckpt"
+    run = launch(tmp_path, "preempted", True, ["--loop", "range", "--storage", str(store), "--iter-s", "1",
+                                              "--notice-at", "3", "--deadline", "30", *extra])
+    assert run.wait(120) == 143, run.tail()
+    [agreed_bg, agreed] = run.events("agreed")
+    assert agreed_bg.get("via") == "background" and agreed_bg["step"] == 4, agreed_bg
+    [fallback] = run.events("checkpoint_fallback")
+    assert "two optimizer steps" in fallback["reason"], fallback
+    assert agreed.get("via") != "background" and agreed["step"] == 5, agreed
+    assert [e["step"] for e in run.events("checkpoint_committed")] == [5]
+    assert [(e["path"], e["loop"]) for e in run.events("notice_path")] == [("any-moment", "hook.range()"),
+                                                                          ("boundary", "hook.range()")]
+    resumed_equals(tmp_path, True, "range", store, 5, ref, extra)
