@@ -100,6 +100,9 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             "StepLR; the framework's save_state at the boundary", phases=("load", "fwd", "bwd", "prestep", "after")),
     Pattern("fsdp2", "fsdp2.py", what="FSDP2 fully_shard on 2 ranks, Adam, StepLR",
             phases=("load", "fwd", "bwd", "prestep", "step", "after")),
+    Pattern("lightning", "lightning_loop.py", what="Lightning Trainer on 2 ranks (DDP, gloo): accumulate_grad_batches"
+            "=2, dropout, AdamW, step-interval StepLR; iteration = one optimizer step",
+            phases=("load", "micro", "step", "fwd", "bwd", "prestep", "after")),
 )}
 
 
