@@ -103,6 +103,9 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("lightning", "lightning_loop.py", what="Lightning Trainer on 2 ranks (DDP, gloo): accumulate_grad_batches"
             "=2, dropout, AdamW, step-interval StepLR; iteration = one optimizer step",
             phases=("load", "micro", "step", "fwd", "bwd", "prestep", "after")),
+    Pattern("hf_trainer", "hf_trainer.py", what="transformers.Trainer on 2 ranks (DDP, gloo): "
+            "gradient_accumulation_steps=2, dropout, AdamW + StepLR via optimizers=; iteration = one optimizer step",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),
 )}
 
 
