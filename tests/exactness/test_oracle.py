@@ -53,6 +53,10 @@ CASES: dict[str, tuple[str, ...]] = {
     "periodic-upload-in-flight-finished": ("ddp_every", "phase:periodic_mid@2"),
     # ordinary notices: an exact checkpoint, and the run goes on to the reference's final state
     "rebalance-during-forward": ("ddp", "phase:fwd@4", "rebalance"),
+    # every= due at the step the rebalance checkpoint stands for: the periodic save of that step started while
+    # the notice's background save wrote step-5/ (its prepare cleared the folder, or its shards overwrote
+    # checksummed bytes: a committed checkpoint resume rejects) — fixed: it waits, then finds it committed
+    "rebalance-while-periodic-due": ("ddp_every_step", "phase:prestep@5", "rebalance"),
     "maintenance-hf-trainer-backward": ("hf_trainer", "phase:bwd@4", "maintenance"),
 }
 
