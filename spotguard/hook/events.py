@@ -24,6 +24,9 @@ is known, ``notice_id``. Fields per event:
   copied; the training thread is released here), small_state_from ("pre-hook" | "background")
 - ``checkpoint_committed``: notice_id, step, uri, bytes, seconds, seconds_left
 - ``checkpoint_failed``: notice_id, step, error, seconds
+- ``checkpoint_skipped``: notice_id, step, reason ("nothing_to_save": an ordinary notice before the first
+  step; "already_committed": at the step this run resumed from) — an ordinary (rebalance/maintenance) notice
+  for which nothing needs writing; training goes on
 - ``peers_lost``, two origins: (1) the notice path, fields where ("agreement" | "hold" | "save"), error — a
   bounded wait of a notice round ran out: the process exits ``EXIT_SAVE_FAILED`` (75) with nothing committed
   for this notice; (2) the peer-liveness watch (``spotguard/hook/peers.py``), fields below — a peer stopped
@@ -60,6 +63,7 @@ UNTRACKED_TRAINING = "untracked_training"
 RNG_REALIGNED = "rng_realigned"
 CHECKPOINT_COMMITTED = "checkpoint_committed"
 CHECKPOINT_FAILED = "checkpoint_failed"
+CHECKPOINT_SKIPPED = "checkpoint_skipped"
 PEERS_LOST = "peers_lost"
 TEARDOWN = "teardown"
 EXIT = "exit"
@@ -74,6 +78,7 @@ TIMELINE: tuple[str, ...] = (
     CHECKPOINT_FALLBACK,
     CHECKPOINT_COMMITTED,
     CHECKPOINT_FAILED,
+    CHECKPOINT_SKIPPED,
     TEARDOWN,
     EXIT,
     RESUMED,

@@ -21,7 +21,8 @@ checkpoint committed before the notice, or finished while it was handled, is res
 that ends at it. An ordinary notice (kind ``rebalance``/``maintenance``; SPEC: "the hook takes an ordinary
 checkpoint, keeps training") is judged by ``_judge_ordinary``: the run must train to its end, exit 0 and end
 bitwise at the reference's final state; its checkpoint, if committed, is ``exact`` as above; nothing committed is
-``honest-no-commit`` only when the hook logged why (``notice_after_last_step``, ``checkpoint_failed``).
+``honest-no-commit`` only when the hook logged why (``notice_after_last_step``, ``checkpoint_failed``,
+``checkpoint_skipped``).
 
 Run ``python -m tests.exactness.oracle --help`` (``make exactness``); ``test_oracle.py`` is the short version.
 Whatever ``spotguard`` is first on ``PYTHONPATH`` is what is tested.
@@ -390,7 +391,7 @@ def _check_commits(ref: Reference, folder: Path, storage: Path, ck: list[dict[st
     """Every committed checkpoint (``Pattern.check_all``; else those in ``ours``, the notice's): a resume from it
     (the newest in place, older ones from a copy that ends at them) must start equal to the reference at its
     step and end equal to the reference's final state."""
-    ours = ck if ours is None else ours
+    ours = ck if ours is None else ours  # (where the notice committed nothing: the newest)
     p = ref.pattern
     problems: list[str] = []
     for k, c in enumerate(ck):
@@ -474,7 +475,7 @@ def _judge(ref: Reference, t: Trial, env: dict[str, str], folder: Path, storage:
         else:
             t.why = f"no commit, exit codes {t.codes}, rc {trial.returncode}; log tail:\n{trial.tail(12)}"
         if t.verdict != "wrong" and ck:  # what was committed before the notice (periodic) must still be exact
-            problems = _check_commits(ref, folder, storage, ck, timeout)
+            problems = _check_commits(ref, folder, storage, ck, timeout, ck[-1:])
             if problems:
                 t.verdict, t.why = "wrong", "; ".join(problems)
             else:
@@ -532,19 +533,18 @@ def _judge_ordinary(ref: Reference, t: Trial, env: dict[str, str], folder: Path,
     if len(ours) > 1:
         problems.append(f"one ordinary notice, {len(ours)} checkpoints for it (steps {[c['step'] for c in ours]})")
     if not ours:
-        said = trial.events("notice_after_last_step") or trial.events("checkpoint_failed")
-        if fired and not said:
+        why = next((name for name in ("notice_after_last_step", "checkpoint_failed", "checkpoint_skipped")
+                    if trial.events(name)), None)
+        if fired and not why:
             problems.append(f"an ordinary notice fired in {t.phase}@{t.iter}, nothing was committed and no "
-                            "notice_after_last_step / checkpoint_failed says why")
+                            "notice_after_last_step / checkpoint_failed / checkpoint_skipped says why")
         if not problems and ck:
-            problems += _check_commits(ref, folder, storage, ck, timeout)
+            problems += _check_commits(ref, folder, storage, ck, timeout, ck[-1:])
         if problems:
             t.why = "; ".join(problems)
         else:
             t.verdict = "honest-no-commit"
-            t.why = "the run went on; nothing committed: " + (
-                "notice_after_last_step" if trial.events("notice_after_last_step") else
-                "checkpoint_failed" if trial.events("checkpoint_failed") else "the notice came after the last step")
+            t.why = "the run went on; nothing committed: " + (why or "the notice came after the last step")
         return
     s = int(ours[-1]["step"])
     t.step = s

@@ -58,6 +58,9 @@ CASES: dict[str, tuple[str, ...]] = {
     # checksummed bytes: a committed checkpoint resume rejects) — fixed: it waits, then finds it committed
     "rebalance-while-periodic-due": ("ddp_every_step", "phase:prestep@5", "rebalance"),
     "maintenance-hf-trainer-backward": ("hf_trainer", "phase:bwd@4", "maintenance"),
+    # before the first step there is nothing to write: the run goes on, and the hook must say why nothing was
+    # committed (it was silent: checkpoint_skipped now)
+    "maintenance-before-first-step": ("ddp", "phase:fwd@0", "maintenance"),
 }
 
 
