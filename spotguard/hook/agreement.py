@@ -243,7 +243,9 @@ class AgreementMixin:
         if action == "exit" or ((nothing or already) and action == "emergency"):
             self._exit_from_background(notice, None, step)
             return
-        if nothing or already:  # an ordinary checkpoint of a state that is already safe (or empty)
+        if nothing or already:  # an ordinary checkpoint of a state that is already safe (or empty): say so
+            self._log.info(ev.CHECKPOINT_SKIPPED, notice_id=notice.id, step=step,
+                           reason="nothing_to_save" if nothing else "already_committed")
             self._release_hold()
             self._forget(ids)
             return

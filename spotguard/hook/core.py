@@ -262,6 +262,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         self._exit_callbacks: list[Callable[[int, bool], Any]] = getattr(self, "_exit_callbacks", [])  # on_exit
         self._ordinary_cancel = threading.Event()  # set: the ordinary background save in flight gives up
         self._round_action: Optional[str] = None  # what the running background round does ("checkpoint"...)
+        self._notice_saving: Optional[int] = None  # the step a notice's save is writing (save.py; periodic waits)
         self._cuda_params = any(p.is_cuda for m in self._objs.models.values() for p in m.parameters())
         self._explicit_intent = False
         self._bg_on = False

@@ -31,6 +31,9 @@ is known, ``notice_id``. Fields per event:
   iteration_seconds, why, fix — the next boundary plus the save is further off than the deadline
 - ``drill_verdict`` (a drill's commit): notice_id, seconds_since_notice, would_beat ({cloud: bool}: within
   GCP's/Azure's 30 s and AWS's 120 s)
+- ``checkpoint_skipped``: notice_id, step, reason ("nothing_to_save": an ordinary notice before the first
+  step; "already_committed": at the step this run resumed from) — an ordinary (rebalance/maintenance) notice
+  for which nothing needs writing; training goes on
 - ``peers_lost``, two origins: (1) the notice path, fields where ("agreement" | "hold" | "save"), error — a
   bounded wait of a notice round ran out: the process exits ``EXIT_SAVE_FAILED`` (75) with nothing committed
   for this notice; (2) the peer-liveness watch (``spotguard/hook/peers.py``), fields below — a peer stopped
@@ -74,6 +77,7 @@ CHECKPOINT_LATE = "checkpoint_late"
 DRILL_VERDICT = "drill_verdict"
 CHECKPOINT_COMMITTED = "checkpoint_committed"
 CHECKPOINT_FAILED = "checkpoint_failed"
+CHECKPOINT_SKIPPED = "checkpoint_skipped"
 PEERS_LOST = "peers_lost"
 TEARDOWN = "teardown"
 EXIT = "exit"
@@ -93,6 +97,7 @@ TIMELINE: tuple[str, ...] = (
     DEADLINE_AT_RISK,
     DRILL_VERDICT,
     CHECKPOINT_FAILED,
+    CHECKPOINT_SKIPPED,
     TEARDOWN,
     EXIT,
     RESUMED,

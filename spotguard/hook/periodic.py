@@ -263,7 +263,7 @@ class PeriodicSaver:
         uri = f"{storage.uri}/{key}"
         stage = "prepare"
         try:
-            status = self._bcast0(h._prepare_status(job.step, storage) if h._rank == 0 else None)
+            status = self._bcast0(self._rank0_prepare(job) if h._rank == 0 else None)
             if status[0] == "already":
                 job.committed = True
                 return
@@ -323,6 +323,25 @@ class PeriodicSaver:
                                aborted=job.cancelled.is_set())
             self.history.append(job)
             job.finished.set()
+
+    def _rank0_prepare(self, job: _Job) -> tuple[str, Any]:
+        """Rank 0: prepare the step folder, once no notice's save of the same step is being written.
+
+        Why: an ordinary (rebalance/maintenance) notice's background save of step S releases the training
+        thread once the state is read, and the next boundary can start the periodic save of the same S
+        while that save writes ``step-S/``: this prepare would clear the folder under it (its commit then
+        finds a shard missing), or the periodic shards would overwrite bytes the notice's commit record
+        has already checksummed (a committed checkpoint that fails verification; seen by the exactness
+        oracle, ``rebalance-while-periodic-due``). Waiting here, then ``prepare`` says "already" when the
+        notice's save committed S. The wait ends with that save (bounded by its notice's deadline) or
+        when a notice's settle abandons this periodic save.
+        """
+        h = self.hook
+        while getattr(h, "_notice_saving", None) == job.step:
+            if job.cancelled.is_set():
+                return ("error", "abandoned while a notice's checkpoint of the same step was written")
+            time.sleep(0.02)
+        return h._prepare_status(job.step, self.storage)
 
     # --------------------------------------------------------------- settling
 

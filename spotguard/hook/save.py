@@ -158,6 +158,10 @@ class SaveMixin:
         self._report(CheckpointStarted(id=notice.id, step=step))
         stage = "periodic"
         scope = contextlib.ExitStack()
+        # Rank 0's background periodic save of this same step waits until this save is over (periodic.py,
+        # PeriodicSaver._rank0_prepare): both write step-N/, and its prepare would clear the folder under
+        # this save's writes, or its shards overwrite the bytes this save's record checksums.
+        self._notice_saving = step
         try:
             self._settle_periodic(notice, group)
             stage = "prepare"
@@ -211,6 +215,7 @@ class SaveMixin:
                 raise
             return self._fail(notice, step, f"{stage}: {type(exc).__name__}: {exc}", t0, peers_ok=False)
         finally:
+            self._notice_saving = None
             scope.close()
 
     def _prepare_status(self, step: int, storage: Optional[Storage] = None) -> tuple[str, Any]:

@@ -14,8 +14,12 @@ Environment (set by ``oracle.py``):
 - ``EXO_NOTICE``: ``at:SECONDS`` (uniformly random moment: that long after the loop started) or
   ``phase:NAME@ITER`` (when the loop enters phase NAME of iteration ITER); empty = no notice.
 - ``EXO_NOTICE_RANK``: the one rank that gets the notice (a daemon drill reaches one node).
-- ``EXO_NOTICE_SOURCE`` (``signal``/``drill``), ``EXO_NOTICE_KIND`` (``termination``),
-  ``EXO_NOTICE_DEADLINE`` (seconds from the notice, 20-30).
+- ``EXO_NOTICE_SOURCE`` (``signal``/``drill``), ``EXO_NOTICE_KIND`` (``termination``, or ``rebalance``/
+  ``maintenance``: an ordinary notice, the run must go on), ``EXO_NOTICE_DEADLINE`` (seconds from the notice).
+- ``EXO_EVERY``, ``EXO_KEEP``: the hook's ``every=`` (seconds) and ``keep=`` for patterns that pass
+  ``every()``/``keep()``; ``EXO_SLOW_PERIODIC``: seconds each periodic (``every=``) upload takes (``store()``),
+  so that a notice can land while one is in flight (background phases ``periodic``: before its first byte,
+  ``periodic_mid``: half of it written).
 
 The digest never draws from an RNG and never runs module state-dict hooks (parameters and buffers
 are read through ``named_parameters``/``named_buffers``; a DTensor is digested as its local shard),
@@ -173,6 +177,66 @@ def phase(name: str, *, sleep: bool = True) -> None:
         time.sleep(_SLEEPS.get(name, DEFAULT_SLEEPS.get(name, 0.03)))
 
 
+def background_phase(name: str) -> None:
+    """A moment of a background thread (a periodic save's upload): ``phase:NAME@ITER`` fires at the first such
+    moment while the training thread is at iteration ITER or later. Never changes the training thread's phase."""
+    if _TARGET is not None and not _FIRED.is_set() and _TARGET[0] == name and ITER >= _TARGET[1]:
+        threading.Thread(target=_fire, args=(name,), name="exo-notice", daemon=True).start()
+        _FIRED.wait(10)
+
+
+def every() -> float | None:
+    v = os.environ.get("EXO_EVERY", "")
+    return float(v) if v else None
+
+
+def keep() -> int | None:
+    v = os.environ.get("EXO_KEEP", "")
+    return int(v) if v else None
+
+
+def store() -> Any:
+    """The hook's storage: the URI, or with ``EXO_SLOW_PERIODIC=SECONDS`` the same local store whose periodic
+    (``every=``) uploads take that long, spread over their write items (a slow link: the upload's own
+    throughput estimate stays meaningful). Emergency and ordinary saves are not slowed."""
+    delay = float(os.environ.get("EXO_SLOW_PERIODIC", "0") or 0)
+    if delay <= 0:
+        return storage()
+    from spotguard.storage import open_storage  # noqa: PLC0415
+
+    st = open_storage(storage())
+    make_writer = st.dcp_writer
+
+    def dcp_writer(key: str, *, thread_count: int | None = None) -> Any:
+        w = make_writer(key, thread_count=thread_count)
+        if threading.current_thread().name != "spotguard-periodic":
+            return w
+        write = w.write_data
+
+        def write_data(plan: Any, planner: Any) -> Any:
+            items = max(1, len(plan.items))
+            resolve = planner.resolve_data
+            done = [0]
+
+            def slow(item: Any) -> Any:
+                if done[0] == 0:
+                    background_phase("periodic")
+                elif done[0] == items // 2:
+                    background_phase("periodic_mid")
+                done[0] += 1
+                time.sleep(delay / items)
+                return resolve(item)
+
+            planner.resolve_data = slow
+            return write(plan, planner)
+
+        w.write_data = write_data
+        return w
+
+    st.dcp_writer = dcp_writer
+    return st
+
+
 def inside_step(opt: torch.optim.Optimizer) -> None:
     """A phase inside ``optimizer.step()`` (a pre-hook registered after spotguard's)."""
     def pre(*_: Any) -> None:
@@ -180,7 +244,7 @@ def inside_step(opt: torch.optim.Optimizer) -> None:
     opt.register_step_pre_hook(pre)
 
 
-def _fire() -> None:
+def _fire(label: str | None = None) -> None:
     from datetime import timedelta  # noqa: PLC0415
 
     from spotguard.notice import Notice  # noqa: PLC0415
@@ -191,10 +255,11 @@ def _fire() -> None:
     source = os.environ.get("EXO_NOTICE_SOURCE", "drill")
     kind = os.environ.get("EXO_NOTICE_KIND", "termination")
     deadline = float(os.environ.get("EXO_NOTICE_DEADLINE", str(rng.uniform(20, 30))))
-    _write({"kind": "notice", "phase": PHASE, "iter": ITER, "t": time.time(), "source": source,
-            "notice_kind": kind, "deadline_in": deadline})
+    nid = f"{source}-exo-{os.getpid()}"
+    _write({"kind": "notice", "phase": label or PHASE, "iter": ITER, "t": time.time(), "source": source,
+            "notice_kind": kind, "deadline_in": deadline, "id": nid})
     _FIRED.set()
-    _HOOK.notify(Notice(id=f"{source}-exo-{os.getpid()}", source=source, kind=kind,
+    _HOOK.notify(Notice(id=nid, source=source, kind=kind,
                         deadline=now + timedelta(seconds=deadline), received_at=now))
 
 

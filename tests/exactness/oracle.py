@@ -16,6 +16,14 @@ state right after ``hook.resume()`` and at the end. Verdict, exactly one of:
 - ``wrong``: anything else (a differing item is named; a hang; a crash; 143 "nothing lost" with nothing
   committed after trained iterations).
 
+Every committed checkpoint is checked, not only the newest: with ``every=`` (pattern ``ddp_every``) a periodic
+checkpoint committed before the notice, or finished while it was handled, is resumed from a copy of the storage
+that ends at it. An ordinary notice (kind ``rebalance``/``maintenance``; SPEC: "the hook takes an ordinary
+checkpoint, keeps training") is judged by ``_judge_ordinary``: the run must train to its end, exit 0 and end
+bitwise at the reference's final state; its checkpoint, if committed, is ``exact`` as above; nothing committed is
+``honest-no-commit`` only when the hook logged why (``notice_after_last_step``, ``checkpoint_failed``,
+``checkpoint_skipped``).
+
 Run ``python -m tests.exactness.oracle --help`` (``make exactness``); ``test_oracle.py`` is the short version.
 Whatever ``spotguard`` is first on ``PYTHONPATH`` is what is tested.
 """
@@ -69,6 +77,9 @@ class Pattern:
     phases: tuple[str, ...] = ("load", "fwd", "bwd", "prestep", "step", "after")
     env: tuple[tuple[str, str], ...] = ()
     what: str = ""
+    # resume from every committed checkpoint (False: the notice's own only — for a pattern that commits a
+    # periodic checkpoint at nearly every step; its other commits are the periodic path's, not the notice's)
+    check_all: bool = True
 
 
 PATTERNS: dict[str, Pattern] = {p.name: p for p in (
@@ -100,6 +111,19 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             "StepLR; the framework's save_state at the boundary", phases=("load", "fwd", "bwd", "prestep", "after")),
     Pattern("fsdp2", "fsdp2.py", what="FSDP2 fully_shard on 2 ranks, Adam, StepLR",
             phases=("load", "fwd", "bwd", "prestep", "step", "after")),
+    Pattern("ddp_every", "ddp.py", env=(("EXO_EVERY", "1.0"), ("EXO_SLOW_PERIODIC", "0.8")),
+            what="ddp with every=1 s and a slow store: periodic uploads (0.8 s each, in the background) "
+            "in flight when notices land", phases=("load", "fwd", "bwd", "prestep", "step", "after", "eval",
+                                                     "periodic", "periodic_mid")),
+    Pattern("ddp_every_step", "ddp.py", env=(("EXO_EVERY", "0.05"),), check_all=False,
+            what="ddp with every=0.05 s: a periodic save at nearly every other step (fast store), so one is due "
+            "at the step an ordinary notice's background save stands for"),
+    Pattern("lightning", "lightning_loop.py", what="Lightning Trainer on 2 ranks (DDP, gloo): accumulate_grad_batches"
+            "=2, dropout, AdamW, step-interval StepLR; iteration = one optimizer step",
+            phases=("load", "micro", "step", "fwd", "bwd", "prestep", "after")),
+    Pattern("hf_trainer", "hf_trainer.py", what="transformers.Trainer on 2 ranks (DDP, gloo): "
+            "gradient_accumulation_steps=2, dropout, AdamW + StepLR via optimizers=; iteration = one optimizer step",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),
 )}
 
 
@@ -256,6 +280,7 @@ class Trial:
     pattern: str
     notice: str                    # how it was sent: "at:1.234" or "phase:eval@3"
     rank: int
+    kind: str = "termination"      # the notice's kind (rebalance/maintenance: the run must go on)
     phase: str = "none"            # where the training thread was when it fired ("none": it never fired)
     iter: int = -1
     verdict: str = "wrong"
@@ -286,10 +311,12 @@ def _exit_codes(run: Run, nproc: int) -> dict[int, Any]:
 
 def crashes(run: Run) -> list[str]:
     """What a training process raised: the hook's "training thread raised" line, or a worker's traceback
-    (torchrun's own ``ChildFailedError`` report is not one)."""
+    (torchrun's own ``ChildFailedError`` report is not one, nor a traceback quoted inside one of the hook's JSON
+    lines: ``periodic_failed`` quotes DCP's ``CheckpointException`` of an aborted periodic upload)."""
     out = [f"rank {e.get('rank')}: {e.get('error')}" for e in json_lines(run.log)
            if "raised" in str(e.get("event", "")) and e.get("error")]
-    for block in run.log.split("Traceback (most recent call last):")[1:]:
+    plain = "\n".join(ln for ln in run.log.splitlines() if not ln.lstrip().startswith("{"))
+    for block in plain.split("Traceback (most recent call last):")[1:]:
         lines = block.strip().splitlines()
         if "ChildFailedError" in block[:4000] or "torch/distributed/run.py" in block[:4000]:
             continue
@@ -312,26 +339,92 @@ def _notice_to_commit(trial: Run, fired_t: Optional[float]) -> Optional[float]:
     return None
 
 
-def run_trial(ref: Reference, notice: str, folder: Path, *, seed: int, timeout: float = 120.0) -> Trial:
-    """One notice, its outcome in storage, the resume, and the verdict."""
+ORDINARY = ("rebalance", "maintenance")  # notices that must not stop the run (SPEC: an ordinary checkpoint)
+
+
+def run_trial(ref: Reference, notice: str, folder: Path, *, seed: int, kind: str = "termination",
+              timeout: float = 120.0) -> Trial:
+    """One notice (``kind``: termination, or rebalance/maintenance), its outcome in storage, the resume(s), the
+    verdict."""
     p = ref.pattern
     rng = random.Random(seed)
     rank = rng.randrange(p.nproc)
     env = {"EXO_NOTICE": notice, "EXO_NOTICE_RANK": str(rank), "EXO_SEED": str(seed),
-           "EXO_NOTICE_SOURCE": rng.choice(("signal", "drill")), "EXO_NOTICE_KIND": "termination",
-           "EXO_NOTICE_DEADLINE": f"{rng.uniform(20, 30):.1f}"}
+           "EXO_NOTICE_SOURCE": rng.choice(("signal", "drill")), "EXO_NOTICE_KIND": kind,
+           "EXO_NOTICE_DEADLINE": f"{rng.uniform(20, 30) if kind not in ORDINARY else rng.uniform(60, 120):.1f}"}
+    if kind in ORDINARY:
+        env["EXO_NOTICE_SOURCE"] = "drill"  # a signal is always an emergency; ordinary notices come from the daemon
     storage = folder / "ckpt"
-    t = Trial(p.name, notice, rank, folder=str(folder))
+    t = Trial(p.name, notice, rank, kind=kind, folder=str(folder))
     t0 = time.monotonic()
     try:
-        _judge(ref, t, env, folder, storage, timeout)
+        if kind in ORDINARY:
+            _judge_ordinary(ref, t, env, folder, storage, timeout)
+        else:
+            _judge(ref, t, env, folder, storage, timeout)
     except Exception as exc:  # a bug of the oracle's own must show as such, not as a pass
         t.verdict, t.why = "wrong", f"oracle error: {type(exc).__name__}: {exc}"
     t.seconds = round(time.monotonic() - t0, 2)
     return t
 
 
-def _judge(ref: Reference, t: Trial, env: dict[str, str], folder: Path, storage: Path, timeout: float) -> None:
+def _reason(c: dict[str, Any]) -> Optional[str]:
+    return (c.get("record") or {}).get("reason")
+
+
+def _only_up_to(storage: Path, step: int, dest: Path) -> Path:
+    """A copy of ``storage`` without the checkpoints after ``step`` (and the ``latest`` hint), so that a resume
+    loads the checkpoint of ``step``: how an older commit (a periodic one before the notice's) is checked."""
+    later = {c["dir"] for c in committed(storage) if int(c["step"]) > step}
+
+    def ignore(d: str, names: list[str]) -> set[str]:
+        return {n for n in names if Path(d) == storage and (n in later or n == "latest")}
+
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(storage, dest, ignore=ignore)
+    return dest
+
+
+def _check_commits(ref: Reference, folder: Path, storage: Path, ck: list[dict[str, Any]],
+                   timeout: float, ours: Optional[list[dict[str, Any]]] = None) -> list[str]:
+    """Every committed checkpoint (``Pattern.check_all``; else those in ``ours``, the notice's): a resume from it
+    (the newest in place, older ones from a copy that ends at them) must start equal to the reference at its
+    step and end equal to the reference's final state."""
+    ours = ck if ours is None else ours  # (where the notice committed nothing: the newest)
+    p = ref.pattern
+    problems: list[str] = []
+    for k, c in enumerate(ck):
+        s = int(c["step"])
+        newest = k == len(ck) - 1
+        if not (p.check_all or c in ours):
+            continue
+        where = storage if newest else _only_up_to(storage, s, folder / f"upto-{s}")
+        tag = "resume" if newest else f"resume-{s}"
+        what = f"{_reason(c) or 'checkpoint'} step {s}" + ("" if newest else " (older commit)")
+        resume = launch(p, folder, tag, where, {}, timeout)
+        if resume.timed_out or resume.returncode != 0:
+            problems.append(f"resume from {what} failed (rc {resume.returncode}, timed out {resume.timed_out}):\n"
+                            f"{resume.tail(12)}")
+            continue
+        for r in range(p.nproc):
+            got = resume.of(r, "resumed")
+            if not got or got[0]["completed"] != s:
+                problems.append(f"rank {r} resumed at {got[0]['completed'] if got else None}, committed {what}")
+                continue
+            d = differing(ref.by_rank[r][s], got[0])
+            if d:
+                problems.append(f"rank {r} at {what} differs: {', '.join(d)}")
+            fin = resume.of(r, "final")
+            d = differing(ref.final[r], fin[0]) if fin else ["<no final record>"]
+            if d:
+                problems.append(f"rank {r} final after resuming from {what} differs: {', '.join(d)}")
+    return problems
+
+
+def _trial_run(ref: Reference, t: Trial, env: dict[str, str], folder: Path, storage: Path,
+               timeout: float) -> tuple[Run, list[dict[str, Any]]]:
+    """Run the trial; fill in where the notice fired, iterations trained and exit codes."""
     p = ref.pattern
     trial = launch(p, folder, "trial", storage, env, timeout)
     fired = [x for recs in trial.records.values() for x in recs if x["kind"] == "notice"]
@@ -340,6 +433,12 @@ def _judge(ref: Reference, t: Trial, env: dict[str, str], folder: Path, storage:
     t.trained = max((x["completed"] for recs in trial.records.values() for x in recs if x["kind"] == "iter"),
                     default=0)
     t.codes = _exit_codes(trial, p.nproc)
+    return trial, fired
+
+
+def _judge(ref: Reference, t: Trial, env: dict[str, str], folder: Path, storage: Path, timeout: float) -> None:
+    p = ref.pattern
+    trial, fired = _trial_run(ref, t, env, folder, storage, timeout)
     if trial.timed_out:
         t.why = f"trial hung: killed after {timeout:.0f} s (notice in {t.phase}); log tail:\n{trial.tail(12)}"
         return
@@ -350,9 +449,13 @@ def _judge(ref: Reference, t: Trial, env: dict[str, str], folder: Path, storage:
         return
     ck = committed(storage)
     finished = all(trial.of(r, "final") for r in range(p.nproc)) and trial.returncode == 0
-    if not ck:
+    exits = trial.events("exit")
+    # A periodic (every=) checkpoint may stand from before the notice: it is the notice's only when an exit
+    # line says so (the agreed step was already committed by it).
+    exit_steps = {e.get("step") for e in exits if e.get("committed")}
+    ours = [c for c in ck if _reason(c) != "periodic" or c.get("step") in exit_steps]
+    if not ours:
         codes = set(t.codes.values())
-        exits = trial.events("exit")
         if finished:
             bad = [f"rank {r}: {', '.join(d)}" for r in range(p.nproc)
                    if (d := differing(ref.final[r], trial.of(r, "final")[0]))]
@@ -360,20 +463,25 @@ def _judge(ref: Reference, t: Trial, env: dict[str, str], folder: Path, storage:
                 bad.append("a notice fired, the run trained to its end and no notice_after_last_step says why")
             t.verdict, t.why = ("honest-no-commit", "finished before the notice acted (notice_after_last_step)") \
                 if not bad else ("wrong", f"finished without a commit: {'; '.join(bad)}")
-            return
-        if NOTHING_LOST in codes and t.trained > 0:
-            t.why = (f"exit {NOTHING_LOST} ('nothing lost') with nothing committed after {t.trained} trained "
-                     f"iterations (exit lines: {[(e.get('rank'), e.get('nothing_to_save')) for e in exits]})")
-            return
-        if codes == {NOTHING_LOST} and t.trained == 0 and all(e.get("nothing_to_save") for e in exits) and exits:
+        elif NOTHING_LOST in codes and t.trained > 0:
+            before = f"; periodic commits {[c.get('step') for c in ck]}" if ck else ""
+            t.why = (f"exit {NOTHING_LOST} ('nothing lost') with nothing committed for the notice after {t.trained} "
+                     f"trained iterations (exit lines: {[(e.get('rank'), e.get('nothing_to_save')) for e in exits]}"
+                     f"{before})")
+        elif codes == {NOTHING_LOST} and t.trained == 0 and all(e.get("nothing_to_save") for e in exits) and exits:
             t.verdict, t.why = "honest-no-commit", "nothing trained yet: nothing_to_save"
-            return
-        if codes and codes <= {75} and (trial.events("checkpoint_failed") or trial.events("peers_lost")):
+        elif codes and codes <= {75} and (trial.events("checkpoint_failed") or trial.events("peers_lost")):
             t.verdict, t.why = "honest-no-commit", "save failed, said so (75)"
-            return
-        t.why = f"no commit, exit codes {t.codes}, rc {trial.returncode}; log tail:\n{trial.tail(12)}"
+        else:
+            t.why = f"no commit, exit codes {t.codes}, rc {trial.returncode}; log tail:\n{trial.tail(12)}"
+        if t.verdict != "wrong" and ck:  # what was committed before the notice (periodic) must still be exact
+            problems = _check_commits(ref, folder, storage, ck, timeout, ck[-1:])
+            if problems:
+                t.verdict, t.why = "wrong", "; ".join(problems)
+            else:
+                t.why += f"; periodic commits {[int(c['step']) for c in ck]} exact"
         return
-    s = int(ck[-1]["step"])
+    s = int(ours[-1]["step"])
     t.step = s
     t.notice_to_commit = _notice_to_commit(trial, fired[0]["t"] if fired else None)
     problems: list[str] = []
@@ -383,22 +491,67 @@ def _judge(ref: Reference, t: Trial, env: dict[str, str], folder: Path, storage:
         problems.append(f"exit codes {t.codes} after a commit (want {NOTHING_LOST} on every rank)")
     if s > t.trained:
         problems.append(f"committed step {s} > iterations completed {t.trained}")
-    resume = launch(p, folder, "resume", storage, {}, timeout)
-    if resume.timed_out or resume.returncode != 0:
-        problems.append(f"resume run failed (rc {resume.returncode}, timed out {resume.timed_out}):\n{resume.tail(12)}")
+    if int(ck[-1]["step"]) != s:
+        problems.append(f"the newest commit is step {ck[-1]['step']} ({_reason(ck[-1])}), not the notice's {s}")
+    named = sorted(x for x in exit_steps if x is not None)
+    if named and named != [s]:
+        problems.append(f"the exit lines name committed step(s) {named}, storage's notice checkpoint is {s}")
+    problems += _check_commits(ref, folder, storage, ck, timeout, ours)
+    if problems:
+        t.why = "; ".join(problems)
     else:
-        for r in range(p.nproc):
-            got = resume.of(r, "resumed")
-            if not got or got[0]["completed"] != s:
-                problems.append(f"rank {r} resumed at {got[0]['completed'] if got else None}, committed {s}")
-                continue
-            d = differing(ref.by_rank[r][s], got[0])
-            if d:
-                problems.append(f"rank {r} at step {s} differs: {', '.join(d)}")
-            fin = resume.of(r, "final")
-            d = differing(ref.final[r], fin[0]) if fin else ["<no final record>"]
-            if d:
-                problems.append(f"rank {r} final differs: {', '.join(d)}")
+        t.verdict, t.why = "exact", ""
+
+
+def _judge_ordinary(ref: Reference, t: Trial, env: dict[str, str], folder: Path, storage: Path,
+                    timeout: float) -> None:
+    """A rebalance/maintenance notice (SPEC: "the hook takes an ordinary checkpoint, keeps training"): the run
+    must train to its end, exit 0 and end bitwise where the reference ends (the save may not disturb it); the
+    notice's checkpoint, if committed, must be exact (a resume from it ends equal too). Nothing committed for it
+    is honest only when the hook said why (``notice_after_last_step``, ``checkpoint_failed``) or the notice came
+    after the run ended."""
+    p = ref.pattern
+    trial, fired = _trial_run(ref, t, env, folder, storage, timeout)
+    if trial.timed_out:
+        t.why = f"trial hung: killed after {timeout:.0f} s (ordinary notice in {t.phase}); log tail:\n{trial.tail(12)}"
+        return
+    crashed = crashes(trial)
+    if crashed:
+        t.why = f"training process raised: {crashed[0]}" + (f" (+{len(crashed) - 1} more)" if len(crashed) > 1 else "")
+        return
+    finished = all(trial.of(r, "final") for r in range(p.nproc)) and trial.returncode == 0
+    if not finished:
+        t.why = (f"an ordinary ({t.kind}) notice stopped the run: exit codes {t.codes}, rc {trial.returncode}; "
+                 f"log tail:\n{trial.tail(12)}")
+        return
+    problems = [f"rank {r} final differs from the uninterrupted run's: {', '.join(d)}" for r in range(p.nproc)
+                if (d := differing(ref.final[r], trial.of(r, "final")[0]))]
+    ck = committed(storage)
+    said = {e.get("step") for e in trial.events("checkpoint_committed")
+            if fired and e.get("notice_id") == fired[0].get("id")}
+    ours = [c for c in ck if _reason(c) != "periodic" or c.get("step") in said]
+    if len(ours) > 1:
+        problems.append(f"one ordinary notice, {len(ours)} checkpoints for it (steps {[c['step'] for c in ours]})")
+    if not ours:
+        why = next((name for name in ("notice_after_last_step", "checkpoint_failed", "checkpoint_skipped")
+                    if trial.events(name)), None)
+        if fired and not why:
+            problems.append(f"an ordinary notice fired in {t.phase}@{t.iter}, nothing was committed and no "
+                            "notice_after_last_step / checkpoint_failed / checkpoint_skipped says why")
+        if not problems and ck:
+            problems += _check_commits(ref, folder, storage, ck, timeout, ck[-1:])
+        if problems:
+            t.why = "; ".join(problems)
+        else:
+            t.verdict = "honest-no-commit"
+            t.why = "the run went on; nothing committed: " + (why or "the notice came after the last step")
+        return
+    s = int(ours[-1]["step"])
+    t.step = s
+    t.notice_to_commit = _notice_to_commit(trial, fired[0]["t"] if fired else None)
+    if s > t.trained:
+        problems.append(f"committed step {s} > iterations completed {t.trained}")
+    problems += _check_commits(ref, folder, storage, ck, timeout, ours)
     if problems:
         t.why = "; ".join(problems)
     else:
@@ -411,7 +564,8 @@ def summarize(trials: list[Trial]) -> dict[str, Any]:
     """pattern -> phase -> {trials, exact, honest-no-commit, wrong, first_wrong}."""
     table: dict[str, dict[str, dict[str, Any]]] = {}
     for t in trials:
-        cell = table.setdefault(t.pattern, {}).setdefault(t.phase, {"trials": 0, **{v: 0 for v in VERDICTS}})
+        ph = t.phase if t.kind == "termination" else f"{t.kind[:5]}:{t.phase}"  # ordinary notices apart
+        cell = table.setdefault(t.pattern, {}).setdefault(ph, {"trials": 0, **{v: 0 for v in VERDICTS}})
         cell["trials"] += 1
         cell[t.verdict] += 1
         if t.verdict == "wrong" and "first_wrong" not in cell:
@@ -420,11 +574,11 @@ def summarize(trials: list[Trial]) -> dict[str, Any]:
 
 
 def render(table: dict[str, Any]) -> str:
-    lines = [f"{'pattern':<13} {'phase':<9} {'trials':>6} {'exact':>6} {'honest':>6} {'wrong':>6}  first wrong"]
+    lines = [f"{'pattern':<13} {'phase':<14} {'trials':>6} {'exact':>6} {'honest':>6} {'wrong':>6}  first wrong"]
     for pat, phases in table.items():
         for ph, c in sorted(phases.items()):
             why = c.get("first_wrong", {}).get("why", "").splitlines()
-            lines.append(f"{pat:<13} {ph:<9} {c['trials']:>6} {c['exact']:>6} {c['honest-no-commit']:>6} "
+            lines.append(f"{pat:<13} {ph:<14} {c['trials']:>6} {c['exact']:>6} {c['honest-no-commit']:>6} "
                          f"{c['wrong']:>6}  {why[0][:160] if why else ''}")
     return "\n".join(lines)
 
@@ -434,6 +588,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--patterns", default=",".join(PATTERNS), help="comma-separated (default: all)")
     ap.add_argument("--notices", type=int, default=216, help="random-moment trials across the matrix")
     ap.add_argument("--jobs", type=int, default=2, help="trials run at the same time")
+    ap.add_argument("--ordinary-every", type=int, default=6,
+                    help="every Nth notice is an ordinary one (rebalance, then maintenance); 0: none")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None, help="keep every run's logs and records here")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "exactness.json"))
@@ -448,18 +604,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     with ThreadPoolExecutor(args.jobs) as pool:
         refs = dict(zip(names, pool.map(lambda n: reference(PATTERNS[n], work / n / "ref"), names)))
         plan = []
+        ordinary = 0
         for k in range(args.notices):
             n = names[k % len(names)]
-            plan.append((n, f"at:{rng.uniform(0, refs[n].loop_seconds):.3f}", rng.randrange(1 << 30), k))
+            kind = "termination"
+            if args.ordinary_every > 0 and k % args.ordinary_every == args.ordinary_every - 1:
+                kind = ORDINARY[ordinary % len(ORDINARY)]
+                ordinary += 1
+            plan.append((n, f"at:{rng.uniform(0, refs[n].loop_seconds):.3f}", rng.randrange(1 << 30), k, kind))
         done: list[Trial] = []
         lock = threading.Lock()
 
-        def one(item: tuple[str, str, int, int]) -> Trial:
-            n, notice, seed, k = item
-            tr = run_trial(refs[n], notice, work / n / f"trial-{k:04d}", seed=seed)
+        def one(item: tuple[str, str, int, int, str]) -> Trial:
+            n, notice, seed, k, kind = item
+            tr = run_trial(refs[n], notice, work / n / f"trial-{k:04d}", seed=seed, kind=kind)
             with lock:
                 done.append(tr)
-                print(f"[{len(done)}/{len(plan)}] {tr.pattern:<13} {tr.phase:<8} {tr.verdict:<16} "
+                print(f"[{len(done)}/{len(plan)}] {tr.pattern:<13} {tr.kind[:5]:<5} {tr.phase:<12} {tr.verdict:<16} "
                       f"{tr.why.splitlines()[0][:140] if tr.why else ''}", flush=True)
             return tr
 

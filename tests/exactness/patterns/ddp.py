@@ -1,5 +1,6 @@
 """Plain DDP on 2 ranks: dropout, numpy/python-random augmentation, AdamW, StepLR, an evaluation every 4th
-iteration. ``hook.resume()`` and the user's own loop: the hook acts on a notice at any moment."""
+iteration. ``hook.resume()`` and the user's own loop: the hook acts on a notice at any moment. The oracle's
+``ddp_every`` variant adds ``every=``/``keep=`` and a slow store (``_rt.store()``): periodic uploads in flight."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 sampler = ElasticDistributedSampler(data_set, shuffle=True, seed=0)
 loader = DataLoader(data_set, batch_size=8, sampler=sampler, generator=torch.Generator())
 state = {"model": model, "optimizer": opt, "scheduler": sched, "sampler": sampler}
-hook = install_preemption_hook(state, storage=_rt.storage())
+hook = install_preemption_hook(state, storage=_rt.store(), every=_rt.every(), keep=_rt.keep())
 _rt.inside_step(opt)
 start = hook.resume()
 _rt.resumed(hook, start, state)

@@ -1,0 +1,143 @@
+"""Lightning on 2 ranks (DDP over gloo, CPU): ``install_preemption_hook(trainer)``, ``accumulate_grad_batches=2``,
+dropout, python/numpy noise in the loss, AdamW + a step-interval StepLR, an epoch boundary inside the run.
+
+**Iteration** = one *optimizer step* (``trainer.global_step`` advances by one): two training batches here.
+The phases are reached through Lightning's own hooks, in the order Lightning calls them:
+
+- ``load`` / ``micro``: the module's ``on_train_batch_start`` of the first / second micro-batch (after every
+  callback's, so after spotguard restored the RNG at the first batch of a resumed run);
+- ``step``: a pre-hook on the torch optimizer (registered after the optimizer exists). Lightning calls
+  ``optimizer.step(closure)`` and the closure runs the last micro-batch's ``training_step`` and backward, so
+  this phase comes *before* that micro-batch's ``fwd``/``bwd``;
+- ``fwd``: ``training_step``; ``bwd``: ``on_before_backward``; ``prestep``: ``on_before_optimizer_step``;
+- ``after``: a callback's ``on_train_batch_end`` once the step and the step-interval scheduler are done; the
+  callback is passed to ``Trainer(callbacks=...)``, so it runs before spotguard's (appended at install),
+  whose ``on_train_batch_end`` is the boundary where a checkpoint is written. ``_rt.end_iteration`` is
+  recorded there, before that boundary, because the checkpoint stands for exactly that state.
+
+``_rt.resumed`` is recorded at the first batch's module ``on_train_batch_start``: Lightning has restored model,
+optimizer, scheduler and loop progress (before ``on_train_start``) and spotguard has restored this rank's RNG
+(its callback's ``on_train_batch_start``). Lightning's loop position is part of the state digest (``loop``:
+global step, the next (epoch, batch index) to train, ``_batches_that_stepped``), taken at the end of each
+iteration as it will stand when the next iteration starts. Each batch is built from (rank, epoch, batch
+index), as ``examples/lightning_train.py`` does: Lightning restarts a plain loader's epoch iterator on a
+resume but restores the batch index.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+try:
+    import lightning.pytorch as pl
+except ImportError:  # the older package name works the same
+    import pytorch_lightning as pl  # type: ignore[no-redef]
+
+from _common import Net, _rt, setup
+from spotguard import install_preemption_hook
+
+ACCUM = 2
+BATCHES = 10  # a 10-batch epoch is 5 optimizer steps: the 10 iterations cross an epoch boundary
+rank = int(os.environ.get("RANK", "0"))
+setup(distributed=False)  # Lightning creates the process group itself (inside fit)
+random.seed(100 + rank)
+np.random.seed(100 + rank)
+
+POS: dict[str, Any] = {}  # Lightning's loop position, as the next iteration will find it (see the docstring)
+_resumed = False
+hook: Any = None
+
+
+class Indices:
+    """``BATCHES`` batch indices an epoch; the module builds each batch from (rank, epoch, index)."""
+
+    def __len__(self) -> int:
+        return BATCHES
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (torch.tensor(i) for i in range(BATCHES))
+
+
+class Module(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)  # the same initial weights on every rank
+        self.net = Net()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        global _resumed
+        tr = self.trainer
+        if not _resumed:  # every callback ran: Lightning's restore and spotguard's RNG restore are done
+            _resumed = True
+            POS.update(global_step=tr.global_step, next=[tr.current_epoch, batch_idx],
+                       batches_that_stepped=tr.fit_loop.epoch_loop._batches_that_stepped)
+            _rt.resumed(hook, tr.global_step, state())
+        _rt.begin_iteration(tr.global_step)
+        _rt.phase("load" if batch_idx % ACCUM == 0 else "micro")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        _rt.phase("fwd")
+        g = torch.Generator().manual_seed(rank * 10_007 + self.current_epoch * 1_009 + batch_idx)
+        x = torch.randn(8, 16, generator=g)
+        y = x.sum(dim=1, keepdim=True) * 0.1
+        x = x + 0.01 * torch.from_numpy(np.random.randn(*x.shape).astype(np.float32)) * random.random()
+        return F.mse_loss(self.net(x), y)  # dropout draws from the global torch RNG
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        _rt.phase("bwd")
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        _rt.phase("prestep")
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        _rt.inside_step(opt)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Phases(pl.Callback):
+    """The end of an iteration, before spotguard's boundary callback (it comes later in the list)."""
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == POS.get("global_step"):
+            return  # a micro-batch: no optimizer step, not an iteration
+        nxt = [trainer.current_epoch, batch_idx + 1]
+        if nxt[1] >= BATCHES:
+            nxt = [nxt[0] + 1, 0]
+        # _batches_that_stepped is counted after this hook (on_advance_end): +1 is its value at the end
+        POS.update(global_step=trainer.global_step, next=nxt,
+                   batches_that_stepped=trainer.fit_loop.epoch_loop._batches_that_stepped + 1)
+        _rt.phase("after")
+        _rt.end_iteration(trainer.global_step - 1, state())
+
+
+module = Module()
+torch.manual_seed(1 + rank)  # per-rank dropout streams
+trainer = pl.Trainer(
+    accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), num_nodes=1,
+    strategy="ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "auto",
+    max_steps=_rt.steps(), max_epochs=-1, accumulate_grad_batches=ACCUM, callbacks=[Phases()],
+    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+)
+
+
+def state() -> dict[str, Any]:
+    """What a resume must restore: weights, optimizer, scheduler, Lightning's loop position (RNG: ``_rt``)."""
+    return {"model": module, "optimizer": trainer.optimizers[0],
+            "scheduler": trainer.lr_scheduler_configs[0].scheduler, "loop": lambda: dict(POS)}
+
+
+hook = install_preemption_hook(trainer, storage=_rt.storage())
+trainer.fit(module, train_dataloaders=Indices())
+_rt.finished(state(), _rt.steps())
+if torch.distributed.is_initialized():  # Lightning leaves its group alive (examples/_dist.py says why)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
