@@ -72,6 +72,13 @@ def lighthouse_args(*, groups: int, step_seconds: float, min_replicas: int = 1,
             "--quorum_tick_ms", str(tick_ms), "--heartbeat_timeout_ms", str(heartbeat_ms)]
 
 
+
+class _EngineHook(Hook):
+    """The torchft engine decides itself when a notice stops the job (the leave vote at ``should_commit``,
+    ``emergency_exit`` when every group leaves): no any-moment round of the hook's own may act beside it."""
+
+    _background_capable = False
+
 class ReplicaGuard:
     """Notices for one torchft replica group (one per process; every rank of the group builds one).
 
@@ -92,7 +99,7 @@ class ReplicaGuard:
         self._tally: Optional[tuple[int, int]] = None  # (leaving, participants) of this step
         self._exit_code = exit_code
         self._log_steps = log_steps
-        self.hook = Hook(state, storage, socket=socket, exit_code=exit_code, on_notice=self._on_notice)
+        self.hook = _EngineHook(state, storage, socket=socket, exit_code=exit_code, on_notice=self._on_notice)
         self._log = get_logger("spotguard.torchft", component="hook", rank=self.hook._rank)
 
     # ------------------------------------------------------------------ notices
