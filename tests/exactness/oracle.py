@@ -436,16 +436,25 @@ def _trial_run(ref: Reference, t: Trial, env: dict[str, str], folder: Path, stor
     return trial, fired
 
 
+def _hung_or_crashed(t: Trial, trial: Run, timeout: float, what: str) -> bool:
+    """Wrong at once (``t.why`` set): the trial hung, or a training process raised (a notice must never kill the
+    training thread, whatever the exit code then says)."""
+    if trial.timed_out:
+        t.why = f"trial hung: killed after {timeout:.0f} s ({what} in {t.phase}); log tail:\n{trial.tail(12)}"
+        return True
+    crashed = crashes(trial)
+    if crashed:
+        t.why = f"training process raised: {crashed[0]}" + (f" (+{len(crashed) - 1} more)" if len(crashed) > 1 else "")
+        return True
+    return False
+
+
 def _judge(ref: Reference, t: Trial, env: dict[str, str], folder: Path, storage: Path, timeout: float) -> None:
     p = ref.pattern
     trial, fired = _trial_run(ref, t, env, folder, storage, timeout)
-    if trial.timed_out:
-        t.why = f"trial hung: killed after {timeout:.0f} s (notice in {t.phase}); log tail:\n{trial.tail(12)}"
-        return
-    crashed = crashes(trial)
-    if crashed:  # a notice must never kill the training thread, whatever the exit code then says
-        t.why = f"training process raised: {crashed[0]}" + (f" (+{len(crashed) - 1} more)" if len(crashed) > 1 else "")
-        t.step = (committed(storage) or [{}])[-1].get("step")
+    if _hung_or_crashed(t, trial, timeout, "notice"):
+        if not trial.timed_out:
+            t.step = (committed(storage) or [{}])[-1].get("step")
         return
     ck = committed(storage)
     finished = all(trial.of(r, "final") for r in range(p.nproc)) and trial.returncode == 0
@@ -512,12 +521,7 @@ def _judge_ordinary(ref: Reference, t: Trial, env: dict[str, str], folder: Path,
     after the run ended."""
     p = ref.pattern
     trial, fired = _trial_run(ref, t, env, folder, storage, timeout)
-    if trial.timed_out:
-        t.why = f"trial hung: killed after {timeout:.0f} s (ordinary notice in {t.phase}); log tail:\n{trial.tail(12)}"
-        return
-    crashed = crashes(trial)
-    if crashed:
-        t.why = f"training process raised: {crashed[0]}" + (f" (+{len(crashed) - 1} more)" if len(crashed) > 1 else "")
+    if _hung_or_crashed(t, trial, timeout, "ordinary notice"):
         return
     finished = all(trial.of(r, "final") for r in range(p.nproc)) and trial.returncode == 0
     if not finished:
