@@ -211,6 +211,8 @@ class AgreementMixin:
             allv = bg.gather((level, deadline_ms, stand, self._best_local(), self._range_broken),
                              max(0.5, t_end - time.monotonic()))
         except RoundFailed as exc:
+            if self._peers_finished(t_end):
+                return
             notice = self._best_notice() or agreed_notice(self._count, wake_deadline_ms,
                                                           "peers lost during the agreement")
             self._exit_from_background(notice, _Result(committed=False, peers_ok=False, error=str(exc)), None,
@@ -275,6 +277,26 @@ class AgreementMixin:
         elif not cancelled:
             bg.backoff()
         set_group_timeout(bg.group, 1800.0)
+
+    def _peers_finished(self, t_end: float) -> bool:
+        """Whether the round failed because every other rank had finished its loop (each said bye from
+        ``destroy_process_group()`` or ``hook.close()``). DDP lets a rank finish once the last all-reduce is
+        done, while this rank still runs its last optimizer step and scheduler: the job's work is over and
+        nothing can be agreed any more. Exiting 75 here would make the launcher kill the peers' teardown (a
+        final save of the user's) and restart a finished job; so the notice is one after the last step —
+        logged so, forgotten, training goes on to its end with its own exit code."""
+        watch = getattr(self, "_peers", None)
+        if watch is None or not watch.all_ended(max(0.0, min(2.0, t_end - time.monotonic()))):
+            return False
+        self._bg_on = False
+        best = self._best_notice()
+        with self._lock:
+            ids = list(self._pending)
+        self._forget(ids)
+        self._release_hold()
+        self._log.info(ev.NOTICE_AFTER_LAST_STEP, notice_id=best.id if best is not None else None, step=self._count,
+                       why="every other rank had finished its last step: nothing left to agree on")
+        return True
 
     def _hand_over(self, step: int, why: str) -> None:
         """The round's step is not one the explicit loop proved to end an iteration (it stepped twice, or not

@@ -137,6 +137,8 @@ class PeerWatch:
         self._mu = threading.Lock()
         self._peers = {r for r in range(self.world) if r != self.rank}
         self._farewell: set[int] = set()
+        self._said_bye: set[int] = set()  # peers whose watch ended with a bye (their loop is over), for good
+        self._bye_cv = threading.Condition(self._mu)
         self.lost: Optional[Lost] = None
         self.committed_step: Optional[int] = None  # the step of this run's last commit (set by the hook)
         self.beats = 0
@@ -183,6 +185,19 @@ class PeerWatch:
             self._peers.discard(peer)
             if answer:  # it said bye: answer with ours, so its receive posted for us completes at once
                 self._farewell.add(peer)
+
+    def all_ended(self, timeout: float) -> bool:
+        """Whether every peer ended its watch with a bye (``destroy_process_group()`` or ``hook.close()``
+        after its last step), waiting up to ``timeout`` for it: a peer's bye and the closed connection that
+        made this rank ask race each other. A peer that crashed, was killed or went silent never counts."""
+        end = time.monotonic() + timeout
+        with self._bye_cv:
+            while len(self._said_bye) < self.world - 1 and self.lost is None:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._bye_cv.wait(left)
+            return len(self._said_bye) == self.world - 1
 
     def _farewells(self) -> list[int]:
         with self._mu:
@@ -245,6 +260,9 @@ class PeerWatch:
             last[p] = time.monotonic()
             if int(bufs[p][0]) == _BYE:
                 del recvs[p]
+                with self._bye_cv:
+                    self._said_bye.add(p)
+                    self._bye_cv.notify_all()
                 return "bye"
             try:
                 recvs[p] = dist.irecv(bufs[p], src=p, group=g, tag=_TAG)

@@ -104,3 +104,29 @@ def test_short_torchrun_jobs_exit_zero(tmp_path: Path) -> None:
         assert rc == 0 and "terminate called" not in text, run.tail()
 
 
+
+
+FINISHED_PEER = Path(__file__).resolve().parent / "_finished_peer_worker.py"
+
+
+@pytest.mark.timeout(120)
+def test_notice_after_the_peers_finished_keeps_the_finished_job(tmp_path: Path) -> None:
+    """A notice in rank 1's last iteration (after its last all-reduce) while rank 0 already tore down: the
+    round cannot be agreed, but the job's work is done — ``notice_after_last_step``, both ranks exit 0.
+
+    Found by ``make exactness`` (pattern ddp_every_step): rank 1 exited 75 (``peers_lost``), torchrun then
+    killed rank 0 in its teardown, and a finished job would have been restarted."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = [subprocess.Popen([sys.executable, str(FINISHED_PEER), str(r), str(tmp_path)], env=env,
+                              stdout=open(tmp_path / f"rank{r}.log", "wb"), stderr=subprocess.STDOUT,
+                              start_new_session=True) for r in (0, 1)]
+    try:
+        codes = [p.wait(timeout=100) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    logs = [(tmp_path / f"rank{r}.log").read_text(errors="replace") for r in (0, 1)]
+    assert codes == [0, 0], (codes, logs[1][-3000:])
+    assert '"ok": true' in logs[0] and '"ok": true' in logs[1]
+    assert events.NOTICE_AFTER_LAST_STEP in logs[1] and "every other rank had finished" in logs[1], logs[1][-3000:]
+    assert events.PEERS_LOST not in logs[1] and "checkpoint_started" not in logs[1]
