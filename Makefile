@@ -38,9 +38,9 @@ demo-torchft: $(STAMP) torchft-tools
 # (tests/chaos/test_chaos.py). CHAOS_ARGS e.g. "--seed 7 --preemptions 40 --workdir /tmp/chaos".
 # Then the damaged-checkpoint chain (tests/chaos/damage.py: 36 trials, keep=1..3, 1-3 min; 9 run in
 # `make test`), DAMAGE_ARGS e.g. "--trials 60 --seed 5". Then the vanished-node grid (tests/chaos/vanish.py, ~8 trials of ~35 s: node B frozen with SIGSTOP at
-# every point; three of them run in `make test`). VANISH_ARGS e.g. "--trials 3 --peer-timeout 5".
+# every point, each judged by vanish.judge; one of them, B frozen mid-iteration with no notice, runs in `make test`). VANISH_ARGS e.g. "--trials 3 --peer-timeout 5".
 # Then the daemon's own restarts (tests/chaos/daemon_chaos.py, ~32 trials of ~12 s: SIGTERM/SIGKILL at every
-# phase of an ASG notice with the webhook and ASG actions on; six of them run in `make test`).
+# phase of an ASG notice with the webhook and ASG actions on; four of them, one per phase, run in `make test`).
 # DAEMON_CHAOS_ARGS e.g. "--trials 64 --seed 3 --json tests/chaos/results/daemon_chaos.json".
 chaos: $(STAMP) storage-tools
 	$(PY) -m tests.chaos.driver --preemptions 24 $(CHAOS_ARGS)
@@ -53,7 +53,8 @@ chaos: $(STAMP) storage-tools
 # uninterrupted run at its step, and the resumed run ends equal) or honest-no-commit - never wrong.
 # Writes benchmarks/results/exactness.json; exit 1 if any trial is wrong. Under real torchrun; ~60-80 min on
 # 2 shared cores (each trial starts two torchrun jobs). EXACTNESS_ARGS e.g. "--notices 48 --patterns ddp,fsdp2
-# --jobs 3 --workdir /tmp/exact". The short version (25 named cases, ~6 min) is tests/exactness/test_oracle.py.
+# --jobs 3 --workdir /tmp/exact". The short version (23 named cases, 25 with EXO_MORE=1; ~2 min, its processes forked
+# from a server that imported torch once) is tests/exactness/test_oracle.py.
 exactness: $(STAMP)
 	$(PY) -m tests.exactness.oracle --notices 216 $(EXACTNESS_ARGS)
 

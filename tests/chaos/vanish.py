@@ -26,8 +26,8 @@ checkpoint in storage verifies (nothing partial), the newest is the one expected
 point's commit, else the earlier one), and a fresh 2-rank job resumes from it. Finally B is
 SIGKILLed (a stopped process dies on SIGKILL) so nothing leaks.
 
-``python -m tests.chaos.vanish`` runs the whole grid (``make chaos`` does); the per-point
-p99 is ``benchmarks/vanished_node.py``.
+``python -m tests.chaos.vanish`` runs the whole grid (``make chaos`` does), each trial judged by
+``judge`` as ``test_vanished_node.py`` judges its one point; the per-point p99 is ``benchmarks/vanished_node.py``.
 """
 
 from __future__ import annotations
@@ -310,6 +310,34 @@ def exit_bound(peer_timeout: float) -> float:
     return peer_timeout + 1.5 + 6.0
 
 
+def judge(t: Trial, peer_timeout: float) -> list[str]:
+    """What is wrong with a finished trial (the test and ``main`` both judge by this): its problems, node A
+    past the bound, exit codes other than 69 (peers lost: the watch), 75 (the hook's own bounded wait ran out
+    first: a notice deadline shorter than the peer timeout) and 143 (this run's state at its step committed);
+    ``commit``: 143 on every rank of A (nothing lost), other points never 143 and the newest commit the one from
+    before the freeze; no notice: only the watch (``peers_lost``) can end A's wait."""
+    if t.problems:
+        return list(t.problems)
+    out: list[str] = []
+    bound = exit_bound(peer_timeout)
+    if t.a_exit_seconds is None or t.a_exit_seconds > bound:
+        out.append(f"node A took {t.a_exit_seconds} s > {bound} s")
+    codes = set(t.a_codes.values())
+    if not codes <= {69, 75, 143}:
+        out.append(f"node A's exit codes {t.a_codes}, want 69/75/143")
+    if t.point == "commit":
+        if codes != {143}:
+            out.append(f"B frozen after the commit: node A's exit codes {t.a_codes}, want 143 on every rank")
+    else:
+        if 143 in codes:
+            out.append(f"143 (nothing lost) from node A with nothing committed for it: {t.a_codes}")
+        if t.newest_step != t.expected_step:
+            out.append(f"newest committed step {t.newest_step}, expected {t.expected_step} (from before the freeze)")
+    if t.notice == "none" and set(t.a_how.values()) != {"peers_lost"}:
+        out.append(f"no notice, yet node A's ranks left by {t.a_how} (only the watch can end the wait)")
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description="freeze node B at every point of the grid; print one JSON line each")
     p.add_argument("--trials", type=int, default=1, help="trials per point")
@@ -326,9 +354,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             point, notice = spec.split("/")
             t = run_trial(point, notice, work / f"{point}-{notice}-{k}", peer_timeout=args.peer_timeout,
                           seed=args.seed * 1000 + k)
-            bound = exit_bound(args.peer_timeout)
-            if t.ok and (t.a_exit_seconds is None or t.a_exit_seconds > bound):
-                t.ok, t.problems = False, [f"node A took {t.a_exit_seconds} s > {bound} s"]
+            t.problems = judge(t, args.peer_timeout)
+            t.ok = not t.problems
             failed += not t.ok
             line = json.dumps(asdict(t))
             print(line, flush=True)

@@ -337,7 +337,9 @@ async def test_memory_flat_over_10000_polls_with_errors(sockdir: str, cloud: str
                                   vm_name=None)
         else:
             w = AwsWatcher(emu.url, poll_interval=0.0005, request_timeout=0.3, put_timeout=0.3)
-        w._backoff = Backoff(base=0.0005, cap=0.002)
+        # the poll loops' backoff (one per path, from this factory): Azure's own starts at 0.25 s (IMDS's rate
+        # limit), which would make the ~120 injected faults cost ~70 s of sleeping
+        w._new_backoff = lambda: Backoff(base=0.0005, cap=0.002)
         async with running_daemon(sock, [w], housekeeping_interval=0.05) as d:
             async with Subscription(sock, rank=0) as sub:
                 marks: dict[int, int] = {}

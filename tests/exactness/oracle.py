@@ -55,8 +55,9 @@ REPO = HERE.parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 VERDICTS = ("exact", "honest-no-commit", "wrong")
 NOTHING_LOST = 143
-# How ranks > 1 are started: "torchrun" (its agent, as users run it; `make exactness`) or "direct" (one
-# process per rank with torchrun's environment; the short version: one torch import less per run).
+# How ranks > 1 are started: "torchrun" (its agent, as users run it; `make exactness`), "direct" (one
+# process per rank with torchrun's environment: one torch import less per run) or "zygote" (as "direct", every
+# process, one-rank runs too, forked from a server that imported torch once: ``_zygote.py``; the short version).
 LAUNCHER = os.environ.get("EXO_LAUNCHER", "torchrun")
 
 
@@ -169,6 +170,80 @@ def json_lines(text: str) -> list[dict[str, Any]]:
     return out
 
 
+class _Zygote:
+    """The client of ``_zygote.py`` (started on first use, one per oracle process, shared by its threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._pids: dict[int, int] = {}            # request id -> pid
+        self._status: dict[int, int] = {}          # pid -> exit status
+        self._next = 0
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "_zygote.py")], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, cwd=str(REPO),
+                                     env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        threading.Thread(target=self._read, name="exo-zygote", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            with self._cond:
+                if "id" in msg:
+                    self._pids[msg["id"]] = msg["pid"]
+                else:
+                    self._status[msg["pid"]] = msg["status"]
+                self._cond.notify_all()
+        with self._cond:  # the server died: every wait ends
+            self._status.setdefault(-1, -1)
+            self._cond.notify_all()
+
+    def start(self, argv: list[str], env: dict[str, str], cwd: str, log: Path) -> "_Forked":
+        assert self.proc.stdin is not None
+        with self._cond:
+            rid = self._next
+            self._next += 1
+            self.proc.stdin.write((json.dumps({"id": rid, "argv": argv, "env": env, "cwd": cwd,
+                                               "log": str(log)}) + "\n").encode())
+            self.proc.stdin.flush()
+            if not self._cond.wait_for(lambda: rid in self._pids or -1 in self._status, 60):
+                raise RuntimeError("the zygote did not fork within 60 s")
+            if rid not in self._pids:
+                raise RuntimeError("the zygote died")
+            return _Forked(self, self._pids.pop(rid))
+
+    def wait(self, pid: int, timeout: Optional[float]) -> Optional[int]:
+        with self._cond:
+            self._cond.wait_for(lambda: pid in self._status or -1 in self._status, timeout)
+            return self._status.get(pid, -1 if -1 in self._status else None)
+
+
+class _Forked:
+    """A run forked by the zygote, waited on like a ``subprocess.Popen`` (its own session: ``killpg(pid)``)."""
+
+    def __init__(self, zygote: _Zygote, pid: int) -> None:
+        self.zygote, self.pid, self.returncode = zygote, pid, None
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.zygote.wait(self.pid, timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+        return self.returncode
+
+
+_ZYGOTE: Optional[_Zygote] = None
+_ZYGOTE_LOCK = threading.Lock()
+
+
+def _zygote() -> _Zygote:
+    global _ZYGOTE
+    with _ZYGOTE_LOCK:
+        if _ZYGOTE is None or _ZYGOTE.proc.poll() is not None:
+            _ZYGOTE = _Zygote()
+        return _ZYGOTE
+
+
 def launch(p: Pattern, folder: Path, tag: str, storage: Path, env: dict[str, str], timeout: float) -> Run:
     """Run the pattern's script (torchrun for > 1 rank) to its end or ``timeout``, then kill its group."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -178,12 +253,14 @@ def launch(p: Pattern, folder: Path, tag: str, storage: Path, env: dict[str, str
                 "SPOTGUARD_SOCKET": str(folder / "no-daemon.sock"), "EXO_OUT": str(out),
                 "EXO_STORAGE": f"file://{storage}", "EXO_STEPS": str(p.steps), **dict(p.env), **env}
     script = str(HERE / "patterns" / p.script)
-    if p.nproc == 1:
+    if p.nproc == 1 and LAUNCHER != "zygote":
         cmds = [([sys.executable, script], {})]
     elif LAUNCHER == "torchrun":
         cmds = [([str(TORCHRUN), "--standalone", "--nproc-per-node", str(p.nproc), "--monitor-interval", "0.2",
                   script], {})]
-    else:  # "direct": the ranks as torchrun would start them, without its agent (one torch import less)
+    elif p.nproc == 1:  # "zygote", one process: as ``python script``, no torch.distributed environment
+        cmds = [([sys.executable, script], {})]
+    else:  # "direct"/"zygote": the ranks as torchrun would start them, without its agent (one torch import less)
         port = str(free_port())
         cmds = [([sys.executable, script], {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(p.nproc),
                                             "LOCAL_WORLD_SIZE": str(p.nproc), "GROUP_RANK": "0",
@@ -191,9 +268,12 @@ def launch(p: Pattern, folder: Path, tag: str, storage: Path, env: dict[str, str
                 for r in range(p.nproc)]
     t0 = time.monotonic()
     timed_out = False
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Any] = []
     with open(log, "wb") as f:
         for cmd, extra in cmds:
+            if LAUNCHER == "zygote":  # its children append to the log
+                procs.append(_zygote().start(cmd[1:], {**full_env, **extra}, str(folder), log))  # argv: no python
+                continue
             procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**full_env, **extra},
                                           cwd=str(folder), start_new_session=True))
         end = time.monotonic() + timeout

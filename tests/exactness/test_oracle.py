@@ -4,7 +4,9 @@ at the phases where the any-moment path can go wrong. Each case must end ``exact
 ends elsewhere, a hang, a crash, or 143 "nothing lost" with trained work uncommitted) fails, naming the items.
 
 The runs of the selected cases go in parallel (``EXO_JOBS``, default 3: the runs sleep through their phases) on the first test; one reference run
-per pattern. ``make exactness`` is the long version (random moments, >= 200 notices).
+per pattern. Every process is forked from a server that imported torch once (``EXO_LAUNCHER=zygote``,
+``_zygote.py``: the imports were most of the runs' CPU; ``EXO_LAUNCHER=direct`` starts each afresh).
+``make exactness`` is the long version (random moments, >= 200 notices, real torchrun).
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ def _run_all(cases: list[str], work: Path) -> None:
 
 @pytest.fixture(scope="module")
 def results(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
-    os.environ.setdefault("EXO_LAUNCHER", "direct")
+    os.environ.setdefault("EXO_LAUNCHER", "zygote")
     oracle.LAUNCHER = os.environ["EXO_LAUNCHER"]
     work = Path(tempfile.mkdtemp(prefix="sg-exact-"))
     _run_all(_selected(request), work)
