@@ -14,6 +14,10 @@ from what that trial committed, and prints both final states and SAME or DIFFERE
 - ``moco``: a no-grad parameter updated in place inside the forward (momentum encoder) (DIFFERENT)
 - ``handwd``: ``p.data.mul_()`` weight decay by hand between backward and step, notice after it (DIFFERENT)
 - ``twonotices``: a rebalance at iteration 2, a termination at 4 (SAME)
+
+``MINREPRO_RANGE=1`` runs the same loop under ``hook.range(6)``: ``meter``, ``plateau`` and ``nanskip`` are SAME
+there (the small state is read at the boundary; a skipped step moves the loop to the boundary path), ``moco`` and
+``handwd`` stay DIFFERENT (the fallback reads the tensors at the next ``optimizer.step()``).
 """
 import copy, json, os, subprocess, sys, tempfile, time
 from datetime import timedelta
@@ -83,8 +87,8 @@ if CASE == "plateau":
     sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, threshold=0.5)
     state["scheduler"] = sched
 hook = install_preemption_hook(state, storage=STORE)
-start = hook.resume()
-for i in range(start, 6):
+# MINREPRO_RANGE=1: the same loop under hook.range() (explicit boundaries)
+for i in (hook.range(6) if os.environ.get("MINREPRO_RANGE") == "1" else range(hook.resume(), 6)):
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
     if CASE == "nanskip" and i == 1:
         x[0, 0] = float("nan")  # a corrupt record: the step is skipped
