@@ -125,6 +125,18 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("hf_trainer", "hf_trainer.py", what="transformers.Trainer on 2 ranks (DDP, gloo): "
             "gradient_accumulation_steps=2, dropout, AdamW + StepLR via optimizers=; iteration = one optimizer step",
             phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),
+    # review of issue 22 (rev22): loops the patterns above did not cover
+    Pattern("meter", "meter.py", what="DDP + a user stateful object (running-loss meter, samples seen) updated "
+            "between the forward and optimizer.step(); clip_grad_norm_, zero_grad(set_to_none=False)"),
+    Pattern("plateau", "plateau.py", what="DDP + ReduceLROnPlateau stepped on the validation loss after an "
+            "evaluation every 3rd iteration", phases=("load", "fwd", "bwd", "prestep", "step", "after", "eval",
+                                                     "plateau")),
+    Pattern("nanskip", "nanskip.py", what="DDP, corrupt (NaN) samples: optimizer.step() skipped when the gradient "
+            "norm is not finite; clip_grad_norm_, LambdaLR warm-up"),
+    Pattern("byol", "byol.py", what="DDP + a BYOL/DINO teacher in the dict soft-updated with lerp_ after the step, "
+            "max-norm written in place, two param groups, clip_grad_norm_, LambdaLR warm-up"),
+    Pattern("moco", "moco.py", what="DDP + a MoCo-style momentum encoder updated in place inside the model's "
+            "forward, a queue buffer enqueued in the forward"),
 )}
 
 
