@@ -9,8 +9,10 @@ torch.save hands the stream the storage's own memory in one write, and the
 parts are sent from it (``_TensorSource``; safe because ``write_data`` returns
 only once every part is uploaded, and DCP's state is not modified during a
 save). Memory stays at (concurrency + producers) part buffers plus the tensors
-that in-flight parts keep alive (only temporaries — GPU→CPU copies, clones of
-views — cost extra, a bounded number of parts' worth).
+that in-flight parts keep alive (only temporaries cost extra, one tensor's size
+while it is written: a GPU→CPU copy with staging off, the clone of a strided
+view; a view that is one run of a bigger storage, such as an FSDP2 shard in its
+padded storage, is aliased, not cloned: ``staging.minimal_storage``).
 
 The on-store layout is exactly ``FileSystemWriter``'s (``__<rank>_<n>.distcp``
 files of ``torch.save`` records plus a pickled ``.metadata`` written by the
@@ -62,7 +64,7 @@ from .base import StorageError, join_key
 from .dcp_items import METADATA, Group, load_items, parse_metadata, read_groups, recorded_digest
 from .integrity import BLOCK_SIZE, DamagedCheckpoint, FileDigest, verify_span
 from .objstore import ObjectStorage, StagedSource, UploadStream, ZeroCopySource
-from .staging import Stager, shared_stager, wants_staging
+from .staging import Stager, minimal_storage, shared_stager, wants_staging
 
 __all__ = ["ObjectStoreWriter", "ObjectStoreReader", "METADATA_NAME"]
 
@@ -72,11 +74,9 @@ log = get_logger("spotguard.storage")
 
 
 def _cpu_tensor(data: torch.Tensor) -> torch.Tensor:
-    """The item's tensor on CPU with minimal storage (torch.save writes whole storages)."""
-    t = data.detach().cpu()
-    if t.untyped_storage().size() != t.nbytes:
-        t = t.clone()
-    return t
+    """The item's tensor on CPU with minimal storage (torch.save writes whole storages); a CPU view
+    of a bigger storage is aliased, not cloned, where its bytes are one run (``minimal_storage``)."""
+    return minimal_storage(data.detach().cpu())
 
 
 class _TensorSource(ZeroCopySource):
@@ -179,8 +179,18 @@ class _StagedTensor(StagedSource):
                                "through the stream; set SPOTGUARD_STAGING=off to save with .cpu()")
 
 
+def _save_config() -> Any:
+    return getattr(getattr(getattr(torch.utils, "serialization", None), "config", None), "save", None)
+
+
+def _crc32_skippable() -> bool:
+    """Whether ``_no_crc32`` turns torch.save's CRC32 off (a torch with the setting, no ``$SPOTGUARD_CRC32=1``)."""
+    cfg = _save_config()
+    return cfg is not None and hasattr(cfg, "compute_crc32") and os.environ.get("SPOTGUARD_CRC32") != "1"
+
+
 @contextlib.contextmanager
-def _no_crc32() -> Iterator[None]:
+def _no_crc32() -> Iterator[bool]:
     """Skip torch.save's per-record CRC32 while we serialise (``$SPOTGUARD_CRC32=1`` keeps it).
 
     Why: on one core the CRC runs at ~1.5 GiB/s, slower than the copy into part
@@ -188,15 +198,18 @@ def _no_crc32() -> Iterator[None]:
     ``torch.load`` reads records without one; the commit record checks sizes
     and the transport (TLS/HTTP) checks the bytes. Process-wide while the save
     runs, which only makes a concurrent ``torch.save`` skip its CRC too.
+
+    torch's config overrides are thread-local: enter it in every thread that
+    runs torch.save (a producer thread does not inherit its parent's setting).
     """
-    cfg = getattr(getattr(getattr(torch.utils, "serialization", None), "config", None), "save", None)
-    if cfg is None or not hasattr(cfg, "compute_crc32") or os.environ.get("SPOTGUARD_CRC32") == "1":
-        yield
+    cfg = _save_config()
+    if not _crc32_skippable():
+        yield False
         return
     previous = cfg.compute_crc32
     cfg.compute_crc32 = False
     try:
-        yield
+        yield True  # torch.save skips the CRC while inside
     finally:
         cfg.compute_crc32 = previous
 
@@ -248,6 +261,10 @@ class ObjectStoreWriter(StorageWriter):
             torch.cuda.synchronize()
 
         def produce(idx: int, file_name: str, items: list[WriteItem]) -> None:
+            with _no_crc32():  # thread-local: each producer thread sets its own
+                _produce(idx, file_name, items)
+
+        def _produce(idx: int, file_name: str, items: list[WriteItem]) -> None:
             stream = self.storage.open_upload(join_key(self.key, file_name), producers=len(jobs))
             with lock:
                 streams.append(stream)

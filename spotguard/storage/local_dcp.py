@@ -2,11 +2,23 @@
 
 The writer is the stock ``FileSystemWriter`` (its byte format and fsync rules)
 whose file streams feed a ``Checksummer`` as the bytes go out; what each rank
-wrote lands in the store's ``WriteLog`` for the commit record. The reader
-reads each file the load plan touches once, in block-aligned spans, checks
-every block against the commit record and deserialises the items from the
-same bytes (as the object-store reader does, ``dcp_object.py``); it unpickles
-``.metadata`` with the restricted loader.
+wrote lands in the store's ``WriteLog`` for the commit record. Tensors are not
+copied on the host to be written (issue 22: a save's extra memory must not
+grow with the largest tensor). The stock writer ``clone()``s a view of a bigger
+storage and ``.cpu()``s a device tensor, whole; here the planner hands it a CPU
+view as an alias of its own bytes (``staging.minimal_storage``) and a device
+tensor as an untouched placeholder whose bytes the file stream swaps for the
+device's, chunk by chunk through the staging pool (as the object-store writer
+does, ``dcp_object._StagedTensor``; torch.save's own CRC32 is then off, the
+commit record's CRC32C covers every byte). torch.save writes each storage from
+its own memory in one ``write``, which the stream hands to the checksum and
+the file as it is. Still copied: a strided view (cloned), and a device tensor
+under ``SPOTGUARD_STAGING=off`` or below the pool's 1 MiB threshold.
+
+The reader reads each file the load plan touches once, in block-aligned spans,
+checks every block against the commit record and deserialises the items from
+the same bytes (as the object-store reader does, ``dcp_object.py``); it
+unpickles ``.metadata`` with the restricted loader.
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ import pathlib
 import threading
 from typing import TYPE_CHECKING, Any, Generator, Mapping
 
+import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
@@ -28,6 +41,7 @@ from torch.futures import Future
 from .base import join_key
 from .dcp_items import METADATA, load_items, parse_metadata, read_groups, recorded_digest
 from .integrity import Checksummer, DamagedCheckpoint, FileDigest
+from .staging import minimal_storage, staging_mode
 from .verify import read_verified
 
 if TYPE_CHECKING:
@@ -37,12 +51,26 @@ __all__ = ["ChecksumWriter", "VerifyingReader"]
 
 
 class _SummingStream:
-    """A file stream whose ``write`` also feeds a ``Checksummer``; everything else is the file's."""
+    """A file stream whose ``write`` also feeds a ``Checksummer``; everything else is the file's.
 
-    def __init__(self, raw: Any, summer: Checksummer) -> None:
-        self._raw, self._sum = raw, summer
+    A write of a staged placeholder's memory (``_SummingFS.stage``) writes, and sums, the device's
+    bytes instead, a pool chunk at a time.
+    """
+
+    def __init__(self, raw: Any, summer: Checksummer, fs: "_SummingFS") -> None:
+        self._raw, self._sum, self._fs = raw, summer, fs
 
     def write(self, b: Any) -> int:
+        if self._fs.staged:
+            mv = memoryview(b).cast("B")
+            for source in self._fs.staged_sources():
+                chunks = source.chunks_for(mv)
+                if chunks is not None:
+                    for chunk in chunks:
+                        self._sum.update(chunk)
+                        self._raw.write(chunk)
+                    self._fs.unstage_if_filled(source)
+                    return len(mv)
         self._sum.update(b)
         return self._raw.write(b)
 
@@ -57,6 +85,30 @@ class _SummingFS(FileSystem):
         super().__init__()
         self.digests: dict[pathlib.Path, FileDigest] = {}
         self._lock = threading.Lock()
+        # placeholders being written in place of device tensors (each kept alive, so no other
+        # placeholder can take its address, until every byte of it went through a stream)
+        self.staged: dict[int, tuple[Any, str]] = {}
+        self.skip_crc = False  # torch.save would checksum a placeholder's unwritten memory
+
+    def stage(self, source: Any, name: str) -> None:
+        with self._lock:
+            self.staged[id(source)] = (source, name)
+
+    def staged_sources(self) -> list[Any]:
+        with self._lock:
+            return [s for s, _ in self.staged.values()]
+
+    def unstage_if_filled(self, source: Any) -> None:
+        if source.filled == source.nbytes:
+            with self._lock:
+                self.staged.pop(id(source), None)
+
+    def check_staged(self) -> None:
+        """Fail the save if torch.save left any placeholder byte unwritten through a stream."""
+        with self._lock:
+            left, self.staged = list(self.staged.values()), {}
+        for source, name in left:
+            source.check(name)
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
@@ -64,9 +116,13 @@ class _SummingFS(FileSystem):
             with super().create_stream(path, mode) as s:
                 yield s
             return
+        from .dcp_object import _no_crc32
+
         summer = Checksummer()
-        with super().create_stream(path, mode) as raw:
-            yield _SummingStream(raw, summer)  # type: ignore[misc]
+        # torch.save's CRC32 setting is thread-local: off in each writer thread while staging
+        with _no_crc32() if self.skip_crc else contextlib.nullcontext(False), \
+                super().create_stream(path, mode) as raw:
+            yield _SummingStream(raw, summer, self)  # type: ignore[misc]
         with self._lock:
             self.digests[pathlib.Path(path)] = summer.digest()
 
@@ -76,6 +132,30 @@ class _SummingFS(FileSystem):
             d = self.digests.pop(pathlib.Path(path), None)
             if d is not None:
                 self.digests[pathlib.Path(new_path)] = d
+
+
+class _NoCopyPlanner:
+    """The save planner, resolving each tensor item to what the file can take without a host copy:
+    a CPU view as an alias of its bytes, a device tensor (with ``stage``) as a staged placeholder."""
+
+    def __init__(self, inner: SavePlanner, fs: _SummingFS, *, stage: bool) -> None:
+        self._inner, self._fs, self._stage = inner, fs, stage
+
+    def resolve_data(self, item: Any) -> Any:
+        data = self._inner.resolve_data(item)
+        if not isinstance(data, torch.Tensor):
+            return data
+        if self._stage:
+            from .dcp_object import _StagedTensor
+
+            staged = _StagedTensor.of(data)
+            if staged is not None:
+                self._fs.stage(staged, item.index.fqn)
+                return staged.placeholder
+        return minimal_storage(data) if data.device.type == "cpu" else data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 class ChecksumWriter(FileSystemWriter):
@@ -95,8 +175,23 @@ class ChecksumWriter(FileSystemWriter):
             self._storage.write_log.note(join_key(self._key, path.relative_to(root).as_posix()), digest)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Any:
-        fut = super().write_data(plan, planner)
-        fut.wait()
+        from .dcp_object import _crc32_skippable
+
+        fs: _SummingFS = self.fs  # type: ignore[assignment]
+        mode = staging_mode()
+        # Device tensors are staged only where torch.save's CRC32 can be turned off (it would
+        # checksum the placeholder): the commit record's CRC32C blocks cover every byte, as for
+        # the object-store writer. Without staging (a CPU-only host) the files keep torch's CRC32.
+        stage = (mode == "all" or (mode == "auto" and torch.cuda.is_available())) and _crc32_skippable()
+        if stage and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the pool's copy stream must see the state the step left
+        fs.skip_crc = stage
+        try:
+            fut = super().write_data(plan, _NoCopyPlanner(planner, fs, stage=stage))
+            fut.wait()
+            fs.check_staged()
+        finally:
+            fs.skip_crc, fs.staged = False, {}
         self._report()
         return fut
 

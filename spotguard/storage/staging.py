@@ -34,7 +34,7 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["HostPool", "Stager", "chunk_spans", "staging_mode", "shared_stager", "copy_to_host"]
+__all__ = ["HostPool", "Stager", "chunk_spans", "staging_mode", "shared_stager", "copy_to_host", "minimal_storage"]
 
 DEFAULT_BUFFERS = 4
 DEFAULT_CHUNK_MB = 32
@@ -163,6 +163,45 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of ``t``'s whole storage, on its device."""
     st = t.untyped_storage()
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
+
+
+def _dense_extent(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``numel`` consecutive slots of its storage with no overlap
+    (contiguous in some order of its dims: what ``clone()`` keeps the strides of)."""
+    expect = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+def minimal_storage(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor as one whose storage is exactly its own bytes, for ``torch.save`` (which writes
+    whole storages), without a copy where its bytes are one consecutive run of its storage.
+
+    DCP's writers ``clone()`` such a view (a slice of a bigger tensor, an FSDP2 shard inside its
+    padded storage): a host copy of the tensor while it is written. Here the view's byte range
+    becomes the storage of a new tensor of the same shape, strides and dtype that shares the memory
+    (``torch.frombuffer`` keeps the original storage alive), so torch.save writes the same bytes
+    as it would from the clone, from the tensor's own memory. Anything else (a strided view, a
+    quantized or exotic tensor, no numpy) still gets the clone.
+    """
+    t = t.detach()
+    st = t.untyped_storage()
+    if st.nbytes() == t.nbytes or t.device.type != "cpu":
+        return t
+    if t.numel() > 0 and not t.is_quantized and t.layout == torch.strided and _dense_extent(t):
+        try:
+            start = t.storage_offset() * t.element_size()
+            raw = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,))[start:start + t.nbytes]
+            alias = torch.frombuffer(raw.numpy(), dtype=torch.uint8).view(t.dtype)
+            alias = alias.as_strided(t.size(), t.stride())
+            if alias.untyped_storage().nbytes() == t.nbytes and alias.data_ptr() == t.data_ptr():
+                return alias
+        except Exception:  # noqa: BLE001, S110 - no numpy, a dtype numpy cannot view: the clone below
+            pass
+    return t.clone()
 
 
 class Stager:

@@ -213,3 +213,24 @@ def test_placeholder_is_never_resident(tmp_path):
         sink.wait()
     assert res["staged"] == 512 << 20
     assert res["growth"] < 200 << 20, res  # pool 8 MiB + parts + client; a touched placeholder adds 512
+
+
+def test_producer_threads_skip_the_crc_too(tmp_path, monkeypatch):
+    """torch's CRC32 setting is thread-local: with two files per rank the second producer thread
+    must skip it as well (it would checksum a never-filled placeholder), so both files equal the
+    stock writer's without CRC32."""
+    from unittest import mock
+
+    monkeypatch.setenv("SPOTGUARD_STAGING", "all")
+    sd = _state()
+    with mock.patch("torch.serialization.get_crc32_options", return_value=False):  # every thread
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp_path / "fs"), single_file_per_rank=True,
+                                                         sync_files=False, thread_count=2), no_dist=True)
+    s = MemStore(part_size=300_000, concurrency=3)
+    s.min_part_size = 16
+    dcp.save(sd, storage_writer=s.dcp_writer("step-00000001", thread_count=2), no_dist=True)
+    commit(s, 1, CommitRecord(step=1))
+    files = sorted(f for f in os.listdir(tmp_path / "fs") if f.endswith(".distcp"))
+    assert len(files) == 2
+    for f in files:
+        assert (tmp_path / "fs" / f).read_bytes() == bytes(s.objects["root/step-00000001/" + f]), f
