@@ -265,6 +265,8 @@ class AgreementMixin:
         if result.error == HANDED_OVER:  # every rank alike: no rank entered the save's collectives
             self._hand_over(step, self._range_broken or "")
             return
+        if result.step is not None:  # the exact fallback committed the next iteration's end
+            step = result.step
         if action == "emergency":
             self._exit_from_background(notice, result, step)
             return

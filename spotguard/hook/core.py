@@ -488,13 +488,18 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             self._scaler_orig = None
 
     def _on_forward(self, module: Any, args: Any) -> None:
-        """Model forward pre-hook: the first forward after step S marks the end of the loop's post-step work."""
+        """Model forward pre-hook: the first *training* forward after step S marks the end of the loop's
+        post-step work (its anchor). Not an evaluation's forward (eval mode or no grad): a loop may still
+        change its state after evaluating — ``ReduceLROnPlateau.step(val_loss)``, a best-metric tracker —
+        and that belongs to iteration S."""
         if self._internal:
+            return
+        if not (module.training and torch.is_grad_enabled()):
             return
         if self._fwd_seq != self._post_seq:  # the first forward after an optimizer step: buffers of the end
             self._fwd_seq = self._post_seq  # of the iteration (post-step updates in, this forward's not yet)
             self._fwd_bufs = (self._count, clone_buffers(self._buffers))
-        if self._fwd_train_count != self._count and module.training:
+        if self._fwd_train_count != self._count:
             self._fwd_train_count = self._count
             if self._realign is not None:
                 self._realign_rng()
@@ -505,9 +510,17 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         if self._fwd_count == self._count or not self._bg_on:
             return
         self._fwd_count = self._count
-        if self._want_small == self._count and self._anchor_ok(self._count):  # a round waits: read it here
-            with self._cv:
+        with self._cv:
+            if not self._range_clock:
+                # The small state of the end of iteration S, copied here, every iteration: the one moment it
+                # is known exactly — the loop may change a stateful object (a running-loss meter) between this
+                # forward and the next step, and a round that starts then must not read that change into S.
+                self._range_small = self._copy_small(self._count, "forward")
+            if self._want_small == self._count and self._anchor_ok(self._count):  # a round waits: read it here
                 self._capture_small_for(self._count, "forward")
+            if not self._range_clock:
+                self._serve_anchor_read(self._count, "forward")  # the exact fallback's read (_save_next_iteration)
+        self._exit_if_requested()
 
     def _realign_rng(self) -> None:
         """First training forward after a resume: the torch RNG must be what the interrupted run had at its
@@ -653,6 +666,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             self._range_small = self._copy_small(expected, "iteration-boundary")
             if self._want_small == expected:
                 self._capture_small_for(expected, "iteration-boundary")
+            self._serve_anchor_read(expected, "iteration-boundary")  # the exact fallback's read
             self._cv.notify_all()
         self._exit_if_requested()
 

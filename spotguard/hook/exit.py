@@ -350,6 +350,10 @@ class ExitMixin:
                         self._capture_small_for(key, "end-of-training")
                     if self._want_state == key and (self._handoff is None or self._handoff[0] != key):
                         self._read_for_round(key)
+                    elif self._want_state == key + 1 and (self._handoff is None or self._handoff[0] != key):
+                        # the exact fallback waits for the end of an iteration that will never come: the state
+                        # now is the end of the last one (its post-step work is over)
+                        self._read_for_round(key, "end-of-training")
                 self._cv.wait(0.05)
 
     def _quiesce(self) -> None:

@@ -39,7 +39,7 @@ from .dist import (
     set_group_timeout,
 )
 from .periodic import PERIODIC_SETTLED, stage_state_dict
-from .settings import EMERGENCY_LEAD, HANDED_OVER, PERIODIC_NOTICE_PREFIX, SAVE_MARGIN
+from .settings import EMERGENCY_LEAD, HANDED_OVER, HOLD_SLACK, PERIODIC_NOTICE_PREFIX, SAVE_MARGIN
 from .state import Snapshot, clone_buffers, pack
 
 #: "the hook's own group" (the training thread's) as a default argument
@@ -55,6 +55,7 @@ class _Result:
     seconds: float = 0.0
     error: str = ""
     late_seconds: float = 0.0  # > 0: committed that long after the emergency notice's deadline
+    step: Optional[int] = None  # the step this result stands for when not the agreed one (the exact fallback)
 
 
 
@@ -431,16 +432,16 @@ class SaveMixin:
             return self._fail(notice, step, small, t0, peers_ok=True)
         live = hold
         got = self._background_read(step, copy=not live)
-        if isinstance(got, str):
-            self._log.info(ev.CHECKPOINT_FALLBACK, notice_id=notice.id, step=step, reason=got,
-                           waits_for="the next optimizer.step() pre-hook")
-            got = self._prehook_read(step, t_end, copy=not hold)
-            live = False
-            if isinstance(got, str) and self._handing_over(step):
-                return _Result(committed=False, peers_ok=True, error=HANDED_OVER)
-            if isinstance(got, str):
-                self._release_hold(keep_target=hold)
-                return self._fail(notice, step, got, t0, peers_ok=True)
+        if not self._all_ok(not isinstance(got, str), group):  # every rank takes the same branch
+            why = got if isinstance(got, str) else "another rank could not prove its live state is step's"
+            return self._save_next_iteration(notice, reason, step, t_end, group, hold=hold, why=why, t0=t0)
+        return self._write_staged(notice, reason, step, t_end, group, got, small, hold=hold, live=live, t0=t0)
+
+    def _write_staged(self, notice: Notice, reason: str, step: int, t_end: float, group: Any, got: Any,
+                      small: Any, *, hold: bool, live: bool, t0: float, retry: bool = True) -> _Result:
+        """The staged save's second half: the tensors ``got`` and the small state of ``step`` -> DCP save ->
+        commit; an emergency written from live tensors that moved meanwhile is retried once, from the end of
+        the next iteration."""
         sd, nbytes, where_read = got
         blob, groups, where = small
         copied = time.monotonic() - t0
@@ -462,18 +463,47 @@ class SaveMixin:
                 cancel = _StoreCancel(cancel, bg)
         result = self._save(notice, reason, None, group=group, step=step,
                             write=self._dcp_writer(sd, group, live, cancel), bound=max(1.0, t_end - time.monotonic()))
-        if result.committed or not result.peers_ok or not hold or time.monotonic() >= t_end - 1.0:
+        if result.committed or not result.peers_ok or not hold or not retry or time.monotonic() >= t_end - 1.0:
+            if not retry:  # the exact fallback's step, not the agreed one
+                result.step = step
             return result  # (an ordinary checkpoint is not retried: every rank must take the same branch)
-        # Every rank sees the same failed result (``_save``'s all-OK reduction): every rank retries, from the
-        # training thread's read at its next pre-hook (held there for an emergency), once.
-        self._log.warning(ev.CHECKPOINT_FALLBACK, notice_id=notice.id, step=step, reason=result.error,
-                          waits_for="the next optimizer.step() pre-hook (second attempt)")
-        got = self._prehook_read(step, t_end, copy=False)
+        # Every rank sees the same failed result (``_save``'s all-OK reduction): every rank retries, once,
+        # from the end of the next iteration (the live state moved: what was there at ``step`` is gone).
+        return self._save_next_iteration(notice, reason, step, t_end, group, hold=hold, t0=t0,
+                                         why=f"{result.error} (second attempt)")
+
+    def _save_next_iteration(self, notice: Notice, reason: str, step: int, t_end: float, group: Any, *,
+                             hold: bool, why: str, t0: float) -> _Result:
+        """The exact fallback. The live tensors may not be those of ``step`` any more — a write the watch saw
+        since that iteration's end: an EMA swapped in, a momentum encoder updated inside the forward, SAM's
+        perturbation, ``p.data`` scaled by hand before the step — and what they were is gone (no copy is
+        kept). So the checkpoint stands for the next iteration's end instead: the training thread reads the
+        state at its first training forward after step ``step + 1`` (held there for an emergency), the one
+        point where an iteration's end is known, whatever the loop writes inside its iterations. Every rank
+        comes here together (the caller's reduction). Costs up to one iteration."""
+        nxt = step + 1
+        self._log.info(ev.CHECKPOINT_FALLBACK, notice_id=notice.id, step=step, reason=why,
+                       waits_for=f"the end of the next iteration (its first training forward after step {nxt}): "
+                                 f"the checkpoint stands for step {nxt}")
+        with self._cv:
+            self._freeze = None
+            self._target = nxt  # the training thread steps once more, then is held (an emergency) or read
+            self._small = None
+            self._want_small = None
+            self._cv.notify_all()
+        got = self._prehook_read(nxt, t_end, copy=not hold)
+        if isinstance(got, str) and self._handing_over(nxt):
+            return _Result(committed=False, peers_ok=True, error=HANDED_OVER)
         if isinstance(got, str):
-            return self._fail(notice, step, got, t0, peers_ok=True)
-        sd = _with_small(got[0], groups, self._rank_key(self._rank), blob)
-        return self._save(notice, reason, None, group=group, step=step, write=self._dcp_writer(sd, group, False),
-                          bound=max(1.0, t_end - time.monotonic()))
+            self._release_hold(keep_target=hold)
+            return self._fail(notice, nxt, got, t0, peers_ok=True)
+        sd, nbytes, where_read, at = got  # at: nxt, or step when training ended there (its work is over)
+        small = self._small_state(at, t_end)
+        if isinstance(small, str):
+            self._release_hold(keep_target=hold)
+            return self._fail(notice, at, small, t0, peers_ok=True)
+        return self._write_staged(notice, reason, at, t_end, group, (sd, nbytes, where_read), small, hold=hold,
+                                  live=False, t0=t0, retry=False)
 
     def _dcp_writer(self, sd: dict[str, Any], group: Any, validate: bool,
                     cancel: Any = None) -> Callable[[str], None]:
@@ -522,48 +552,69 @@ class SaveMixin:
         return sd, nbytes, "background"
 
     def _prehook_read(self, step: int, t_end: float, *, copy: bool) -> Any:
-        """Ask the training thread (held at its next ``optimizer.step()`` pre-hook) for the state dict of
-        ``step``; (state dict, bytes, "pre-hook") or why not. Bounded by ``t_end``."""
+        """Ask the training thread for the state dict of ``step``: read at its first training forward after
+        that step (``_serve_anchor_read``), else at its next ``optimizer.step()`` pre-hook (held there) or the end
+        of training; (state dict, bytes, where) or why not. Bounded by ``t_end``."""
         with self._cv:
             self._handoff = None
             self._want_state = step
             self._want_copy = copy
             self._cv.notify_all()
-            while (self._handoff is None or self._handoff[0] != step) and self._exit_request is None and \
-                    not self._handing_over(step):
+            while not self._handed(step) and self._exit_request is None and not self._handing_over(step):
                 left = t_end - time.monotonic()
                 if left <= 0:
                     break
                 self._cv.wait(min(0.5, left))
             got, self._handoff, self._want_state = self._handoff, None, None
-        if got is None or got[0] != step:
-            return (f"the training thread did not reach its next optimizer.step() (after step {step}) within the "
-                    "notice deadline; the state of the end of that iteration could not be read exactly")
+        if got is None or not self._handed(step, got):
+            return (f"the training thread did not reach the end of iteration {step} (its next training forward "
+                    "or optimizer.step()) within the notice deadline; that state could not be read exactly")
         if got[3]:
             return got[3]
-        return got[1], got[2], "pre-hook"
+        return got[1], got[2], got[4], got[0]
 
-    def _read_for_round(self, step: int) -> None:
-        """Training thread, held at the pre-hook after ``step`` (under ``_cv``): the fallback read."""
+    def _handed(self, step: int, got: Any = None) -> bool:
+        """Whether the training thread's read answers a request for ``step``: that step, or the one before
+        it read at the end of training (the iteration asked for will never come; the last one's work is over)."""
+        got = self._handoff if got is None else got
+        return got is not None and (got[0] == step or (got[0] == step - 1 and got[4] == "end-of-training"))
+
+    def _read_for_round(self, step: int, where: str = "pre-hook") -> None:
+        """Training thread, at the end of iteration ``step`` (under ``_cv``): the fallback read."""
         self._internal = True  # DCP's fake step() on a stateless optimizer must not count
         try:
             sd = self._tensor_state()
             sd, nbytes = stage_state_dict(sd) if getattr(self, "_want_copy", True) else (sd, _tensor_bytes(sd))
-            self._handoff = (step, sd, nbytes, "")
+            self._handoff = (step, sd, nbytes, "", where)
         except Exception as exc:  # noqa: BLE001 - reported by the round, never raised into the training loop
-            self._handoff = (step, None, 0, f"reading the state at step {step}: {type(exc).__name__}: {exc}")
+            self._handoff = (step, None, 0, f"reading the state at step {step}: {type(exc).__name__}: {exc}", where)
         finally:
             self._internal = False
         self._cv.notify_all()
+
+    def _serve_anchor_read(self, step: int, where: str) -> None:
+        """Training thread, under ``_cv``, at the end of iteration ``step`` (its first training forward after
+        the step, or an explicit loop's boundary): serve a read the round asked for (``_save_next_iteration``);
+        an emergency's live tensors are written from where they are, so the thread stays here until the exit
+        (bounded by the round's hold)."""
+        if self._want_state != step or (self._handoff is not None and self._handoff[0] == step):
+            return
+        self._read_for_round(step, where)
+        if getattr(self, "_want_copy", True):
+            return
+        while self._exit_request is None and self._target == step and \
+                time.monotonic() < self._hold_until + HOLD_SLACK:
+            self._cv.wait(0.5)
 
     def _small_state(self, step: int, t_end: float) -> Any:
         """(per-rank blob, param_groups, where) of ``step``, or why not.
 
         Read at the first moment the loop's work after ``optimizer.step()`` is known
-        to be over: the model's next forward (training or evaluation; the forward
-        pre-hook reads it on the training thread), the next step's pre-hook, or the
-        end of training (``destroy_process_group()``). If that forward already
-        began, now. If none comes before the save must start to make the deadline
+        to be over: the model's next training forward (not an evaluation's: a
+        ``ReduceLROnPlateau`` steps after it; the forward pre-hook copies it every
+        iteration on the training thread, so a round that starts later still gets
+        the state of that moment, not a meter updated since), the next step's
+        pre-hook, or the end of training (``destroy_process_group()``). If none comes before the save must start to make the deadline
         (a data-loading stall right after the step longer than the notice), nothing
         is committed: the state of the end of the iteration is not known yet.
         """

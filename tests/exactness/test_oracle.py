@@ -61,6 +61,14 @@ CASES: dict[str, tuple[str, ...]] = {
     # before the first step there is nothing to write: the run goes on, and the hook must say why nothing was
     # committed (it was silent: checkpoint_skipped now)
     "maintenance-before-first-step": ("ddp", "phase:fwd@0", "maintenance"),
+    # review of issue 22: a running-loss meter updated between the forward and the step (the small state was read
+    # when the round began, after that update); ReduceLROnPlateau stepped after an evaluation (the evaluation's
+    # forward was taken for the end of the iteration) — both committed "nothing lost" and resumed elsewhere
+    "meter-updated-between-forward-and-step": ("meter", "phase:bwd@4"),
+    "plateau-scheduler-after-evaluation": ("plateau", "phase:eval@5"),
+    # a momentum encoder updated in place inside the forward: the watch saw the write, and the fallback read
+    # at the next optimizer.step() took it in — now the checkpoint stands for the end of the next iteration
+    "moco-momentum-encoder-written-in-forward": ("moco", "phase:bwd@4"),
 }
 # Longer cases kept out of `make test`'s time (EXO_MORE=1 adds them; `make exactness` draws these moments too).
 MORE_CASES: dict[str, tuple[str, ...]] = {

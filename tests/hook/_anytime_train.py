@@ -138,6 +138,8 @@ def main() -> int:
     p.add_argument("--stall-before", default=None, help="ITER:SECONDS")
     p.add_argument("--warmup", type=float, default=0.0)
     p.add_argument("--raise-in-eval", type=float, default=-1.0, help="every rank raises this long into the eval")
+    p.add_argument("--raise-in-bwd", type=float, default=-1.0,
+                   help="every rank raises this long into the bwd phase of the iterations from --phases-from")
     p.add_argument("--ema-swap-eval", action="store_true",
                    help="an EMA (torch_ema style, in the dict) updated after sched.step() and swapped into the "
                         "model through param.data for the --eval-after evaluation")
@@ -277,6 +279,9 @@ def main() -> int:
                     notice(i, "bwd")
                 loss.backward()
                 if m == 0:
+                    if args.raise_in_bwd >= 0 and i >= args.phases_from:
+                        time.sleep(args.raise_in_bwd)
+                        raise RuntimeError("a collective of the user's failed (test)")
                     time.sleep(bwd_t)
             total += float(loss.item())
             if args.micro_time > 0:

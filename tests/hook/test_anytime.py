@@ -124,13 +124,14 @@ def test_ten_second_iteration_commits_long_before_it_ends(ref_plain: Path, tmp_p
 
 @pytest.mark.parametrize("case", ["eval", "accum", "stall", "warmup"])
 def test_notice_outside_optimizer_steps(ref_plain: Path, ref_accum: Path, tmp_path: Path, case: str) -> None:
-    """A 10 s notice during a 30 s evaluation / a 16-micro-batch accumulation / a 4 s loader stall right after
+    """A 10 s notice during a 4 s evaluation / a 16-micro-batch accumulation / a 4 s loader stall right after
     a step / a 30 s warm-up: committed checkpoint of the last completed step (nothing to save before the first
-    step of a fresh run), exit 143 before the deadline. The stall: the loop's post-step work is not known to be
-    over until the next forward, so the commit comes after the stall (exactness first), still in time."""
+    step of a fresh run), exit 143 before the deadline. The stall and the evaluation: the loop's post-step work
+    is not known to be over until the next *training* forward (a loop may step a ReduceLROnPlateau after its
+    evaluation), so the commit comes after them (exactness first), still in time."""
     store = tmp_path / "ckpt"
     args, expect, ref, extra = {
-        "eval": (["--eval-after", "2:30", "--notice-at", "2:eval"], 3, ref_plain, []),
+        "eval": (["--eval-after", "2:4", "--notice-at", "2:eval"], 3, ref_plain, []),
         "accum": (["--accum", "16", "--micro-time", "0.25", "--phases-from", "2", "--notice-at", "2:micro:5"], 2,
                   ref_accum, ["--accum", "16"]),
         "stall": (["--stall-before", "3:4", "--notice-at", "3:stall"], 3, ref_plain, []),
@@ -146,7 +147,7 @@ def test_notice_outside_optimizer_steps(ref_plain: Path, ref_accum: Path, tmp_pa
         return
     assert all(e["committed"] for e in exits.values()), exits
     since, save = commit_timing(run, expect)
-    if case == "stall":  # read at the forward after the stall, not before it
+    if case in ("stall", "eval"):  # read at the training forward after them, not before it
         assert 3.0 <= since <= 9.0, (since, save)
         assert {e["small_state_from"] for e in run.events("checkpoint_staged")} <= {"forward", "after-forward"}
     else:
@@ -190,11 +191,11 @@ def test_peer_that_never_joins_exits_75_previous_checkpoint_intact(tmp_path: Pat
 
 
 def test_on_exit_callbacks_run_when_the_process_leaves_from_the_background(tmp_path: Path) -> None:
-    """A notice during a 30 s evaluation: the process leaves by ``os._exit`` from the agreement thread (the
+    """A notice during a 30 s backward: the process leaves by ``os._exit`` from the agreement thread (the
     training thread's ``finally``/``atexit`` never run), but ``hook.on_exit`` callbacks do, with the code."""
     store = tmp_path / "ckpt"
-    run = job(tmp_path, "preempted", ["--storage", str(store), "--eval-after", "2:30", "--notice-at", "2:eval",
-                                      "--notice-rank", "1", "--on-exit-dir", str(tmp_path)],
+    run = job(tmp_path, "preempted", ["--storage", str(store), "--phases", "0,0,30,0,0", "--phases-from", "3",
+                                      "--notice-at", "3:bwd", "--notice-rank", "1", "--on-exit-dir", str(tmp_path)],
               env={"SPOTGUARD_SIGNAL_GRACE": "10"})
     exits = stopped(run, 3)
     assert all(e["by"] == "agreement-thread" for e in exits.values()), exits
@@ -203,12 +204,12 @@ def test_on_exit_callbacks_run_when_the_process_leaves_from_the_background(tmp_p
 
 
 def test_training_thread_raising_after_the_decision_exits_with_the_decided_code(tmp_path: Path) -> None:
-    """Every rank's loop raises 0.3 s into an evaluation that a notice interrupted (as when a peer left first
+    """Every rank's loop raises 0.3 s into a backward that a notice interrupted (as when a peer left first
     and a collective of the user's failed): the process still exits 143 once the checkpoint is committed,
     from the excepthook, with one line saying why — not 1 with a traceback."""
     store = tmp_path / "ckpt"
-    run = job(tmp_path, "preempted", ["--storage", str(store), "--eval-after", "2:30", "--notice-at", "2:eval",
-                                      "--raise-in-eval", "0.3"], env={"SPOTGUARD_SIGNAL_GRACE": "10"})
+    run = job(tmp_path, "preempted", ["--storage", str(store), "--phases-from", "3", "--notice-at", "3:bwd",
+                                      "--raise-in-bwd", "0.3"], env={"SPOTGUARD_SIGNAL_GRACE": "10"})
     exits = stopped(run, 3)
     assert all(e["committed"] and e["by"] == "excepthook" for e in exits.values()), exits
     assert committed(store) == [3]
@@ -238,19 +239,20 @@ def test_rebalance_checkpoint_in_the_background_keeps_training(ref_plain: Path, 
 
 def test_ema_swapped_in_for_evaluation_is_never_committed_as_the_model(ref_plain: Path, tmp_path: Path) -> None:
     """torch_ema's idiom: EMA weights copied into the model through ``param.data`` for a 3 s evaluation, a
-    preemption during it. The background read cannot prove the model is the trained one (``param.data`` was
-    used since the step), so the training thread reads it at its next ``optimizer.step()``, after the EMA was
-    swapped out again: the commit holds the trained weights and the resume is bitwise. (Before: the EMA weights
-    were committed as the model, exit 143 ``committed: true``, and the resume diverged.)"""
+    preemption during it. An evaluation's forward is no end of the iteration (a loop may still change its state
+    after it), so the round waits for the next training forward, after the EMA was swapped out again, and reads
+    from there: the commit holds the trained weights and the resume is bitwise. (Before: the EMA weights were
+    committed as the model, exit 143 ``committed: true``, and the resume diverged.)"""
     store = tmp_path / "ckpt"
     run = job(tmp_path, "preempted", ["--storage", str(store), "--ema-swap-eval", "--eval-after", "2:3",
                                       "--notice-at", "2:eval", "--notice-rank", "1"],
               env={"SPOTGUARD_SIGNAL_GRACE": "20"})
     exits = stopped(run, 3)
     assert all(e["committed"] for e in exits.values()), exits
-    fallback = run.events("checkpoint_fallback")
-    assert {e["rank"] for e in fallback} == {0, 1}, run.tail()
-    assert all("Parameter.data" in e["reason"] for e in fallback), fallback
+    staged = run.events("checkpoint_staged")
+    assert {e["rank"] for e in staged} == {0, 1}, run.tail()
+    assert {e["small_state_from"] for e in staged} <= {"forward", "pre-hook"}, staged  # after the evaluation
+    assert all(e["seconds_since_notice"] >= 2.5 for e in exits.values()), exits  # not before the swap-back
     assert committed(store) == [3]
     resume_bitwise(tmp_path, store, 3, ref_plain, ["--ema-swap-eval"])
 
