@@ -488,18 +488,21 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             self._scaler_orig = None
 
     def _on_forward(self, module: Any, args: Any) -> None:
-        """Model forward pre-hook: the first *training* forward after step S marks the end of the loop's
-        post-step work (its anchor). Not an evaluation's forward (eval mode or no grad): a loop may still
-        change its state after evaluating — ``ReduceLROnPlateau.step(val_loss)``, a best-metric tracker —
-        and that belongs to iteration S."""
+        """Model forward pre-hook: the first *training* forward after step S — one that builds a graph (grad
+        enabled; train or eval mode: fine-tuning with frozen BatchNorm) — marks the end of the loop's
+        post-step work (its anchor). Not a forward under no_grad/inference_mode: an evaluation's, after which
+        a loop may still change its state (``ReduceLROnPlateau.step(val_loss)``, a best-metric tracker) as
+        part of iteration S. The buffers of the end of S are those the first forward that may change them
+        found: any train-mode forward, no_grad included (a pseudo-label or teacher pass updates BatchNorm)."""
         if self._internal:
             return
-        if not (module.training and torch.is_grad_enabled()):
-            return
+        grad = torch.is_grad_enabled()
+        if not module.training and not grad:
+            return  # an evaluation's forward (eval mode, no grad): the iteration's post-step work goes on
         if self._fwd_seq != self._post_seq:  # the first forward after an optimizer step: buffers of the end
             self._fwd_seq = self._post_seq  # of the iteration (post-step updates in, this forward's not yet)
             self._fwd_bufs = (self._count, clone_buffers(self._buffers))
-        if self._fwd_train_count != self._count:
+        if self._fwd_train_count != self._count and module.training:
             self._fwd_train_count = self._count
             if self._realign is not None:
                 self._realign_rng()
@@ -507,19 +510,22 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                 self._fwd_rng = (self._count, torch.get_rng_state())  # ~1 us: see _realign_rng
             if self._bg_on and self._count > 0 and not self._range_clock:
                 self._watch.mark()  # the post-step writes (AveragedModel, clipping) are part of iteration S
-        if self._fwd_count == self._count or not self._bg_on:
+        if self._fwd_count == self._count or not self._bg_on or not grad:
             return
         self._fwd_count = self._count
+        give_up = None
         with self._cv:
             if not self._range_clock:
-                # The small state of the end of iteration S, copied here, every iteration: the one moment it
-                # is known exactly — the loop may change a stateful object (a running-loss meter) between this
-                # forward and the next step, and a round that starts then must not read that change into S.
-                self._range_small = self._copy_small(self._count, "forward")
+                # What the loop may still change before the next step (a running-loss meter), copied here
+                # every iteration: a round that starts later must not read that change into S.
+                self._copy_at_anchor(self._count)
             if self._want_small == self._count and self._anchor_ok(self._count):  # a round waits: read it here
                 self._capture_small_for(self._count, "forward")
             if not self._range_clock:
-                self._serve_anchor_read(self._count, "forward")  # the exact fallback's read (_save_next_iteration)
+                # the exact fallback's read (_save_next_iteration)
+                give_up = self._serve_anchor_read(self._count, "forward")
+        if give_up is not None:
+            self._give_up_hold(give_up)
         self._exit_if_requested()
 
     def _realign_rng(self) -> None:
@@ -666,8 +672,10 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             self._range_small = self._copy_small(expected, "iteration-boundary")
             if self._want_small == expected:
                 self._capture_small_for(expected, "iteration-boundary")
-            self._serve_anchor_read(expected, "iteration-boundary")  # the exact fallback's read
+            give_up = self._serve_anchor_read(expected, "iteration-boundary")  # the exact fallback's read
             self._cv.notify_all()
+        if give_up is not None:
+            self._give_up_hold(give_up)
         self._exit_if_requested()
 
     def _break_clock(self, why: str) -> None:
@@ -737,19 +745,26 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                 elif self._count == key:
                     if self._staged_step != key and (self._small is None or self._small[0] != key):
                         self._capture_small_for(key, "pre-hook")
-                    if self._want_state == key and (self._handoff is None or self._handoff[0] != key):
-                        self._read_for_round(key)  # also for a retry after the first attempt was staged
+                    if self._want_state == key and (self._handoff is None or self._handoff[0] != key) and \
+                            self._fwd_count != key:  # past the anchor, this iteration's writes are in
+                        self._read_for_round(key)  # a loop whose forwards the hook does not see
                 left = self._hold_until + HOLD_SLACK - time.monotonic()
                 if left <= 0:
                     give_up = key
                     break
                 self._cv.wait(min(0.5, left))
-        if give_up is not None and self._exit_request is None:
-            self._log.error(ev.PEERS_LOST, where="hold", step=give_up,
-                            error="the agreement or the copy did not finish within the notice deadline")
-            notice = self._best_notice() or agreed_notice(give_up, 0, "peers lost while holding the step")  # due now
-            self._exit(notice, _Result(committed=False, peers_ok=False, error="hold timed out"), give_up)
+        if give_up is not None:
+            self._give_up_hold(give_up)
         self._exit_if_requested()
+
+    def _give_up_hold(self, step: int) -> None:
+        """Training thread, held past the round's bound (outside ``_cv``): leave with 75 rather than train on."""
+        if self._exit_request is not None:
+            return
+        self._log.error(ev.PEERS_LOST, where="hold", step=step,
+                        error="the agreement or the copy did not finish within the notice deadline")
+        notice = self._best_notice() or agreed_notice(step, 0, "peers lost while holding the step")  # due now
+        self._exit(notice, _Result(committed=False, peers_ok=False, error="hold timed out"), step)
 
     def _anchor_ok(self, step: int) -> bool:
         """May the small state of ``step`` be read now? Always in an implicit loop; in an explicit one only

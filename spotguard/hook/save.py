@@ -59,6 +59,10 @@ class _Result:
 
 
 
+#: a stateful object whose state_dict holds at most this many bytes of tensors is copied at every iteration's
+#: anchor (``_copy_at_anchor``); a bigger one (an EMA) is read when a round needs it
+ANCHOR_COPY_BYTES = 64 << 10
+
 # The shortest notices real clouds give (docs/deploy.md: AWS 120 s, GCP and Azure 30 s): what a drill's save is compared with.
 REAL_NOTICE_SECONDS = {"gcp": 30.0, "azure": 30.0, "aws": 120.0}
 
@@ -485,13 +489,16 @@ class SaveMixin:
         self._log.info(ev.CHECKPOINT_FALLBACK, notice_id=notice.id, step=step, reason=why,
                        waits_for=f"the end of the next iteration (its first training forward after step {nxt}): "
                                  f"the checkpoint stands for step {nxt}")
-        with self._cv:
+        with self._cv:  # armed together: the training thread must find the request at its very next anchor
             self._freeze = None
             self._target = nxt  # the training thread steps once more, then is held (an emergency) or read
             self._small = None
             self._want_small = None
+            self._handoff = None
+            self._want_state = nxt
+            self._want_copy = not hold
             self._cv.notify_all()
-        got = self._prehook_read(nxt, t_end, copy=not hold)
+        got = self._prehook_read(nxt, t_end, copy=not hold, armed=True)
         if isinstance(got, str) and self._handing_over(nxt):
             return _Result(committed=False, peers_ok=True, error=HANDED_OVER)
         if isinstance(got, str):
@@ -551,15 +558,17 @@ class SaveMixin:
             self._live_mark = mark  # the write from these live tensors is checked against it (_dcp_writer)
         return sd, nbytes, "background"
 
-    def _prehook_read(self, step: int, t_end: float, *, copy: bool) -> Any:
+    def _prehook_read(self, step: int, t_end: float, *, copy: bool, armed: bool = False) -> Any:
         """Ask the training thread for the state dict of ``step``: read at its first training forward after
-        that step (``_serve_anchor_read``), else at its next ``optimizer.step()`` pre-hook (held there) or the end
-        of training; (state dict, bytes, where) or why not. Bounded by ``t_end``."""
+        that step (``_serve_anchor_read``), else at its next ``optimizer.step()`` pre-hook (held there; a loop whose
+        forwards the hook does not see) or the end of training; (state dict, bytes, where, the step read) or why
+        not. Bounded by ``t_end``."""
         with self._cv:
-            self._handoff = None
-            self._want_state = step
-            self._want_copy = copy
-            self._cv.notify_all()
+            if not armed:
+                self._handoff = None
+                self._want_state = step
+                self._want_copy = copy
+                self._cv.notify_all()
             while not self._handed(step) and self._exit_request is None and not self._handing_over(step):
                 left = t_end - time.monotonic()
                 if left <= 0:
@@ -583,7 +592,9 @@ class SaveMixin:
         """Training thread, at the end of iteration ``step`` (under ``_cv``): the fallback read."""
         self._internal = True  # DCP's fake step() on a stateless optimizer must not count
         try:
-            sd = self._tensor_state()
+            # FSDP2: from its sharded parameters, never through its state-dict hooks — they reshard parameters
+            # its pre-forward has just unsharded (a read at the anchor forward would break that forward)
+            sd = self._tensor_state() if self._watch.sharded is None else self._sharded_tensor_state()
             sd, nbytes = stage_state_dict(sd) if getattr(self, "_want_copy", True) else (sd, _tensor_bytes(sd))
             self._handoff = (step, sd, nbytes, "", where)
         except Exception as exc:  # noqa: BLE001 - reported by the round, never raised into the training loop
@@ -592,19 +603,22 @@ class SaveMixin:
             self._internal = False
         self._cv.notify_all()
 
-    def _serve_anchor_read(self, step: int, where: str) -> None:
+    def _serve_anchor_read(self, step: int, where: str) -> Optional[int]:
         """Training thread, under ``_cv``, at the end of iteration ``step`` (its first training forward after
         the step, or an explicit loop's boundary): serve a read the round asked for (``_save_next_iteration``);
         an emergency's live tensors are written from where they are, so the thread stays here until the exit
-        (bounded by the round's hold)."""
+        (bounded by the round's hold: past it, the step to give up at — ``_give_up_hold``, outside ``_cv``)."""
         if self._want_state != step or (self._handoff is not None and self._handoff[0] == step):
-            return
+            return None
         self._read_for_round(step, where)
         if getattr(self, "_want_copy", True):
-            return
-        while self._exit_request is None and self._target == step and \
-                time.monotonic() < self._hold_until + HOLD_SLACK:
-            self._cv.wait(0.5)
+            return None
+        while self._exit_request is None and self._target == step:
+            left = self._hold_until + HOLD_SLACK - time.monotonic()
+            if left <= 0:  # the write from these live tensors may still run: never train on under it
+                return step
+            self._cv.wait(min(0.5, left))
+        return None
 
     def _small_state(self, step: int, t_end: float) -> Any:
         """(per-rank blob, param_groups, where) of ``step``, or why not.
@@ -730,7 +744,33 @@ class SaveMixin:
         per = self._per_rank_state(step, snap)
         groups = {k: [{n: copy.deepcopy(v) for n, v in g.items() if n != "params"} for g in opt.param_groups]
                   for k, opt in o.optimizers.items()}
+        anchor = getattr(self, "_anchor_copy", None)
+        if anchor is not None and anchor[0] == step:  # what the iteration's anchor copied wins (a meter)
+            per["stateful"].update(anchor[1])
+            groups = anchor[2]
         return step, pack(per), groups, where
+
+    def _copy_at_anchor(self, step: int) -> None:
+        """Training thread, at each iteration's anchor (its first training forward): copy what the loop may
+        still change before the next ``optimizer.step()`` — a running-loss meter, a samples-seen counter, the
+        optimizer's ``param_groups`` — so that a round starting later in the iteration reads the state of the
+        anchor, not a meter updated since. Only the small stateful objects (their state_dict holds at most
+        ``ANCHOR_COPY_BYTES`` of tensors, decided at the first anchor): an EMA's shadow weights would cost a
+        model copy per iteration, and it changes in the post-step work; schedulers change only in ``step()``
+        and scalers only in ``update()``, so both are read when a round needs them."""
+        import copy  # noqa: PLC0415
+
+        o = self._objs
+        try:
+            small = getattr(self, "_anchor_small_keys", None)
+            if small is None:
+                small = self._anchor_small_keys = [k for k, obj in o.stateful.items()
+                                                   if _tensor_bytes(obj.state_dict()) <= ANCHOR_COPY_BYTES]
+            self._anchor_copy = (step, {k: copy.deepcopy(o.stateful[k].state_dict()) for k in small},
+                                 {k: [{n: copy.deepcopy(v) for n, v in g.items() if n != "params"}
+                                      for g in opt.param_groups] for k, opt in o.optimizers.items()})
+        except Exception:  # noqa: BLE001 - the user's object: a round reads it live and reports what raised
+            self._anchor_copy = None
 
     def _copy_small(self, step: int, where: str) -> tuple[int, Any, Any, str]:
         """(step, per-rank state, param_groups, where) as ``_capture_small`` reads them, copied instead of
