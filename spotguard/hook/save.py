@@ -442,13 +442,15 @@ class SaveMixin:
         return self._write_staged(notice, reason, step, t_end, group, got, small, hold=hold, live=live, t0=t0)
 
     def _write_staged(self, notice: Notice, reason: str, step: int, t_end: float, group: Any, got: Any,
-                      small: Any, *, hold: bool, live: bool, t0: float, retry: bool = True) -> _Result:
+                      small: Any, *, hold: bool, live: bool, t0: float, retry: bool = True,
+                      keep_step: bool = False) -> _Result:
         """The staged save's second half: the tensors ``got`` and the small state of ``step`` -> DCP save ->
         commit; an emergency written from live tensors that moved meanwhile is retried once, from the end of
         the next iteration."""
         sd, nbytes, where_read = got
         blob, groups, where = small
         copied = time.monotonic() - t0
+        self._live_moved = None
         with self._cv:
             self._staged_step = step
             self._freeze = None
@@ -468,13 +470,22 @@ class SaveMixin:
         result = self._save(notice, reason, None, group=group, step=step,
                             write=self._dcp_writer(sd, group, live, cancel), bound=max(1.0, t_end - time.monotonic()))
         if result.committed or not result.peers_ok or not hold or not retry or time.monotonic() >= t_end - 1.0:
-            if not retry:  # the exact fallback's step, not the agreed one
+            if not retry and not keep_step:  # the exact fallback's step, not the agreed one
                 result.step = step
             return result  # (an ordinary checkpoint is not retried: every rank must take the same branch)
-        # Every rank sees the same failed result (``_save``'s all-OK reduction): every rank retries, once,
-        # from the end of the next iteration (the live state moved: what was there at ``step`` is gone).
-        return self._save_next_iteration(notice, reason, step, t_end, group, hold=hold, t0=t0,
-                                         why=f"{result.error} (second attempt)")
+        # Every rank sees the same failed result (``_save``'s all-OK reduction): every rank retries, once. The
+        # live state moved on some rank (what was there at ``step`` is gone): from the end of the next iteration.
+        # Any other failure (storage, a step folder another run committed): the same step, if still provable —
+        # a failure that the next step would only dodge (another run's folder) must not become a commit.
+        moved = isinstance(getattr(self, "_live_moved", None), str)
+        if not self._all_ok(not moved, group):
+            return self._save_next_iteration(notice, reason, step, t_end, group, hold=hold, t0=t0,
+                                             why=f"{result.error} (second attempt)")
+        got = self._background_read(step, copy=False)
+        if not self._all_ok(not isinstance(got, str), group):
+            return result
+        return self._write_staged(notice, reason, step, t_end, group, got, small, hold=hold, live=True, t0=t0,
+                                  retry=False, keep_step=True)
 
     def _save_next_iteration(self, notice: Notice, reason: str, step: int, t_end: float, group: Any, *,
                              hold: bool, why: str, t0: float) -> _Result:
@@ -523,6 +534,7 @@ class SaveMixin:
                          planner=None if cancel is None else _cancellable_planner(cancel))
             if validate:  # written from live tensors: still the state of S at the end of the write?
                 why = self._watch.changed(getattr(self, "_live_mark", None))
+                self._live_moved = why
                 if why is not None:
                     raise StateMoved(f"the state moved while it was written from live tensors: {why}")
         return write
