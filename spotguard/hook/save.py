@@ -505,10 +505,7 @@ class SaveMixin:
             self._target = nxt  # the training thread steps once more, then is held (an emergency) or read
             self._small = None
             self._want_small = None
-            self._handoff = None
-            self._want_state = nxt
-            self._want_copy = not hold
-            self._cv.notify_all()
+            self._arm_read(nxt, copy=not hold)
         got = self._prehook_read(nxt, t_end, copy=not hold, armed=True)
         if isinstance(got, str) and self._handing_over(nxt):
             return _Result(committed=False, peers_ok=True, error=HANDED_OVER)
@@ -577,10 +574,7 @@ class SaveMixin:
         not. Bounded by ``t_end``."""
         with self._cv:
             if not armed:
-                self._handoff = None
-                self._want_state = step
-                self._want_copy = copy
-                self._cv.notify_all()
+                self._arm_read(step, copy=copy)
             while not self._handed(step) and self._exit_request is None and not self._handing_over(step):
                 left = t_end - time.monotonic()
                 if left <= 0:
@@ -593,6 +587,13 @@ class SaveMixin:
         if got[3]:
             return got[3]
         return got[1], got[2], got[4], got[0]
+
+    def _arm_read(self, step: int, *, copy: bool) -> None:
+        """(under ``_cv``) Ask the training thread to read the state of ``step`` where it next can."""
+        self._handoff = None
+        self._want_state = step
+        self._want_copy = copy
+        self._cv.notify_all()
 
     def _handed(self, step: int, got: Any = None) -> bool:
         """Whether the training thread's read answers a request for ``step``: that step, or the one before
@@ -747,20 +748,24 @@ class SaveMixin:
         ``lr`` there). RNG, loader and running-stat buffers come from the snapshot of
         step ``step``'s post-hook, as at a boundary.
         """
-        import copy  # noqa: PLC0415
-
         o = self._objs
         snap = self._snap if self._snap is not None and self._snap_count == step else None
         if snap is None:
             snap = Snapshot.take(o.loaders, {})
         per = self._per_rank_state(step, snap)
-        groups = {k: [{n: copy.deepcopy(v) for n, v in g.items() if n != "params"} for g in opt.param_groups]
-                  for k, opt in o.optimizers.items()}
+        groups = self._groups_copy()
         anchor = getattr(self, "_anchor_copy", None)
         if anchor is not None and anchor[0] == step:  # what the iteration's anchor copied wins (a meter)
             per["stateful"].update(anchor[1])
             groups = anchor[2]
         return step, pack(per), groups, where
+
+    def _groups_copy(self) -> dict[str, list[dict[str, Any]]]:
+        """Every optimizer's ``param_groups`` as they are now, without ``params`` (a scheduler writes ``lr`` there)."""
+        import copy  # noqa: PLC0415
+
+        return {k: [{n: copy.deepcopy(v) for n, v in g.items() if n != "params"} for g in opt.param_groups]
+                for k, opt in self._objs.optimizers.items()}
 
     def _copy_at_anchor(self, step: int) -> None:
         """Training thread, at each iteration's anchor (its first training forward): copy what the loop may
@@ -779,8 +784,7 @@ class SaveMixin:
                 small = self._anchor_small_keys = [k for k, obj in o.stateful.items()
                                                    if _tensor_bytes(obj.state_dict()) <= ANCHOR_COPY_BYTES]
             self._anchor_copy = (step, {k: copy.deepcopy(o.stateful[k].state_dict()) for k in small},
-                                 {k: [{n: copy.deepcopy(v) for n, v in g.items() if n != "params"}
-                                      for g in opt.param_groups] for k, opt in o.optimizers.items()})
+                                 self._groups_copy())
         except Exception:  # noqa: BLE001 - the user's object: a round reads it live and reports what raised
             self._anchor_copy = None
 
@@ -796,8 +800,7 @@ class SaveMixin:
             per = self._per_rank_state(step, snap)
             for k in ("schedulers", "scalers", "stateful"):  # state_dict() may hand out live containers
                 per[k] = copy.deepcopy(per[k])
-            groups = {k: [{n: copy.deepcopy(v) for n, v in g.items() if n != "params"} for g in opt.param_groups]
-                      for k, opt in o.optimizers.items()}
+            groups = self._groups_copy()
         except Exception as exc:  # noqa: BLE001 - the user's object: a round for this step fails with it
             return step, None, None, (f"state_dict() of the small state raised at step {step}: "
                                       f"{type(exc).__name__}: {exc}")
