@@ -51,7 +51,7 @@ from benchmarks._util import RESULT_PREFIX, REPO, free_port, print_result
 
 GiB = 1 << 30
 #: total wall budget the checks are sized to (the device call gets ~8-10 minutes)
-TOTAL_BUDGET_S = 480
+TOTAL_BUDGET_S = 500
 
 
 def _device_kind() -> str:
@@ -262,6 +262,11 @@ def _w_commit() -> None:
     hook = install_preemption_hook({"model": net, "optimizer": opt}, storage=storage)
     hook.resume()
     x = torch.randn(4, net[0].in_features, device=dev)
+    # one trained step first: a notice before any step has nothing to save (the hook then writes nothing)
+    opt.zero_grad(set_to_none=True)
+    net(x).sum().backward()
+    opt.step()
+    _sync()
     now = utcnow()
     print(json.dumps({"state_bytes": nbytes, **baseline, "notify_wall": time.time()}), flush=True)
     hook.notify(Notice(id="gpu-commit", source="drill", kind="preemption",
@@ -314,6 +319,9 @@ def _w_nccl() -> None:
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     hook = install_preemption_hook({"model": net, "optimizer": opt}, storage=storage)
     hook.resume()
+    opt.zero_grad(set_to_none=True)  # one trained step first (a notice before any step has nothing to save)
+    net(torch.randn(8, 256, device=dev)).sum().backward()
+    opt.step()
     now = utcnow()
     hook.notify(Notice(id="gpu-nccl", source="drill", kind="preemption",
                        deadline=now + timedelta(seconds=120), received_at=now))
@@ -401,8 +409,114 @@ def _w_overhead() -> None:
     dist.destroy_process_group()
 
 
+def _anytime_build(dev: Any, seed: int = 0) -> tuple[Any, Any, Any, Callable[[int], None]]:
+    """A CUDA loop whose kernels queue deep (no host sync per step): BatchNorm, dropout, AdamW, an EMA model."""
+    import torch
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    cuda = dev.type == "cuda"
+    width, depth, batch = (2048, 6, 4096) if cuda else (128, 2, 256)
+    torch.manual_seed(seed)
+    layers: list[Any] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.BatchNorm1d(width), torch.nn.ReLU(), torch.nn.Dropout(0.1)]
+    net = torch.nn.Sequential(*layers, torch.nn.Linear(width, 1)).to(dev)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=0.01)
+    ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.99))
+
+    def step(i: int) -> None:
+        g = torch.Generator(device=dev).manual_seed(1000 + i)  # the batch is a function of the step
+        x = torch.randn(batch, width, device=dev, generator=g)
+        y = x[:, :8].sum(dim=1, keepdim=True).sin()
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        ema.update_parameters(net)
+
+    return net, opt, ema, step
+
+
+def _anytime_digest(net: Any, opt: Any, ema: Any) -> str:
+    from tests.exactness import _rt
+
+    return _rt._hex({"model": _rt.module_state(net), "optimizer": opt.state_dict(), "ema": _rt.module_state(ema)})
+
+
+def _w_anytime() -> None:
+    """``--phase ref``: the uninterrupted run's digest after every step. ``trial``: the hook, a preemption from
+    another thread inside iteration ``--at`` + 1, ``--frac`` of a step into it (the daemon's intake is such a
+    thread). ``verify``: resume each store."""
+    import threading
+    from datetime import timedelta
+
+    import torch
+
+    phase = sys.argv[sys.argv.index("--phase") + 1]
+    steps = int(os.environ.get("SG_GPU_CHECK_ANYTIME_STEPS", "60"))
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    dist = _init_dist() if "RANK" in os.environ else None
+    dev = _dev()
+    from spotguard.hook import Hook
+    from spotguard.hook.exit import Preempted
+    from spotguard.logs import configure_logging
+    from spotguard.notice import Notice
+    from spotguard.timefmt import utcnow
+
+    configure_logging("json", "info")  # what install_preemption_hook sets up; the check reads these events
+    if phase == "ref":
+        net, opt, ema, step = _anytime_build(dev)
+        _sync()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(i)
+            print(json.dumps({"ref": i + 1, "d": _anytime_digest(net, opt, ema)}), flush=True)
+        print(json.dumps({"ref_s_per_step": (time.perf_counter() - t0) / steps}), flush=True)
+    elif phase == "trial":
+        storage = sys.argv[sys.argv.index("--storage") + 1]
+        at_step, frac = int(sys.argv[sys.argv.index("--at") + 1]), float(sys.argv[sys.argv.index("--frac") + 1])
+        net, opt, ema, step = _anytime_build(dev)
+        hook = Hook({"model": net, "optimizer": opt, "ema": ema}, storage, signals=False, intake=False)
+        hook.resume()
+        done = [0]
+        t_loop = [0.0]
+
+        def fire() -> None:
+            # a moment inside iteration at_step + 1 as the host sees it (the GPU runs behind, kernels queued)
+            while done[0] < at_step:
+                time.sleep(0.0005)
+            time.sleep(frac * (time.perf_counter() - t_loop[0]) / max(1, done[0]))
+            at = done[0]
+            now = utcnow()
+            hook.notify(Notice(id=f"gpu-anytime-{at_step}-{frac}", source="drill", kind="preemption",
+                               deadline=now + timedelta(seconds=30), received_at=now))
+            print(json.dumps({"notified_after_steps": at}), flush=True)
+
+        threading.Thread(target=fire, daemon=True).start()
+        t_loop[0] = time.perf_counter()
+        try:
+            for i in range(steps):
+                step(i)
+                done[0] = i + 1
+            _sync()
+            print(json.dumps({"error": "no Preempted by the end of the loop"}), flush=True)
+        except Preempted as exc:
+            print(json.dumps({"preempted": True, "committed": exc.committed, "code": exc.code, "step": exc.step}),
+                  flush=True)
+    else:  # verify: every trial's store, resumed into a fresh model the way a restarted job does
+        for store in sys.argv[sys.argv.index("--stores") + 1].split(","):
+            net, opt, ema, _step = _anytime_build(dev, seed=1)  # other initial weights: all must come from storage
+            hook = Hook({"model": net, "optimizer": opt, "ema": ema}, store, signals=False, intake=False)
+            start = hook.resume()
+            print(json.dumps({"store": store, "resumed": start, "d": _anytime_digest(net, opt, ema)}), flush=True)
+            hook.close()
+    if dist is not None:
+        dist.destroy_process_group()
+
+
 WORKERS: dict[str, Callable[[], None]] = {"rng": _w_rng, "staging": _w_staging, "commit": _w_commit,
-                                          "nccl": _w_nccl, "overhead": _w_overhead}
+                                          "nccl": _w_nccl, "overhead": _w_overhead, "anytime": _w_anytime}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -587,13 +701,78 @@ def check_overhead(budget: float) -> dict[str, Any]:
     return {**res, "seconds": round(secs, 1)}
 
 
+def check_anytime(budget: float) -> dict[str, Any]:
+    """Notices at random moments while CUDA kernels are queued: every committed state equals the reference's."""
+    import random
+
+    t_end = time.monotonic() + budget
+    lines = lambda out: [json.loads(x) for x in out.splitlines() if x.startswith("{")]  # noqa: E731
+    refs: dict[str, dict[int, str]] = {}
+    per_step = 0.0
+    for mode in ("plain", "dist"):
+        rc, out, err, secs = _run(["--worker", "anytime", "--phase", "ref"], max(10.0, t_end - time.monotonic()),
+                                  torchrun_procs=1 if mode == "dist" else 0)
+        got = lines(out)
+        refs[mode] = {d["ref"]: d["d"] for d in got if "ref" in d}
+        per_step = next((d["ref_s_per_step"] for d in got if "ref_s_per_step" in d), per_step)
+        if not refs[mode]:
+            return {**_failure(rc, out, err, secs, budget), "phase": f"ref {mode}"}
+    same_ref = refs["plain"] == refs["dist"]
+    rnd = random.Random(int(os.environ.get("SG_GPU_CHECK_SEED", "7")))
+    steps = len(refs["plain"])
+    trials: list[dict[str, Any]] = []
+    n = int(os.environ.get("SG_GPU_CHECK_ANYTIME_TRIALS", "8"))
+    for k in range(n):
+        if time.monotonic() > t_end - 25:
+            break
+        mode = ("plain", "dist")[k % 2]
+        store = tempfile.mkdtemp(prefix=f"sg-gpu-any{k}-")
+        at_step, frac = rnd.randrange(3, steps - 20), round(rnd.random(), 3)
+        rc, out, err, secs = _run(["--worker", "anytime", "--phase", "trial", "--storage", store, "--at",
+                                   str(at_step), "--frac", str(frac)], min(60.0, t_end - time.monotonic()),
+                                  torchrun_procs=1 if mode == "dist" else 0)
+        got = {k2: v for d in lines(out) for k2, v in d.items()}
+        ev = _log_events(err)
+        trials.append({"mode": mode, "at_step": at_step, "frac": frac, "rc": rc, "store": store,
+                       "notified_after_steps": got.get("notified_after_steps"), "committed": got.get("committed"),
+                       "code": got.get("code"), "error": got.get("error"),
+                       "notice_to_committed_s": (ev.get("checkpoint_committed") or {}).get("seconds"),
+                       "stderr_tail": err[-800:] if got.get("committed") is not True else None})
+    stores = [t["store"] for t in trials]
+    rc, out, err, secs = _run(["--worker", "anytime", "--phase", "verify", "--stores", ",".join(stores)],
+                              max(15.0, t_end - time.monotonic()))
+    resumed = {d["store"]: d for d in lines(out) if "store" in d}
+    wrong = 0
+    for t in trials:
+        r = resumed.get(t["store"], {})
+        t["resumed"] = r.get("resumed")
+        ref = refs[t["mode"]]
+        t["exact"] = bool(r) and (r["resumed"] == 0 or ref.get(r["resumed"]) == r["d"])
+        at = t["notified_after_steps"]
+        t["lost_steps"] = (at - r["resumed"]) if (at is not None and r.get("resumed") is not None) else None
+        ok = t["exact"] and t["committed"] is True and (t["lost_steps"] is not None and t["lost_steps"] <= 1)
+        wrong += 0 if ok else 1
+        t["ok"] = ok
+        if ok:
+            t.pop("stderr_tail", None)
+    res = {"trials": trials, "reference_steps": steps, "ref_s_per_step": round(per_step, 4),
+           "plain_and_dist_references_equal": same_ref, "verify_rc": rc,
+           "threshold": "every notice committed; every resumed state bitwise the reference's at its step; "
+                        "at most one step lost", "trials_run": len(trials),
+           "pass": len(trials) >= min(n, 4) and wrong == 0}
+    if rc != 0:
+        res["verify_stderr_tail"] = err[-2000:]
+    return res
+
+
 #: name -> (check, budget seconds); the budgets add up to TOTAL_BUDGET_S
 CHECKS: dict[str, tuple[Callable[[float], dict[str, Any]], float]] = {
-    "staging": (check_staging, 60),
-    "rng": (check_rng, 90),
-    "nccl": (check_nccl, 90),
-    "overhead": (check_overhead, 80),
-    "commit": (check_commit, 160),
+    "anytime": (check_anytime, 110),
+    "staging": (check_staging, 45),
+    "rng": (check_rng, 70),
+    "nccl": (check_nccl, 70),
+    "overhead": (check_overhead, 55),
+    "commit": (check_commit, 150),
 }
 
 

@@ -32,12 +32,16 @@ def test_cpu_dry_run_of_the_kit(tmp_path):
     and resume, result parsing) on gloo with tiny sizes, so a broken script is found here and not in
     scarce GPU time. Not a GPU figure: the summary says so."""
     env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHONPATH": str(REPO),
-           "SG_GPU_CHECK_DEVICE": "cpu", "SG_GPU_CHECK_ONLY": "staging,rng"}
+           "SG_GPU_CHECK_DEVICE": "cpu", "SG_GPU_CHECK_ONLY": "staging,rng,anytime",
+           "SG_GPU_CHECK_ANYTIME_TRIALS": "2"}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert summary["mode"].startswith("cpu-dry-run"), summary
-    assert set(summary["checks"]) == {"staging", "rng"}
+    assert set(summary["checks"]) == {"staging", "rng", "anytime"}
+    anytime = summary["checks"]["anytime"]
+    assert anytime["pass"], anytime
+    assert [t["exact"] for t in anytime["trials"]] == [True, True], anytime  # one plain process, one torchrun job
     rng = summary["checks"]["rng"]
     assert rng["pass"] and rng["resumed_from"] > 0 and not rng["mismatched_steps"], json.dumps(rng, indent=1)
     st = summary["checks"]["staging"]
