@@ -5,9 +5,10 @@ on ``spotguard.data.ElasticDistributedSampler`` (``--pass sampler`` hands the
 hook the sampler, ``--pass loader`` the DataLoader); AdamW + StepLR. Every rank
 appends the sample ids of each completed step to ``<records>/ids-rank<r>.jsonl``;
 on resume every rank prints ``{"resume": step, "lr": ..., "last_epoch": ...}``.
-``--stop-at S``: rank 0 hands its hook a preemption notice so that the checkpoint
-stands for the end of step S (distributed: at the end of step S, agreed at once in
-the background; one process: during step S, decided at its optimizer step). ``--out``: rank 0 saves the final weights.
+``--stop-at S``: rank 0 hands its hook a preemption notice and waits until the hook
+has agreed on it (``await_agreement``), so that the checkpoint stands for a known
+step: one process, notice at the top of iteration S (before its forward): S;
+distributed, notice at the end of step S: S + 1. ``--out``: rank 0 saves the final weights.
 Optional ``--fsdp``: the model is ``fully_shard``-ed (FSDP2) instead of DDP-wrapped.
 """
 
@@ -29,6 +30,23 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 from spotguard.data import ElasticDistributedSampler
+
+
+def await_agreement(hook: Any, timeout: float = 60.0) -> None:
+    """Block this (training) thread until the hook's agreement round for the notice just handed over has
+    decided its step S (or the hook is leaving).
+
+    Why: the round runs on the hook's agreement thread and stands at the count it finds when it joins
+    (core.py, agreement.py). On a loaded machine that thread may be scheduled only a few of this script's
+    ~1 ms iterations after ``notify()``; the checkpoint is then exact, but for a later step than the one the
+    test chose. Waiting here (the agreement thread notifies ``_cv`` when it sets ``_target``) pins S to the
+    count at the notice: while this thread waits, its count cannot move. Under torch.distributed the round's
+    gather needs every rank's join, so rank 0's ``_target`` means every rank has joined.
+    """
+    with hook._cv:
+        done = hook._cv.wait_for(lambda: hook._target is not None or hook._exit_request is not None, timeout)
+    if not done:
+        raise SystemExit(f"the hook did not agree on the notice within {timeout} s")
 
 
 class Points(Dataset):
@@ -119,9 +137,11 @@ def main() -> int:
         sampler.set_epoch(step // per_epoch)
         for ids, x, y in loader:
             if step == args.stop_at and rank == 0 and not args.no_hook and not distributed:
-                # One process: decided at this step's optimizer.step(), written at the next boundary.
+                # One process, at the top of iteration `step` (before its forward): the checkpoint stands for
+                # the `step` completed iterations, read at this iteration's forward (its anchor).
                 hook.notify(Notice(id=f"stop-{step}", source="drill", kind="preemption",
                                    deadline=utcnow() + timedelta(seconds=60), received_at=utcnow()))
+                await_agreement(hook)
             opt.zero_grad(set_to_none=True)
             loss = F.mse_loss(model(x), y)
             loss.backward()
@@ -135,11 +155,11 @@ def main() -> int:
                 print(json.dumps({"step": step, "loss": loss.item(), "lr": opt.param_groups[0]["lr"],
                                   "last_epoch": sched.last_epoch}), flush=True)
             if step == args.stop_at and rank == 0 and not args.no_hook and distributed:
-                # Distributed: agreed off the training thread within ms (the last completed step, S+1 here);
-                # the pause makes that deterministic.
+                # Distributed: agreed off the training thread on the last completed step, S+1 here (the other
+                # ranks cannot pass step S+1's backward while rank 0 waits: DDP's all-reduce needs it).
                 hook.notify(Notice(id=f"stop-{step}", source="drill", kind="preemption",
                                    deadline=utcnow() + timedelta(seconds=60), received_at=utcnow()))
-                time.sleep(0.5)
+                await_agreement(hook)
             step += 1
             if args.step_time > 0:
                 time.sleep(args.step_time)

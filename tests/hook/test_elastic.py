@@ -131,8 +131,11 @@ def test_elastic_resume_chain(references: dict[str, Any], tmp_path: Path, passed
             assert len(set(probes)) == nproc, probes  # no rank got a copy of another's stream
         prev = nproc
         if stop is not None:  # steps each rank's own lineage trained, as its checkpointed per-rank state says
-            # a single process acts at any moment (issue 23): the notice in iteration `stop` commits the `stop`
-            # completed iterations; under torch.distributed this script's loop commits at the next boundary
+            # a single process acts at any moment (issue 23): the notice at the top of iteration `stop` commits
+            # the `stop` completed iterations; under torch.distributed the notice comes at the end of step
+            # `stop`, so `stop + 1` are complete. Exact whenever the round joins (it stands at the count it finds);
+            # the script awaits the agreement after notify() so that a loaded machine, whose agreement thread
+            # may join a few iterations late, still commits these steps (_elastic_train.await_agreement)
             done = stop if nproc == 1 else stop + 1
             tally = {e["rank"]: e["tally"] + done - expect_start for e in resumes}
             expect_start = done
