@@ -52,6 +52,8 @@ def test_one_group_leaves_survivors_keep_stepping_and_a_replacement_heals_bitwis
         g3 = j.group("g3")
         for g in (g0, g2, g3):
             assert g.proc.wait(START) == 0, f"{g.name} failed (see {short_tmp})"
+            # the log reader thread may still be behind the exited process: its last line is replica_done
+            assert g.wait_for(lambda e: e.get("event") == "replica_done", 30) is not None, g.name
 
     # the leaving group's last step committed everywhere, with the same state
     for g in (g0, g2):
