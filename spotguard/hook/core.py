@@ -223,6 +223,8 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         self._baseline = self._watch.baseline()  # "did anything train?" when no optimizer step was ever seen
         self._scaler = next(iter(self._objs.scalers.values()), None)
         self._many_opts = len(self._objs.optimizers) > 1
+        self._bwd_since_step = False  # a backward reached the clock's parameters since the last step
+        self._skip_warned = False
 
         self._lock = threading.Lock()
         self._pending: dict[str, Notice] = {}
@@ -431,6 +433,8 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         for opt in opts:
             self._handles.append(opt.register_step_pre_hook(self._pre_hook))
             self._handles.append(opt.register_step_post_hook(self._post_hook))
+        if len(opts) == 1:
+            self._watch_skipped_steps(opts[0])
         sc = self._scaler
         if sc is not None:
             orig_step, orig_update = sc.step, sc.update
@@ -453,6 +457,33 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
 
             sc.step, sc.update = step, update
             self._scaler_orig = (orig_step, orig_update)
+
+    def _watch_skipped_steps(self, opt: torch.optim.Optimizer) -> None:
+        """Say so when the loop skips ``optimizer.step()`` (a NaN guard: backward, no step, ``zero_grad()``):
+        the implicit clock counts optimizer steps, so ``hook.resume()`` would return fewer than the loop's
+        iterations and ``range(start, total)`` would train some batches twice. Seen in the next backward:
+        gradients the last backward left are gone (``None``) and no step came in between. One optimizer only
+        (a GAN's generator legitimately loses the gradients the discriminator's loss gave it)."""
+        first = next((p for g in opt.param_groups for p in g["params"]
+                      if isinstance(p, torch.Tensor) and p.requires_grad), None)
+        if first is None:
+            return
+        hook = self
+
+        def on_grad(grad: torch.Tensor) -> None:
+            if hook._bwd_since_step and first.grad is None and not hook._skip_warned and not hook._explicit \
+                    and not hook._internal and hook._scaler is None:
+                hook._skip_warned = True
+                hook._log.warning(ev.OPTIMIZER_STEP_SKIPPED, step=hook._count,
+                                  why="gradients of a backward were discarded (zero_grad) without an "
+                                      "optimizer.step(): hook.resume() counts optimizer steps, not your loop's "
+                                      "iterations, so a resumed range(start, total) would train some batches "
+                                      "again and the run would not equal the uninterrupted one",
+                                  fix="for step in hook.range(total): ... (or call hook.step() at the end of "
+                                      "each iteration): the loop's own iterations become the clock")
+            hook._bwd_since_step = True
+
+        self._handles.append(first.register_hook(on_grad))
 
     def _wrap_first_step(self, opt: Any, base: torch.optim.Optimizer) -> None:
         """SAM: the update spans ``first_step()`` (perturb the weights, keep the old ones in the wrapper's
@@ -563,6 +594,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         if self._internal or self._explicit or self._closed or self._torn_down:
             return
         self._post_seq += 1
+        self._bwd_since_step = False
         if self._scaler is not None:
             return  # GradScaler.update() is the clock
         if optimizer is self._clock:

@@ -72,6 +72,9 @@ CHECKPOINT_FALLBACK = "checkpoint_fallback"
 UNTRACKED_TRAINING = "untracked_training"
 #: after a resume, the global RNG was drawn from before the first forward: set back to the saved state
 RNG_REALIGNED = "rng_realigned"
+#: gradients were discarded without an optimizer step (a NaN guard): the implicit clock counts steps, not
+#: iterations, so hook.resume() would not match the loop's own counter (the fix: hook.range()/hook.step())
+OPTIMIZER_STEP_SKIPPED = "optimizer_step_skipped"
 DEADLINE_AT_RISK = "deadline_at_risk"
 CHECKPOINT_LATE = "checkpoint_late"
 DRILL_VERDICT = "drill_verdict"

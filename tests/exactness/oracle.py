@@ -137,7 +137,8 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("nanskip", "nanskip.py", what="DDP, corrupt (NaN) samples: optimizer.step() skipped when the gradient "
             "norm is not finite; clip_grad_norm_, LambdaLR warm-up",
             open_bug="the implicit clock counts optimizer steps: after a skipped step hook.resume() returns steps, "
-                     "not iterations, and range(start, total) re-runs iterations (exact under hook.range())"),
+                     "not iterations, and range(start, total) re-runs iterations (exact under hook.range()); the "
+                     "hook logs optimizer_step_skipped with that fix at the first skip"),
     Pattern("byol", "byol.py", what="DDP + a BYOL/DINO teacher in the dict soft-updated with lerp_ after the step, "
             "max-norm written in place, two param groups, clip_grad_norm_, LambdaLR warm-up"),
     Pattern("moco", "moco.py", what="DDP + a MoCo-style momentum encoder updated in place inside the model's "

@@ -1,0 +1,81 @@
+"""A loop that skips ``optimizer.step()`` (a NaN guard) is told so, with the fix, once.
+
+The implicit clock counts optimizer steps; such a loop's iterations outrun the count, so a resume
+would train batches twice (the oracle's ``nanskip`` pattern). Exactness needs the loop's own clock
+(``hook.range()``/``hook.step()``); what the hook can do unasked is say so the moment it sees it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import structlog
+import torch
+import torch.nn.functional as F
+
+from spotguard.hook import Hook, events
+
+from .test_boundary import hooks  # noqa: F401 - fixture
+
+
+def _state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+
+def _iterations(s: dict[str, Any], skip: set[int], n: int = 6, zero_first: bool = True, accumulate: int = 1,
+                scaler: Any = None) -> None:
+    model, opt = s["model"], s["optimizer"]
+    for i in range(n):
+        if zero_first:
+            opt.zero_grad()
+        for _ in range(accumulate):
+            loss = F.mse_loss(model(torch.randn(8, 4)), torch.zeros(8, 1))
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if i not in skip:
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        if not zero_first:
+            opt.zero_grad()
+
+
+def _warnings(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in logs if e.get("event") == events.OPTIMIZER_STEP_SKIPPED]
+
+
+@pytest.mark.parametrize("zero_first", [True, False], ids=["zero-grad-first", "zero-grad-last"])
+def test_a_skipped_step_is_named_once_with_the_fix(tmp_path: Path, hooks: Callable[..., Hook],  # noqa: F811
+                                                  zero_first: bool) -> None:
+    s = _state()
+    hooks(s, tmp_path).resume()
+    with structlog.testing.capture_logs() as logs:
+        _iterations(s, skip={2, 4}, zero_first=zero_first)
+    found = _warnings(logs)
+    assert len(found) == 1, logs
+    assert found[0]["step"] == 2  # two steps counted, the third iteration's gradients discarded
+    assert "hook.range(total)" in found[0]["fix"]
+
+
+@pytest.mark.parametrize("case", ["every-step", "accumulation", "explicit-clock"])
+def test_loops_that_skip_nothing_are_not_warned(tmp_path: Path, hooks: Callable[..., Hook],  # noqa: F811
+                                                case: str) -> None:
+    s = _state()
+    h = hooks(s, tmp_path)
+    with structlog.testing.capture_logs() as logs:
+        if case == "explicit-clock":  # hook.range(): the loop's iterations are the clock, a skip is exact
+            model, opt = s["model"], s["optimizer"]
+            for i in h.range(6):
+                opt.zero_grad()
+                F.mse_loss(model(torch.randn(8, 4)), torch.zeros(8, 1)).backward()
+                if i != 3:
+                    opt.step()
+        else:
+            h.resume()
+            _iterations(s, skip=set(), accumulate=3 if case == "accumulation" else 1)
+    assert _warnings(logs) == []
