@@ -30,11 +30,21 @@ from typing import Any, Optional
 __all__ = ["Lighthouse", "Group", "ReplicaJob", "start_lighthouse", "start_group", "drill", "lighthouse_binary", "main"]
 
 
+#: the worker's learning rate: LR * lr_factor(k) for the step after k committed steps (LambdaLR)
+LR = 1e-3
+
+
+def lr_factor(k: int) -> float:
+    return 0.95 ** k
+
+
 def digest(model: Any, optim: Any) -> str:
-    """SHA-256 of every parameter's and optimizer state tensor's bytes: equal digests = bitwise equal state."""
+    """SHA-256 of every parameter's and optimizer state tensor's bytes and the learning rates (the scheduler's
+    effect): equal digests = bitwise equal state."""
     import torch  # noqa: PLC0415
 
     h = hashlib.sha256()
+    h.update(repr([g["lr"] for g in optim.param_groups]).encode())
     for p in model.parameters():
         h.update(p.detach().contiguous().numpy().tobytes())
     for _, st in sorted(optim.state_dict()["state"].items()):
@@ -68,7 +78,8 @@ def worker(args: argparse.Namespace) -> int:
     torch.manual_seed(0)  # every group starts from the same weights (torchft's init_sync heals them anyway)
     dim = args.dim
     model = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.Tanh(), torch.nn.Linear(dim, 1))
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optim = torch.optim.AdamW(model.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_factor)  # stepped after each committed step
     if args.hold:
         # a warm spare: imports done, no lighthouse contact yet; the driver writes a line to go
         log.info("replica_ready", pid=os.getpid())
@@ -80,18 +91,20 @@ def worker(args: argparse.Namespace) -> int:
     def load_state(sd: dict[str, Any]) -> None:
         model.load_state_dict(sd["model"])
         optim.load_state_dict(sd["optim"])
+        sched.load_state_dict(sd["sched"])
 
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=args.pg_timeout)),
         load_state_dict=load_state,
-        state_dict=lambda: {"model": model.state_dict(), "optim": optim.state_dict()},
+        state_dict=lambda: {"model": model.state_dict(), "optim": optim.state_dict(), "sched": sched.state_dict()},
         min_replica_size=1,
         rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
         lighthouse_addr=args.lighthouse, replica_id=args.replica_id, hostname="127.0.0.1",
         timeout=timedelta(seconds=args.pg_timeout), quorum_timeout=timedelta(seconds=60),
         connect_timeout=timedelta(seconds=20),
     )
-    guard = ReplicaGuard(manager, {"model": model, "optim": optim}, args.storage, socket=args.socket)
+    guard = ReplicaGuard(manager, {"model": model, "optim": optim, "sched": sched}, args.storage,
+                         socket=args.socket)
     start = guard.resume()
     log.info("replica_started", step=start, pid=os.getpid(), digest=digest(model, optim))
     opt = guard.optimizer(optim)
@@ -121,10 +134,13 @@ def worker(args: argparse.Namespace) -> int:
                 p.grad.copy_(flat[off:off + n].view_as(p))
                 off += n
             committed = opt.step()
+            lr = optim.param_groups[0]["lr"]  # the rate this step used (a heal in should_commit loads the leader's)
+            d = digest(model, optim)  # the state of the step (a group leaving inside step() exits with it)
             if committed:
                 voting = manager.num_participants()
+                sched.step()  # after step(): a whole-job leave's checkpoint must hold this (ReplicaGuard)
             log.info(STEP, step=manager.current_step(), committed=committed, t=round(time.time(), 4),
-                     participants=manager.num_participants(), digest=digest(model, optim))
+                     participants=manager.num_participants(), digest=d, lr=lr)
     except Preempted as exc:
         log.info("replica_exit", code=exc.code, step=exc.step, t=round(time.time(), 4), digest=digest(model, optim))
         sys.stdout.flush()

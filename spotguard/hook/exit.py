@@ -24,6 +24,7 @@ from .dist import (
 )
 from .peers import stop_watch
 from .save import _Result
+from .state import Snapshot
 from .settings import (
     EXIT_CALLBACK_TIMEOUT,
     EXIT_GRACE,
@@ -92,16 +93,17 @@ def _late(result: Optional[_Result]) -> bool:
 class ExitMixin:
     """Part of ``Hook`` (``core.py``); see the module docstring."""
 
-    def emergency_exit(self, notice: Notice, step: int) -> NoReturn:
+    def emergency_exit(self, notice: Notice, step: int, snap: Optional[Snapshot] = None) -> NoReturn:
         """Write the emergency checkpoint for ``notice`` as completed iteration ``step`` now, then exit.
 
         For engines that decide themselves when to act on a notice their
         ``on_notice`` deferred (torchft: only when every replica group leaves);
-        every rank of this process group calls it at the same boundary.
+        every rank of this process group calls it at the same boundary. ``snap``:
+        loaders and RNG taken at step ``step`` when the write comes later.
         """
         self._count = step
         self._internal = True
-        self._exit(notice, self._save(notice, "emergency", None))
+        self._exit(notice, self._save(notice, "emergency", snap))
 
     def _outcome(self, result: Optional[_Result], step: int) -> tuple[bool, bool, int]:
         """(committed, nothing_to_save, exit code) for leaving after ``result`` at completed iteration ``step``.

@@ -37,6 +37,7 @@ import torch
 from ..logs import get_logger
 from ..notice import Notice
 from .core import Hook, Preempted
+from .state import Snapshot
 
 __all__ = ["ReplicaGuard", "GuardedOptimizer", "lighthouse_args", "LEAVING", "LEFT", "PEER_LEAVING", "STEP"]
 
@@ -97,6 +98,9 @@ class ReplicaGuard:
         self._notice: Optional[Notice] = None  # the notice this group leaves for (first one wins)
         self._voted: Optional[Notice] = None  # the notice our vote of this step stands for
         self._tally: Optional[tuple[int, int]] = None  # (leaving, participants) of this step
+        # a whole-job leave decided at step S, written at the start of the next iteration (iteration_start):
+        # the loop's post-step work of S (scheduler, EMA) belongs in the checkpoint of S
+        self._pending: Optional[tuple[Notice, int, Snapshot]] = None
         self._exit_code = exit_code
         self._log_steps = log_steps
         self.hook = _EngineHook(state, storage, socket=socket, exit_code=exit_code, on_notice=self._on_notice)
@@ -197,6 +201,8 @@ class ReplicaGuard:
             return
         if leaving >= voters:
             self._all_leave(voted, step)
+            if self._pending is not None:
+                return  # the writer finishes this iteration first (its scheduler step is part of S)
         self._leave(voted, step)
 
     def _leave(self, notice: Notice, step: int) -> None:
@@ -208,18 +214,37 @@ class ReplicaGuard:
         raise Preempted(self._exit_code, notice_id=notice.id, step=step, committed=False)
 
     def _all_leave(self, notice: Notice, step: int) -> None:
-        """Every participating group leaves: replica rank 0 writes the emergency checkpoint, all exit."""
+        """Every participating group leaves: replica rank 0 writes the emergency checkpoint, all exit.
+
+        Not inside ``step()``: the user's ``scheduler.step()`` (and any post-step update) comes after it
+        in the loop, and a checkpoint written here resumed one scheduler step behind. The writer takes the
+        loaders and RNG now (as the hook does at a step) and writes at the start of the next iteration
+        (``iteration_start``, called by ``GuardedOptimizer.zero_grad``) or at ``close()``."""
         rank = self.manager.participating_rank()
         self._log.info(ALL_LEAVING, step=step, notice_id=notice.id, replica_rank=rank)
         self.manager.shutdown(wait=False)
         if rank == 0:
-            self.hook.emergency_exit(notice, step)
+            self._pending = (notice, step, Snapshot.take(self.hook._objs.loaders, {}))
+            return
         self.hook._flush_intake()
         self.hook.close()
         raise Preempted(self._exit_code, notice_id=notice.id, step=step, committed=False)
 
+    def iteration_start(self) -> None:
+        """The start of an iteration (``GuardedOptimizer.zero_grad`` calls it; a loop driving ``vote()`` /
+        ``after_step()`` itself calls it before its next quorum): a whole-job leave decided at the last step
+        writes its emergency checkpoint here and raises ``Preempted``."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            notice, step, snap = pending
+            self.hook.emergency_exit(notice, step, snap)
+
     def close(self) -> None:
-        self.hook.close()
+        """A loop that ended right after a whole-job leave still writes its checkpoint (then ``Preempted``)."""
+        try:
+            self.iteration_start()
+        finally:
+            self.hook.close()
 
 
 class GuardedOptimizer:
@@ -230,6 +255,7 @@ class GuardedOptimizer:
         self.optim = optim
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.guard.iteration_start()  # a whole-job leave of the last step writes and exits here
         self.guard.manager.start_quorum()
         self.optim.zero_grad(set_to_none)
 

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from spotguard.ftreplica import Group, ReplicaJob, lighthouse_binary  # noqa: E402
+from spotguard.ftreplica import LR, Group, ReplicaJob, lighthouse_binary, lr_factor  # noqa: E402
 from spotguard.storage import open_storage  # noqa: E402
 from spotguard.storage.commit import newest_committed  # noqa: E402
 
@@ -129,3 +129,9 @@ def test_every_group_noticed_falls_back_to_the_emergency_checkpoint_and_resumes_
         for n in seq:
             assert n in digests[lead] and digests[name][n] == digests[lead][n], \
                 f"{name} differs from {lead} at step {n} (first committed step {seq[0]})"
+    # the scheduler was checkpointed after its step of info.step (issue 25: the checkpoint written inside
+    # step() resumed one scheduler step behind): every step, before and after the resume, trained with the
+    # learning rate of the uninterrupted schedule
+    for g in (g0, g1, r0, r1):
+        wrong = [(e["step"], e["lr"]) for e in g.steps() if e["lr"] != LR * lr_factor(e["step"] - 1)]
+        assert wrong == [], f"{g.name} trained with another schedule's learning rate at (step, lr) {wrong}"
