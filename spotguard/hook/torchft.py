@@ -39,7 +39,7 @@ from ..notice import Notice
 from .core import Hook, Preempted
 from .state import Snapshot
 
-__all__ = ["ReplicaGuard", "GuardedOptimizer", "lighthouse_args", "LEAVING", "LEFT", "PEER_LEAVING", "STEP"]
+__all__ = ["ReplicaGuard", "GuardedOptimizer", "lighthouse_args", "vote_device", "LEAVING", "LEFT", "PEER_LEAVING", "STEP"]
 
 # timeline events (structlog ``event``), in addition to the hook's
 LEAVING = "replica_leaving"  # notice_id: this group will leave at the next committed step
@@ -72,6 +72,18 @@ def lighthouse_args(*, groups: int, step_seconds: float, min_replicas: int = 1,
     return ["--min_replicas", str(min_replicas), "--join_timeout_ms", str(join_ms),
             "--quorum_tick_ms", str(tick_ms), "--heartbeat_timeout_ms", str(heartbeat_ms)]
 
+
+
+def vote_device(pg: Any) -> torch.device:
+    """Where the leave vote's tensor lives: on the device torchft's process group reduces (issue 25: a CPU
+    tensor through ``ProcessGroupNCCL``, which registers only a CUDA backend, failed every all-reduce, so
+    ``should_commit`` was False at every step of a GPU job)."""
+    name = type(pg).__name__.upper()
+    if "NCCL" in name:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cuda")
+    if "XCCL" in name:
+        return torch.device("xpu")
+    return torch.device("cpu")
 
 
 class _EngineHook(Hook):
@@ -148,11 +160,13 @@ class ReplicaGuard:
         from torch.distributed import ReduceOp  # noqa: PLC0415
 
         notice = self._group_notice()
-        t = torch.tensor([1 if notice is not None else 0, 1], dtype=torch.int64)
+        t = torch.tensor([1 if notice is not None else 0, 1], dtype=torch.int64,
+                         device=vote_device(getattr(self.manager, "_pg", None)))
 
         self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
         self._voted = notice
-        self._tally = (int(t[0]), int(t[1]))
+        leaving, voters = t.tolist()
+        self._tally = (int(leaving), int(voters))
 
     def _group_notice(self) -> Optional[Notice]:
         """This group's notice, agreed by its ranks (MAX over the group) when it has several processes.
