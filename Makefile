@@ -96,7 +96,11 @@ gpu-check:
 	PYTHONPATH=$(CURDIR):/tmp/sg-site$${PYTHONPATH:+:$$PYTHONPATH} timeout 560 $(GPU_PY) -m benchmarks.gpu_check
 
 # spotguard's dependencies that the GPU machine's image lacks (KINDS.md), as cp312 x86-64 wheels in .whl/
-GPU_WHEELS := structlog==26.1.0 crc32c==2.9.post0 boto3==1.43.117 botocore==1.43.117 s3transfer==0.19.3 jmespath==1.1.0
+GPU_WHEELS := structlog==26.1.0 crc32c==2.9.post0 boto3==1.43.117 botocore==1.43.117 s3transfer==0.19.3 jmespath==1.1.0 \
+  torchft-nightly==2026.10.26 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \
+  opentelemetry-exporter-otlp-proto-http==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
+  opentelemetry-proto==1.45.2 opentelemetry-semantic-conventions==0.66b2 opentelemetry-exporter-http-transport==0.66b2 \
+  opentelemetry-exporter-otlp-common==0.66b2 googleapis-common-protos==1.76.0
 gpu-wheels:
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

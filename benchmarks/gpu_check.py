@@ -51,7 +51,7 @@ from benchmarks._util import RESULT_PREFIX, REPO, free_port, print_result
 
 GiB = 1 << 30
 #: total wall budget the checks are sized to (the device call gets ~8-10 minutes)
-TOTAL_BUDGET_S = 460
+TOTAL_BUDGET_S = 520
 
 
 def _device_kind() -> str:
@@ -792,9 +792,74 @@ def check_anytime(budget: float) -> dict[str, Any]:
     return res
 
 
+def check_torchft(budget: float) -> dict[str, Any]:
+    """One torchft replica group on torchft's NCCL process group: every step commits (the leave vote rides the
+    group's device), a notice makes the whole job leave, the checkpoint holds the scheduler's step, resume exact."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError as exc:
+        return {"pass": False, "error": f"torchft not importable ({exc}): carry its wheels (make gpu-wheels)"}
+    from spotguard.ftreplica import LR, lr_factor, start_lighthouse
+    from spotguard.hook.torchft import lighthouse_args
+    from spotguard.storage import open_storage
+    from spotguard.storage.commit import newest_committed
+
+    t_end = time.monotonic() + budget
+    store = tempfile.mkdtemp(prefix="sg-gpu-ft-")
+    device = "cuda" if _device_kind() == "cuda" else "cpu"
+    steps, notify_at = 12, 5
+    lh = start_lighthouse(lighthouse_args(groups=1, step_seconds=0.1))
+    runs: list[dict[str, Any]] = []
+    try:
+        for extra in (["--notify-at", str(notify_at)], []):
+            argv = [sys.executable, "-m", "spotguard.ftreplica", "--replica-id", "g0", "--lighthouse", lh.addr,
+                    "--storage", store, "--steps", str(steps), "--step-time", "0.02", "--device", device, *extra]
+            try:
+                proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=_env(),
+                                      timeout=max(10.0, (t_end - time.monotonic()) * (0.6 if extra else 1.0)))
+                rc, out, err = proc.returncode, proc.stdout, proc.stderr
+            except subprocess.TimeoutExpired as exc:
+                rc, out, err = None, str(exc.stdout or ""), str(exc.stderr or "")
+            lines = []
+            for x in out.splitlines():
+                try:
+                    lines.append(json.loads(x))
+                except ValueError:
+                    pass
+            runs.append({"rc": rc, "lines": lines, "tail": (out[-1500:], err[-2500:])})
+    finally:
+        lh.stop()
+    pre, post = runs
+    steps_of = lambda r: [e for e in r["lines"] if e.get("event") == "replica_step"]  # noqa: E731
+    exit_ev = next((e for e in pre["lines"] if e.get("event") == "replica_exit"), None)
+    started = next((e for e in post["lines"] if e.get("event") == "replica_started"), None)
+    info = newest_committed(open_storage(store))
+    uncommitted = [e["step"] for r in runs for e in steps_of(r) if not e.get("committed")]
+    lr_wrong = [(e["step"], e["lr"]) for r in runs for e in steps_of(r)
+                if e.get("committed") and e["lr"] != LR * lr_factor(e["step"] - 1)]
+    post_steps = [e["step"] for e in steps_of(post) if e.get("committed")]
+    res: dict[str, Any] = {
+        "device": device, "backend": "torchft ProcessGroupNCCL" if device == "cuda" else "torchft ProcessGroupGloo",
+        "preempted_rc": pre["rc"], "exit_step": (exit_ev or {}).get("step"),
+        "committed_checkpoint_step": info.step if info else None, "uncommitted_steps": uncommitted,
+        "resumed_from": (started or {}).get("step"), "resumed_digest_equal": bool(
+            started and exit_ev and started.get("digest") == exit_ev.get("digest")),
+        "resumed_steps": post_steps, "resumed_rc": post["rc"], "lr_off_schedule": lr_wrong,
+        "threshold": "every step committed; exit 143 with a committed checkpoint at the exit step; resume "
+                     "bitwise (digest) and every step's learning rate on the uninterrupted schedule",
+    }
+    res["pass"] = bool(pre["rc"] == 143 and exit_ev and info and info.step == exit_ev["step"]
+                       and not uncommitted and res["resumed_digest_equal"] and post["rc"] == 0 and not lr_wrong
+                       and post_steps == list(range(info.step + 1, steps + 1)))
+    if not res["pass"]:
+        res["tails"] = {"preempted": pre["tail"], "resumed": post["tail"]}
+    return res
+
+
 #: name -> (check, budget seconds); the budgets add up to TOTAL_BUDGET_S
 CHECKS: dict[str, tuple[Callable[[float], dict[str, Any]], float]] = {
     "anytime": (check_anytime, 140),
+    "torchft": (check_torchft, 60),
     "staging": (check_staging, 35),
     "rng": (check_rng, 60),
     "nccl": (check_nccl, 60),

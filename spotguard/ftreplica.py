@@ -46,12 +46,13 @@ def digest(model: Any, optim: Any) -> str:
     h = hashlib.sha256()
     h.update(repr([g["lr"] for g in optim.param_groups]).encode())
     for p in model.parameters():
-        h.update(p.detach().contiguous().numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
     for _, st in sorted(optim.state_dict()["state"].items()):
         for k in sorted(st):
             v = st[k]
             h.update(k.encode())
-            h.update(v.detach().contiguous().numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
+            h.update(v.detach().cpu().contiguous().numpy().tobytes() if isinstance(v, torch.Tensor)
+                     else repr(v).encode())
     return h.hexdigest()[:16]
 
 
@@ -67,7 +68,7 @@ def _batch(step: int, replica: str, dim: int) -> tuple[Any, Any]:
 def worker(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
     from torch.distributed import TCPStore  # noqa: PLC0415
-    from torchft import Manager, ProcessGroupGloo  # noqa: PLC0415
+    from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL  # noqa: PLC0415
 
     from .hook.core import Preempted  # noqa: PLC0415
     from .hook.torchft import STEP, ReplicaGuard  # noqa: PLC0415
@@ -77,7 +78,8 @@ def worker(args: argparse.Namespace) -> int:
     log = get_logger("spotguard.ftreplica", component="replica", replica=args.replica_id)
     torch.manual_seed(0)  # every group starts from the same weights (torchft's init_sync heals them anyway)
     dim = args.dim
-    model = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.Tanh(), torch.nn.Linear(dim, 1))
+    dev = torch.device(args.device)
+    model = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.Tanh(), torch.nn.Linear(dim, 1)).to(dev)
     optim = torch.optim.AdamW(model.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_factor)  # stepped after each committed step
     if args.hold:
@@ -94,7 +96,7 @@ def worker(args: argparse.Namespace) -> int:
         sched.load_state_dict(sd["sched"])
 
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=args.pg_timeout)),
+        pg=(ProcessGroupNCCL if dev.type == "cuda" else ProcessGroupGloo)(timeout=timedelta(seconds=args.pg_timeout)),
         load_state_dict=load_state,
         state_dict=lambda: {"model": model.state_dict(), "optim": optim.state_dict(), "sched": sched.state_dict()},
         min_replica_size=1,
@@ -120,10 +122,17 @@ def worker(args: argparse.Namespace) -> int:
 
     try:
         while more():
+            if args.notify_at and manager.current_step() == args.notify_at and not guard.leaving:
+                from .notice import Notice  # noqa: PLC0415
+                from .timefmt import utcnow  # noqa: PLC0415
+
+                now = utcnow()  # a notice without a daemon (the GPU check): the same path as a daemon's
+                guard.notify(Notice(id=f"notify-at-{args.notify_at}", source="drill", kind="preemption",
+                                    deadline=now + timedelta(seconds=60), received_at=now))
             opt.zero_grad()  # starts the quorum; it runs while we "compute"
             if args.step_time > 0:
                 time.sleep(args.step_time)
-            x, y = _batch(manager.current_step(), args.replica_id, dim)
+            x, y = (t.to(dev) for t in _batch(manager.current_step(), args.replica_id, dim))
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
@@ -355,6 +364,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--pg-timeout", type=float, default=10.0, help="torchft collective timeout, seconds")
     p.add_argument("--end-with", type=int, default=0,
                    help="past --steps, go on until a committed step had this many replicas voting (at most 10x --steps)")
+    p.add_argument("--device", default="cpu", help="cpu (torchft's Gloo group) or cuda (its NCCL group)")
+    p.add_argument("--notify-at", type=int, default=0, help="hand the guard a notice itself at this step")
     p.add_argument("--hold", action="store_true",
                    help="import, print replica_ready, then wait for a line on stdin before joining")
     return worker(p.parse_args(argv))
