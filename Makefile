@@ -91,9 +91,9 @@ bench-time-to-safe: $(STAMP)
 GPU_PY ?= python3
 .PHONY: gpu-check gpu-wheels
 gpu-check:
-	@if [ -d .whl ] && ! $(GPU_PY) -c 'import structlog, crc32c, boto3' 2>/dev/null; then $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+	@if [ -d .whl ] && ! $(GPU_PY) -c 'import structlog, crc32c, boto3, torchft' 2>/dev/null; then $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
 	  --upgrade --target /tmp/sg-site .whl/*.whl; fi
-	PYTHONPATH=$(CURDIR):/tmp/sg-site$${PYTHONPATH:+:$$PYTHONPATH} timeout 560 $(GPU_PY) -m benchmarks.gpu_check
+	PATH=/tmp/sg-site/bin:$$PATH PYTHONPATH=$(CURDIR):/tmp/sg-site$${PYTHONPATH:+:$$PYTHONPATH} timeout 580 $(GPU_PY) -m benchmarks.gpu_check
 
 # spotguard's dependencies that the GPU machine's image lacks (KINDS.md), as cp312 x86-64 wheels in .whl/
 GPU_WHEELS := structlog==26.1.0 crc32c==2.9.post0 boto3==1.43.117 botocore==1.43.117 s3transfer==0.19.3 jmespath==1.1.0 \
