@@ -24,6 +24,11 @@ hides the others, and writes the summary to ``$OUT/gpu_check.json`` when
   the hook's gloo agreement while a long CUDA kernel runs (threshold: done
   while the kernel still runs, < 2 s), the hook's save and exit, and bounded
   destroy (abort if it hangs) of the NCCL group (threshold: <= 5 s).
+- ``anytime``: notices from another thread at random moments while CUDA kernels are queued (a plain
+  process and a 1-GPU torchrun job): every resumed state bitwise the uninterrupted run's at its step
+  (threshold: all exact, at most one step lost).
+- ``torchft``: one torchft replica group on its NCCL process group, a notice, the whole-job leave and a
+  resumed job (threshold: every step commits, resume bitwise, the scheduler on its schedule).
 - ``overhead``: per-step cost of the hook on a small bf16 transformer step
   with no notice, interleaved A/B blocks (threshold: <= 2 %).
 
