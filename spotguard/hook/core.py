@@ -600,7 +600,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         if optimizer is self._clock:
             self._decide()
         elif self._many_opts:
-            self._snap = Snapshot.take(self._objs.loaders, {})
+            self._snap = Snapshot.take(self._objs.loaders)
 
     def _tick(self) -> None:
         """An iteration boundary: how long the iteration took (the boundary path's warning at a notice)."""
@@ -627,7 +627,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                 self._act(res[0], res[1], snap=None, final=False)
         self._count += 1
         self._implicit_counted = True
-        self._snap = Snapshot.take(self._objs.loaders, {})
+        self._snap = Snapshot.take(self._objs.loaders)
         level, deadline_ms = self._local_level()
         self._agree.launch(level, deadline_ms, self._periodic_flags())
 
@@ -690,7 +690,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         if why is not None:
             self._leave_clock(expected, why, final=final)
             return
-        snap = Snapshot.take(self._objs.loaders, {})
+        snap = Snapshot.take(self._objs.loaders)
         bufs = clone_buffers(self._buffers)
         self._watch.mark()  # the loop's post-step writes (AveragedModel, clipping) belong to this iteration
         with self._cv:
@@ -807,7 +807,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         """Clock post-hook (background mode): count, snapshot, leave "inside optimizer.step"."""
         self._watch.mark()  # after step S: what a background read must still see (may track more buffers)
         # before the count: a round may read it at once (an explicit loop: taken at its boundary instead)
-        snap = None if self._range_clock else Snapshot.take(self._objs.loaders, {})
+        snap = None if self._range_clock else Snapshot.take(self._objs.loaders)
         if self._cuda_params:
             self._step_event = torch.cuda.Event()
             self._step_event.record()  # the background read waits on it: step S's kernels are done

@@ -316,7 +316,7 @@ class SaveMixin:
 
     def _save_state_dict(self, snap: Optional[Snapshot]) -> dict[str, Any]:
         if snap is None:
-            snap = Snapshot.take(self._objs.loaders, {})
+            snap = Snapshot.take(self._objs.loaders)
         sd = self._tensor_state()
         sd[self._rank_key(self._rank)] = pack(self._per_rank_state(self._count, snap))
         return sd
@@ -751,7 +751,7 @@ class SaveMixin:
         o = self._objs
         snap = self._snap if self._snap is not None and self._snap_count == step else None
         if snap is None:
-            snap = Snapshot.take(o.loaders, {})
+            snap = Snapshot.take(o.loaders)
         per = self._per_rank_state(step, snap)
         groups = self._groups_copy()
         anchor = getattr(self, "_anchor_copy", None)
@@ -796,7 +796,7 @@ class SaveMixin:
         o = self._objs
         try:
             snap = self._snap if self._snap is not None and self._snap_count == step else \
-                Snapshot.take(o.loaders, {})
+                Snapshot.take(o.loaders)
             per = self._per_rank_state(step, snap)
             for k in ("schedulers", "scalers", "stateful"):  # state_dict() may hand out live containers
                 per[k] = copy.deepcopy(per[k])

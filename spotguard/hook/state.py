@@ -263,15 +263,11 @@ class Snapshot:
 
     rng: dict[str, Any]
     loaders: dict[str, Any]
-    buffers: dict[str, dict[str, torch.Tensor]]
 
     @classmethod
-    def take(cls, loaders: Mapping[str, Any], buffers: Mapping[str, Mapping[str, torch.Tensor]]) -> "Snapshot":
-        return cls(
-            rng=capture_rng(),
-            loaders={k: copy.deepcopy(v.state_dict()) for k, v in loaders.items()},
-            buffers=clone_buffers(buffers),
-        )
+    def take(cls, loaders: Mapping[str, Any]) -> "Snapshot":
+        """RNG and loader positions now (running-stat buffers are taken at the next forward: core._on_forward)."""
+        return cls(rng=capture_rng(), loaders={k: copy.deepcopy(v.state_dict()) for k, v in loaders.items()})
 
 
 def pack(obj: Any) -> bytes:

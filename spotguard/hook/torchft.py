@@ -238,7 +238,7 @@ class ReplicaGuard:
         self._log.info(ALL_LEAVING, step=step, notice_id=notice.id, replica_rank=rank)
         self.manager.shutdown(wait=False)
         if rank == 0:
-            self._pending = (notice, step, Snapshot.take(self.hook._objs.loaders, {}))
+            self._pending = (notice, step, Snapshot.take(self.hook._objs.loaders))
             return
         self.hook._flush_intake()
         self.hook.close()
