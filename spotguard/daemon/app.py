@@ -158,6 +158,9 @@ class Daemon:
                                     persist=self._persist_state)
         self._state_dirty = False
         self._state_writer: Optional[asyncio.Task[None]] = None
+        # Set once the earlier life's state file was read: a trainer that reconnects before then (the socket is
+        # bound first) must not have it overwritten unread (its subscriber list, with the trainers of a kill -9).
+        self._state_loaded = False
         self._subscribers_at_stop = 0
 
     # --- lifecycle -------------------------------------------------------------
@@ -200,6 +203,9 @@ class Daemon:
         # Only now: the socket is ours, so no live daemon is using the state file beside it.
         self._persisted = self.state.load()
         self._restore_action_state()
+        self._state_loaded = True
+        if self._state_dirty:
+            self._save_state()
         self._reconcile_cluster("start")
         if cfg.metrics_port:
             self.metrics_server = MetricsServer(self.metrics, cfg.metrics_port, self._health)
@@ -444,8 +450,8 @@ class Daemon:
         thread, after the fan-out already queued has gone out. Never waits: a slow disk (SkyPilot keeps the
         socket under $HOME) must not stand between a notice and its subscribers."""
         self._state_dirty = True
-        if self._shut:
-            return  # shutdown writes the final state itself (_flush_state)
+        if self._shut or not self._state_loaded:
+            return  # shutdown writes the final state itself (_flush_state); before the load: start() writes it
         if self._state_writer is None or self._state_writer.done():
             try:
                 self._state_writer = asyncio.get_running_loop().create_task(self._write_state(),
@@ -477,6 +483,8 @@ class Daemon:
 
     async def _flush_state(self) -> None:
         """At shutdown: wait (bounded) for a write in flight, then write what is left inline."""
+        if not self._state_loaded:
+            return  # stopped before the earlier life's state file was read: leave it for the next life
         writer = self._state_writer
         if writer is not None and not writer.done():
             await asyncio.wait([writer], timeout=2.0)

@@ -375,6 +375,8 @@ class ActionRunner:
             for d in earlier_subscribers[:MAX_STATE_SUBSCRIBERS]:
                 if isinstance(d, dict) and isinstance(d.get("key"), str):
                     self._earlier_subs[d["key"][:256]] = {f: d.get(f) for f in _WHO_FIELDS if _plain(d.get(f))}
+        for key in self._live.values():  # reconnected before the state file was read
+            self._earlier_subs.pop(key, None)
         if self._earlier_subs:
             self._restart = True
             log.info("action.earlier_subscribers", subscribers=len(self._earlier_subs),
