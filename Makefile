@@ -40,7 +40,7 @@ demo-torchft: $(STAMP) torchft-tools
 # `make test`), DAMAGE_ARGS e.g. "--trials 60 --seed 5". Then the vanished-node grid (tests/chaos/vanish.py, ~8 trials of ~35 s: node B frozen with SIGSTOP at
 # every point, each judged by vanish.judge; one of them, B frozen mid-iteration with no notice, runs in `make test`). VANISH_ARGS e.g. "--trials 3 --peer-timeout 5".
 # Then the daemon's own restarts (tests/chaos/daemon_chaos.py, ~32 trials of ~12 s: SIGTERM/SIGKILL at every
-# phase of an ASG notice with the webhook and ASG actions on; six of them run in `make test`).
+# phase of an ASG notice with the webhook and ASG actions on; four of them, one per phase, run in `make test`).
 # DAEMON_CHAOS_ARGS e.g. "--trials 64 --seed 3 --json tests/chaos/results/daemon_chaos.json".
 chaos: $(STAMP) storage-tools
 	$(PY) -m tests.chaos.driver --preemptions 24 $(CHAOS_ARGS)

@@ -54,7 +54,7 @@ from ..protocol import (
     encode,
 )
 from ..timefmt import to_rfc3339, utcnow
-from .actions import ActionError, ActionRunner
+from .actions import EARLIER_WINDOW, ActionError, ActionRunner
 from .book import Entry, NoticeBook
 from .config import ConfigError, DaemonConfig, add_arguments as _add_config_arguments
 from .logsink import LogSink
@@ -122,6 +122,8 @@ class Daemon:
                                  expire_margin=expire_margin)
         self._persisted: dict[tuple[str, str], Notice] = {}
         self._aliases: dict[str, str] = {}  # a watcher's fresh id -> the persisted id of the same notice
+        # Per connected client: its final report for an id this life never saw, and when (_earlier_life_report).
+        self._earlier_final: dict[int, tuple[float, Message]] = {}
         self.metrics = metrics or Metrics()
         self.sd = notifier if notifier is not None else SdNotifier()
         self.signal_watcher = SignalWatcher()
@@ -156,6 +158,9 @@ class Daemon:
                                     persist=self._persist_state)
         self._state_dirty = False
         self._state_writer: Optional[asyncio.Task[None]] = None
+        # Set once the earlier life's state file was read: a trainer that reconnects before then (the socket is
+        # bound first) must not have it overwritten unread (its subscriber list, with the trainers of a kill -9).
+        self._state_loaded = False
         self._subscribers_at_stop = 0
 
     # --- lifecycle -------------------------------------------------------------
@@ -198,6 +203,9 @@ class Daemon:
         # Only now: the socket is ours, so no live daemon is using the state file beside it.
         self._persisted = self.state.load()
         self._restore_action_state()
+        self._state_loaded = True
+        if self._state_dirty:
+            self._save_state()
         self._reconcile_cluster("start")
         if cfg.metrics_port:
             self.metrics_server = MetricsServer(self.metrics, cfg.metrics_port, self._health)
@@ -388,6 +396,10 @@ class Daemon:
         for c in sent:
             self.book.queued(notice.id, c.id, live=True)
         entry.broadcast_to = len(sent)
+        for c in sent:  # a trainer that already reported for an earlier life's id of (maybe) this notice
+            at, earlier = self._earlier_final.get(c.id, (0.0, None))
+            if earlier is not None and entry.seen_monotonic - at < EARLIER_WINDOW:
+                self._record_earlier(c, earlier, [entry])
         if notice.key:
             self._save_state()
         self.metrics.notices.labels(notice.source, notice.kind).inc()
@@ -438,8 +450,8 @@ class Daemon:
         thread, after the fan-out already queued has gone out. Never waits: a slow disk (SkyPilot keeps the
         socket under $HOME) must not stand between a notice and its subscribers."""
         self._state_dirty = True
-        if self._shut:
-            return  # shutdown writes the final state itself (_flush_state)
+        if self._shut or not self._state_loaded:
+            return  # shutdown writes the final state itself (_flush_state); before the load: start() writes it
         if self._state_writer is None or self._state_writer.done():
             try:
                 self._state_writer = asyncio.get_running_loop().create_task(self._write_state(),
@@ -451,7 +463,8 @@ class Daemon:
         await asyncio.sleep(0)  # the client writers queued by this fan-out run first
         while self._state_dirty:
             self._state_dirty = False
-            data = self.state.encode(self._state_notices(), self.actions.states())
+            data = self.state.encode(self._state_notices(), self.actions.states(),
+                                     subscribed=self.actions.registry())
             if data is not None:
                 await asyncio.to_thread(self.state.write, data)
 
@@ -470,6 +483,8 @@ class Daemon:
 
     async def _flush_state(self) -> None:
         """At shutdown: wait (bounded) for a write in flight, then write what is left inline."""
+        if not self._state_loaded:
+            return  # stopped before the earlier life's state file was read: leave it for the next life
         writer = self._state_writer
         if writer is not None and not writer.done():
             await asyncio.wait([writer], timeout=2.0)
@@ -482,7 +497,7 @@ class Daemon:
 
         restarted = bool(self._persisted) or self.state.subscribers > 0 or bool(self.server and self.server.found_stale)
         self.actions.restore({nid: ActionState.from_dict(doc) for nid, doc in self.state.actions.items()},
-                             restarted=restarted)
+                             restarted=restarted, earlier_subscribers=self.state.subscribed)
 
     def _stop_deciding(self) -> None:
         """From the first moment of a stop: the disconnects of our own shutdown are not the trainers' outcome;
@@ -583,6 +598,9 @@ class Daemon:
         entry, changed = self.book.record(client.id, msg)
         nid = getattr(msg, "id", "")
         if entry is None:
+            if isinstance(msg, (CheckpointDone, CheckpointFailed)) and nid and not self.book.seen(nid):
+                self._earlier_life_report(client, msg)
+                return
             log.info("report.unknown_notice", notice_id=nid, message_type=msg.type, **client.log_fields())
             return
         if not changed:
@@ -613,6 +631,38 @@ class Daemon:
         touched = [entry, *self._same_report_for_siblings(client, msg, entry)]
         self.actions.progress(touched)
         self._progress.set()
+
+    def _earlier_life_report(self, client: Client, msg: Message) -> None:
+        """A final report for an id this life never saw: the id an earlier daemon life delivered before it was
+        killed, before the state file had the notice (the same provider notice has a new id here). The trainer
+        checkpointed once, for that id: its report stands for the emergency notices this life sent it, and for
+        it in those seen soon (``ActionRunner.earlier_report``). Before: dropped, and the new id ended
+        ``incomplete`` when the trainer left (daemon chaos, kill -9 before delivery)."""
+        log.info("report.earlier_life_notice", notice_id=getattr(msg, "id", ""), message_type=msg.type,
+                 detail="an id this daemon life never saw: delivered by a daemon killed before it wrote it down",
+                 **client.log_fields())
+        self._earlier_final[client.id] = (time.monotonic(), msg)
+        touched = self._record_earlier(client, msg, [e for e in self.book.active.values() if e.id in client.sent_ids])
+        state = "checkpoint_done" if isinstance(msg, CheckpointDone) else "checkpoint_failed"
+        self.actions.earlier_report(client, state, step=getattr(msg, "step", None), uri=getattr(msg, "uri", None),
+                                    error=getattr(msg, "error", None),
+                                    seconds_past=getattr(msg, "seconds_past", None) if getattr(msg, "late", False)
+                                    else None)
+        if touched:
+            self.actions.progress(touched)
+        self._progress.set()
+
+    def _record_earlier(self, client: Client, msg: Message, entries: list[Entry]) -> list[Entry]:
+        out = []
+        for e in entries:
+            if e.notice.kind not in EMERGENCY_KINDS:
+                continue
+            got, changed = self.book.record(client.id, dataclasses.replace(msg, id=e.id))
+            if got is not None and changed:
+                log.info(f"notice.{msg.type}", notice_id=e.id, same_as=getattr(msg, "id", ""), earlier_life=True,
+                         **client.log_fields())
+                out.append(got)
+        return out
 
     def _same_report_for_siblings(self, client: Client, msg: Message, entry: Any) -> list[Any]:
         """A trainer's final report on one emergency notice stands for every other emergency notice it was sent:
@@ -721,6 +771,8 @@ class Daemon:
         self.metrics.disconnects.labels(_disconnect_label(reason)).inc()
         for entry in self.book.client_gone(client.id):
             self._log_delivered(entry)
+        self._earlier_final.pop(client.id, None)
+        self.actions.forget(client)
         self.actions.progress(self.book.active.values())
         self._progress.set()
         if client.subscribed:

@@ -94,6 +94,10 @@ class NoticeBook:
         self.total += 1
         return entry
 
+    def seen(self, notice_id: str) -> bool:
+        """Was this id ever added in this daemon life (within the last ``remember`` ids)?"""
+        return notice_id in self._seen
+
     def cancel(self, notice_id: str) -> Optional[Entry]:
         """Withdraw an active notice; ``None`` if it is not active (nothing to send)."""
         return self.active.pop(notice_id, None)

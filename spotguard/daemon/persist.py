@@ -109,6 +109,9 @@ class NoticeState:
         self._warned = False
         self.actions: dict[str, Any] = {}  # by notice id, from ``load``: the raw per-notice action state
         self.subscribers = 0  # from ``load``: trainers subscribed when the previous daemon stopped
+        # From ``load``: who was subscribed at the last write of a daemon that did not stop cleanly (raw, untrusted;
+        # ``actions.ActionRunner.restore`` validates it). A clean stop writes no list.
+        self.subscribed: Any = None
 
     def load(self) -> dict[Key, Notice]:
         if not self.path:
@@ -142,10 +145,13 @@ class NoticeState:
         self.actions = {}
         entries, problems = parse_state(raw, expire_margin=self.expire_margin, actions=self.actions)
         try:
-            subs = json.loads(raw.decode("utf-8")).get("subscribers", 0)
+            doc = json.loads(raw.decode("utf-8"))
+            subs = doc.get("subscribers", 0)
             self.subscribers = subs if isinstance(subs, int) and not isinstance(subs, bool) and subs > 0 else 0
+            self.subscribed = doc.get("subscribed") if isinstance(doc.get("subscribed"), list) else None
         except (UnicodeDecodeError, ValueError, RecursionError, AttributeError):
             self.subscribers = 0
+            self.subscribed = None
         for p in problems:
             log.warning("notice_state.entry_skipped", path=self.path, reason=p)
         if entries:
@@ -154,11 +160,13 @@ class NoticeState:
         return entries
 
     def encode(self, notices: Iterable[Notice], actions: Optional[dict[str, Any]] = None,
-               subscribers: int = 0) -> Optional[bytes]:
+               subscribers: int = 0, subscribed: Optional[list[Any]] = None) -> Optional[bytes]:
         """The file's bytes for these keyed notices (with each one's action state), or ``None`` if unchanged.
 
         ``subscribers`` (written at a stop): how many trainers were subscribed, so the next daemon knows some
-        are about to reconnect and decides no outcome in its first moments."""
+        are about to reconnect and decides no outcome in its first moments. ``subscribed`` (written while running):
+        who is subscribed, so that the next daemon, if this one is killed before it wrote a notice down, knows who
+        that notice may have reached (``actions.ActionRunner.registry``)."""
         if not self.path:
             return None
         items = []
@@ -171,6 +179,8 @@ class NoticeState:
         doc: dict[str, Any] = {"format": FORMAT, "notices": items[:MAX_ENTRIES]}
         if subscribers > 0:
             doc["subscribers"] = subscribers
+        if subscribed:
+            doc["subscribed"] = subscribed[:MAX_ENTRIES]
         data = (json.dumps(doc, separators=(",", ":"), default=str) + "\n").encode()
         return None if data == self._last else data
 

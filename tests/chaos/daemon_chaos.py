@@ -390,7 +390,10 @@ async def run(trials: int, seed: int, work: Path, phases: tuple[str, ...] = PHAS
         moto.group("chaos-asg", hook_timeout=60, others=("someone-elses-log-shipper",))
         for i in range(trials):
             phase = phases[i % len(phases)]
-            sig = SIGNALS[(i // len(phases)) % len(SIGNALS)] if trials >= 2 * len(phases) else rng.choice(SIGNALS)
+            # every (phase, signal) pair once per 2 x phases trials; fewer: the signals alternate, SIGKILL first,
+            # so that four trials kill -9 before_delivery and after_commit (docs/reliability.md's regressions)
+            sig = (SIGNALS[(i // len(phases)) % len(SIGNALS)] if trials >= 2 * len(phases)
+                   else SIGNALS[(i + 1) % len(SIGNALS)])
             r = await Trial(i, rng, work, moto, phase, sig, code).run()
             statuses = sorted({str(p["status"]) for p in r["webhooks"]})
             print(f"trial {i:3d} {phase:18s} {sig:7s} subs={r['subscribers']} outcome={','.join(statuses) or '-':12s}"

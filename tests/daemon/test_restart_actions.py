@@ -267,3 +267,75 @@ async def test_a_true_outcome_is_never_swallowed_by_an_earlier_event(kubeconfig_
     assert [e["type"] for e in events] == ["Warning", "Normal"], [e["message"] for e in events]
     assert "committed at step 9" in events[1]["message"]
     assert [s for m, p, s, _ in kube.log if p.endswith("/ml/events")] == [201, 201, 409]
+
+
+# --- kill -9 before the notice reached the state file ------------------------------------------------------
+# The state file is written from a worker thread just after the fan-out: a kill -9 in between leaves no trace
+# of the notice, so the next life sees the same provider notice under a new id. A trainer reached by the
+# earlier life checkpoints once and reports for the id it got (which this life never saw). Before: the report
+# was dropped as `report.unknown_notice`, the new id ended `incomplete` once the trainer left (daemon chaos,
+# SIGKILL before_delivery), or `no_subscribers` when it left before the new id was seen. The earlier life is
+# simply absent here: that is exactly what such a kill leaves (the id it delivered is all the trainer knows).
+
+
+async def test_kill9_before_the_state_write_the_report_for_the_earlier_id_stands(
+        sock_path: str, moto: Moto) -> None:  # noqa: F811
+    iid = moto.group("kill9-asg")
+    async with LoopbackServer() as hook:
+        w = aws_watcher(iid)
+        with structlog.testing.capture_logs() as logs:
+            async with running_daemon(sock_path, [w], asg_lifecycle_hook="auto", webhook_url=hook.url):
+                t = await Subscription(sock_path, rank=0, job="train").open()  # the trainer, reconnected
+                await w.push(asg_notice("aws-asg-second-life"))  # the same provider notice, a new id
+                n = await t.next_notice(timeout=5)
+                await t.ack(n.id)  # the intake acks every notice; the hook acts on the first one only
+                committed_at = time.time()
+                await t.checkpoint_done("aws-asg-first-life", step=40)  # the id the killed daemon delivered
+                await t.close()  # the trainer exits after its checkpoint
+                (post,) = await hook.wait_requests(1, timeout=15)
+                outcome = post.json()["outcome"]
+                assert (outcome["status"], outcome["step"]) == ("committed", 40), outcome  # before: incomplete
+                await eventually(lambda: len(_completes(moto)) == 1, timeout=15, what="CompleteLifecycleAction")
+    assert [c["result"] for c in _completes(moto)] == ["CONTINUE"]
+    assert _completes(moto)[0]["t"] >= committed_at
+    assert [r["status"] for r in logs if r["event"] == "action.outcome"] == ["committed"]
+
+
+async def test_kill9_before_the_state_write_a_report_before_the_notice_is_seen_again_stands(
+        sock_path: str) -> None:
+    """The trainer reconnects and reports (then exits) before this life's watcher saw the notice again."""
+    async with LoopbackServer() as hook:
+        w = FakeWatcher("aws")
+        async with running_daemon(sock_path, [w], webhook_url=hook.url) as d:
+            t = await Subscription(sock_path, rank=0, job="train").open()
+            await t.checkpoint_done("aws-asg-first-life", step=41)
+            await t.status()  # the report was read before the close
+            await t.close()
+            await eventually(lambda: not d.server.subscribers(), what="the trainer gone")
+            await w.push(asg_notice("aws-asg-second-life"))
+            (post,) = await hook.wait_requests(1, timeout=15)
+    outcome = post.json()["outcome"]
+    assert (outcome["status"], outcome["step"], len(outcome["subscribers"])) == ("committed", 41, 1), outcome
+
+
+async def test_kill9_before_the_state_write_a_trainer_that_never_returns_is_unreported(sock_path: str) -> None:
+    """The trainer got the notice from the killed life, committed while no daemon listened and exited: this
+    life never hears from it. Its subscriber list (written while running; a clean stop leaves it out) says
+    who that was: 'unreported', not 'no_subscribers' (which completes an ASG hook with CONTINUE)."""
+    async with LoopbackServer() as hook:
+        async with running_daemon(sock_path, [FakeWatcher("aws")], webhook_url=hook.url):
+            t = await Subscription(sock_path, rank=0, job="train", pid=4242, pod="train-0", namespace="ml").open()
+            await eventually(lambda: bool(_saved_state(sock_path).get("subscribed")), what="the subscriber list")
+            with open(state_path_for(sock_path), "rb") as f:
+                killed = f.read()  # the state file as a kill -9 right now leaves it
+            await t.close()
+        assert "subscribed" not in _saved_state(sock_path), "a clean stop writes no subscriber list"
+        with open(state_path_for(sock_path), "wb") as f:
+            f.write(killed)
+        w = FakeWatcher("aws")
+        async with running_daemon(sock_path, [w], webhook_url=hook.url):
+            await w.push(asg_notice("aws-asg-second-life"))
+            (post,) = await hook.wait_requests(1, timeout=15)
+    outcome = post.json()["outcome"]
+    assert outcome["status"] == "unreported", outcome
+    assert [(s["pod"], s["state"]) for s in outcome["subscribers"]] == [("train-0", "unreported")]

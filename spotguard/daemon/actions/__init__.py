@@ -23,6 +23,14 @@ restored after a restart that reached subscribers before decides nothing until t
 ``no_subscribers``); an outcome decided in an earlier life is the outcome, and an action
 that already sent it is not asked again. While the daemon is stopping (``stopping``) no
 outcome is decided at all: the disconnects of its own shutdown are not the trainers leaving.
+
+A kill -9 between the fan-out and the state file's write (a few ms) leaves no trace of the notice: the
+next life sees the same provider notice under a new id, while the trainers it reached checkpoint for the
+old one. Hence, while running, the state file also lists who is subscribed (``registry``; a clean stop
+leaves it out: it persists every notice). A later life counts those of them that do not come back as
+``unreported`` in a notice it sees soon after its start (``EARLIER_WINDOW``), and a final report for a
+notice id this life never saw (``earlier_report``: the id an earlier life delivered) stands for that
+trainer in those notices — never ``incomplete`` or ``no_subscribers`` because of the daemon's restart.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from ...timefmt import to_rfc3339
 from ..book import FINAL_STATES, Entry
 
 __all__ = ["Action", "ActionError", "ActionRunner", "ActionState", "Outcome", "SubscriberOutcome", "Deadline",
-           "RECONNECT_GRACE"]
+           "RECONNECT_GRACE", "EARLIER_WINDOW"]
 
 log = get_logger("spotguard.actions")
 
@@ -55,6 +63,11 @@ DRAIN_SECONDS = 1.5
 RECONNECT_GRACE = 10.0
 #: A subscriber that reached a notice in an earlier life and did not come back within the grace.
 UNREPORTED = "unreported"
+#: After a start that found another life's subscriber list (it was killed, not stopped), for this long a new
+#: notice may be one that life delivered without writing it down: its subscribers that did not come back, and
+#: the final reports made for ids this life never saw, count in it. About a spot notice's two minutes.
+EARLIER_WINDOW = 120.0
+_WHO_FIELDS = ("rank", "job", "pid", "pod", "namespace")
 _STATE_RANK = {s: i for i, s in enumerate(("queued", "delivered", "acked", "checkpoint_started", UNREPORTED,
                                             "checkpoint_done", "checkpoint_failed"))}
 _SUB_FIELDS = ("state", "step", "uri", "error", "rank", "job", "pid", "pod", "namespace", "seconds_past")
@@ -327,6 +340,11 @@ class ActionRunner:
         self.stopping = False  # set before the daemon's own shutdown disconnects everyone
         self._started = time.monotonic()
         self._restart = False  # the state file held notices of an earlier life
+        self._live: dict[int, str] = {}  # this life's subscribed clients -> subscriber key (the registry)
+        # Subscribers of a killed earlier life not seen again in this one (key -> who), and final reports for
+        # notice ids this life never saw (key -> (monotonic, state)): see EARLIER_WINDOW.
+        self._earlier_subs: dict[str, dict[str, Any]] = {}
+        self._earlier_reports: dict[str, tuple[float, dict[str, Any]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self.actions)
@@ -345,11 +363,41 @@ class ActionRunner:
 
     # --- persistence ------------------------------------------------------------------
 
-    def restore(self, states: dict[str, ActionState], *, restarted: bool = False) -> None:
+    def restore(self, states: dict[str, ActionState], *, restarted: bool = False,
+                earlier_subscribers: Any = None) -> None:
         """The action states of an earlier daemon life, by notice id (used when the notice is seen again);
-        ``restarted``: the state file held active notices, so subscribers may be reconnecting right now."""
+        ``restarted``: the state file held active notices, so subscribers may be reconnecting right now;
+        ``earlier_subscribers``: the subscriber list a killed earlier life wrote (``registry``; untrusted)."""
         self._restored = dict(states)
         self._restart = restarted or bool(states)
+        self._earlier_subs = {}
+        if isinstance(earlier_subscribers, list):
+            for d in earlier_subscribers[:MAX_STATE_SUBSCRIBERS]:
+                if isinstance(d, dict) and isinstance(d.get("key"), str):
+                    self._earlier_subs[d["key"][:256]] = {f: d.get(f) for f in _WHO_FIELDS if _plain(d.get(f))}
+        for key in self._live.values():  # reconnected before the state file was read
+            self._earlier_subs.pop(key, None)
+        if self._earlier_subs:
+            self._restart = True
+            log.info("action.earlier_subscribers", subscribers=len(self._earlier_subs),
+                     detail="the previous daemon was killed: a notice seen soon counts those that do not return")
+
+    def registry(self) -> Optional[list[dict[str, Any]]]:
+        """Who is subscribed now (and who of a killed earlier life may still come back), for the state file;
+        ``None`` without actions or while stopping (a clean stop persists every notice: nothing to guess)."""
+        if not self.actions or self.stopping:
+            return None
+        out: dict[str, dict[str, Any]] = {}
+        if self._in_earlier_window():
+            out.update(self._earlier_subs)
+        for cid, key in self._live.items():
+            info = self._who.get(cid)
+            out[key] = {f: getattr(info, f, None) for f in _WHO_FIELDS}
+        return [{"key": k, **{f: v for f, v in d.items() if _plain(v)}}
+                for k, d in list(out.items())[:MAX_STATE_SUBSCRIBERS]]
+
+    def _in_earlier_window(self, at: Optional[float] = None) -> bool:
+        return (at if at is not None else time.monotonic()) < self._started + EARLIER_WINDOW
 
     def states(self) -> dict[str, dict[str, Any]]:
         """Every tracked notice's action state (for the state file), plus restored ones not seen again yet."""
@@ -429,6 +477,71 @@ class ActionRunner:
             if len(self._who) > 8192:  # bounded: forget the oldest
                 for cid in list(self._who)[:1024]:
                     del self._who[cid]
+            key = self._skey(client.id)
+            self._live[client.id] = key
+            self._earlier_subs.pop(key, None)  # back: followed by its own reports from now on
+            self._changed()
+
+    def forget(self, client: Any) -> None:
+        """A subscriber disconnected (not during our own stop: those trainers are reconnecting)."""
+        if self.stopping:
+            return
+        if self._live.pop(getattr(client, "id", None), None) is not None:  # type: ignore[arg-type]
+            self._changed()
+
+    def earlier_report(self, client: Any, state: str, *, step: Optional[int] = None, uri: Optional[str] = None,
+                       error: Optional[str] = None, seconds_past: Optional[float] = None) -> None:
+        """A final report for a notice id this life never saw: an earlier life delivered it and was killed before
+        writing it down (the same provider notice has a new id here). It stands for this trainer in the
+        emergency notices of the window (``EARLIER_WINDOW``): those tracked now and those seen soon."""
+        if not self.actions or state not in FINAL_STATES:
+            return
+        info = self._who.get(client.id)
+        key = self._live.get(client.id) or self._skey(client.id)
+        d = {"state": state, "step": step, "uri": uri, "error": error, "seconds_past": seconds_past,
+             **{f: getattr(info, f, None) for f in _WHO_FIELDS}}
+        now = time.monotonic()
+        self._earlier_reports[key] = (now, d)
+        if len(self._earlier_reports) > MAX_STATE_SUBSCRIBERS:
+            del self._earlier_reports[next(iter(self._earlier_reports))]
+        touched = []
+        for tracked in self._tracked.values():
+            if not tracked.done and abs(tracked.entry.seen_monotonic - now) < EARLIER_WINDOW:
+                if self._apply_earlier(tracked, key, d):
+                    touched.append(tracked.entry)
+        log.info("action.earlier_report", subscriber=key, state=state, step=step,
+                 notices=[e.id for e in touched][:16])
+        if touched:
+            self._changed()
+            self.progress(touched)
+
+    @staticmethod
+    def _apply_earlier(tracked: _Tracked, key: str, d: dict[str, Any]) -> bool:
+        subs = tracked.state.subscribers
+        old = subs.get(key)
+        if old is not None and _rank(old.get("state", "")) >= _rank(d["state"]):
+            return False
+        if old is None and len(subs) >= MAX_STATE_SUBSCRIBERS:
+            return False
+        subs[key] = {f: d.get(f) for f in _SUB_FIELDS if _plain(d.get(f))}
+        tracked.awaiting.discard(key)
+        return True
+
+    def _seed_earlier(self, tracked: _Tracked) -> int:
+        """A notice seen in the window after a kill -9 may be one the killed life delivered: its trainers that
+        did not come back are awaited (then ``unreported``), and their reports for the old id stand."""
+        seen = tracked.entry.seen_monotonic
+        n = 0
+        for key, who in self._earlier_subs.items():
+            if key not in tracked.state.subscribers and len(tracked.state.subscribers) < MAX_STATE_SUBSCRIBERS:
+                tracked.state.subscribers[key] = {"state": "queued",
+                                                  **{f: v for f, v in who.items() if _plain(v)}}
+                tracked.awaiting.add(key)
+                n += 1
+        for key, (at, d) in self._earlier_reports.items():
+            if abs(seen - at) < EARLIER_WINDOW and self._apply_earlier(tracked, key, d):
+                n += 1
+        return n
 
     def notice(self, entry: Entry) -> None:
         """A new notice was just handed to the fan-out (or a restored one, seen again after a restart)."""
@@ -448,6 +561,9 @@ class ActionRunner:
                 self._resend(tracked, wanted)
                 return
             tracked.awaiting = {k for k, v in restored.subscribers.items() if v.get("state") not in FINAL_STATES}
+        seeded = 0
+        if (restored is None or not restored.subscribers) and self._in_earlier_window(entry.seen_monotonic):
+            seeded = self._seed_earlier(tracked)
         for a in wanted:
             self._spawn(a, "notice", a.on_notice(entry, tracked.node))
         left = entry.notice.seconds_left()
@@ -467,9 +583,15 @@ class ActionRunner:
             tracked.grace_timer = loop.call_later(wait, self._grace_over, entry.id)
             log.info("action.awaiting_reconnect", notice_id=entry.id, seconds=round(wait, 3),
                      earlier_subscribers=len(restored.subscribers) if restored else 0,
-                     lives=restored.lives if restored else 1)
+                     lives=restored.lives if restored else 1, earlier_life_seeded=seeded)
+        elif tracked.awaiting:  # the earlier life's trainers had this life's whole grace to come back
+            self._changed()
+            self._grace_over(entry.id)
+            return
         elif not entry.reports and not tracked.state.subscribers:  # nobody subscribed: nothing to wait for
             self._decide(entry.id, "no_subscribers")
+        elif seeded:
+            self.progress([entry])
         self._changed()
 
     def _grace_over(self, notice_id: str) -> None:
