@@ -78,11 +78,18 @@ def vote_device(pg: Any) -> torch.device:
     """Where the leave vote's tensor lives: on the device torchft's process group reduces (issue 25: a CPU
     tensor through ``ProcessGroupNCCL``, which registers only a CUDA backend, failed every all-reduce, so
     ``should_commit`` was False at every step of a GPU job)."""
-    name = type(pg).__name__.upper()
-    if "NCCL" in name:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cuda")
-    if "XCCL" in name:
-        return torch.device("xpu")
+    for _ in range(8):  # torchft's wrappers (ErrorSwallowingProcessGroupWrapper(ProcessGroupNCCL())) hold it in _pg
+        name = type(pg).__name__.upper()
+        if "NCCL" in name:
+            return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cuda")
+        if "XCCL" in name:
+            return torch.device("xpu")
+        if "GLOO" in name:
+            return torch.device("cpu")
+        inner = getattr(pg, "_pg", None)
+        if inner is None or inner is pg:
+            break
+        pg = inner
     return torch.device("cpu")
 
 

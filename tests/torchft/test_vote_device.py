@@ -24,3 +24,12 @@ def test_the_vote_follows_the_process_group(cls: str, device: str) -> None:
 
 def test_without_a_known_group_the_vote_stays_on_the_cpu() -> None:
     assert vote_device(None).type == "cpu"
+
+
+@pytest.mark.parametrize("wrapper", ["ErrorSwallowingProcessGroupWrapper", "FakeProcessGroupWrapper"])
+def test_a_wrapped_nccl_group_still_votes_on_cuda(wrapper: str) -> None:
+    """torchft's wrappers keep the real group in ``_pg``: their own class name names no backend."""
+    nccl = process_group.ProcessGroupNCCL.__new__(process_group.ProcessGroupNCCL)
+    assert vote_device(getattr(process_group, wrapper)(nccl)).type == "cuda"
+    gloo = process_group.ProcessGroupGloo.__new__(process_group.ProcessGroupGloo)
+    assert vote_device(getattr(process_group, wrapper)(gloo)).type == "cpu"
