@@ -104,7 +104,8 @@ class ReplicaGuard:
 
     ``state`` is what the emergency checkpoint holds (model, optimizer, ...),
     the same mapping ``install_preemption_hook`` takes; ``storage`` where it
-    goes. Use ``optimizer()`` for the training loop, or call ``vote()`` before
+    goes. Use ``optimizer()`` for the training loop, or call ``iteration_start()``
+    before each ``manager.start_quorum()``, ``vote()`` before
     ``manager.should_commit()`` and ``after_step(committed)`` after it.
     """
 
@@ -120,6 +121,10 @@ class ReplicaGuard:
         # a whole-job leave decided at step S, written at the start of the next iteration (iteration_start):
         # the loop's post-step work of S (scheduler, EMA) belongs in the checkpoint of S
         self._pending: Optional[tuple[Notice, int, Snapshot]] = None
+        # the loop calls iteration_start() (GuardedOptimizer.zero_grad, or a loop driving vote()/after_step()
+        # that follows docs/torchft.md); one that never did would hit its next start_quorum() on the shut-down
+        # manager with nothing written, so it gets the write at the step instead (before its scheduler step)
+        self._starts_seen = False
         self._exit_code = exit_code
         self._log_steps = log_steps
         self.hook = _EngineHook(state, storage, socket=socket, exit_code=exit_code, on_notice=self._on_notice)
@@ -245,6 +250,13 @@ class ReplicaGuard:
         self._log.info(ALL_LEAVING, step=step, notice_id=notice.id, replica_rank=rank)
         self.manager.shutdown(wait=False)
         if rank == 0:
+            if not self._starts_seen:
+                self._log.warning("replica_write_at_step", step=step,
+                                  why="this loop never called guard.iteration_start(): the checkpoint is written "
+                                      "now, before the loop's post-step work (scheduler.step()) of this step",
+                                  fix="use guard.optimizer(opt), or call guard.iteration_start() before each "
+                                      "manager.start_quorum()")
+                self.hook.emergency_exit(notice, step, Snapshot.take(self.hook._objs.loaders))
             self._pending = (notice, step, Snapshot.take(self.hook._objs.loaders))
             return
         self.hook._flush_intake()
@@ -255,6 +267,7 @@ class ReplicaGuard:
         """The start of an iteration (``GuardedOptimizer.zero_grad`` calls it; a loop driving ``vote()`` /
         ``after_step()`` itself calls it before its next quorum): a whole-job leave decided at the last step
         writes its emergency checkpoint here and raises ``Preempted``."""
+        self._starts_seen = True
         pending, self._pending = self._pending, None
         if pending is not None:
             notice, step, snap = pending
