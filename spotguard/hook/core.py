@@ -469,9 +469,18 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         if first is None:
             return
         hook = self
+        was_none = [False]
 
-        def on_grad(grad: torch.Tensor) -> None:
-            if hook._bwd_since_step and first.grad is None and not hook._skip_warned and not hook._explicit \
+        def before_grad(grad: torch.Tensor) -> None:
+            # every gradient computed for ``first``: ``torch.autograd.grad`` too, which leaves ``.grad`` alone
+            was_none[0] = first.grad is None
+
+        def on_grad(param: torch.Tensor) -> None:
+            # a backward's accumulation into ``.grad`` only (register_post_accumulate_grad_hook): an
+            # ``autograd.grad`` over the parameters (a gradient-norm penalty) is no backward whose gradients a
+            # zero_grad could discard; explicit loops (hook.range()/hook.step()) count iterations themselves
+            if hook._bwd_since_step and was_none[0] and not hook._skip_warned and not hook._explicit \
+                    and not hook._range_clock and not hook._explicit_intent \
                     and not hook._internal and hook._scaler is None:
                 hook._skip_warned = True
                 hook._log.warning(ev.OPTIMIZER_STEP_SKIPPED, step=hook._count,
@@ -483,7 +492,8 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                                       "each iteration): the loop's own iterations become the clock")
             hook._bwd_since_step = True
 
-        self._handles.append(first.register_hook(on_grad))
+        self._handles.append(first.register_hook(before_grad))
+        self._handles.append(first.register_post_accumulate_grad_hook(on_grad))
 
     def _wrap_first_step(self, opt: Any, base: torch.optim.Optimizer) -> None:
         """SAM: the update spans ``first_step()`` (perturb the weights, keep the old ones in the wrapper's

@@ -79,3 +79,30 @@ def test_loops_that_skip_nothing_are_not_warned(tmp_path: Path, hooks: Callable[
             h.resume()
             _iterations(s, skip=set(), accumulate=3 if case == "accumulation" else 1)
     assert _warnings(logs) == []
+
+
+@pytest.mark.parametrize("case", ["grad-norm-penalty", "explicit-clock-discard"])
+def test_gradients_no_backward_left_or_an_explicit_loop_are_not_warned(tmp_path: Path,  # noqa: F811
+                                                                       hooks: Callable[..., Hook], case: str) -> None:
+    """``torch.autograd.grad`` over the parameters (a gradient-norm penalty) runs the parameters' tensor hooks
+    but leaves ``.grad`` alone: it is no backward a zero_grad discarded. An explicit loop (``hook.range()``)
+    counts its own iterations, whatever it does with its gradients inside one."""
+    s = _state()
+    h = hooks(s, tmp_path)
+    model, opt = s["model"], s["optimizer"]
+    with structlog.testing.capture_logs() as logs:
+        if case == "grad-norm-penalty":
+            h.resume()
+            for _ in range(4):
+                opt.zero_grad()
+                loss = F.mse_loss(model(torch.randn(8, 4)), torch.zeros(8, 1))
+                g = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+                (loss + 0.1 * sum(t.pow(2).sum() for t in g)).backward()
+                opt.step()
+        else:
+            for _ in h.range(4):  # a first backward thrown away inside the iteration, then the real one
+                for _ in range(2):
+                    opt.zero_grad()
+                    F.mse_loss(model(torch.randn(8, 4)), torch.zeros(8, 1)).backward()
+                opt.step()
+    assert _warnings(logs) == []
