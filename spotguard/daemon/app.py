@@ -598,7 +598,8 @@ class Daemon:
         entry, changed = self.book.record(client.id, msg)
         nid = getattr(msg, "id", "")
         if entry is None:
-            if isinstance(msg, (CheckpointDone, CheckpointFailed)) and nid and not self.book.seen(nid):
+            if isinstance(msg, (CheckpointDone, CheckpointFailed)) and nid and not self.book.seen(nid) \
+                    and self.actions.from_killed_life(client):
                 self._earlier_life_report(client, msg)
                 return
             log.info("report.unknown_notice", notice_id=nid, message_type=msg.type, **client.log_fields())

@@ -278,10 +278,24 @@ async def test_a_true_outcome_is_never_swallowed_by_an_earlier_event(kubeconfig_
 # simply absent here: that is exactly what such a kill leaves (the id it delivered is all the trainer knows).
 
 
+async def _killed_life(sock_path: str, **daemon_kw: Any) -> None:
+    """An earlier daemon life with the trainer (rank 0, job train, this pid) subscribed, SIGKILLed: the state
+    file as it leaves it (its subscriber list, written while running; a clean stop leaves the list out)."""
+    async with running_daemon(sock_path, [FakeWatcher("aws")], **daemon_kw):
+        t = await Subscription(sock_path, rank=0, job="train").open()
+        await eventually(lambda: bool(_saved_state(sock_path).get("subscribed")), what="the subscriber list")
+        with open(state_path_for(sock_path), "rb") as f:
+            killed = f.read()
+        await t.close()
+    with open(state_path_for(sock_path), "wb") as f:
+        f.write(killed)
+
+
 async def test_kill9_before_the_state_write_the_report_for_the_earlier_id_stands(
         sock_path: str, moto: Moto) -> None:  # noqa: F811
     iid = moto.group("kill9-asg")
     async with LoopbackServer() as hook:
+        await _killed_life(sock_path, webhook_url=hook.url)
         w = aws_watcher(iid)
         with structlog.testing.capture_logs() as logs:
             async with running_daemon(sock_path, [w], asg_lifecycle_hook="auto", webhook_url=hook.url):
@@ -305,6 +319,7 @@ async def test_kill9_before_the_state_write_a_report_before_the_notice_is_seen_a
         sock_path: str) -> None:
     """The trainer reconnects and reports (then exits) before this life's watcher saw the notice again."""
     async with LoopbackServer() as hook:
+        await _killed_life(sock_path, webhook_url=hook.url)
         w = FakeWatcher("aws")
         async with running_daemon(sock_path, [w], webhook_url=hook.url) as d:
             t = await Subscription(sock_path, rank=0, job="train").open()

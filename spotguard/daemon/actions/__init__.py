@@ -345,6 +345,7 @@ class ActionRunner:
         # notice ids this life never saw (key -> (monotonic, state)): see EARLIER_WINDOW.
         self._earlier_subs: dict[str, dict[str, Any]] = {}
         self._earlier_reports: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._killed_keys: frozenset[str] = frozenset()
 
     def __bool__(self) -> bool:
         return bool(self.actions)
@@ -375,6 +376,7 @@ class ActionRunner:
             for d in earlier_subscribers[:MAX_STATE_SUBSCRIBERS]:
                 if isinstance(d, dict) and isinstance(d.get("key"), str):
                     self._earlier_subs[d["key"][:256]] = {f: d.get(f) for f in _WHO_FIELDS if _plain(d.get(f))}
+        self._killed_keys = frozenset(self._earlier_subs)  # who the killed life had (kept when they come back)
         for key in self._live.values():  # reconnected before the state file was read
             self._earlier_subs.pop(key, None)
         if self._earlier_subs:
@@ -395,6 +397,16 @@ class ActionRunner:
             out[key] = {f: getattr(info, f, None) for f in _WHO_FIELDS}
         return [{"key": k, **{f: v for f, v in d.items() if _plain(v)}}
                 for k, d in list(out.items())[:MAX_STATE_SUBSCRIBERS]]
+
+    def from_killed_life(self, client: Any) -> bool:
+        """May a final report of ``client`` for an id this life never saw be for a notice a killed earlier life
+        delivered? Only after a start that found that life's subscriber list (it was killed, not stopped),
+        within ``EARLIER_WINDOW`` of the start, and from a subscriber on that list. Anything else is the
+        trainer's own notice (an API or signal notice it saved for) and must not stand for the daemon's notices:
+        taken for one, it decided a spot notice 'committed' at an ordinary checkpoint's step while the trainer
+        still wrote the emergency one (review 3)."""
+        return (bool(self.actions) and self._in_earlier_window()
+                and self._skey(getattr(client, "id", -1)) in self._killed_keys)
 
     def _in_earlier_window(self, at: Optional[float] = None) -> bool:
         return (at if at is not None else time.monotonic()) < self._started + EARLIER_WINDOW
