@@ -118,8 +118,8 @@ class ReplicaGuard:
         self._notice: Optional[Notice] = None  # the notice this group leaves for (first one wins)
         self._voted: Optional[Notice] = None  # the notice our vote of this step stands for
         self._tally: Optional[tuple[int, int]] = None  # (leaving, participants) of this step
-        # a whole-job leave decided at step S, written at the start of the next iteration (iteration_start):
-        # the loop's post-step work of S (scheduler, EMA) belongs in the checkpoint of S
+        # a whole-job leave decided at step S, written once the loop's post-step work of S (scheduler, EMA) is
+        # over: at the first training forward after the step, at iteration_start() or at close()
         self._pending: Optional[tuple[Notice, int, Snapshot]] = None
         # the loop calls iteration_start() (GuardedOptimizer.zero_grad, or a loop driving vote()/after_step()
         # that follows docs/torchft.md); one that never did would hit its next start_quorum() on the shut-down
@@ -129,6 +129,7 @@ class ReplicaGuard:
         self._log_steps = log_steps
         self.hook = _EngineHook(state, storage, socket=socket, exit_code=exit_code, on_notice=self._on_notice)
         self._log = get_logger("spotguard.torchft", component="hook", rank=self.hook._rank)
+        self._fwd_handles = [m.register_forward_pre_hook(self._on_forward) for m in self.hook._objs.models.values()]
 
     # ------------------------------------------------------------------ notices
 
@@ -244,8 +245,8 @@ class ReplicaGuard:
 
         Not inside ``step()``: the user's ``scheduler.step()`` (and any post-step update) comes after it
         in the loop, and a checkpoint written here resumed one scheduler step behind. The writer takes the
-        loaders and RNG now (as the hook does at a step) and writes at the start of the next iteration
-        (``iteration_start``, called by ``GuardedOptimizer.zero_grad``) or at ``close()``."""
+        loaders and RNG now (as the hook does at a step) and writes at the first training forward after the
+        step (``_on_forward``), at ``iteration_start()`` or at ``close()``."""
         rank = self.manager.participating_rank()
         self._log.info(ALL_LEAVING, step=step, notice_id=notice.id, replica_rank=rank)
         self.manager.shutdown(wait=False)
@@ -264,20 +265,34 @@ class ReplicaGuard:
         raise Preempted(self._exit_code, notice_id=notice.id, step=step, committed=False)
 
     def iteration_start(self) -> None:
-        """The start of an iteration (``GuardedOptimizer.zero_grad`` calls it; a loop driving ``vote()`` /
-        ``after_step()`` itself calls it before its next quorum): a whole-job leave decided at the last step
-        writes its emergency checkpoint here and raises ``Preempted``."""
+        """The start of an iteration, for a loop driving ``vote()``/``after_step()`` itself: call it before the
+        next ``manager.start_quorum()``. A whole-job leave decided at the last step writes its emergency
+        checkpoint here and raises ``Preempted``."""
         self._starts_seen = True
+        self._write_pending()
+
+    def _write_pending(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
             notice, step, snap = pending
             self.hook.emergency_exit(notice, step, snap)
 
+    def _on_forward(self, module: Any, args: Any) -> None:
+        """The first training forward after a whole-job leave's step: the loop's post-step work is over (the
+        core hook's anchor rule: not a forward under no_grad in eval mode, which a validation after the step
+        is, before a ``ReduceLROnPlateau.step(val)``)."""
+        if self._pending is None or (not module.training and not torch.is_grad_enabled()):
+            return
+        self._write_pending()
+
     def close(self) -> None:
         """A loop that ended right after a whole-job leave still writes its checkpoint (then ``Preempted``)."""
         try:
-            self.iteration_start()
+            self._write_pending()
         finally:
+            for h in self._fwd_handles:
+                h.remove()
+            self._fwd_handles = []
             self.hook.close()
 
 
@@ -289,8 +304,17 @@ class GuardedOptimizer:
         self.optim = optim
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.guard.iteration_start()  # a whole-job leave of the last step writes and exits here
-        self.guard.manager.start_quorum()
+        g = self.guard
+        g._starts_seen = True
+        if g._pending is not None:
+            # the whole job leaves (the manager is shut down): no quorum; the checkpoint is written at the
+            # first training forward (a loop may call zero_grad() before its scheduler.step()), else here when
+            # the dict has no model to watch
+            if not g._fwd_handles:
+                g._write_pending()
+            self.optim.zero_grad(set_to_none)
+            return
+        g.manager.start_quorum()
         self.optim.zero_grad(set_to_none)
 
     def step(self) -> bool:

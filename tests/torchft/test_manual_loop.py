@@ -111,3 +111,47 @@ def test_a_loop_that_calls_iteration_start_gets_the_deferred_write(tmp_path: Pat
     exc, sched_steps = _run(tmp_path, call_start=True)
     assert exc.committed and exc.step == 4
     assert sched_steps[-1] == 4  # the scheduler step of the leave step ran before the write
+
+
+@pytest.mark.parametrize("zero_grad_at", ["start", "end"])
+def test_guarded_optimizer_writes_after_the_schedulers_step_wherever_zero_grad_is(tmp_path: Path,
+                                                                                 zero_grad_at: str) -> None:
+    """``opt.step(); opt.zero_grad(); sched.step()`` is as common as zero_grad() first: the writer's checkpoint
+    waits for the first training forward after the leave step, so the scheduler's step is in it either way
+    (review 3: written in zero_grad(), the zero_grad-last loop resumed one scheduler step behind)."""
+    def build() -> tuple[Any, Any, Any, _Manager, ReplicaGuard]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        mgr = _Manager()
+        guard = ReplicaGuard(mgr, {"model": model, "opt": opt, "sched": sched}, str(tmp_path / "ckpt"),
+                             socket=str(tmp_path / "none.sock"))
+        return model, opt, sched, mgr, guard
+
+    model, opt, sched, mgr, guard = build()
+    g = guard.optimizer(opt)
+    try:
+        with pytest.raises(Preempted) as exc:
+            for i in range(10):
+                if zero_grad_at == "start":
+                    g.zero_grad()
+                model(torch.ones(2, 4)).sum().backward()
+                if i == 3:
+                    now = utcnow()
+                    guard.notify(Notice(id="n", source="drill", kind="preemption",
+                                        deadline=now + timedelta(seconds=60), received_at=now))
+                    guard.hook._flush_intake()
+                g.step()
+                if zero_grad_at == "end":
+                    g.zero_grad()
+                sched.step()
+    finally:
+        guard.hook.close()
+    assert exc.value.committed and exc.value.step == 4
+    _, _, sched2, _, guard2 = build()
+    try:
+        assert guard2.hook.resume() == 4
+        assert sched2.last_epoch == 4 and sched2.get_last_lr() == [0.1 * 0.5 ** 4]  # before: 3 with zero_grad last
+    finally:
+        guard2.hook.close()
