@@ -67,6 +67,13 @@ class _Manager:
         self.step = sd["step"]
 
 
+def _notice(guard: ReplicaGuard) -> None:
+    now = utcnow()
+    guard.notify(Notice(id="n", source="drill", kind="preemption", deadline=now + timedelta(seconds=60),
+                        received_at=now))
+    guard.hook._flush_intake()
+
+
 def _run(tmp: Path, *, call_start: bool) -> tuple[Preempted, list[int]]:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -85,10 +92,7 @@ def _run(tmp: Path, *, call_start: bool) -> tuple[Preempted, list[int]]:
                 opt.zero_grad()
                 model(torch.ones(2, 4)).sum().backward()
                 if i == 3:
-                    now = utcnow()
-                    guard.notify(Notice(id="n", source="drill", kind="preemption",
-                                        deadline=now + timedelta(seconds=60), received_at=now))
-                    guard.hook._flush_intake()
+                    _notice(guard)
                 guard.vote()
                 committed = bool(mgr.should_commit())
                 if committed:
@@ -138,10 +142,7 @@ def test_guarded_optimizer_writes_after_the_schedulers_step_wherever_zero_grad_i
                     g.zero_grad()
                 model(torch.ones(2, 4)).sum().backward()
                 if i == 3:
-                    now = utcnow()
-                    guard.notify(Notice(id="n", source="drill", kind="preemption",
-                                        deadline=now + timedelta(seconds=60), received_at=now))
-                    guard.hook._flush_intake()
+                    _notice(guard)
                 g.step()
                 if zero_grad_at == "end":
                     g.zero_grad()
