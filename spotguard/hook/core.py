@@ -224,6 +224,8 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         self._scaler = next(iter(self._objs.scalers.values()), None)
         self._many_opts = len(self._objs.optimizers) > 1
         self._bwd_since_step = False  # a backward reached the clock's parameters since the last step
+        self._train_fwd_seq = 0  # training forwards (train mode, grad enabled) so far
+        self._last_fwd_training = False
         self._skip_warned = False
 
         self._lock = threading.Lock()
@@ -470,6 +472,10 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             return
         hook = self
         was_none = [False]
+        # (training forwards counted at the last backward, was that backward's forward a training one): a
+        # backward counts only when a training forward came since the last one and that one was training too —
+        # PCGrad's per-task backwards share one forward, a saliency pass runs in eval mode (review 3)
+        last = [-1, False]
 
         def before_grad(grad: torch.Tensor) -> None:
             # every gradient computed for ``first``: ``torch.autograd.grad`` too, which leaves ``.grad`` alone
@@ -479,8 +485,10 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             # a backward's accumulation into ``.grad`` only (register_post_accumulate_grad_hook): an
             # ``autograd.grad`` over the parameters (a gradient-norm penalty) is no backward whose gradients a
             # zero_grad could discard; explicit loops (hook.range()/hook.step()) count iterations themselves
-            if hook._bwd_since_step and was_none[0] and not hook._skip_warned and not hook._explicit \
-                    and not hook._range_clock and not hook._explicit_intent \
+            fresh, prev_training = hook._train_fwd_seq != last[0], last[1]
+            last[0], last[1] = hook._train_fwd_seq, hook._last_fwd_training
+            if hook._bwd_since_step and was_none[0] and fresh and prev_training and not hook._skip_warned \
+                    and not hook._explicit and not hook._range_clock and not hook._explicit_intent \
                     and not hook._internal and hook._scaler is None:
                 hook._skip_warned = True
                 hook._log.warning(ev.OPTIMIZER_STEP_SKIPPED, step=hook._count,
@@ -489,7 +497,8 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                                       "iterations, so a resumed range(start, total) would train some batches "
                                       "again and the run would not equal the uninterrupted one",
                                   fix="for step in hook.range(total): ... (or call hook.step() at the end of "
-                                      "each iteration): the loop's own iterations become the clock")
+                                      "each iteration): the loop's own iterations become the clock; if a "
+                                      "GradScaler skips the steps (fp16), pass it in the hook's dict")
             hook._bwd_since_step = True
 
         self._handles.append(first.register_hook(before_grad))
@@ -538,6 +547,9 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         if self._internal:
             return
         grad = torch.is_grad_enabled()
+        self._last_fwd_training = module.training and grad
+        if self._last_fwd_training:
+            self._train_fwd_seq += 1
         if not module.training and not grad:
             return  # an evaluation's forward (eval mode, no grad): the iteration's post-step work goes on
         if self._fwd_seq != self._post_seq:  # the first forward after an optimizer step: buffers of the end

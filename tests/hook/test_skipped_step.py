@@ -106,3 +106,36 @@ def test_gradients_no_backward_left_or_an_explicit_loop_are_not_warned(tmp_path:
                     F.mse_loss(model(torch.randn(8, 4)), torch.zeros(8, 1)).backward()
                 opt.step()
     assert _warnings(logs) == []
+
+
+@pytest.mark.parametrize("case", ["pcgrad", "saliency"])
+def test_backwards_that_are_no_discarded_iteration_are_not_warned(tmp_path: Path,  # noqa: F811
+                                                                  hooks: Callable[..., Hook], case: str) -> None:
+    """PCGrad: one forward, a backward per task with zero_grad() between (their gradients are combined by
+    hand). A saliency map in evaluation: ``.backward()`` in eval mode, then ``model.zero_grad()``. Neither is a
+    training iteration whose step was skipped (review 3: both warned)."""
+    s = _state()
+    hooks(s, tmp_path).resume()
+    model, opt = s["model"], s["optimizer"]
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(4):
+            if case == "pcgrad":
+                out = model(torch.randn(8, 4))
+                grads = []
+                for target in (torch.zeros(8, 1), torch.ones(8, 1)):
+                    opt.zero_grad()
+                    F.mse_loss(out, target).backward(retain_graph=True)
+                    grads.append([p.grad.clone() for p in model.parameters()])
+                for p, a, b in zip(model.parameters(), *grads):
+                    p.grad = a + b
+                opt.step()
+            else:
+                opt.zero_grad()
+                F.mse_loss(model(torch.randn(8, 4)), torch.zeros(8, 1)).backward()
+                opt.step()
+                model.eval()
+                x = torch.randn(8, 4, requires_grad=True)
+                model(x).sum().backward()  # the saliency map: x.grad
+                model.zero_grad()
+                model.train()
+    assert _warnings(logs) == []
