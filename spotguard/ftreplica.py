@@ -155,7 +155,12 @@ def worker(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         os._exit(int(exc.code))  # torchft's threads: leave at once, the state lives on in the survivors
     log.info("replica_done", step=manager.current_step(), digest=digest(model, optim), t=round(time.time(), 4))
-    guard.close()
+    try:
+        guard.close()  # a whole-job leave at the last step writes its checkpoint here
+    except Preempted as exc:
+        log.info("replica_exit", code=exc.code, step=exc.step, t=round(time.time(), 4), digest=digest(model, optim))
+        sys.stdout.flush()
+        os._exit(int(exc.code))
     sys.stdout.flush()
     manager.shutdown(wait=False)
     os._exit(0)
