@@ -92,6 +92,14 @@ class NoticesMixin:
             return
         self._log.info(ev.NOTICE_SEEN, notice_id=notice.id, kind=notice.kind, source=notice.source, via=via,
                        deadline=to_rfc3339(notice.deadline), seconds_left=round(notice.seconds_left(), 3))
+        if (getattr(self, "_torn_down", False) or getattr(self, "_closed", False)) \
+                and not getattr(self, "_exiting", False):
+            # the loop is over (destroy_process_group() or close() came first): nothing is left to agree on or
+            # to save, and no exit hook will look at this notice again — say so now (the oracle found a notice
+            # 65 ms after the last step that left no line at all)
+            self._log.info(ev.NOTICE_AFTER_LAST_STEP, notice_id=notice.id, step=self._count,
+                           why="the training loop had ended: destroy_process_group() or hook.close() came first")
+            return
         if self._on_notice_cb is not None:
             try:
                 verdict = self._on_notice_cb(notice)
