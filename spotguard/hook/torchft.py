@@ -251,14 +251,15 @@ class ReplicaGuard:
         self._log.info(ALL_LEAVING, step=step, notice_id=notice.id, replica_rank=rank)
         self.manager.shutdown(wait=False)
         if rank == 0:
+            snap = Snapshot.take(self.hook._objs.loaders)
             if not self._starts_seen:
                 self._log.warning("replica_write_at_step", step=step,
                                   why="this loop never called guard.iteration_start(): the checkpoint is written "
                                       "now, before the loop's post-step work (scheduler.step()) of this step",
                                   fix="use guard.optimizer(opt), or call guard.iteration_start() before each "
                                       "manager.start_quorum()")
-                self.hook.emergency_exit(notice, step, Snapshot.take(self.hook._objs.loaders))
-            self._pending = (notice, step, Snapshot.take(self.hook._objs.loaders))
+                self.hook.emergency_exit(notice, step, snap)
+            self._pending = (notice, step, snap)
             return
         self.hook._flush_intake()
         self.hook.close()
