@@ -23,10 +23,11 @@ initialised, because several frameworks create the process group inside
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -261,3 +262,37 @@ class FrameworkHook(Hook):
     def _act_in_eval(self, level: int, deadline_ms: int) -> None:
         """Carry out an agreed notice during evaluation; adapters whose framework must write first override it."""
         self._act(level, deadline_ms, snap=None, final=False)
+
+    def _framework_microbatch(self) -> None:
+        """A micro-batch of gradient accumulation ended without an optimizer step (every rank, same count).
+
+        Weights, optimizer and scheduler are still those of the last completed step S
+        (``self._count``); what moved since S (RNG, running statistics, the framework's
+        loop position) the adapter puts back for the duration of the save
+        (``_rewound``). So an agreed notice is carried out one micro-batch after it was
+        agreed, not at the end of the accumulation (which can be minutes away): the
+        micro-batches after S are thrown away and recomputed after the resume. Same
+        collect-then-launch rhythm as a boundary (one non-blocking reduction per
+        micro-batch); periodic ``every=`` saves wait for the next optimizer step.
+        """
+        if self._closed or self._exiting or self._torn_down or self._last_boundary is None or self._finished:
+            return
+        res = self._agree.collect()
+        if res is not None and res[0] > 0:
+            with self._rewound():
+                self._act_in_microbatch(res[0], res[1])
+        level, deadline_ms = self._local_level()
+        self._agree.launch(level, deadline_ms)
+
+    def _act_in_microbatch(self, level: int, deadline_ms: int) -> None:
+        """Carry out an agreed notice between two micro-batches (inside ``_rewound``); default as in evaluation."""
+        self._act_in_eval(level, deadline_ms)
+
+    @contextlib.contextmanager
+    def _rewound(self) -> Iterator[None]:
+        """The state that moved since the last optimizer step put back as it was then, for one save.
+
+        Adapters that call ``_framework_microbatch`` override it (RNG, running-stat
+        buffers, loop counters captured at the step's end); the live values are
+        restored on the way out, also when the save raises."""
+        yield
