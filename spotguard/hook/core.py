@@ -153,6 +153,8 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
     # Notices agreed off the training thread and saved in the background (agreement.py); adapters
     # whose framework writes the checkpoint itself keep the step-boundary path.
     _background_capable = True
+    # a loop that skips optimizer.step() gets optimizer_step_skipped; an engine that owns the count does not
+    _warn_skipped_steps = True
 
     def __init__(
         self,
@@ -435,7 +437,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         for opt in opts:
             self._handles.append(opt.register_step_pre_hook(self._pre_hook))
             self._handles.append(opt.register_step_post_hook(self._post_hook))
-        if len(opts) == 1:
+        if len(opts) == 1 and self._warn_skipped_steps:
             self._watch_skipped_steps(opts[0])
         sc = self._scaler
         if sc is not None:

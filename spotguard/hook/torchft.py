@@ -22,12 +22,23 @@ notice means:
   checkpoint to storage (state is replicated: one copy is enough) and all exit;
   ``resume()`` loads it on restart, as without torchft.
 
+* **Deadline fallback.** A noticed group that has not left by ``deadline - lead``
+  (``fallback_lead``: 40 % of the notice, 1-20 s; the last group cannot commit
+  alone under ``min_replica_size >= 2``, a stalled quorum or lighthouse) writes
+  the emergency checkpoint itself: the state of its last committed step, from a
+  watchdog thread while the training thread is inside an iteration (its next
+  optimizer step is held, so the state cannot move under the write), or at the
+  loop's next training forward when the loop is still in the post-step work of
+  that step. A write that has not started by the deadline ends the process with
+  75 and an error naming why (never an unbounded wait, never a silent loss).
+
 A replacement group started later heals from a survivor through torchft's
 checkpoint transport (``Manager(load_state_dict=..., state_dict=...)``).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, Callable, Mapping, Optional
@@ -36,10 +47,12 @@ import torch
 
 from ..logs import get_logger
 from ..notice import Notice
-from .core import Hook, Preempted
+from .core import EXIT_SAVE_FAILED, Hook, Preempted
+from .settings import env_seconds
 from .state import Snapshot
 
-__all__ = ["ReplicaGuard", "GuardedOptimizer", "lighthouse_args", "vote_device", "LEAVING", "LEFT", "PEER_LEAVING", "STEP"]
+__all__ = ["ReplicaGuard", "GuardedOptimizer", "lighthouse_args", "vote_device", "fallback_lead", "LEAVING", "LEFT",
+           "PEER_LEAVING", "STEP", "FALLBACK", "FALLBACK_MISSED"]
 
 # timeline events (structlog ``event``), in addition to the hook's
 LEAVING = "replica_leaving"  # notice_id: this group will leave at the next committed step
@@ -47,6 +60,20 @@ PEER_LEAVING = "replica_peer_leaving"  # step, leaving, participants: others lea
 LEFT = "replica_left"  # notice_id, step: this group left after committed step ``step``
 ALL_LEAVING = "replica_all_leaving"  # step: every group leaves: emergency checkpoint
 STEP = "replica_step"  # step, participants, committed (only with ``log_steps``)
+FALLBACK = "replica_fallback"  # notice_id, step, seconds_left, where: not left by deadline - lead: writing itself
+FALLBACK_MISSED = "replica_fallback_missed"  # notice_id, step, why, fix: nothing written by the deadline (exit 75)
+
+
+def fallback_lead(seconds_left: float) -> float:
+    """How long before its deadline a noticed group that has not left writes its own checkpoint.
+
+    40 % of the notice (a normal leave needs one committed step; the rest is the
+    save's), at least 1 s, at most 20 s (a replicated state written by one group;
+    ``SPOTGUARD_TORCHFT_FALLBACK_LEAD`` sets it in seconds for larger states).
+    """
+    if os.environ.get("SPOTGUARD_TORCHFT_FALLBACK_LEAD", "").strip():
+        return env_seconds("SPOTGUARD_TORCHFT_FALLBACK_LEAD", 10.0)
+    return min(20.0, max(1.0, 0.4 * seconds_left))
 
 
 def lighthouse_args(*, groups: int, step_seconds: float, min_replicas: int = 1,
@@ -98,6 +125,7 @@ class _EngineHook(Hook):
     ``emergency_exit`` when every group leaves): no any-moment round of the hook's own may act beside it."""
 
     _background_capable = False
+    _warn_skipped_steps = False  # an uncommitted step skips optimizer.step() by design; after_step() keeps the count
 
 class ReplicaGuard:
     """Notices for one torchft replica group (one per process; every rank of the group builds one).
@@ -120,16 +148,27 @@ class ReplicaGuard:
         self._tally: Optional[tuple[int, int]] = None  # (leaving, participants) of this step
         # a whole-job leave decided at step S, written once the loop's post-step work of S (scheduler, EMA) is
         # over: at the first training forward after the step, at iteration_start() or at close()
-        self._pending: Optional[tuple[Notice, int, Snapshot]] = None
+        self._pending: Optional[tuple[Notice, Optional[int], Optional[Snapshot]]] = None
         # the loop calls iteration_start() (GuardedOptimizer.zero_grad, or a loop driving vote()/after_step()
         # that follows docs/torchft.md); one that never did would hit its next start_quorum() on the shut-down
         # manager with nothing written, so it gets the write at the step instead (before its scheduler step)
         self._starts_seen = False
         self._exit_code = exit_code
         self._log_steps = log_steps
+        # deadline fallback: where the loop is ("post": between a committed step and the next training forward,
+        # the loop's post-step work may still change the state; "iter": inside an iteration, the state is that
+        # of the last committed step; "stepping": inside the optimizer's step), whether the fallback holds the
+        # optimizer, and whether the emergency write started / the group is done with its notice
+        self._phase = "post"
+        self._fallback_on = False
+        self._writing = threading.Event()
+        self._done = threading.Event()
+        self._halt = threading.Event()  # never set: an optimizer step held by the fallback waits for the exit
+        self._watchdog: Optional[threading.Thread] = None
         self.hook = _EngineHook(state, storage, socket=socket, exit_code=exit_code, on_notice=self._on_notice)
         self._log = get_logger("spotguard.torchft", component="hook", rank=self.hook._rank)
         self._fwd_handles = [m.register_forward_pre_hook(self._on_forward) for m in self.hook._objs.models.values()]
+        self._gate_handles = [o.register_step_pre_hook(self._gate) for o in self.hook._objs.optimizers.values()]
 
     # ------------------------------------------------------------------ notices
 
@@ -144,6 +183,9 @@ class ReplicaGuard:
         if first:
             self._log.info(LEAVING, notice_id=notice.id, step=self.manager.current_step(),
                            seconds_left=round(notice.seconds_left(), 3))
+            self._watchdog = threading.Thread(target=self._deadline_watch, args=(notice,), daemon=True,
+                                              name="spotguard-replica-deadline")
+            self._watchdog.start()
         return False
 
     def notify(self, notice: Notice) -> None:
@@ -218,6 +260,12 @@ class ReplicaGuard:
         if self._log_steps:
             self._log.info(STEP, step=step, participants=participants, committed=committed,
                            t=round(time.time(), 4))
+        if committed:
+            # the hook counts this step too (its post-hook): keep its count on the manager's step, which a heal
+            # moves, so that what it took at the next forward (buffers, RNG) is found for this step's label
+            self.hook._count = step
+            with self._lock:
+                self._phase = "post"  # the loop's post-step work of this step (scheduler, EMA) comes next
         if not committed or tally is None:
             return  # the step is redone: nobody leaves at an uncommitted step
         leaving, voters = tally
@@ -233,6 +281,7 @@ class ReplicaGuard:
         self._leave(voted, step)
 
     def _leave(self, notice: Notice, step: int) -> None:
+        self._done.set()
         self._log.info(LEFT, notice_id=notice.id, step=step, seconds_left=round(notice.seconds_left(), 3))
         self.manager.shutdown(wait=False)
         self.hook._flush_intake()
@@ -258,9 +307,11 @@ class ReplicaGuard:
                                       "now, before the loop's post-step work (scheduler.step()) of this step",
                                   fix="use guard.optimizer(opt), or call guard.iteration_start() before each "
                                       "manager.start_quorum()")
+                self._done.set()
                 self.hook.emergency_exit(notice, step, snap)
             self._pending = (notice, step, snap)
             return
+        self._done.set()
         self.hook._flush_intake()
         self.hook.close()
         raise Preempted(self._exit_code, notice_id=notice.id, step=step, committed=False)
@@ -270,30 +321,109 @@ class ReplicaGuard:
         next ``manager.start_quorum()``. A whole-job leave decided at the last step writes its emergency
         checkpoint here and raises ``Preempted``."""
         self._starts_seen = True
+        with self._lock:
+            if not self._fallback_on:
+                self._phase = "iter"
         self._write_pending()
 
     def _write_pending(self) -> None:
-        pending, self._pending = self._pending, None
+        with self._lock:
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                self._writing.set()
+                self._done.set()
         if pending is not None:
             notice, step, snap = pending
+            if step is None:  # a deferred deadline fallback: the last committed step, read now
+                step, snap = self.manager.current_step(), self._snap_of_last_step()
             self.hook.emergency_exit(notice, step, snap)
 
     def _on_forward(self, module: Any, args: Any) -> None:
-        """The first training forward after a whole-job leave's step: the loop's post-step work is over (the
-        core hook's anchor rule: not a forward under no_grad in eval mode, which a validation after the step
-        is, before a ``ReduceLROnPlateau.step(val)``)."""
-        if self._pending is None or (not module.training and not torch.is_grad_enabled()):
+        """A training forward (the core hook's anchor rule: not a forward under no_grad in eval mode, which a
+        validation after the step is, before a ``ReduceLROnPlateau.step(val)``): the loop's post-step work of
+        the last committed step is over. A whole-job leave (or a deferred deadline fallback) writes here."""
+        if not module.training and not torch.is_grad_enabled():
             return
-        self._write_pending()
+        with self._lock:
+            if not self._fallback_on:
+                self._phase = "iter"
+        if self._pending is not None:
+            self._write_pending()
+
+    # ---------------------------------------------------------- deadline fallback
+
+    def _gate(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Optimizer step pre-hook: note the step; once the fallback writes from its thread, hold it (the state
+        of the last committed step must not move under the write; the process leaves from the watchdog)."""
+        if threading.current_thread() is self._watchdog:
+            return  # DCP's fake step on an optimizer with no state yet, inside the fallback's own save
+        with self._lock:
+            if not self._fallback_on:
+                self._phase = "stepping"
+                return
+        self._halt.wait()
+
+    def _snap_of_last_step(self) -> Optional[Snapshot]:
+        """Loaders and RNG as right after the last optimizer step (the hook takes them at its post-hook)."""
+        return self.hook._snap
+
+    def _deadline_watch(self, notice: Notice) -> None:
+        """Watchdog (one per noticed group): leave by ``deadline - fallback_lead``, or write here."""
+        lead = fallback_lead(notice.seconds_left())
+        if self._done.wait(max(0.0, notice.seconds_left() - lead)) or self.hook._closed or self.hook._exiting:
+            return  # left, written, or the hook is over (a process that caught Preempted goes on: a test, a REPL)
+        try:
+            self._fallback(notice)
+        except Exception as exc:  # noqa: BLE001 - never let the watchdog die silently
+            self._log.error(FALLBACK_MISSED, notice_id=notice.id, why=f"fallback failed: {exc!r}")
+
+    def _fallback(self, notice: Notice) -> None:
+        step = self.manager.current_step()
+        with self._lock:
+            if self._done.is_set() or self._writing.is_set() or self.hook._closed or self.hook._exiting:
+                return
+            single = self.hook._group is None
+            direct = self._phase == "iter" and single
+            if direct:
+                self._fallback_on = True  # from here every optimizer step of this process is held
+                self._writing.set()
+                self._done.set()
+            elif self._pending is None:
+                self._pending = (notice, None, None)  # the loop's next training forward writes it
+        where = "watchdog" if direct else "next-training-forward"
+        self._log.warning(FALLBACK, notice_id=notice.id, step=step, seconds_left=round(notice.seconds_left(), 3),
+                          where=where, why="this group has not left by deadline - lead (no committed step since the "
+                                           "notice: the other groups left, the quorum or the lighthouse stalls)")
+        if direct:
+            self.hook._count = step
+            self.hook._internal = True  # the training thread's hook points stand still meanwhile
+            result = self.hook._save(notice, "emergency", self._snap_of_last_step())
+            self.hook._exit_from_background(notice, result, step)
+            return
+        if not single:
+            why = "a replica group of several processes cannot write from one rank's watchdog"
+        else:
+            why = "the loop did not reach its next training forward (post-step work of the last committed step)"
+        if self._writing.wait(max(0.0, notice.seconds_left() - 0.5)):
+            return  # the training thread writes (its commit is reported late if it lands past the deadline)
+        with self._lock:
+            if self._writing.is_set():
+                return
+            self._pending = None
+            self._done.set()
+        self._log.error(FALLBACK_MISSED, notice_id=notice.id, step=step, why=why + " before the deadline",
+                        fix="the newest committed checkpoint stands; periodic checkpoints bound what is lost")
+        self.hook._hard_exit(notice, EXIT_SAVE_FAILED, step, committed=False, nothing=False, by="replica-deadline")
 
     def close(self) -> None:
         """A loop that ended right after a whole-job leave still writes its checkpoint (then ``Preempted``)."""
         try:
             self._write_pending()
         finally:
-            for h in self._fwd_handles:
+            self._done.set()
+            for h in self._fwd_handles + self._gate_handles:
                 h.remove()
-            self._fwd_handles = []
+            self._fwd_handles, self._gate_handles = [], []
             self.hook.close()
 
 

@@ -1,0 +1,163 @@
+"""One torchft replica group (a fake manager: one process, its SUM all-reduce the identity) for the deadline
+fallback tests. Modes (argv[1]):
+
+- ``stall``: after the notice no step commits any more (the other groups left and ``min_replica_size`` is 2, or
+  the quorum stalls): the loop keeps iterating with uncommitted steps until the fallback writes.
+- ``posteval``: right after the last step that commits, the loop runs an evaluation (eval mode, no_grad) of
+  ``EVAL`` seconds; the notice comes at its start; later steps never commit.
+- ``allleave``: the single group leaves (the whole job): the write is deferred to the next training forward,
+  and the loop runs the same long evaluation first.
+
+Per committed step it appends to ``digests.jsonl`` a digest of model/optimizer/scheduler state after the loop's
+post-step work, and the torch RNG state right after the optimizer step. Exit codes are the hook's; 3 = the loop
+ran out of time without leaving (the old behaviour: nothing written, the VM dies).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from spotguard.hook.torchft import ReplicaGuard
+from spotguard.notice import Notice
+from spotguard.timefmt import utcnow
+
+
+class _Work:
+    def wait(self) -> None:
+        pass
+
+
+class Manager:
+    _pg = None
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.stalled = False
+        self.voters = 2  # another group takes part (its vote: not leaving) unless "allleave"
+
+    def current_step(self) -> int:
+        return self.step
+
+    def num_participants(self) -> int:
+        return self.voters
+
+    def participating_rank(self) -> int:
+        return 0
+
+    def allreduce(self, t: Any, reduce_op: Any = None) -> _Work:
+        if self.voters == 2:
+            t[1] += 1  # the other group: participating, not leaving
+        return _Work()
+
+    def start_quorum(self) -> None:
+        pass
+
+    def should_commit(self) -> bool:
+        if self.stalled:
+            time.sleep(0.05)
+            return False
+        self.step += 1
+        return True
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.step = sd["step"]
+
+
+def build(ckpt: str, sock: str) -> tuple[Any, Any, Any, Manager, ReplicaGuard]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
+    mgr = Manager()
+    guard = ReplicaGuard(mgr, {"model": model, "opt": opt, "sched": sched}, ckpt, socket=sock)
+    return model, opt, sched, mgr, guard
+
+
+def digest(model: Any, opt: Any, sched: Any) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().contiguous().numpy().tobytes())
+    for st in opt.state_dict()["state"].values():
+        for k, v in sorted(st.items()):
+            h.update(k.encode())
+            h.update((v if torch.is_tensor(v) else torch.tensor(v)).detach().contiguous().numpy().tobytes())
+    h.update(repr(sched.state_dict()["last_epoch"]).encode())
+    h.update(repr(opt.param_groups[0]["lr"]).encode())
+    return h.hexdigest()
+
+
+def notify(guard: ReplicaGuard, deadline_s: float) -> None:
+    now = utcnow()
+    guard.notify(Notice(id="n-fallback", source="drill", kind="preemption",
+                        deadline=now + timedelta(seconds=deadline_s), received_at=now))
+    guard.hook._flush_intake()
+
+
+def main() -> None:
+    from spotguard.logs import configure_logging  # noqa: PLC0415
+
+    configure_logging("json", "info", stream=sys.stdout)
+    mode, workdir = sys.argv[1], sys.argv[2]
+    deadline_s = float(os.environ.get("DEADLINE", "4"))
+    eval_s = float(os.environ.get("EVAL", "0"))
+    notice_at = int(os.environ.get("NOTICE_AT", "5"))
+    model, opt, sched, mgr, guard = build(os.path.join(workdir, "ckpt"), os.path.join(workdir, "none.sock"))
+    if mode == "allleave":
+        mgr.voters = 1
+    g = guard.optimizer(opt)
+    out = open(os.path.join(workdir, "digests.jsonl"), "a")
+    x = torch.randn(32, 8)
+    y = torch.randn(32, 1)
+    t_end = time.monotonic() + 30
+    i = 0
+    while time.monotonic() < t_end:
+        g.zero_grad()
+        model.train()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if i == notice_at and mode != "posteval":
+            notify(guard, deadline_s)
+            if mode == "stall":
+                mgr.stalled = True
+        rng_after_step = None
+        committed = g.step()
+        if committed:
+            rng_after_step = torch.get_rng_state()
+        sched.step() if committed else None
+        if committed:
+            out.write(json.dumps({"step": mgr.step, "digest": digest(model, opt, sched),
+                                  "rng": hashlib.sha256(rng_after_step.numpy().tobytes()).hexdigest()}) + "\n")
+            out.flush()
+            if mode in ("posteval", "allleave") and i == notice_at:
+                mgr.stalled = True
+                if mode == "posteval":
+                    notify(guard, deadline_s)  # during the evaluation after the last step that commits
+                model.eval()
+                with torch.no_grad():
+                    t_eval = time.monotonic() + eval_s
+                    while time.monotonic() < t_eval:
+                        model(x)
+                        time.sleep(0.05)
+        i += 1
+    print("never left", flush=True)
+    sys.exit(3)
+
+
+if __name__ == "__main__":
+    main()

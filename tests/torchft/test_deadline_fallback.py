@@ -1,0 +1,108 @@
+"""Issue 25: a noticed replica group that cannot leave before its deadline writes its own checkpoint.
+
+Real processes (the fallback leaves with ``os._exit``), a fake torchft manager (tests/torchft/_fallback_worker.py):
+the steps after the notice never commit (the other groups left and ``min_replica_size`` is 2, or the quorum
+stalls), so the vote never lets the group leave. Before the fallback such a group trained on uncommitted steps
+until the VM died: nothing written. The checkpoint must be the state of the last committed step, bitwise (the
+digest the worker recorded after that step's post-step work, the RNG right after its optimizer step).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+
+from spotguard.storage import open_storage  # noqa: E402
+from spotguard.storage.commit import newest_committed  # noqa: E402
+
+WORKER = Path(__file__).with_name("_fallback_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(tmp: Path, mode: str, **env: str) -> tuple[int, float, list[dict[str, Any]]]:
+    e = dict(os.environ, PYTHONPATH=str(ROOT), SPOTGUARD_LOG_FORMAT="json", **env)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(WORKER), mode, str(tmp)], env=e, capture_output=True, text=True,
+                          timeout=120)
+    took = time.monotonic() - t0
+    lines = []
+    for line in (proc.stdout + proc.stderr).splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            pass
+    return proc.returncode, took, lines
+
+
+def _events(lines: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [ev for ev in lines if ev.get("event") == name]
+
+
+def _recorded(tmp: Path) -> dict[int, dict[str, Any]]:
+    return {r["step"]: r for r in map(json.loads, (tmp / "digests.jsonl").read_text().splitlines())}
+
+
+def _resumed(tmp: Path) -> tuple[int, str, str]:
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        import _fallback_worker as w  # noqa: PLC0415
+    finally:
+        sys.path.pop(0)
+    model, opt, sched, mgr, guard = w.build(str(tmp / "ckpt"), str(tmp / "none.sock"))
+    try:
+        step = guard.resume()
+        rng = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
+        return step, w.digest(model, opt, sched), rng
+    finally:
+        guard.hook.close()
+
+
+def test_a_group_whose_steps_stop_committing_writes_the_last_committed_step_itself(tmp_path: Path) -> None:
+    code, _, lines = _run(tmp_path, "stall", DEADLINE="4", NOTICE_AT="5")
+    assert code == 143, lines[-5:]
+    fb = _events(lines, "replica_fallback")
+    assert fb and fb[0]["where"] == "watchdog"
+    done = _events(lines, "checkpoint_committed")
+    assert done and not _events(lines, "checkpoint_late")
+    info = newest_committed(open_storage(str(tmp_path / "ckpt")))
+    assert info is not None and info.step == 5  # steps 1..5 committed, none after the notice
+    rec = _recorded(tmp_path)
+    step, dig, rng = _resumed(tmp_path)
+    assert step == 5 and dig == rec[5]["digest"] and rng == rec[5]["rng"]
+
+
+def test_a_notice_during_the_post_step_evaluation_is_written_at_the_next_training_forward(tmp_path: Path) -> None:
+    # the fallback fires during the evaluation (the loop's post-step work may still change the state): the
+    # write waits for the next training forward, which comes before the deadline
+    code, _, lines = _run(tmp_path, "posteval", DEADLINE="5", EVAL="3.5", NOTICE_AT="4")
+    assert code == 143, lines[-5:]
+    fb = _events(lines, "replica_fallback")
+    assert fb and fb[0]["where"] == "next-training-forward"
+    rec = _recorded(tmp_path)
+    step, dig, rng = _resumed(tmp_path)
+    assert step == 5 and dig == rec[5]["digest"] and rng == rec[5]["rng"]
+
+
+@pytest.mark.parametrize("mode", ["posteval", "allleave"])
+def test_a_write_that_cannot_start_before_the_deadline_exits_75_at_the_deadline(tmp_path: Path, mode: str) -> None:
+    # the evaluation outlasts the deadline: no training forward comes; the process must not wait for it (the
+    # VM is gone by then) nor claim anything: 75 at the deadline, an error line naming why
+    code, _, lines = _run(tmp_path, mode, DEADLINE="3", EVAL="12", NOTICE_AT="4")
+    assert code == 75, lines[-5:]
+    missed = _events(lines, "replica_fallback_missed")
+    assert missed and "before the deadline" in missed[0]["why"]
+    assert not _events(lines, "checkpoint_committed")
+    (ex,) = _events(lines, "exit")
+    # left before the deadline (3 s), not after the 12 s evaluation, and never claiming a commit
+    assert ex["by"] == "replica-deadline" and ex["seconds_since_notice"] < 3 and not ex["committed"]
