@@ -388,9 +388,9 @@ class ReplicaGuard:
                 self._fallback_on = True  # from here every optimizer step of this process is held
                 self._writing.set()
                 self._done.set()
-            elif self._pending is None:
+            elif single and self._pending is None:
                 self._pending = (notice, None, None)  # the loop's next training forward writes it
-        where = "watchdog" if direct else "next-training-forward"
+        where = "watchdog" if direct else "next-training-forward" if single else "none"
         self._log.warning(FALLBACK, notice_id=notice.id, step=step, seconds_left=round(notice.seconds_left(), 3),
                           where=where, why="this group has not left by deadline - lead (no committed step since the "
                                            "notice: the other groups left, the quorum or the lighthouse stalls)")
