@@ -127,20 +127,33 @@ class _EngineHook(Hook):
     _background_capable = False
     _warn_skipped_steps = False  # an uncommitted step skips optimizer.step() by design; after_step() keeps the count
 
+    guard: Optional["ReplicaGuard"] = None  # set by the guard that built it
+
+    def _periodic_flags(self) -> tuple[int, int]:
+        """``every=``: only the writer group is ever due (its in-flight upload still counts as busy)."""
+        due, busy = super()._periodic_flags()
+        return (due if self.guard is not None and self.guard._writer else 0), busy
+
 class ReplicaGuard:
     """Notices for one torchft replica group (one per process; every rank of the group builds one).
 
     ``state`` is what the emergency checkpoint holds (model, optimizer, ...),
     the same mapping ``install_preemption_hook`` takes; ``storage`` where it
-    goes. Use ``optimizer()`` for the training loop, or call ``iteration_start()``
+    goes; ``every``/``keep`` as for ``install_preemption_hook`` (periodic
+    checkpoints, written by the group with replica rank 0 only: the state is
+    replicated). Use ``optimizer()`` for the training loop, or call ``iteration_start()``
     before each ``manager.start_quorum()``, ``vote()`` before
     ``manager.should_commit()`` and ``after_step(committed)`` after it.
     """
 
     def __init__(self, manager: Any, state: Mapping[str, Any], storage: Any = None, *,
                  socket: Optional[str] = None, exit_code: int = 143, log_steps: bool = False,
-                 on_notice: Optional[Callable[[Notice], Any]] = None) -> None:
+                 on_notice: Optional[Callable[[Notice], Any]] = None, every: Optional[float] = None,
+                 keep: Optional[int] = None) -> None:
         self.manager = manager
+        # periodic checkpoints (every=): the state is replicated, so one group writes them — the one with replica
+        # rank 0 in the last committed step's quorum (every process of that group: the shards are its own)
+        self._writer = False
         self._user_cb = on_notice
         self._lock = threading.Lock()
         self._notice: Optional[Notice] = None  # the notice this group leaves for (first one wins)
@@ -165,7 +178,9 @@ class ReplicaGuard:
         self._done = threading.Event()
         self._halt = threading.Event()  # never set: an optimizer step held by the fallback waits for the exit
         self._watchdog: Optional[threading.Thread] = None
-        self.hook = _EngineHook(state, storage, socket=socket, exit_code=exit_code, on_notice=self._on_notice)
+        self.hook = _EngineHook(state, storage, socket=socket, exit_code=exit_code, on_notice=self._on_notice,
+                                every=every, keep=keep)
+        self.hook.guard = self
         self._log = get_logger("spotguard.torchft", component="hook", rank=self.hook._rank)
         self._fwd_handles = [m.register_forward_pre_hook(self._on_forward) for m in self.hook._objs.models.values()]
         self._gate_handles = [o.register_step_pre_hook(self._gate) for o in self.hook._objs.optimizers.values()]
@@ -264,6 +279,7 @@ class ReplicaGuard:
             # the hook counts this step too (its post-hook): keep its count on the manager's step, which a heal
             # moves, so that what it took at the next forward (buffers, RNG) is found for this step's label
             self.hook._count = step
+            self._writer = self.manager.participating_rank() == 0
             with self._lock:
                 self._phase = "post"  # the loop's post-step work of this step (scheduler, EMA) comes next
         if not committed or tally is None:

@@ -77,14 +77,14 @@ class Manager:
         self.step = sd["step"]
 
 
-def build(ckpt: str, sock: str) -> tuple[Any, Any, Any, Manager, ReplicaGuard]:
+def build(ckpt: str, sock: str, **kw: Any) -> tuple[Any, Any, Any, Manager, ReplicaGuard]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.3),
                                 torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
     mgr = Manager()
-    guard = ReplicaGuard(mgr, {"model": model, "opt": opt, "sched": sched}, ckpt, socket=sock)
+    guard = ReplicaGuard(mgr, {"model": model, "opt": opt, "sched": sched}, ckpt, socket=sock, **kw)
     return model, opt, sched, mgr, guard
 
 

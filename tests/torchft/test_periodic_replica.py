@@ -1,0 +1,68 @@
+"""Issue 25: ``ReplicaGuard(every=, keep=)`` — periodic checkpoints from the one group with replica rank 0.
+
+Before, ``every``/``keep`` were not passed through: storage only ever held whole-job-leave checkpoints and a
+crash went back to step 0. A fake manager (tests/torchft/_fallback_worker.py) stands for torchft's; the state is
+replicated, so a group with replica rank 1 must write nothing, and the group with rank 0 checkpoints that resume
+bitwise to the state recorded after their step (the loop's post-step work included).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+
+from spotguard.storage import open_storage  # noqa: E402
+from spotguard.storage.commit import scan  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _fallback_worker as w  # noqa: E402
+
+sys.path.pop(0)
+
+
+def _train(tmp: Path, *, rank: int, steps: int, every: float, keep: Any) -> dict[int, str]:
+    model, opt, sched, mgr, guard = w.build(str(tmp / "ckpt"), str(tmp / "none.sock"), every=every, keep=keep)
+    mgr.participating_rank = lambda: rank  # type: ignore[method-assign]
+    g = guard.optimizer(opt)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    seen: dict[int, str] = {}
+    try:
+        for _ in range(steps):
+            g.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            assert g.step()
+            sched.step()
+            seen[mgr.step] = w.digest(model, opt, sched)
+            time.sleep(0.02)
+    finally:
+        guard.close()  # waits for an upload in flight
+    return seen
+
+
+def test_the_group_with_replica_rank_0_writes_periodic_checkpoints_that_resume_bitwise(tmp_path: Path) -> None:
+    seen = _train(tmp_path, rank=0, steps=40, every=0.15, keep=None)
+    committed = [c for c in scan(open_storage(str(tmp_path / "ckpt"))) if c.committed]
+    assert len(committed) >= 2, committed
+    assert all(c.record is not None and c.record.reason == "periodic" for c in committed)
+    for c in committed[:1] + committed[-1:]:  # the first and the newest
+        model, opt, sched, mgr, guard = w.build(str(tmp_path / "ckpt"), str(tmp_path / "none.sock"))
+        try:
+            assert guard.hook._load(c.dir) is None
+            assert w.digest(model, opt, sched) == seen[c.step], c.step
+        finally:
+            guard.hook.close()
+
+
+def test_keep_bounds_them_and_other_groups_write_none(tmp_path: Path) -> None:
+    _train(tmp_path / "r0", rank=0, steps=40, every=0.1, keep=2)
+    kept = [c for c in scan(open_storage(str(tmp_path / "r0" / "ckpt"))) if c.committed]
+    assert 1 <= len(kept) <= 2, kept
+    _train(tmp_path / "r1", rank=1, steps=40, every=0.1, keep=2)
+    assert not [c for c in scan(open_storage(str(tmp_path / "r1" / "ckpt"))) if c.committed]
