@@ -443,12 +443,33 @@ class ReplicaGuard:
             self.hook.close()
 
 
-class GuardedOptimizer:
-    """torchft's ``OptimizerWrapper`` plus the leave vote: ``zero_grad`` starts the quorum, ``step`` commits."""
+class GuardedOptimizer(torch.optim.Optimizer):
+    """torchft's ``OptimizerWrapper`` plus the leave vote: ``zero_grad`` starts the quorum, ``step`` commits.
 
-    def __init__(self, guard: ReplicaGuard, optim: torch.optim.Optimizer) -> None:
+    An ``Optimizer`` as torchft's wrapper is (issue 25): an LR scheduler can be built on it
+    (``LambdaLR(guard.optimizer(opt), ...)``); parameter groups and state are the wrapped
+    optimizer's own objects, so either one may be given to the scheduler and the hook's dict.
+    ``Optimizer.__init__`` is not run (no parameters of its own; torchft's wrapper does the same).
+    """
+
+    def __init__(self, guard: ReplicaGuard, optim: torch.optim.Optimizer) -> None:  # noqa: D107
         self.guard = guard
         self.optim = optim
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optim.param_groups
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.optim.state
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.optim.defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optim.add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         g = self.guard
@@ -464,8 +485,10 @@ class GuardedOptimizer:
         g.manager.start_quorum()
         self.optim.zero_grad(set_to_none)
 
-    def step(self) -> bool:
+    def step(self, closure: Any = None) -> bool:  # type: ignore[override]
         """Vote, ``should_commit``, step the wrapped optimizer if committed; may raise ``Preempted``."""
+        if closure is not None:
+            raise TypeError("GuardedOptimizer.step() takes no closure (torchft commits a step after the backward)")
         self.guard.vote()
         committed = bool(self.guard.manager.should_commit())
         if committed:

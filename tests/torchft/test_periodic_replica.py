@@ -66,3 +66,22 @@ def test_keep_bounds_them_and_other_groups_write_none(tmp_path: Path) -> None:
     assert 1 <= len(kept) <= 2, kept
     _train(tmp_path / "r1", rank=1, steps=40, every=0.1, keep=2)
     assert not [c for c in scan(open_storage(str(tmp_path / "r1" / "ckpt"))) if c.committed]
+
+
+def test_a_scheduler_can_be_built_on_the_guarded_optimizer(tmp_path: Path) -> None:
+    """Issue 25: GuardedOptimizer was not an Optimizer — ``LambdaLR(guard.optimizer(opt))`` raised TypeError."""
+    model, opt, _, mgr, guard = w.build(str(tmp_path / "ckpt"), str(tmp_path / "none.sock"))
+    g = guard.optimizer(opt)
+    sched = torch.optim.lr_scheduler.LambdaLR(g, lambda s: 0.5 ** s)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    try:
+        assert isinstance(g, torch.optim.Optimizer) and g.param_groups is opt.param_groups
+        for _ in range(3):
+            g.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            assert g.step()
+            sched.step()
+        assert mgr.step == 3 and opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5 ** 3)
+        assert g.state_dict()["state"] and g.state is opt.state
+    finally:
+        guard.close()
