@@ -90,15 +90,11 @@ def worker(args: argparse.Namespace) -> int:
             return 0  # the driver went away without releasing us
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
-    def load_state(sd: dict[str, Any]) -> None:
-        model.load_state_dict(sd["model"])
-        optim.load_state_dict(sd["optim"])
-        sched.load_state_dict(sd["sched"])
-
+    # no load_state_dict/state_dict of its own: the ReplicaGuard registers its dict as what heals transport
     manager = Manager(
         pg=(ProcessGroupNCCL if dev.type == "cuda" else ProcessGroupGloo)(timeout=timedelta(seconds=args.pg_timeout)),
-        load_state_dict=load_state,
-        state_dict=lambda: {"model": model.state_dict(), "optim": optim.state_dict(), "sched": sched.state_dict()},
+        load_state_dict=None,
+        state_dict=None,
         min_replica_size=1,
         rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
         lighthouse_addr=args.lighthouse, replica_id=args.replica_id, hostname="127.0.0.1",

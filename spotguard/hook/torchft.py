@@ -49,10 +49,10 @@ from ..logs import get_logger
 from ..notice import Notice
 from .core import EXIT_SAVE_FAILED, Hook, Preempted
 from .settings import env_seconds
-from .state import Snapshot
+from .state import PER_RANK, Snapshot
 
 __all__ = ["ReplicaGuard", "GuardedOptimizer", "lighthouse_args", "vote_device", "fallback_lead", "LEAVING", "LEFT",
-           "PEER_LEAVING", "STEP", "FALLBACK", "FALLBACK_MISSED"]
+           "PEER_LEAVING", "STEP", "FALLBACK", "FALLBACK_MISSED", "HEAL_STATE"]
 
 # timeline events (structlog ``event``), in addition to the hook's
 LEAVING = "replica_leaving"  # notice_id: this group will leave at the next committed step
@@ -60,6 +60,7 @@ PEER_LEAVING = "replica_peer_leaving"  # step, leaving, participants: others lea
 LEFT = "replica_left"  # notice_id, step: this group left after committed step ``step``
 ALL_LEAVING = "replica_all_leaving"  # step: every group leaves: emergency checkpoint
 STEP = "replica_step"  # step, participants, committed (only with ``log_steps``)
+HEAL_STATE = "replica_heal_state"  # by (guard | manager), keys: what a healing group takes from a survivor
 FALLBACK = "replica_fallback"  # notice_id, step, seconds_left, where: not left by deadline - lead: writing itself
 FALLBACK_MISSED = "replica_fallback_missed"  # notice_id, step, why, fix: nothing written by the deadline (exit 75)
 
@@ -182,8 +183,48 @@ class ReplicaGuard:
                                 every=every, keep=keep)
         self.hook.guard = self
         self._log = get_logger("spotguard.torchft", component="hook", rank=self.hook._rank)
+        self._register_heal_state()
         self._fwd_handles = [m.register_forward_pre_hook(self._on_forward) for m in self.hook._objs.models.values()]
         self._gate_handles = [o.register_step_pre_hook(self._gate) for o in self.hook._objs.optimizers.values()]
+
+    # ------------------------------------------------------------------ heals
+
+    def heal_items(self) -> dict[str, Any]:
+        """What a healing group takes from a survivor: the replicated part of the dict (models, optimizers,
+        schedulers, scalers, global stateful objects) — never the loaders or per-rank objects (each group
+        reads its own data)."""
+        o = self.hook._objs
+        items: dict[str, Any] = {**o.models, **o.optimizers, **o.schedulers, **o.scalers}
+        items.update({k: v for k, v in o.stateful.items() if o.scope.get(k) != PER_RANK})
+        return items
+
+    def _register_heal_state(self) -> None:
+        """Declare the state once (issue 25): the guard's dict is also what torchft's heal transports, unless
+        the Manager was given its own ``load_state_dict``/``state_dict`` (then those are used, and they must
+        hold every replicated item: a scheduler missing there leaves a healed group with a fresh one)."""
+        register = getattr(self.manager, "register_state_dict_fn", None)
+        if not callable(register):
+            return
+        items = self.heal_items()
+        theirs = sorted(getattr(self.manager, "_user_state_dicts", None) or {})
+        if theirs:
+            self._log.info(HEAL_STATE, by="manager", keys=theirs, guard_keys=sorted(items),
+                           why="the Manager has its own state_dict callbacks: heals use them; they must hold "
+                               "every item listed in guard_keys")
+            return
+
+        def state_dict() -> dict[str, Any]:
+            return {k: v.state_dict() for k, v in items.items()}
+
+        def load_state_dict(sd: dict[str, Any]) -> None:
+            missing = sorted(set(items) - set(sd))
+            if missing:
+                raise KeyError(f"heal state lacks {missing}: the survivor's ReplicaGuard holds other items")
+            for k, v in items.items():
+                v.load_state_dict(sd[k])
+
+        register("spotguard", load_state_dict, state_dict)
+        self._log.info(HEAL_STATE, by="guard", keys=sorted(items))
 
     # ------------------------------------------------------------------ notices
 

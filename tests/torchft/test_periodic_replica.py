@@ -85,3 +85,56 @@ def test_a_scheduler_can_be_built_on_the_guarded_optimizer(tmp_path: Path) -> No
         assert g.state_dict()["state"] and g.state is opt.state
     finally:
         guard.close()
+
+
+class _Registry:
+    """torchft's Manager.register_state_dict_fn / _user_state_dicts, as the fake manager lacks them."""
+
+    def __init__(self) -> None:
+        self._user_state_dicts: dict[str, Any] = {}
+        self._load_state_dict_fns: dict[str, Any] = {}
+
+    def register_state_dict_fn(self, key: str, load: Any, state: Any) -> None:
+        assert key not in self._user_state_dicts
+        self._load_state_dict_fns[key], self._user_state_dicts[key] = load, state
+
+
+def test_the_guard_declares_what_a_heal_transports_scheduler_included(tmp_path: Path) -> None:
+    """Issue 25: state was declared twice (the Manager's callbacks and the guard's dict): a Manager whose
+    callbacks forgot the scheduler healed a replacement with a fresh one. The guard now registers its own
+    dict's replicated items with the Manager, and a healed group gets the survivor's scheduler."""
+    def group(name: str) -> tuple[Any, Any, Any, Any, Any]:
+        orig = w.Manager.__init__
+
+        def init(self: Any) -> None:
+            orig(self)
+            _Registry.__init__(self)  # type: ignore[arg-type]
+
+        w.Manager.__init__ = init  # type: ignore[method-assign]
+        w.Manager.register_state_dict_fn = _Registry.register_state_dict_fn  # type: ignore[attr-defined]
+        try:
+            model, opt, sched, mgr, guard = w.build(str(tmp_path / name), str(tmp_path / "none.sock"))
+        finally:
+            w.Manager.__init__ = orig  # type: ignore[method-assign]
+            del w.Manager.register_state_dict_fn  # type: ignore[attr-defined]
+        return model, opt, sched, mgr, guard
+
+    model, opt, sched, mgr, guard = group("a")
+    model2, opt2, sched2, mgr2, guard2 = group("b")
+    try:
+        assert set(mgr._user_state_dicts) == {"spotguard"}
+        g = guard.optimizer(opt)
+        x, y = torch.randn(32, 8), torch.randn(32, 1)
+        for _ in range(4):
+            g.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            g.step()
+            sched.step()
+        sent = mgr._user_state_dicts["spotguard"]()
+        assert set(sent) == {"model", "opt", "sched"}
+        mgr2._load_state_dict_fns["spotguard"](sent)  # what torchft does with a survivor's state on a heal
+        assert w.digest(model2, opt2, sched2) == w.digest(model, opt, sched)
+        assert sched2.last_epoch == 4
+    finally:
+        guard.close()
+        guard2.close()
