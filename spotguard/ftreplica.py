@@ -75,7 +75,8 @@ def worker(args: argparse.Namespace) -> int:
     from .logs import configure_logging, get_logger  # noqa: PLC0415
 
     configure_logging("json", os.environ.get("SPOTGUARD_LOG_LEVEL", "info"), stream=sys.stdout)
-    log = get_logger("spotguard.ftreplica", component="replica", replica=args.replica_id)
+    log = get_logger("spotguard.ftreplica", component="replica", replica=args.replica_id,
+                     rank=int(os.environ.get("RANK", "0")))
     torch.manual_seed(0)  # every group starts from the same weights (torchft's init_sync heals them anyway)
     dim = args.dim
     dev = torch.device(args.device)
@@ -88,7 +89,18 @@ def worker(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         if not sys.stdin.readline():
             return 0  # the driver went away without releasing us
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    # several processes per group (started by torchrun, --procs): the group's own process group, torchrun's
+    # store for torchft, each rank its own data; else one process with a store of its own
+    rank, procs = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if procs > 1:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
+        store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    else:
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        store_addr, store_port = "127.0.0.1", store.port
+    data_id = args.replica_id if procs == 1 else f"{args.replica_id}:{rank}"
 
     # no load_state_dict/state_dict of its own: the ReplicaGuard registers its dict as what heals transport
     manager = Manager(
@@ -96,7 +108,7 @@ def worker(args: argparse.Namespace) -> int:
         load_state_dict=None,
         state_dict=None,
         min_replica_size=1,
-        rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
+        rank=rank, world_size=procs, store_addr=store_addr, store_port=store_port,
         lighthouse_addr=args.lighthouse, replica_id=args.replica_id, hostname="127.0.0.1",
         timeout=timedelta(seconds=args.pg_timeout), quorum_timeout=timedelta(seconds=60),
         connect_timeout=timedelta(seconds=20),
@@ -128,10 +140,13 @@ def worker(args: argparse.Namespace) -> int:
             opt.zero_grad()  # starts the quorum; it runs while we "compute"
             if args.step_time > 0:
                 time.sleep(args.step_time)
-            x, y = (t.to(dev) for t in _batch(manager.current_step(), args.replica_id, dim))
+            x, y = (t.to(dev) for t in _batch(manager.current_step(), data_id, dim))
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            if procs > 1:  # data parallel inside the group first (its own process group), then across groups
+                torch.distributed.all_reduce(flat)
+                flat /= procs
             manager.allreduce(flat).wait()
             off = 0
             for p in model.parameters():
@@ -269,9 +284,13 @@ def _reader(g: Group, log: Any) -> None:
 
 def start_group(name: str, lighthouse: str, socket_path: str, storage: str, *, steps: int,
                 step_time: float, log_path: Optional[Path] = None, pg_timeout: float = 10.0,
-                env: Optional[dict[str, str]] = None, hold: bool = False, end_with: int = 0) -> Group:
-    """One replica group's process; with ``hold`` it imports and waits for ``Group.release()`` (a warm spare)."""
-    cmd = [sys.executable, "-m", "spotguard.ftreplica", "--replica-id", name, "--lighthouse", lighthouse,
+                env: Optional[dict[str, str]] = None, hold: bool = False, end_with: int = 0,
+                procs: int = 1) -> Group:
+    """One replica group's process (``procs`` > 1: a ``torchrun`` of that many); with ``hold`` it imports and
+    waits for ``Group.release()`` (a warm spare)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
+                "--max-restarts", "0", "-m"] if procs > 1 else [sys.executable, "-m"]
+    cmd = [*launcher, "spotguard.ftreplica", "--replica-id", name, "--lighthouse", lighthouse,
            "--socket", socket_path, "--storage", storage, "--steps", str(steps), "--step-time", str(step_time),
            "--pg-timeout", str(pg_timeout), *(["--hold"] if hold else []),
            *(["--end-with", str(end_with)] if end_with else [])]
@@ -305,13 +324,14 @@ class ReplicaJob:
     """
 
     def __init__(self, work: Path, *, groups: int, step_time: float, steps: int,
-                 lighthouse_flags: Optional[list[str]] = None, end_with: int = 0) -> None:
+                 lighthouse_flags: Optional[list[str]] = None, end_with: int = 0, procs: int = 1) -> None:
         from .hook.torchft import lighthouse_args  # noqa: PLC0415
 
         self.work = Path(work)
         self.step_time = step_time
         self.total = steps
         self.end_with = end_with  # groups go on past ``steps`` until a committed step had this many replicas
+        self.procs = procs  # processes per group (torchrun when > 1)
         flags = lighthouse_args(groups=groups, step_seconds=step_time) if lighthouse_flags is None else lighthouse_flags
         self.lh: Lighthouse = start_lighthouse(flags, self.work / "lighthouse.log")
         self.daemons: dict[str, Any] = {}
@@ -331,7 +351,7 @@ class ReplicaJob:
         self.daemons[name] = start_daemon(sock, log_path=self.work / f"{name}-daemon.log")
         g = start_group(name, self.lh.addr, sock, str(self.work / "ckpt"), steps=self.total,
                         step_time=self.step_time, log_path=self.work / f"{name}.log", hold=hold,
-                        end_with=self.end_with)
+                        end_with=self.end_with, procs=self.procs)
         self.groups[name] = g
         return g
 
