@@ -52,7 +52,8 @@ from .settings import env_seconds
 from .state import PER_RANK, Snapshot
 
 __all__ = ["ReplicaGuard", "GuardedOptimizer", "lighthouse_args", "vote_device", "fallback_lead", "LEAVING", "LEFT",
-           "PEER_LEAVING", "STEP", "FALLBACK", "FALLBACK_MISSED", "HEAL_STATE"]
+           "PEER_LEAVING", "STEP", "FALLBACK", "FALLBACK_MISSED", "HEAL_STATE",
+           "NOT_VOTING"]
 
 # timeline events (structlog ``event``), in addition to the hook's
 LEAVING = "replica_leaving"  # notice_id: this group will leave at the next committed step
@@ -60,6 +61,7 @@ PEER_LEAVING = "replica_peer_leaving"  # step, leaving, participants: others lea
 LEFT = "replica_left"  # notice_id, step: this group left after committed step ``step``
 ALL_LEAVING = "replica_all_leaving"  # step: every group leaves: emergency checkpoint
 STEP = "replica_step"  # step, participants, committed (only with ``log_steps``)
+NOT_VOTING = "replica_not_voting"  # notice_id, why, fix: steps commit without the leave vote (LocalSGD/DiLoCo)
 HEAL_STATE = "replica_heal_state"  # by (guard | manager), keys: what a healing group takes from a survivor
 FALLBACK = "replica_fallback"  # notice_id, step, seconds_left, where: not left by deadline - lead: writing itself
 FALLBACK_MISSED = "replica_fallback_missed"  # notice_id, step, why, fix: nothing written by the deadline (exit 75)
@@ -174,6 +176,7 @@ class ReplicaGuard:
         # of the last committed step; "stepping": inside the optimizer's step), whether the fallback holds the
         # optimizer, and whether the emergency write started / the group is done with its notice
         self._phase = "post"
+        self._voted_ever = False  # a loop whose should_commit() someone else calls (LocalSGD/DiLoCo) never votes
         self._fallback_on = False
         self._writing = threading.Event()
         self._done = threading.Event()
@@ -239,6 +242,14 @@ class ReplicaGuard:
         if first:
             self._log.info(LEAVING, notice_id=notice.id, step=self.manager.current_step(),
                            seconds_left=round(notice.seconds_left(), 3))
+            if not self._voted_ever and self.manager.current_step() > 0:
+                self._log.warning(NOT_VOTING, notice_id=notice.id,
+                                  why="steps committed but this loop never voted: should_commit() is called "
+                                      "elsewhere (torchft's LocalSGD/DiLoCo call it inside the optimizer's "
+                                      "post-hook), so the group cannot leave at a committed step; only the "
+                                      "deadline fallback acts, with this group's state of the moment",
+                                  fix="use guard.optimizer(opt) or call guard.vote() before every "
+                                      "manager.should_commit() (LocalSGD/DiLoCo are not supported yet)")
             self._watchdog = threading.Thread(target=self._deadline_watch, args=(notice,), daemon=True,
                                               name="spotguard-replica-deadline")
             self._watchdog.start()
@@ -275,6 +286,7 @@ class ReplicaGuard:
                          device=vote_device(getattr(self.manager, "_pg", None)))
 
         self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
+        self._voted_ever = True
         self._voted = notice
         leaving, voters = t.tolist()
         self._tally = (int(leaving), int(voters))
