@@ -157,10 +157,19 @@ def run() -> dict[str, Any]:
             print(f"  c_restart {r + 1}: gap {rows['c_restart'][-1][0]:.3f} s", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"groups": 3, "step_time_s": STEP_TIME, **{k: _summary(v) for k, v in rows.items() if v}}
+    # raw rows: (survivors' longest gap s, steps lost, median step interval s) per trial; the load says how
+    # busy the machine was (the gap is a wall-clock figure)
+    return {"groups": 3, "step_time_s": STEP_TIME, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+            **{k: _summary(v) for k, v in rows.items() if v},
+            "raw": {k: [[round(g, 4), lost, round(med, 4)] for g, lost, med in v] for k, v in rows.items()}}
 
 
 if __name__ == "__main__":
     import json
 
-    print(json.dumps(run(), indent=2))
+    res = {"loadavg_start": [round(x, 2) for x in os.getloadavg()], **run()}
+    text = json.dumps(res, indent=2)
+    print(text)
+    out = Path(os.environ.get("SG_BENCH_OUT", Path(__file__).parent / "results" / "bench_torchft.json"))
+    out.write_text(text + "\n")
+    print(f"raw results: {out}")
