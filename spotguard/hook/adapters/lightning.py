@@ -270,7 +270,7 @@ class LightningHook(FrameworkHook):
         self._at_step = _AtStep(
             step=step, epoch=int(trainer.current_epoch), rng=capture_rng(),
             buffers={n: b.detach().clone() for n, b in tracked_buffers(module).items()},
-            loops=copy.deepcopy(loops_of()),
+            loops=_copy_containers(loops_of()),
             callbacks={cb.state_key: _copy_containers(sd) for cb in trainer.callbacks if (sd := cb.state_dict())},
         )
 
