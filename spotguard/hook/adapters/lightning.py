@@ -21,10 +21,29 @@ Life cycle (every rank):
   into spotguard storage (all ranks call it, rank 0 writes, as Lightning
   requires), it is committed, ``trainer.should_stop`` is set and ``Preempted``
   (``SystemExit``) is raised out of ``trainer.fit``.
+- ``on_train_batch_end`` of a gradient-accumulation micro-batch (global step
+  unchanged): also an agreement point, acted on for the last completed
+  optimizer step S (see "Accumulation" below).
 - ``on_validation_batch_end`` (validation inside ``fit``): the same agreement,
   once per validation batch, acted on at once for the last completed step
   (validation changes no weights): a notice during a long validation loop
   commits and exits without waiting for the loop to end.
+
+Accumulation: with ``accumulate_grad_batches`` > 1 the step boundary can be
+minutes away, and Lightning writes its checkpoint from the training thread (no
+background read as in the plain hook). At each step's end the callback takes
+what the micro-batches after it move — this rank's RNG, the running statistics
+of normalisation layers, Lightning's loop progress (``checkpoint["loops"]``) and
+the callbacks' ``state_dict``s; weights, optimizer, schedulers and the precision
+plugin do not move until the next step. An agreed notice at a micro-batch's end
+is saved with RNG and buffers put back to S and the loops/callbacks entries
+replaced by S's in ``on_save_checkpoint`` (``_rewound``; live values restored
+afterwards): the file a save at S's ``on_train_batch_end`` would have written,
+so Lightning resumes at the first micro-batch of step S+1 and the thrown-away
+micro-batches are recomputed. Not in the first accumulation of a run (no step
+taken yet) nor of an epoch (epoch-end hooks and validation ran since S): there
+the micro-batches stay out of the agreement on every rank alike and the step
+boundary acts, as without accumulation.
 
 SIGTERM: Lightning 2.x's own handler (``_SignalConnector``) broadcasts on the
 default process group *from inside the signal handler* and then raises
