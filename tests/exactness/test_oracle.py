@@ -53,6 +53,9 @@ CASES: dict[str, tuple[str, ...]] = {
     # at an epoch end); agreed at an epoch's first micro-batch: not rewindable across the epoch end, the next step
     "lightning-accum-commit-at-epoch-end": ("lightning", "phase:load@4"),
     "lightning-accum-micro-batch-after-epoch-end": ("lightning", "phase:micro@4"),
+    # an ordinary notice saved at a micro-batch (rewound to step 3): the live RNG/buffers come back and training
+    # goes on to the reference's final state
+    "lightning-rebalance-at-micro-batch-training-goes-on": ("lightning", "phase:micro@2", "rebalance"),
     "hf-trainer-accum-substep-epoch-end": ("hf_trainer", "phase:micro@3"),
     # every=: a periodic upload in flight: before its first byte (aborted for the emergency) and half written
     # (finished, then the emergency's own checkpoint): every commit is checked
