@@ -6,6 +6,7 @@ Before, the notice was acted on at the end of the next optimizer step (here 8-16
 exit 75. Now every rank commits, one micro-batch after the agreement, the checkpoint of the last completed
 optimizer step S (the micro-batches after S are thrown away), in time, exit 143; the restarted job recomputes
 those micro-batches and ends bitwise equal to an uninterrupted run (every micro-batch's loss, final weights).
+The same for a notice during a validation that runs between two micro-batches.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -53,20 +54,22 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
         shutil.rmtree(short, ignore_errors=True)
 
 
-def test_notice_during_accumulation_commits_last_step_in_time_and_resumes_bitwise(
-        tmp_path: Path, daemon: DaemonProc) -> None:
-    ref = Job(SCRIPT, tmp_path / "ref.log", [*ARGS, "--no-hook", "--out", str(tmp_path / "ref.pt")])
+def _preempt_and_resume(tmp_path: Path, daemon: DaemonProc, args: list[str], reference_args: list[str],
+                        fired: Callable[[TorchRun], bool], deadline: float) -> TorchRun:
+    """Reference run, preempted run (drill once ``fired``), checks of the commit of step S, resumed run compared
+    micro-batch by micro-batch with the reference; returns the preempted run."""
+    ref = Job(SCRIPT, tmp_path / "ref.log", [*ARGS, *reference_args, "--no-hook", "--out", str(tmp_path / "ref.pt")])
     assert ref.wait(180) == 0, ref.tail()
     reference = _micro(ref)
     assert len(reference) == STEPS * ACCUM, ref.tail()
 
     store = tmp_path / "ckpt"
-    run = Job(SCRIPT, tmp_path / "preempted.log", [*ARGS, "--storage", str(store), "--step-time", MICRO_BATCH_TIME],
+    run = Job(SCRIPT, tmp_path / "preempted.log", [*ARGS, *args, "--storage", str(store)],
               env={"SPOTGUARD_SOCKET": daemon.socket})
     try:
         wait_subscribed(daemon.socket, {0, 1}, run, timeout=120)
-        run.wait_for(lambda: any(k[0] == S for k in _micro(run)), 120, f"the accumulation after step {S}")
-        notice_id = drill(daemon.socket, deadline_in=DEADLINE)
+        run.wait_for(lambda: fired(run), 120, "the moment of the notice")
+        notice_id = drill(daemon.socket, deadline_in=deadline)
         run.wait(60)
     finally:
         run.kill()
@@ -89,7 +92,7 @@ def test_notice_during_accumulation_commits_last_step_in_time_and_resumes_bitwis
         assert e["code"] == 143 and e["committed"] and not e["late"] and e["notice_id"] == notice_id, e
     assert committed(store) == [S]
 
-    resumed = Job(SCRIPT, tmp_path / "resumed.log", [*ARGS, "--storage", str(store), "--out",
+    resumed = Job(SCRIPT, tmp_path / "resumed.log", [*ARGS, *reference_args, "--storage", str(store), "--out",
                                                       str(tmp_path / "resumed.pt")])
     assert resumed.wait(180) == 0, resumed.tail()
     assert {e["rank"]: e["step"] for e in resumed.events("resumed")} == {0: S, 1: S}, resumed.tail()
@@ -98,8 +101,24 @@ def test_notice_during_accumulation_commits_last_step_in_time_and_resumes_bitwis
     assert sorted(again) == sorted(k for k in reference if k[0] >= S), sorted(again)[:3]
     diff = [(k, reference[k], again[k]) for k in sorted(again) if reference[k] != again[k]]
     assert not diff, f"resumed micro-batch losses differ from the uninterrupted run (key, ref, resumed): {diff[:4]}"
-    wdiff = first_difference(load_out(tmp_path / "ref.pt")["model"], load_out(tmp_path / "resumed.pt")["model"])
-    assert wdiff is None, f"final weights differ at {wdiff}"
-    odiff = first_difference(load_out(tmp_path / "ref.pt")["optimizer"],
-                             load_out(tmp_path / "resumed.pt")["optimizer"])
-    assert odiff is None, f"final optimizer state differs at {odiff}"
+    for what in ("model", "optimizer"):
+        d = first_difference(load_out(tmp_path / "ref.pt")[what], load_out(tmp_path / "resumed.pt")[what])
+        assert d is None, f"final {what} state differs at {d}"
+    return run
+
+
+def test_notice_during_accumulation_commits_last_step_in_time_and_resumes_bitwise(
+        tmp_path: Path, daemon: DaemonProc) -> None:
+    _preempt_and_resume(tmp_path, daemon, ["--step-time", MICRO_BATCH_TIME], [],
+                        lambda run: any(k[0] == S for k in _micro(run)), DEADLINE)
+
+
+def test_notice_during_validation_between_micro_batches_commits_last_step(tmp_path: Path, daemon: DaemonProc) -> None:
+    """Validation every 14 batches with 8 a step: the first one runs between micro-batches 6 and 7 of step S+1
+    (gradients partly accumulated). A notice there is saved rewound to step S, as at a micro-batch's end (before,
+    the save took Lightning's mid-accumulation loop position: the resume skipped micro-batches)."""
+    run = _preempt_and_resume(
+        tmp_path, daemon, ["--eval-every", "14", "--eval-batches", "40", "--eval-step-time", "0.5"],
+        ["--eval-every", "14", "--eval-batches", "2"],
+        lambda run: any(e.get("val_batch", -1) >= 1 for e in run.lines()), 8.0)
+    assert {e["step"] for e in run.lines() if "val_batch" in e} == {S}  # the notice landed in that validation
