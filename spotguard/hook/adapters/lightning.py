@@ -313,6 +313,8 @@ class LightningHook(FrameworkHook):
         return self._micro_since == 0 or self._rewindable()
 
     def _act_in_eval(self, level: int, deadline_ms: int) -> None:
+        """Validation between two micro-batches saves as a micro-batch does: rewound to step S (Lightning's
+        loop position there is mid-accumulation, which its resume would take for completed batches)."""
         if self._micro_since and self._rewinding is None:  # validation between two micro-batches
             with self._rewound():
                 super()._act_in_eval(level, deadline_ms)
