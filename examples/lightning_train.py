@@ -74,7 +74,8 @@ class Net(pl.LightningModule):
         noise = 1.0 + 0.01 * (random.random() + float(np.random.rand()))  # python + numpy RNG in the math
         loss = F.mse_loss(self.net(x) * noise, y)  # dropout draws from torch's RNG
         if self.trainer.global_rank == 0:
-            print(json.dumps({"step": self.global_step, "loss": loss.item(), "hex": loss.item().hex()}), flush=True)
+            print(json.dumps({"step": self.global_step, "epoch": self.current_epoch, "batch": batch_idx,
+                              "loss": loss.item(), "hex": loss.item().hex()}), flush=True)
         if self.step_time > 0:
             time.sleep(self.step_time)
         return loss
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="rank 0 writes the final model+optimizer state here")
     p.add_argument("--no-hook", action="store_true", help="uninterrupted reference run without spotguard")
     p.add_argument("--explicit-ckpt-path", action="store_true", help="pass ckpt_path=hook.latest() to fit")
+    p.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches (micro-batches a step)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--eval-every", type=int, default=6, help="validate every N training batches (with --eval-batches)")
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         strategy="ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "auto",
         max_steps=args.steps, max_epochs=-1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        use_distributed_sampler=False, **validation,
+        use_distributed_sampler=False, accumulate_grad_batches=args.accumulate, **validation,
     )
     ckpt_path = None
     if not args.no_hook:

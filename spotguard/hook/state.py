@@ -61,6 +61,7 @@ __all__ = [
     "tracked_buffers",
     "pack",
     "clone_buffers",
+    "copy_buffers",
     "unpack",
     "GLOBAL",
     "PER_RANK",
@@ -255,6 +256,14 @@ def tracked_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def clone_buffers(buffers: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
     """A copy of tracked buffers by model key and name (models with none left out)."""
     return {mk: {n: b.detach().clone() for n, b in bufs.items()} for mk, bufs in buffers.items() if bufs}
+
+
+def copy_buffers(live: Mapping[str, torch.Tensor], values: Mapping[str, torch.Tensor]) -> None:
+    """Write ``values`` into the live buffers of the same names, in place (a module keeps its tensors)."""
+    with torch.no_grad():
+        for name, val in values.items():
+            if name in live:
+                live[name].copy_(val)
 
 
 @dataclass

@@ -45,9 +45,17 @@ CASES: dict[str, tuple[str, ...]] = {
     "accelerate-training-step-backward": ("accelerate", "phase:bwd@4"),
     "fsdp2-notice-during-forward": ("fsdp2", "phase:fwd@4"),
     "fsdp2-notice-during-backward": ("fsdp2", "phase:bwd@4"),
-    # frameworks: an accumulation micro-batch of iteration 3; the commit (step 5) ends an epoch (Lightning's
-    # restart at an epoch end; the Trainer's RNG load before the next epoch's sampler draws)
+    # frameworks: an accumulation micro-batch of iteration 3. Lightning acts one micro-batch after the agreement:
+    # step 4 committed from batch 8 (RNG, loops, callbacks rewound to step 4's end), the resumed run crosses the
+    # epoch end; the Trainer commits step 5, which ends an epoch (its RNG load before the next epoch's sampler)
     "lightning-accum-micro-batch-epoch-end": ("lightning", "phase:micro@3"),
+    # Lightning, issue 23: agreed at the epoch's last batch, an optimizer step: committed there (Lightning's restart
+    # at an epoch end); agreed at an epoch's first micro-batch: not rewindable across the epoch end, the next step
+    "lightning-accum-commit-at-epoch-end": ("lightning", "phase:load@4"),
+    "lightning-accum-micro-batch-after-epoch-end": ("lightning", "phase:micro@4"),
+    # an ordinary notice saved at a micro-batch (rewound to step 3): the live RNG/buffers come back and training
+    # goes on to the reference's final state
+    "lightning-rebalance-at-micro-batch-training-goes-on": ("lightning", "phase:micro@2", "rebalance"),
     "hf-trainer-accum-substep-epoch-end": ("hf_trainer", "phase:micro@3"),
     # every=: a periodic upload in flight: before its first byte (aborted for the emergency) and half written
     # (finished, then the emergency's own checkpoint): every commit is checked

@@ -273,7 +273,8 @@ class FrameworkHook(Hook):
         agreed, not at the end of the accumulation (which can be minutes away): the
         micro-batches after S are thrown away and recomputed after the resume. Same
         collect-then-launch rhythm as a boundary (one non-blocking reduction per
-        micro-batch); periodic ``every=`` saves wait for the next optimizer step.
+        micro-batch); periodic ``every=`` saves wait for the next optimizer step (their votes are
+        carried to it).
         """
         if self._closed or self._exiting or self._torn_down or self._last_boundary is None or self._finished:
             return
@@ -282,7 +283,8 @@ class FrameworkHook(Hook):
             with self._rewound():
                 self._act_in_microbatch(res[0], res[1])
         level, deadline_ms = self._local_level()
-        self._agree.launch(level, deadline_ms)
+        # the periodic votes ride along: the optimizer step's boundary collects this reduction, not its own
+        self._agree.launch(level, deadline_ms, self._periodic_flags())
 
     def _act_in_microbatch(self, level: int, deadline_ms: int) -> None:
         """Carry out an agreed notice between two micro-batches (inside ``_rewound``); default as in evaluation."""

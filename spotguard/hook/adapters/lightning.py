@@ -21,10 +21,29 @@ Life cycle (every rank):
   into spotguard storage (all ranks call it, rank 0 writes, as Lightning
   requires), it is committed, ``trainer.should_stop`` is set and ``Preempted``
   (``SystemExit``) is raised out of ``trainer.fit``.
+- ``on_train_batch_end`` of a gradient-accumulation micro-batch (global step
+  unchanged): also an agreement point, acted on for the last completed
+  optimizer step S (see "Accumulation" below).
 - ``on_validation_batch_end`` (validation inside ``fit``): the same agreement,
   once per validation batch, acted on at once for the last completed step
   (validation changes no weights): a notice during a long validation loop
   commits and exits without waiting for the loop to end.
+
+Accumulation: with ``accumulate_grad_batches`` > 1 the step boundary can be
+minutes away, and Lightning writes its checkpoint from the training thread (no
+background read as in the plain hook). At each step's end the callback takes
+what the micro-batches after it move — this rank's RNG, the running statistics
+of normalisation layers, Lightning's loop progress (``checkpoint["loops"]``) and
+the callbacks' ``state_dict``s; weights, optimizer, schedulers and the precision
+plugin do not move until the next step. An agreed notice at a micro-batch's end
+is saved with RNG and buffers put back to S and the loops/callbacks entries
+replaced by S's in ``on_save_checkpoint`` (``_rewound``; live values restored
+afterwards): the file a save at S's ``on_train_batch_end`` would have written,
+so Lightning resumes at the first micro-batch of step S+1 and the thrown-away
+micro-batches are recomputed. Not in the first accumulation of a run (no step
+taken yet) nor of an epoch (epoch-end hooks and validation ran since S): there
+the micro-batches stay out of the agreement on every rank alike and the step
+boundary acts, as without accumulation.
 
 SIGTERM: Lightning 2.x's own handler (``_SignalConnector``) broadcasts on the
 default process group *from inside the signal handler* and then raises
@@ -40,6 +59,8 @@ spotguard (not to Lightning's). Lightning restores the handlers it found when
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib
 import pathlib
 import re
@@ -47,15 +68,17 @@ import shutil
 import signal
 import threading
 import warnings
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
 
+import torch
 import torch.distributed as dist
 
 from ...notice import Notice
 from ...storage import Storage
 from ..elastic import derive_rng
 from ..events import ELASTIC_RESUME
-from ..state import capture_rng, pack, restore_rng, unpack
+from ..state import capture_rng, copy_buffers, pack, restore_rng, tracked_buffers, unpack
 from ._base import FrameworkHook
 from ._files import report_local, staging_dir, upload_dir
 
@@ -102,16 +125,25 @@ def _make_callback(base: type, hook: "LightningHook") -> Any:
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             step = int(trainer.global_step)
             final = trainer.max_steps is not None and trainer.max_steps > 0 and step >= trainer.max_steps
+            if hook._last_boundary is not None and step == hook._last_boundary and not final:
+                hook._microbatch()  # accumulation: no optimizer step in this batch
+                return
+            hook._remember_step(step, final)
             hook._framework_boundary(step, final=final)
 
         def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
                                     dataloader_idx: int = 0) -> None:
-            if trainer.training or getattr(trainer.state, "fn", None) == "fit":
+            if (trainer.training or getattr(trainer.state, "fn", None) == "fit") and hook._may_act_now():
                 hook._framework_eval_batch()
 
         def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
             if hook._saving:
-                checkpoint[STATE_KEY] = hook._gather_rng()
+                checkpoint[STATE_KEY] = hook._gather_rng()  # inside _rewound: step S's RNG on every rank
+                at = hook._rewinding
+                if at is not None:  # what Lightning's own dump took now moved since S: S's copies instead
+                    checkpoint["loops"] = at.loops
+                    if "callbacks" in checkpoint:
+                        checkpoint["callbacks"] = at.callbacks
 
         def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
             hook._pending_rng = checkpoint.get(STATE_KEY)
@@ -120,6 +152,30 @@ def _make_callback(base: type, hook: "LightningHook") -> Any:
             hook._release_ckpt_path()
 
     return SpotguardCallback()
+
+
+@dataclass
+class _AtStep:
+    """What moves between optimizer step S's end and the next micro-batches, as it was at S's end."""
+
+    step: int
+    epoch: int
+    rng: dict[str, Any]
+    buffers: dict[str, torch.Tensor]
+    loops: dict[str, Any]
+    callbacks: dict[str, Any]
+
+
+def _copy_containers(obj: Any) -> Any:
+    """Dicts/lists/tuples copied, tensors shared (a callback's state may hold a model's worth of them, and
+    in-place tensor updates come with optimizer steps, not micro-batches), other leaves deep-copied."""
+    if isinstance(obj, dict):
+        return {k: _copy_containers(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_copy_containers(v) for v in obj)
+    if isinstance(obj, torch.Tensor):
+        return obj
+    return copy.deepcopy(obj)
 
 
 class LightningHook(FrameworkHook):
@@ -136,6 +192,9 @@ class LightningHook(FrameworkHook):
         self._saving = False
         self._pending_rng: Optional[dict[str, Any]] = None
         self._auto_ckpt: Optional[str] = None
+        self._at_step: Optional[_AtStep] = None  # taken at each optimizer step's end under accumulation
+        self._rewinding: Optional[_AtStep] = None  # set while a save stands for _at_step's step
+        self._micro_since = 0  # accumulation micro-batches since the last optimizer step
         self.callback = _make_callback(callback_cls, self)
         trainer.callbacks.append(self.callback)
         if dist.is_available() and dist.is_initialized():
@@ -209,6 +268,79 @@ class LightningHook(FrameworkHook):
             how = "none"
         if st.get("world_size") != self._world:
             self._log.info(ELASTIC_RESUME, old_world_size=st.get("world_size"), world_size=self._world, rng=how)
+
+    # ------------------------------------------------------------- accumulation
+
+    def _remember_step(self, step: int, final: bool) -> None:
+        """Optimizer step ``step`` just ended (every rank, before the boundary acts): under gradient
+        accumulation take what the next micro-batches move — this rank's RNG, running-stat buffers,
+        Lightning's loop progress and the callbacks' state — as a save right now would write it."""
+        self._micro_since = 0
+        trainer = self.trainer
+        if final or int(getattr(trainer, "accumulate_grad_batches", 1) or 1) <= 1:
+            self._at_step = None  # no micro-batches to act in: nothing to pay per step
+            return
+        conn = getattr(trainer, "_checkpoint_connector", None)
+        loops_of = getattr(conn, "_get_loops_state_dict", None)
+        if loops_of is None:  # another Lightning: act at the step boundary only (every rank alike)
+            self._at_step = None
+            return
+        module = trainer.lightning_module
+        self._at_step = _AtStep(
+            step=step, epoch=int(trainer.current_epoch), rng=capture_rng(),
+            buffers={n: b.detach().clone() for n, b in tracked_buffers(module).items()},
+            loops=_copy_containers(loops_of()),
+            callbacks={cb.state_key: _copy_containers(sd) for cb in trainer.callbacks if (sd := cb.state_dict())},
+        )
+
+    def _rewindable(self) -> bool:
+        """Can a save now stand for the last optimizer step? The same answer on every rank (same step,
+        epoch and history): a step of this run taken at its end, and no epoch end since (the epoch-end
+        hooks, validation and plateau schedulers may change what is not rewound)."""
+        at = self._at_step
+        return at is not None and at.step == self._last_boundary and at.epoch == int(self.trainer.current_epoch)
+
+    def _microbatch(self) -> None:
+        """An accumulation micro-batch ended: agree and act here when the save can stand for step S;
+        otherwise stay out of the agreement (every rank alike) and act at the step's end as before."""
+        self._micro_since += 1
+        if self._rewindable():
+            self._tick()  # the acting distance is one micro-batch now (deadline_at_risk's estimate)
+            self._framework_microbatch()
+
+    def _may_act_now(self) -> bool:
+        """Validation inside fit: at a step's end, or mid-accumulation when the save can be rewound."""
+        return self._micro_since == 0 or self._rewindable()
+
+    def _act_in_eval(self, level: int, deadline_ms: int) -> None:
+        """Validation between two micro-batches saves as a micro-batch does: rewound to step S (Lightning's
+        loop position there is mid-accumulation, which its resume would take for completed batches)."""
+        if self._micro_since and self._rewinding is None:  # validation between two micro-batches
+            with self._rewound():
+                super()._act_in_eval(level, deadline_ms)
+        else:
+            super()._act_in_eval(level, deadline_ms)
+
+    @contextlib.contextmanager
+    def _rewound(self) -> Iterator[None]:
+        """RNG and running-stat buffers as at step S's end for the save; the loops' and callbacks' state
+        of S replace Lightning's in ``on_save_checkpoint``. The live values come back afterwards."""
+        at = self._at_step
+        if at is None:
+            yield
+            return
+        live_rng = capture_rng()
+        live = tracked_buffers(self.trainer.lightning_module)
+        now = {n: b.detach().clone() for n, b in live.items()}
+        copy_buffers(live, at.buffers)
+        restore_rng(at.rng)
+        self._rewinding = at
+        try:
+            yield
+        finally:
+            self._rewinding = None
+            copy_buffers(live, now)
+            restore_rng(live_rng)
 
     # ------------------------------------------------------------- writing
 

@@ -20,20 +20,24 @@ from ._jobs import Job, losses
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 CASES = [
-    pytest.param("lightning_train.py", "lightning.ckpt", "lightning", id="lightning"),
-    pytest.param("hf_trainer_train.py", "trainer_state.json", "transformers", id="hf-trainer"),
-    pytest.param("accelerate_train.py", "random_states_1.pkl", "accelerate", id="accelerate"),
+    pytest.param("lightning_train.py", "lightning.ckpt", "lightning", (), id="lightning"),
+    # micro-batches are agreement points too (issue 23): their reductions carry the periodic votes to the step
+    pytest.param("lightning_train.py", "lightning.ckpt", "lightning", ("--accumulate", "2", "--batches-per-epoch", "40"),
+                 id="lightning-accumulate"),
+    pytest.param("hf_trainer_train.py", "trainer_state.json", "transformers", (), id="hf-trainer"),
+    pytest.param("accelerate_train.py", "random_states_1.pkl", "accelerate", (), id="accelerate"),
 ]
 
 
-@pytest.mark.parametrize("script, marker, module", CASES)
-def test_every_writes_periodic_framework_checkpoints(script: str, marker: str, module: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("script, marker, module, extra", CASES)
+def test_every_writes_periodic_framework_checkpoints(script: str, marker: str, module: str, extra: tuple[str, ...],
+                                                     tmp_path: Path) -> None:
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} not installed")
     store = tmp_path / "ckpt"
     steps = 14
     job = Job(script, tmp_path / "every.log", ["--steps", str(steps), "--step-time", "0.3", "--storage", str(store),
-                                               "--every", "1s"])
+                                               "--every", "1s", *extra])
     assert job.wait(180) == 0, job.tail()
     assert sorted(losses(job)) == list(range(steps)), job.tail()  # training was never stopped
     assert job.events("exit") == []
