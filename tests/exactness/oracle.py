@@ -128,6 +128,11 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("hf_trainer", "hf_trainer.py", what="transformers.Trainer on 2 ranks (DDP, gloo): "
             "gradient_accumulation_steps=2, dropout, AdamW + StepLR via optimizers=; iteration = one optimizer step",
             phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),
+    # issue 23: long enough an accumulation that a notice is acted on between micro-batches (rewound to the last
+    # optimizer step), in a full accumulation and in the epoch's last, shorter one
+    Pattern("hf_trainer_accum6", "hf_trainer.py", env=(("EXO_ACCUM", "6"),), what="the hf_trainer pattern with "
+            "gradient_accumulation_steps=6: 10 micro-batches an epoch (6, then 4)",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),
     # review of issue 22 (rev22): loops the patterns above did not cover
     Pattern("meter", "meter.py", what="DDP + a user stateful object (running-loss meter, samples seen) updated "
             "between the forward and optimizer.step(); clip_grad_norm_, zero_grad(set_to_none=False)"),

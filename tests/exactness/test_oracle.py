@@ -49,6 +49,11 @@ CASES: dict[str, tuple[str, ...]] = {
     # restart at an epoch end; the Trainer's RNG load before the next epoch's sampler draws)
     "lightning-accum-micro-batch-epoch-end": ("lightning", "phase:micro@3"),
     "hf-trainer-accum-substep-epoch-end": ("hf_trainer", "phase:micro@3"),
+    # issue 23: acted on at the next micro-batch, the checkpoint rewound to the last optimizer step: inside the
+    # epoch's last, shorter accumulation (S=1, mid-epoch) and in the first one of an epoch (S=2: the RNG before
+    # the epoch's iterator drew)
+    "hf-trainer-accum6-micro-batch-in-last-short-accumulation": ("hf_trainer_accum6", "phase:micro@1"),
+    "hf-trainer-accum6-micro-batch-epoch-start": ("hf_trainer_accum6", "phase:micro@2"),
     # every=: a periodic upload in flight: before its first byte (aborted for the emergency) and half written
     # (finished, then the emergency's own checkpoint): every commit is checked
     "periodic-upload-in-flight-aborted": ("ddp_every", "phase:periodic@2"),

@@ -282,7 +282,8 @@ class FrameworkHook(Hook):
             with self._rewound():
                 self._act_in_microbatch(res[0], res[1])
         level, deadline_ms = self._local_level()
-        self._agree.launch(level, deadline_ms)
+        # every=: a rank's "due" rides along (not acted on here), so the optimizer step's collect still sees it
+        self._agree.launch(level, deadline_ms, self._periodic_flags())
 
     def _act_in_microbatch(self, level: int, deadline_ms: int) -> None:
         """Carry out an agreed notice between two micro-batches (inside ``_rewound``); default as in evaluation."""

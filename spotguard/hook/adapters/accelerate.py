@@ -39,7 +39,7 @@ import torch
 
 from ...storage import Storage
 from ..core import Hook
-from ..state import Snapshot, capture_rng, clone_buffers, restore_rng
+from ..state import Snapshot, capture_rng, clone_buffers, copy_buffers, restore_rng
 from ._base import FrameworkHook
 from ...storage.integrity import DamagedCheckpoint
 from ...storage.verify import verified_folder
@@ -100,12 +100,7 @@ class AccelerateHook(FrameworkHook):
             restore_rng(now_rng)
 
     def _copy_buffers(self, values: dict[str, dict[str, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            for mk, bufs in values.items():
-                live = self._buffers.get(mk, {})
-                for name, val in bufs.items():
-                    if name in live:
-                        live[name].copy_(val)
+        copy_buffers(self._buffers, values)
 
     @contextlib.contextmanager
     def _explicit_dirs(self) -> Iterator[None]:

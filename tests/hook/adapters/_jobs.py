@@ -19,7 +19,7 @@ from spotguard.storage.commit import scan
 
 from .._torchrun import REPO, TORCHRUN, TorchRun, first_difference, load_out
 
-__all__ = ["Job", "losses", "committed", "assert_agreed_exit", "assert_same_losses", "first_difference", "load_out"]
+__all__ = ["Job", "read_log", "losses", "committed", "assert_agreed_exit", "assert_same_losses", "first_difference", "load_out"]
 
 HUB_OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONWARNINGS": "ignore"}
@@ -39,6 +39,13 @@ class Job(TorchRun):
                 [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), str(REPO / "examples" / script), *args],
                 stdout=f, stderr=subprocess.STDOUT, env=full_env, cwd=str(log.parent), start_new_session=True,
             )
+
+
+def read_log(log: Path) -> TorchRun:
+    """A finished job's log, read with ``TorchRun``'s parsers (nothing is started)."""
+    run = TorchRun.__new__(TorchRun)
+    run.log = log
+    return run
 
 
 def losses(job: TorchRun) -> dict[int, str]:
@@ -83,14 +90,15 @@ def json_lines(path: Path) -> list[dict[str, Any]]:
 
 def preempt_and_resume(script: str, tmp: Path, reference: tuple[dict[int, str], Path], steps: int, at: int,
                        deliver: str, *, marker: str, resume_args: tuple[str, ...] = (),
-                       extra_args: tuple[str, ...] = (), step_time: str = "0.05") -> int:
+                       extra_args: tuple[str, ...] = (), step_time: str = "0.05",
+                       env: Optional[dict[str, str]] = None) -> int:
     """Preempt a run at ``at`` (``usr1-rank1``, ``term-rank0``, ``term-rank1`` or ``term-torchrun``), check the
     agreed exit and the commit, resume to the end and compare losses and final weights bitwise; returns the step."""
     import signal
 
     store = tmp / "ckpt"
     run = Job(script, tmp / "preempted.log",
-              ["--steps", str(steps), "--step-time", step_time, "--storage", str(store), *extra_args])
+              ["--steps", str(steps), "--step-time", step_time, "--storage", str(store), *extra_args], env=env)
     try:
         run.wait_step(at, 90)
         if deliver == "term-torchrun":  # torchrun forwards it to every worker (Kubernetes / SLURM style)
