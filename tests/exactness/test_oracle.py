@@ -43,6 +43,9 @@ CASES: dict[str, tuple[str, ...]] = {
     "readme-script-dropout-global-rng-loader": ("readme", "phase:fwd@4"),
     "readme-script-loader-generator": ("readme_fixed", "phase:fwd@4"),
     "accelerate-training-step-backward": ("accelerate", "phase:bwd@4"),
+    # issue 23: acted on at the next micro-batch's forward, saved as of step 4 (Accelerate's micro-batch counter
+    # and the scheduler's _step_count, both bumped by the micro-batches since, put back too)
+    "accelerate-accum-micro-batch": ("accelerate_accum", "phase:micro@4"),
     "fsdp2-notice-during-forward": ("fsdp2", "phase:fwd@4"),
     "fsdp2-notice-during-backward": ("fsdp2", "phase:bwd@4"),
     # frameworks: an accumulation micro-batch of iteration 3; the commit (step 5) ends an epoch (Lightning's

@@ -277,6 +277,7 @@ class FrameworkHook(Hook):
         """
         if self._closed or self._exiting or self._torn_down or self._last_boundary is None or self._finished:
             return
+        self._tick()  # the deadline_at_risk estimate: the next point to act at is a micro-batch away, not a step
         res = self._agree.collect()
         if res is not None and res[0] > 0:
             with self._rewound():

@@ -266,9 +266,11 @@ class HFTrainerHook(FrameworkHook):
     def _act_in_microbatch(self, level: int, deadline_ms: int) -> None:
         """Between two micro-batches: as in evaluation, inside ``_rewound``. Without a capture of the last step
         (resumed from a folder the hook does not know) nothing is done: the notice stays pending and every
-        rank acts on it at the step's end, as without accumulation."""
+        rank acts on it at the step's end, as without accumulation; so too in the first step (nothing to rewind to:
+        its end is the first checkpoint)."""
         at = self._at
-        if at is None or at.step != self._count or (at.rng is None and self._resume_path is None):
+        if at is None or at.step != self._count or self._count == 0 or \
+                (at.rng is None and self._resume_path is None):
             return
         self._act_in_eval(level, deadline_ms)
 
