@@ -49,10 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-hook", action="store_true", help="uninterrupted reference run without spotguard")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches a step (accelerator.accumulate); "
+                   "--step-time is per micro-batch")
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.grad_accum)
     rank = accelerator.process_index
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     net = torch.nn.Sequential(
@@ -76,19 +78,21 @@ def main(argv: list[str] | None = None) -> int:
         start = hook.resume()
 
     model.train()
-    for step in range(start, args.steps):
-        x, y = batch(args.seed, rank, step)
-        opt.zero_grad(set_to_none=True)
-        noise = 1.0 + 0.01 * (random.random() + float(np.random.rand()))  # python + numpy RNG in the math
-        loss = F.mse_loss(model(x) * noise, y)
-        accelerator.backward(loss)
-        opt.step()
-        sched.step()
-        if accelerator.is_main_process:
-            v = loss.item()
-            print(json.dumps({"step": step, "loss": v, "hex": v.hex()}), flush=True)
-        if args.step_time > 0:
-            time.sleep(args.step_time)
+    for step in range(start, args.steps):  # one optimizer step: --grad-accum micro-batches
+        for micro in range(args.grad_accum):
+            x, y = batch(args.seed, rank, step * args.grad_accum + micro)  # resuming at `start` replays step start
+            with accelerator.accumulate(model):  # opt.step()/sched.step() act on the last micro-batch only
+                noise = 1.0 + 0.01 * (random.random() + float(np.random.rand()))  # python + numpy RNG in the math
+                loss = F.mse_loss(model(x) * noise, y)
+                accelerator.backward(loss)
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+            if accelerator.is_main_process:
+                v = loss.item()
+                print(json.dumps({"step": step, "loss": v, "hex": v.hex()}), flush=True)
+            if args.step_time > 0:
+                time.sleep(args.step_time)
 
     if args.out and accelerator.is_main_process:
         torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optimizer": opt.state_dict(),

@@ -48,7 +48,7 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class LoggingTrainer(Trainer):
-    """Prints every step's loss exactly (``float.hex``) on rank 0, and sleeps ``step_time`` (simulated work)."""
+    """Prints every micro-batch's loss exactly (``float.hex``) on rank 0, and sleeps ``step_time`` (simulated work)."""
 
     step_time = 0.0
     eval_step_time = 0.0
@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-dir", default=None, help="the Trainer's own output_dir (default: a temp folder)")
     p.add_argument("--jit", action="store_true", help="also set enable_jit_checkpoint (spotguard switches it off)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps (--step-time is per "
+                   "micro-batch; 12 micro-batches an epoch)")
     p.add_argument("--eval-every", type=int, default=6, help="evaluate every N steps (with --eval-batches)")
     p.add_argument("--eval-batches", type=int, default=0, help="evaluation batches (default 0: no evaluation)")
     p.add_argument("--eval-step-time", type=float, default=0.0, help="seconds each evaluation batch takes")
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     targs = TrainingArguments(
         output_dir=args.output_dir or tempfile.mkdtemp(prefix="hf-out-"),
-        per_device_train_batch_size=4, max_steps=args.steps, learning_rate=5e-3,
+        per_device_train_batch_size=4, gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=5e-3,
         lr_scheduler_type="linear", warmup_steps=3, weight_decay=0.01,
         logging_strategy="no", save_strategy="no", report_to=[], disable_tqdm=True,
         seed=args.seed, use_cpu=True, ddp_backend="gloo", ddp_find_unused_parameters=False, dataloader_num_workers=0,

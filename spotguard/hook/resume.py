@@ -24,7 +24,7 @@ from ..storage.safeload import SafeLoadPlanner
 from . import elastic
 from . import events as ev
 from .settings import LEVEL_EMERGENCY
-from .state import unpack
+from .state import copy_buffers, unpack
 
 
 class ResumeMixin:
@@ -190,12 +190,7 @@ class ResumeMixin:
         own = src == self._rank
         done = elastic.restore(per, own=own, source=src, scope=o.scope, roles={
             "schedulers": o.schedulers, "scalers": o.scalers, "stateful": o.stateful, "loaders": o.loaders})
-        for mk, bufs in per.get("buffers", {}).items():  # global: under DDP rank 0 broadcasts them
-            live = self._buffers.get(mk, {})
-            with torch.no_grad():
-                for name, val in bufs.items():
-                    if name in live:
-                        live[name].copy_(val)
+        copy_buffers(self._buffers, per.get("buffers", {}))  # global: under DDP rank 0 broadcasts them
         if done.missing:
             self._log.warning("checkpoint has no state for object", keys=done.missing, dir=dirkey)
         old_world = int(per.get("world_size", len(saved)))

@@ -258,12 +258,15 @@ def clone_buffers(buffers: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str
     return {mk: {n: b.detach().clone() for n, b in bufs.items()} for mk, bufs in buffers.items() if bufs}
 
 
-def copy_buffers(live: Mapping[str, torch.Tensor], values: Mapping[str, torch.Tensor]) -> None:
-    """Write ``values`` into the live buffers of the same names, in place (a module keeps its tensors)."""
+def copy_buffers(live: Mapping[str, Mapping[str, torch.Tensor]],
+                 values: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+    """Put ``values`` (a ``clone_buffers`` copy) back into the live buffers, in place (the model keeps its tensors)."""
     with torch.no_grad():
-        for name, val in values.items():
-            if name in live:
-                live[name].copy_(val)
+        for mk, bufs in values.items():
+            cur = live.get(mk, {})
+            for name, val in bufs.items():
+                if name in cur:
+                    cur[name].copy_(val)
 
 
 @dataclass

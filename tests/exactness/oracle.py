@@ -113,6 +113,10 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             phases=("load", "fwd", "bwd", "after")),
     Pattern("accelerate", "accelerate_loop.py", what="Accelerate on 2 ranks: accelerator.backward, AdamW, "
             "StepLR; the framework's save_state at the boundary", phases=("load", "fwd", "bwd", "prestep", "after")),
+    # issue 23: accelerator.accumulate over 4 micro-batches; a notice is acted on at the next micro-batch's forward
+    Pattern("accelerate_accum", "accelerate_loop.py", env=(("EXO_ACCUM", "4"),), what="the accelerate pattern "
+            "with gradient_accumulation_steps=4 (accelerator.accumulate; opt/sched.step() on every micro-batch)",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
     Pattern("fsdp2", "fsdp2.py", what="FSDP2 fully_shard on 2 ranks, Adam, StepLR",
             phases=("load", "fwd", "bwd", "prestep", "step", "after")),
     Pattern("ddp_every", "ddp.py", env=(("EXO_EVERY", "1.0"), ("EXO_SLOW_PERIODIC", "0.8")),
@@ -127,6 +131,11 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             phases=("load", "micro", "step", "fwd", "bwd", "prestep", "after")),
     Pattern("hf_trainer", "hf_trainer.py", what="transformers.Trainer on 2 ranks (DDP, gloo): "
             "gradient_accumulation_steps=2, dropout, AdamW + StepLR via optimizers=; iteration = one optimizer step",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),
+    # issue 23: long enough an accumulation that a notice is acted on between micro-batches (rewound to the last
+    # optimizer step), in a full accumulation and in the epoch's last, shorter one
+    Pattern("hf_trainer_accum6", "hf_trainer.py", env=(("EXO_ACCUM", "6"),), what="the hf_trainer pattern with "
+            "gradient_accumulation_steps=6: 10 micro-batches an epoch (6, then 4)",
             phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),
     # review of issue 22 (rev22): loops the patterns above did not cover
     Pattern("meter", "meter.py", what="DDP + a user stateful object (running-loss meter, samples seen) updated "

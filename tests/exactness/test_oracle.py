@@ -43,6 +43,9 @@ CASES: dict[str, tuple[str, ...]] = {
     "readme-script-dropout-global-rng-loader": ("readme", "phase:fwd@4"),
     "readme-script-loader-generator": ("readme_fixed", "phase:fwd@4"),
     "accelerate-training-step-backward": ("accelerate", "phase:bwd@4"),
+    # issue 23: acted on at the next micro-batch's forward, saved as of step 4 (Accelerate's micro-batch counter
+    # and the scheduler's _step_count, both bumped by the micro-batches since, put back too)
+    "accelerate-accum-micro-batch": ("accelerate_accum", "phase:micro@4"),
     "fsdp2-notice-during-forward": ("fsdp2", "phase:fwd@4"),
     "fsdp2-notice-during-backward": ("fsdp2", "phase:bwd@4"),
     # frameworks: an accumulation micro-batch of iteration 3. Lightning acts one micro-batch after the agreement:
@@ -57,6 +60,11 @@ CASES: dict[str, tuple[str, ...]] = {
     # goes on to the reference's final state
     "lightning-rebalance-at-micro-batch-training-goes-on": ("lightning", "phase:micro@2", "rebalance"),
     "hf-trainer-accum-substep-epoch-end": ("hf_trainer", "phase:micro@3"),
+    # issue 23: acted on at the next micro-batch, the checkpoint rewound to the last optimizer step: inside the
+    # epoch's last, shorter accumulation (S=1, mid-epoch) and in the first one of an epoch (S=2: the RNG before
+    # the epoch's iterator drew)
+    "hf-trainer-accum6-micro-batch-in-last-short-accumulation": ("hf_trainer_accum6", "phase:micro@1"),
+    "hf-trainer-accum6-micro-batch-epoch-start": ("hf_trainer_accum6", "phase:micro@2"),
     # every=: a periodic upload in flight: before its first byte (aborted for the emergency) and half written
     # (finished, then the emergency's own checkpoint): every commit is checked
     "periodic-upload-in-flight-aborted": ("ddp_every", "phase:periodic@2"),

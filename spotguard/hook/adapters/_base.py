@@ -278,12 +278,13 @@ class FrameworkHook(Hook):
         """
         if self._closed or self._exiting or self._torn_down or self._last_boundary is None or self._finished:
             return
+        self._tick()  # the deadline_at_risk estimate: the next point to act at is a micro-batch away, not a step
         res = self._agree.collect()
         if res is not None and res[0] > 0:
             with self._rewound():
                 self._act_in_microbatch(res[0], res[1])
         level, deadline_ms = self._local_level()
-        # the periodic votes ride along: the optimizer step's boundary collects this reduction, not its own
+        # every=: a rank's "due" rides along (not acted on here), so the optimizer step's collect still sees it
         self._agree.launch(level, deadline_ms, self._periodic_flags())
 
     def _act_in_microbatch(self, level: int, deadline_ms: int) -> None:

@@ -17,14 +17,28 @@ is waited and, if any rank asked, ``accelerator.save_state`` writes the
 checkpoint on every process into ``<storage>/step-N/`` (directly for a local
 store, via a staging folder + upload for an object store), with the RNG
 states and normalisation-layer running statistics put back to what they were
-right after the deciding step. Rank 0 commits, every rank tears down and
-raises ``Preempted`` (exit 143). ``hook.step()`` / ``hook.range(total)`` give an
-explicit boundary instead, as for the plain hook.
+right after the deciding step, and Accelerate's micro-batch counter
+(``accelerator.step``) and the schedulers' ``_step_count`` as they were at that
+step. Rank 0 commits, every rank tears down and raises ``Preempted`` (exit
+143). ``hook.step()`` / ``hook.range(total)`` give an explicit boundary
+instead, as for the plain hook.
+
+Gradient accumulation (``gradient_accumulation_steps`` > 1): the next real
+step can be many micro-batches away (8 of 1 s and a 6 s notice: past the
+deadline). So each training forward of the prepared model that is not the
+first since the last optimizer step (every rank forwards as often) also
+collects and launches the agreement (``FrameworkHook._framework_microbatch``),
+and an agreed notice is carried out right there, ``save_state`` rewound to the
+last optimizer step as above; the micro-batches since are recomputed after the
+resume. Without accumulation nothing changes: the next optimizer step is the
+next batch's.
 
 Data position: Accelerate's ``save_state`` saves the sampler's seed/epoch
 but not a position inside the epoch; continue with
-``accelerator.skip_first_batches(loader, start % len(loader))`` (or a
-``use_stateful_dataloader`` loader), as the Accelerate docs describe.
+``accelerator.skip_first_batches(loader, (start * N) % len(loader))`` (``start``
+counts optimizer steps, N micro-batches each; or a ``use_stateful_dataloader``
+loader, whose position is saved as it is at the save, not rewound), as the
+Accelerate docs describe.
 """
 
 from __future__ import annotations
@@ -39,7 +53,7 @@ import torch
 
 from ...storage import Storage
 from ..core import Hook
-from ..state import Snapshot, capture_rng, clone_buffers, restore_rng
+from ..state import Snapshot, capture_rng, clone_buffers, copy_buffers, restore_rng
 from ._base import FrameworkHook
 from ...storage.integrity import DamagedCheckpoint
 from ...storage.verify import verified_folder
@@ -79,33 +93,95 @@ class AccelerateHook(FrameworkHook):
         super().__init__(storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice, arm=False,
                          every=every)
         self.accelerator = accelerator
+        # Gradient accumulation: Accelerate's micro-batch counter (``accelerator.step``, saved by save_state,
+        # deciding which micro-batch syncs) as it was at the last optimizer step, for a save between micro-batches
+        self._acc_step: Optional[tuple[int, int]] = None
+        self._mb_seq = -1  # _post_seq at the last training forward of the prepared model
+        # ... and each scheduler's _step_count, which Accelerate bumps on every micro-batch that does not sync
+        # when its gradient state says adjust_scheduler (never in 1.15: the plugin drops the default True from its
+        # kwargs): as at the end of the step (the first forward after it)
+        self._sched_at: Optional[tuple[int, list[tuple[Any, int]]]] = None
+        self._signal_model = state.get("model0")
         self._arm(state)
+
+    # ------------------------------------------------------------- gradient accumulation
+
+    def resume(self) -> int:
+        """``Hook.resume``; then the state right after the load stands for the resumed step (a notice in the
+        first accumulation after the resume is acted on between micro-batches as well)."""
+        step = Hook.resume(self)
+        if self._count > 0:
+            self._snap = Snapshot.take(self._objs.loaders)
+            self._acc_step = (self._count, int(self.accelerator.step))
+        return step
+
+    def _decide(self) -> None:
+        super()._decide()
+        self._acc_step = (self._count, int(self.accelerator.step))
+
+    def _on_forward(self, module: Any, args: Any) -> None:
+        """The core's forward pre-hook; with ``gradient_accumulation_steps`` > 1, a training forward of the
+        prepared model that is not the first since the last optimizer step starts a micro-batch that the
+        previous one did not end with a step (every rank forwards the same number of times): the agreement
+        is collected and launched here, an agreed notice carried out for the last step (``_rewound``)."""
+        super()._on_forward(module, args)
+        if module is not self._signal_model or self._internal or not module.training \
+                or not torch.is_grad_enabled() or self._explicit:
+            return
+        if self._mb_seq != self._post_seq:
+            self._mb_seq = self._post_seq  # the first forward after a step: the step itself was the boundary
+            self._sched_at = (self._count, self._sched_counts())
+            return
+        if self.accelerator.gradient_accumulation_steps > 1 and self._count > 0:
+            self._last_boundary = self._count  # FrameworkHook's "training started" mark
+            self._framework_microbatch()
+
+    def _sched_counts(self) -> list[tuple[Any, int]]:
+        out = []
+        for sched in getattr(self.accelerator, "_schedulers", []):
+            inner = getattr(sched, "scheduler", sched)
+            if isinstance(getattr(inner, "_step_count", None), int):
+                out.append((inner, inner._step_count))
+        return out
+
+    def _act_in_microbatch(self, level: int, deadline_ms: int) -> None:
+        """As at a boundary, inside ``_rewound``; with no snapshot of the last step (none taken yet) nothing
+        is done: the notice stays pending and the next optimizer step's pre-hook acts on it."""
+        if self._snap is not None:
+            super()._act_in_microbatch(level, deadline_ms)
+
+    @contextlib.contextmanager
+    def _rewound(self) -> Iterator[None]:
+        with self._as_of(self._snap):
+            yield
 
     # ------------------------------------------------------------- state <-> Accelerate
 
     @contextlib.contextmanager
     def _as_of(self, snap: Optional[Snapshot]) -> Iterator[None]:
-        """RNG and running-stat buffers as they were right after the deciding step, for the duration of a save."""
+        """RNG, running-stat buffers and Accelerate's micro-batch counter as they were right after the deciding
+        step, for the duration of a save."""
         if snap is None:
             yield
             return
         now_rng = capture_rng()
         now_bufs = clone_buffers(self._buffers)
+        acc, now_step, now_sched = self.accelerator, self.accelerator.step, self._sched_counts()
         restore_rng(snap.rng)
-        self._copy_buffers(self._end_buffers(self._count))
+        copy_buffers(self._buffers, self._end_buffers(self._count))
+        if self._acc_step is not None and self._acc_step[0] == self._count:
+            acc.step = self._acc_step[1]
+        if self._sched_at is not None and self._sched_at[0] == self._count:
+            for inner, n in self._sched_at[1]:
+                inner._step_count = n
         try:
             yield
         finally:
-            self._copy_buffers(now_bufs)
+            for inner, n in now_sched:
+                inner._step_count = n
+            acc.step = now_step
+            copy_buffers(self._buffers, now_bufs)
             restore_rng(now_rng)
-
-    def _copy_buffers(self, values: dict[str, dict[str, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            for mk, bufs in values.items():
-                live = self._buffers.get(mk, {})
-                for name, val in bufs.items():
-                    if name in live:
-                        live[name].copy_(val)
 
     @contextlib.contextmanager
     def _explicit_dirs(self) -> Iterator[None]:

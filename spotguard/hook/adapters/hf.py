@@ -8,9 +8,8 @@ Life cycle (every rank):
   ``Trainer.__init__`` under torchrun), else at ``on_train_begin``.
 - ``on_train_begin``: the Trainer has loaded ``resume_from_checkpoint``;
   ``resumed`` is logged and the ranks agree once (a replayed notice -> exit).
-- ``on_step_end`` (after each optimizer + scheduler step; not on
-  gradient-accumulation micro-steps): the agreement launched one step earlier
-  is waited on the hook's gloo group. If any rank asked, *every* rank sets
+- ``on_step_end`` (after each optimizer + scheduler step): the agreement
+  launched one step (or micro-batch) earlier is waited on the hook's gloo group. If any rank asked, *every* rank sets
   ``control.should_save`` (and ``control.should_training_stop`` for an
   emergency), so the Trainer itself writes ``checkpoint-N`` on all ranks —
   model, optimizer, scheduler, scaler, ``trainer_state.json`` and each rank's
@@ -20,6 +19,20 @@ Life cycle (every rank):
   ``<storage>/step-N/``; rank 0 commits once all ranks' bytes are durable; then
   teardown and ``Preempted`` (exit 143) out of ``trainer.train()``. A
   rebalance/maintenance notice commits the same way and training goes on.
+- ``on_substep_end`` (gradient accumulation: each micro-batch that does not
+  step the optimizer): the same agreement once per micro-batch; an agreed notice
+  is acted on at once for the last completed optimizer step S, instead of at
+  the end of the accumulation (8 micro-batches of 1 s and a 6 s notice: the
+  step's end is past the deadline). Weights, optimizer and scheduler are still
+  those of S; what the micro-batches since moved is put back for the save
+  (``_rewound``): the RNG (taken at ``on_step_begin``, or at ``on_epoch_begin``
+  for an epoch's first step: where the resumed Trainer restores it), running
+  statistics of normalisation layers, the FLOP/token counters. ``global_step``
+  and ``epoch`` have not moved, so the resumed Trainer skips ``S x
+  accumulation`` batches of the epoch and replays the thrown-away micro-batches
+  from the first one of step S+1 (also in an epoch's last, shorter
+  accumulation). Without accumulation nothing of this runs: ``on_step_end``
+  is the boundary, as before.
 - ``on_prediction_step`` (each evaluation batch, e.g. ``eval_strategy="steps"``):
   the same agreement once per batch; an agreed notice is acted on at once for
   the last completed step (evaluation changes no weights): the Trainer writes
@@ -41,21 +54,39 @@ at one agreed step.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import signal
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
 
+import torch
 import torch.distributed as dist
 
 from ...storage import Storage
 from ..core import periodic_notice
+from ..state import capture_rng, clone_buffers, copy_buffers, restore_rng, tracked_buffers
 from ._base import FrameworkHook
 from ._files import upload_dir
 
 __all__ = ["HFTrainerHook", "install"]
 
 _RANK_FILE = re.compile(r"^rng_state_(\d+)\.pth$")
+
+
+@dataclass
+class _AtStep:
+    """What a save of ``step`` must hold that moves during the next step's micro-batches (accumulation only)."""
+
+    step: int
+    epoch_start: bool  # taken at on_epoch_begin: the RNG before the epoch's iterator drew (what resume loads)
+    rng: Optional[dict[str, Any]]  # None: the RNG files of the checkpoint this run resumed from
+    bufs: dict[str, dict[str, torch.Tensor]]
+    flos: float  # Trainer.current_flos + state.total_flos: _save_checkpoint folds one into the other
+    total_flos: float
+    tokens: Any  # state.num_input_tokens_seen
 
 
 def _make_callback(hook: "HFTrainerHook") -> Any:
@@ -67,6 +98,18 @@ def _make_callback(hook: "HFTrainerHook") -> Any:
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
             hook._arm()
             hook._on_train_begin(int(state.global_step))
+            return control
+
+        def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            hook._capture(int(state.global_step), epoch_start=True)
+            return control
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            hook._capture(int(state.global_step), epoch_start=False)
+            return control
+
+        def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            hook._framework_microbatch()
             return control
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -94,6 +137,13 @@ class HFTrainerHook(FrameworkHook):
                          every=every)
         self.trainer = trainer
         self._plan_pending: Optional[tuple[Any, list[str], str]] = None
+        # Gradient accumulation: a notice is acted on at the next micro-batch, for the last optimizer step
+        # (_framework_microbatch); what moved since is taken at each step's start (_capture). Off without it.
+        self._accumulating = int(getattr(getattr(trainer, "args", None), "gradient_accumulation_steps", 1) or 1) > 1
+        self._at: Optional[_AtStep] = None
+        self._norm_bufs: Optional[dict[str, dict[str, torch.Tensor]]] = None
+        self._resume_path: Optional[str] = None  # the folder this run resumed from (its RNG files)
+        self._rng_from: Optional[str] = None  # set during a rewound save whose RNG is that folder's files
         self._jit_disabled = self._disable_jit_checkpoint()
         self.callback = _make_callback(self)
         trainer.add_callback(self.callback)
@@ -129,7 +179,28 @@ class HFTrainerHook(FrameworkHook):
         resumed_from = None
         if self._latest is not None and step == self._latest[1] and step > 0:
             resumed_from = self._latest[0]
+        self._resume_path = resumed_from
         self._started(step, resumed_from)
+
+    def _capture(self, step: int, *, epoch_start: bool) -> None:
+        """With accumulation, at each epoch's and step's start (every rank): the state a checkpoint of ``step``
+        (the last completed optimizer step) holds, which the micro-batches to come move (RNG, running statistics,
+        FLOP and token counters). The RNG a resumed run restores is the one before the epoch's iterator draws
+        (``on_epoch_begin``) at an epoch start, after the step's batches are fetched (``on_step_begin``) otherwise:
+        the first capture of an epoch's first step is kept. Right after a resume the Trainer restores the RNG
+        only after these callbacks: the resumed folder's RNG files stand for it."""
+        if not self._accumulating or not self._armed:
+            return
+        if self._at is not None and self._at.step == step and self._at.epoch_start:
+            return
+        tr = self.trainer
+        if self._norm_bufs is None:
+            self._norm_bufs = {"model": tracked_buffers(tr.model)}
+        resumed_here = step == self._resumed_step and step > 0
+        self._at = _AtStep(step, epoch_start, None if resumed_here else capture_rng(),
+                           clone_buffers(self._norm_bufs) if self._norm_bufs["model"] else {},
+                           float(getattr(tr, "current_flos", 0.0)), float(tr.state.total_flos),
+                           tr.state.num_input_tokens_seen)
 
     def _on_step_end(self, state: Any, control: Any) -> None:
         if self._closed or self._exiting:
@@ -186,9 +257,53 @@ class HFTrainerHook(FrameworkHook):
                 return
             if plan[2] != "exit":
                 self.trainer._save_checkpoint(self.trainer.model, trial=None)
+                if self._rng_from is not None:  # a rewound save right after a resume: that folder's RNG
+                    self._copy_rng_files(self._rng_from)
             self._carry_out(plan, None)  # an emergency never returns: Preempted
         finally:
             self._internal = False
+
+    def _act_in_microbatch(self, level: int, deadline_ms: int) -> None:
+        """Between two micro-batches: as in evaluation, inside ``_rewound``. Without a capture of the last step
+        (resumed from a folder the hook does not know) nothing is done: the notice stays pending and every
+        rank acts on it at the step's end, as without accumulation; so too in the first step (nothing to rewind to:
+        its end is the first checkpoint)."""
+        at = self._at
+        if at is None or at.step != self._count or self._count == 0 or \
+                (at.rng is None and self._resume_path is None):
+            return
+        self._act_in_eval(level, deadline_ms)
+
+    @contextlib.contextmanager
+    def _rewound(self) -> Iterator[None]:
+        """RNG, running statistics and the FLOP/token counters of the last optimizer step, for one save."""
+        at, tr = self._at, self.trainer
+        if at is None or at.step != self._count:
+            yield
+            return
+        live_rng = capture_rng()
+        live_bufs = clone_buffers(self._norm_bufs or {})
+        live = (getattr(tr, "current_flos", 0.0), tr.state.total_flos, tr.state.num_input_tokens_seen)
+        if at.rng is not None:
+            restore_rng(at.rng)
+        else:
+            self._rng_from = self._resume_path
+        copy_buffers(self._norm_bufs or {}, at.bufs)
+        tr.current_flos, tr.state.total_flos, tr.state.num_input_tokens_seen = at.flos, at.total_flos, at.tokens
+        try:
+            yield
+        finally:
+            self._rng_from = None
+            tr.current_flos, tr.state.total_flos, tr.state.num_input_tokens_seen = live
+            copy_buffers(self._norm_bufs or {}, live_bufs)
+            restore_rng(live_rng)
+
+    def _copy_rng_files(self, src: str) -> None:
+        """This rank's RNG file of the resumed folder over the one just written (the Trainer loads it by name)."""
+        folder = self._checkpoint_folder()
+        for name in (f"rng_state_{self._rank}.pth", "rng_state.pth"):
+            if os.path.isfile(os.path.join(src, name)) and os.path.isfile(os.path.join(folder, name)):
+                shutil.copyfile(os.path.join(src, name), os.path.join(folder, name))
 
     # ------------------------------------------------------------- writing
 

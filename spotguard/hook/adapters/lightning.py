@@ -305,8 +305,7 @@ class LightningHook(FrameworkHook):
         otherwise stay out of the agreement (every rank alike) and act at the step's end as before."""
         self._micro_since += 1
         if self._rewindable():
-            self._tick()  # the acting distance is one micro-batch now (deadline_at_risk's estimate)
-            self._framework_microbatch()
+            self._framework_microbatch()  # ticks too: the acting distance is one micro-batch now
 
     def _may_act_now(self) -> bool:
         """Validation inside fit: at a step's end, or mid-accumulation when the save can be rewound."""
@@ -332,14 +331,14 @@ class LightningHook(FrameworkHook):
         live_rng = capture_rng()
         live = tracked_buffers(self.trainer.lightning_module)
         now = {n: b.detach().clone() for n, b in live.items()}
-        copy_buffers(live, at.buffers)
+        copy_buffers({"m": live}, {"m": at.buffers})
         restore_rng(at.rng)
         self._rewinding = at
         try:
             yield
         finally:
             self._rewinding = None
-            copy_buffers(live, now)
+            copy_buffers({"m": live}, {"m": now})
             restore_rng(live_rng)
 
     # ------------------------------------------------------------- writing

@@ -1,8 +1,16 @@
 """Accelerate on 2 ranks (gloo, CPU): ``install_preemption_hook(accelerator)`` after ``prepare``, its training
 step (``accelerator.backward``), dropout, AdamW, StepLR. The framework writes its own checkpoint
-(``save_state``) at the step boundary."""
+(``save_state``) at the step boundary.
+
+``EXO_ACCUM=N`` (pattern ``accelerate_accum``): ``Accelerator(gradient_accumulation_steps=N)`` and N micro-batches
+an iteration inside ``accelerator.accumulate(model)``; ``opt.step()``/``sched.step()`` are called on every one
+(Accelerate skips them until the last). Phase ``micro``: after the
+backward of a micro-batch that does not sync.
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +20,8 @@ from _common import Net, _rt, setup
 from spotguard import install_preemption_hook
 
 setup(distributed=False)  # Accelerator creates the process group itself
-accelerator = Accelerator(cpu=True)
+ACCUM = int(os.environ.get("EXO_ACCUM", "1"))
+accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
 rank = accelerator.process_index
 torch.manual_seed(0)
 net = Net()
@@ -27,19 +36,25 @@ _rt.resumed(hook, start, state)
 model.train()
 for i in range(start, _rt.steps()):
     _rt.begin_iteration(i)
-    _rt.phase("load")
-    g = torch.Generator().manual_seed(i * 2 + rank)
-    x = torch.randn(8, 16, generator=g)
-    y = x.sum(dim=1, keepdim=True) * 0.1
-    _rt.phase("fwd")
-    loss = F.mse_loss(model(x), y)
-    _rt.phase("bwd")
-    opt.zero_grad()
-    accelerator.backward(loss)
-    _rt.phase("prestep")
-    opt.step()
-    _rt.phase("after")
-    sched.step()
+    for m in range(ACCUM):
+        _rt.phase("load")
+        g = torch.Generator().manual_seed((i * ACCUM + m) * 2 + rank)
+        x = torch.randn(8, 16, generator=g)
+        y = x.sum(dim=1, keepdim=True) * 0.1
+        with accelerator.accumulate(model):
+            _rt.phase("fwd")
+            loss = F.mse_loss(model(x), y)
+            _rt.phase("bwd")
+            accelerator.backward(loss)
+            if not accelerator.sync_gradients:
+                _rt.phase("micro")
+            else:
+                _rt.phase("prestep")
+            opt.step()  # skipped by Accelerate until the last micro-batch
+            if accelerator.sync_gradients:
+                _rt.phase("after")
+            sched.step()
+            opt.zero_grad()  # Accelerate zeroes only after the step (a micro-batch that syncs)
     _rt.end_iteration(i, state)
 _rt.finished(state, _rt.steps())
 accelerator.end_training()  # destroys the process group

@@ -3,7 +3,8 @@
 handed to the Trainer (``optimizers=``), python/numpy noise in the forward, an epoch boundary inside the run.
 Resume: ``trainer.train(resume_from_checkpoint=hook.latest())``.
 
-**Iteration** = one *optimizer step* (``state.global_step`` advances by one): two micro-batches here. Phases,
+**Iteration** = one *optimizer step* (``state.global_step`` advances by one): two micro-batches here
+(``EXO_ACCUM=6``, pattern ``hf_trainer_accum6``: six, and four in an epoch's last step). Phases,
 in the order the Trainer reaches them:
 
 - ``load``: ``get_batch_samples`` (the Trainer fetches every micro-batch of a step before the first forward;
@@ -142,7 +143,7 @@ sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 _rt.inside_step(opt)
 targs = TrainingArguments(
     output_dir=os.environ.get("EXO_OUT", "exo") + "-hf-out", per_device_train_batch_size=4,
-    gradient_accumulation_steps=2, max_steps=_rt.steps(), logging_strategy="no", save_strategy="no",
+    gradient_accumulation_steps=int(os.environ.get("EXO_ACCUM", "2")), max_steps=_rt.steps(), logging_strategy="no", save_strategy="no",
     report_to=[], disable_tqdm=True, seed=0, use_cpu=True, ddp_backend="gloo",
     ddp_find_unused_parameters=False, dataloader_num_workers=0,
 )

@@ -19,7 +19,7 @@ from spotguard.storage.commit import scan
 
 from .._torchrun import REPO, TORCHRUN, TorchRun, first_difference, load_out
 
-__all__ = ["Job", "losses", "committed", "assert_agreed_exit", "assert_same_losses", "first_difference", "load_out"]
+__all__ = ["Job", "read_log", "preempt_in_accumulation", "ACCUM_STEPS", "ACCUM_ARGS", "losses", "committed", "assert_agreed_exit", "assert_same_losses", "first_difference", "load_out"]
 
 HUB_OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONWARNINGS": "ignore"}
@@ -39,6 +39,13 @@ class Job(TorchRun):
                 [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), str(REPO / "examples" / script), *args],
                 stdout=f, stderr=subprocess.STDOUT, env=full_env, cwd=str(log.parent), start_new_session=True,
             )
+
+
+def read_log(log: Path) -> TorchRun:
+    """A finished job's log, read with ``TorchRun``'s parsers (nothing is started)."""
+    run = TorchRun.__new__(TorchRun)
+    run.log = log
+    return run
 
 
 def losses(job: TorchRun) -> dict[int, str]:
@@ -83,14 +90,15 @@ def json_lines(path: Path) -> list[dict[str, Any]]:
 
 def preempt_and_resume(script: str, tmp: Path, reference: tuple[dict[int, str], Path], steps: int, at: int,
                        deliver: str, *, marker: str, resume_args: tuple[str, ...] = (),
-                       extra_args: tuple[str, ...] = (), step_time: str = "0.05") -> int:
+                       extra_args: tuple[str, ...] = (), step_time: str = "0.05",
+                       env: Optional[dict[str, str]] = None) -> int:
     """Preempt a run at ``at`` (``usr1-rank1``, ``term-rank0``, ``term-rank1`` or ``term-torchrun``), check the
     agreed exit and the commit, resume to the end and compare losses and final weights bitwise; returns the step."""
     import signal
 
     store = tmp / "ckpt"
     run = Job(script, tmp / "preempted.log",
-              ["--steps", str(steps), "--step-time", step_time, "--storage", str(store), *extra_args])
+              ["--steps", str(steps), "--step-time", step_time, "--storage", str(store), *extra_args], env=env)
     try:
         run.wait_step(at, 90)
         if deliver == "term-torchrun":  # torchrun forwards it to every worker (Kubernetes / SLURM style)
@@ -123,6 +131,23 @@ def preempt_and_resume(script: str, tmp: Path, reference: tuple[dict[int, str], 
     diff = first_difference(load_out(ref_out)["model"], load_out(tmp / "resumed.pt")["model"])
     assert diff is None, f"final weights differ at {diff}"
     return stop
+
+
+# Issue 23: 8 micro-batches a step (12 an epoch a rank in both examples' data), 0.75 s each, a 4 s notice
+ACCUM_STEPS = 6
+ACCUM_ARGS = ("--grad-accum", "8")
+
+
+def preempt_in_accumulation(script: str, tmp: Path, reference: tuple[dict[int, str], Path], marker: str) -> None:
+    """A notice (SIGUSR1 to rank 1, 4 s deadline) at the first micro-batch of step 2: acting at the step's end
+    would commit ~5 s later, late (exit 75). Acted on at the next micro-batch, the checkpoint of step 2 commits in
+    time (143, no ``checkpoint_late``) and the resume replays step 2 from its first micro-batch, bitwise."""
+    stop = preempt_and_resume(script, tmp, reference, ACCUM_STEPS, 2, "usr1-rank1", marker=marker,
+                              extra_args=ACCUM_ARGS, step_time="0.75", env={"SPOTGUARD_SIGNAL_GRACE": "4"})
+    assert stop == 2
+    run = read_log(tmp / "preempted.log")
+    assert not run.events("checkpoint_late"), run.tail()
+    assert all(e["late"] is False for e in run.events("exit")), run.events("exit")
 
 
 def reference_run(script: str, d: Path, steps: int, extra_args: tuple[str, ...] = ()) -> tuple[dict[int, str], Path]:
