@@ -47,6 +47,7 @@ Accelerate (DDP, ``accelerator.accumulate``); workers in ``benchmarks/_tts_frame
 a random phase of a step, and each trial also records the micro-batch index at the notice and whether the
 commit came after the drill's deadline (``late``). Default cell 64 MiB, 10 s steps, 20 trials; ``--quick``:
 1 MiB, 1.2 s steps, 2 trials. No overhead job (``bench_adapters.py`` measures the adapters' per-step cost).
+``make bench-time-to-safe-frameworks`` runs the full framework set (~35 min on 2 shared cores).
 
 ``python -m benchmarks.time_to_safe [--quick] [--label NAME] [--cells MIB:SECONDS:TRIALS,...] [--framework F,...]``
 writes ``benchmarks/results/time_to_safe-<label>.json``; ``--quick`` is a
