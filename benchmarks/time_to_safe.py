@@ -405,6 +405,9 @@ def _trial(sock: str, work: Path, mib: float, period: float, phase: float,
                            ("real_part_s", "sleep_s", "state_bytes", "completed_at_send", "micro_at_send")
                            if k in info}}
     out["iterations_s"] = iters
+    if micros:  # frameworks: how long each paced micro-batch lasted (a job that exits mid-step has no whole step)
+        starts = sorted(m[0] for m in micros)
+        out["micro_batches_s"] = [round(b - a, 4) for a, b in zip(starts, starts[1:])]
     mine = [e for e in hook if e.get("notice_id") == nid] if nid else []
     seen = [e for e in mine if e.get("event") == "notice_seen"]
     committed = [e for e in mine if e.get("event") == "checkpoint_committed"]
@@ -480,6 +483,8 @@ def _cell(sock: str, work: Path, mib: float, period: float, trials: int, rng: ra
         "notice_to_exit_s": _summary([r["notice_to_exit_s"] for r in ok if "notice_to_exit_s" in r]),
         "steps_after_notice": sorted({r.get("steps_after_notice") for r in ok} - {None}),
         "measured_iteration_s": _summary([x for r in ok for x in r["iterations_s"]]),
+        **({"measured_micro_batch_s": _summary([x for r in ok for x in r.get("micro_batches_s", [])])}
+           if framework else {}),
         "runs": runs,
     })
     if mib <= 64:
