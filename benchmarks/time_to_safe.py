@@ -455,7 +455,8 @@ def _pct(xs: list[float], q: float) -> float:
 def _summary(xs: list[float]) -> dict[str, Any]:
     if not xs:
         return {"n": 0}
-    return {"n": len(xs), "p50": round(_pct(xs, 0.5), 3), "p90": round(_pct(xs, 0.9), 3), "p99": round(_pct(xs, 0.99), 3),
+    return {"n": len(xs), "p50": round(_pct(xs, 0.5), 3), "p90": round(_pct(xs, 0.9), 3),
+            "p99": round(_pct(xs, 0.99), 3),
             "min": round(min(xs), 3), "max": round(max(xs), 3),
             "stdev": round(statistics.stdev(xs), 3) if len(xs) > 1 else 0.0}
 
