@@ -84,6 +84,13 @@ bench-checksum: $(STAMP) storage-tools
 bench-time-to-safe: $(STAMP)
 	$(PY) -m benchmarks.time_to_safe $(TTS_ARGS)
 
+# The same with a framework owning the loop (issue 23): Lightning DDP, transformers Trainer and Accelerate,
+# each accumulating gradients over 8 micro-batches of 1.25 s (10 s optimizer steps), 64 MiB, 20 trials
+# each, the drill at a random phase of a step; ~35 min on 2 cores. TTS_ARGS as above (e.g. "--label after").
+.PHONY: bench-time-to-safe-frameworks
+bench-time-to-safe-frameworks: $(STAMP)
+	$(PY) -m benchmarks.time_to_safe --framework all --label frameworks $(TTS_ARGS)
+
 # GPU proof kit (benchmarks/gpu_check.py, docs/performance.md "GPU"): one JSON summary, ~8 minutes on
 # one GPU; prints SKIP and exits 0 where no CUDA device exists. GPU_PY: the machine's own python3 (it
 # holds the CUDA torch); the wheels from `make gpu-wheels` are installed first when .whl/ exists and

@@ -39,7 +39,17 @@ simulated compute between the real forward and backward (where a real model spen
 pre-hook fires at the start of the iteration's work) instead of before the loader (``before``, the
 default, as the earlier results were measured).
 
-``python -m benchmarks.time_to_safe [--quick] [--label NAME] [--cells MIB:SECONDS:TRIALS,...]``
+**Frameworks** (issue 23): ``--framework lightning,hf,accelerate`` (or ``all``) runs the same trials with the
+framework owning the loop and accumulating gradients over ``ACCUM`` = 8 micro-batches: Lightning DDP
+(``accumulate_grad_batches``), the transformers ``Trainer`` (DDP, ``gradient_accumulation_steps``) and
+Accelerate (DDP, ``accelerator.accumulate``); workers in ``benchmarks/_tts_frameworks.py``. A cell's
+``SECONDS`` is then one optimizer step (8 calibrated micro-batches), every layer trains, the drill lands at
+a random phase of a step, and each trial also records the micro-batch index at the notice and whether the
+commit came after the drill's deadline (``late``). Default cell 64 MiB, 10 s steps, 20 trials; ``--quick``:
+1 MiB, 1.2 s steps, 2 trials. No overhead job (``bench_adapters.py`` measures the adapters' per-step cost).
+``make bench-time-to-safe-frameworks`` runs the full framework set (~35 min on 2 shared cores).
+
+``python -m benchmarks.time_to_safe [--quick] [--label NAME] [--cells MIB:SECONDS:TRIALS,...] [--framework F,...]``
 writes ``benchmarks/results/time_to_safe-<label>.json``; ``--quick`` is a
 smoke test (16 MiB, 0.6 s iterations, 2 trials, short overhead blocks) for
 ``tests/bench/test_time_to_safe.py``. ``make bench-time-to-safe`` runs the full set
@@ -77,6 +87,8 @@ AFTER = 5  # iterations the job may run after the notice's before the benchmark 
 DEADLINE_S = 30.0
 CELLS = [(64, 1.5, 20), (64, 10.0, 20), (1024, 1.5, 20), (1024, 10.0, 12)]
 QUICK_CELLS = [(16, 0.6, 2)]
+FRAMEWORK_CELLS = [(64, 10.0, 20)]  # one optimizer step = 8 micro-batches of 1.25 s
+FRAMEWORK_QUICK_CELLS = [(1, 1.2, 2)]
 TRIAL_PREFIX = "TTS_TRIAL "
 OVERHEAD_PREFIX = "TTS_OVERHEAD "
 
@@ -362,19 +374,27 @@ def _emit(prefix: str, obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def _trial(sock: str, work: Path, mib: float, period: float, phase: float) -> dict[str, Any]:
+def _trial(sock: str, work: Path, mib: float, period: float, phase: float,
+           framework: Optional[str] = None) -> dict[str, Any]:
+    """One job, one drill; ``framework``: a ``_tts_frameworks`` worker (the loop is the framework's)."""
     store = Path(tempfile.mkdtemp(prefix="ckpt-", dir=work))
-    rc, text = _torchrun("trial", {"SG_TTS_STATE_MIB": str(mib), "SG_TTS_ITER_S": str(period),
-                                   "SG_TTS_PHASE": repr(phase), "SG_TTS_STORAGE": str(store),
-                                   "SPOTGUARD_SOCKET": sock, "SG_TTS_MODEL": os.environ.get("SG_TTS_MODEL", "ddp"),
-                                   **{k: os.environ[k] for k in ("SG_TTS_SINGLE", "SG_TTS_LOOP", "SG_TTS_BUSY_AT")
-                                      if k in os.environ}},
-                     timeout=120 + 12 * period + mib / 20)
+    env = {"SG_TTS_STATE_MIB": str(mib), "SG_TTS_ITER_S": str(period), "SG_TTS_PHASE": repr(phase),
+           "SG_TTS_STORAGE": str(store), "SPOTGUARD_SOCKET": sock}
+    if framework:
+        env["SG_TTS_FRAMEWORK"] = framework
+    else:
+        env["SG_TTS_MODEL"] = os.environ.get("SG_TTS_MODEL", "ddp")
+        env.update({k: os.environ[k] for k in ("SG_TTS_SINGLE", "SG_TTS_LOOP", "SG_TTS_BUSY_AT") if k in os.environ})
+    rc, text = _torchrun("framework" if framework else "trial", env,
+                         timeout=(180 if framework else 120) + 12 * period + mib / 20)
     info: dict[str, Any] = {}
     iters: list[float] = []
+    micros: list[tuple[float, int, int]] = []  # (time, optimizer steps done, micro-batch index): frameworks
     for d in _prefixed(text, TRIAL_PREFIX):
         if "iteration_s" in d:
             iters.append(d["iteration_s"])
+        elif "micro_start" in d:
+            micros.append((float(d["micro_start"]), int(d["step"]), int(d["micro"])))
         else:
             info.update(d)
     hook = [e for e in _json_lines(text) if e.get("component") == "hook"]
@@ -382,19 +402,28 @@ def _trial(sock: str, work: Path, mib: float, period: float, phase: float) -> di
     if nid:
         _cancel(sock, nid)
     out: dict[str, Any] = {"phase": round(phase, 4), "torchrun_rc": rc, **{k: info[k] for k in
-                           ("real_part_s", "sleep_s", "state_bytes", "completed_at_send") if k in info}}
+                           ("real_part_s", "sleep_s", "state_bytes", "completed_at_send", "micro_at_send")
+                           if k in info}}
     out["iterations_s"] = iters
+    if micros:  # frameworks: how long each paced micro-batch lasted (a job that exits mid-step has no whole step)
+        starts = sorted(m[0] for m in micros)
+        out["micro_batches_s"] = [round(b - a, 4) for a, b in zip(starts, starts[1:])]
     mine = [e for e in hook if e.get("notice_id") == nid] if nid else []
     seen = [e for e in mine if e.get("event") == "notice_seen"]
     committed = [e for e in mine if e.get("event") == "checkpoint_committed"]
     exits = [e for e in mine if e.get("event") == "exit"]
     if "error" in info or not seen or not committed:
         out["error"] = info.get("error") or ("no notice_seen" if not seen else "no checkpoint_committed")
+        out["late"] = True  # never safe
         out["tail"] = text[-3000:]
         return out
     t_seen, t_commit = min(map(_ts, seen)), max(map(_ts, committed))
     out["notice_to_committed_s"] = round(t_commit - t_seen, 4)
     out["sent_to_committed_s"] = round(t_commit - info["t_sent"], 4)
+    out["late"] = out["sent_to_committed_s"] > DEADLINE_S  # committed after the VM would be gone
+    at = [m for m in sorted(micros) if m[0] <= t_seen]
+    if at:  # the micro-batch (of the optimizer step after ``step_at_notice`` completed ones) running at the notice
+        out["step_at_notice"], out["micro_at_notice"] = at[-1][1], at[-1][2]
     if exits:
         out["notice_to_exit_s"] = round(max(map(_ts, exits)) - t_seen, 4)
         out["exit_codes"] = sorted(int(e["code"]) for e in exits)
@@ -426,36 +455,48 @@ def _pct(xs: list[float], q: float) -> float:
 def _summary(xs: list[float]) -> dict[str, Any]:
     if not xs:
         return {"n": 0}
-    return {"n": len(xs), "p50": round(_pct(xs, 0.5), 3), "p99": round(_pct(xs, 0.99), 3),
+    return {"n": len(xs), "p50": round(_pct(xs, 0.5), 3), "p90": round(_pct(xs, 0.9), 3),
+            "p99": round(_pct(xs, 0.99), 3),
             "min": round(min(xs), 3), "max": round(max(xs), 3),
             "stdev": round(statistics.stdev(xs), 3) if len(xs) > 1 else 0.0}
 
 
-def _cell(sock: str, work: Path, mib: float, period: float, trials: int, rng: random.Random) -> dict[str, Any]:
+def _cell(sock: str, work: Path, mib: float, period: float, trials: int, rng: random.Random,
+          framework: Optional[str] = None) -> dict[str, Any]:
     runs = []
+    name = f"{framework + '/' if framework else ''}{mib:g}MiB/{period:g}s"
     for i in range(trials):
-        r = _trial(sock, work, mib, period, rng.random())
+        r = _trial(sock, work, mib, period, rng.random(), framework)
         runs.append(r)
-        print(json.dumps({"cell": f"{mib:g}MiB/{period:g}s", "trial": i, **{k: v for k, v in r.items()
-                                                                             if k != "tail"}}), flush=True)
+        print(json.dumps({"cell": name, "trial": i, **{k: v for k, v in r.items() if k != "tail"}}), flush=True)
     ok = [r for r in runs if "notice_to_committed_s" in r]
-    cell: dict[str, Any] = {
+    cell: dict[str, Any] = {"framework": framework} if framework else {}
+    if framework:
+        from benchmarks._tts_frameworks import ACCUM
+
+        cell.update(accumulate=ACCUM, micro_batch_s=round(period / ACCUM, 4),
+                    micro_at_notice=[r.get("micro_at_notice") for r in runs])
+    cell.update({
         "state_mib": mib, "iteration_s": period, "trials": trials, "failed": len(runs) - len(ok),
+        "late": sum(bool(r.get("late")) for r in runs),
         "notice_to_committed_s": _summary([r["notice_to_committed_s"] for r in ok]),
         "sent_to_committed_s": _summary([r["sent_to_committed_s"] for r in ok]),
         "notice_to_exit_s": _summary([r["notice_to_exit_s"] for r in ok if "notice_to_exit_s" in r]),
         "steps_after_notice": sorted({r.get("steps_after_notice") for r in ok} - {None}),
         "measured_iteration_s": _summary([x for r in ok for x in r["iterations_s"]]),
+        **({"measured_micro_batch_s": _summary([x for r in ok for x in r.get("micro_batches_s", [])])}
+           if framework else {}),
         "runs": runs,
-    }
+    })
     if mib <= 64:
         cell["meets_target_p99_1s"] = bool(ok) and cell["notice_to_committed_s"]["p99"] <= 1.0
     return cell
 
 
 def bench(cells: list[tuple[float, float, int]], *, overhead_blocks: int, overhead_steps: int,
-          seed: int, partial: Optional[Path] = None) -> dict[str, Any]:
-    """Every cell, then the overhead job; with ``partial``, what is done so far is written there after each."""
+          seed: int, partial: Optional[Path] = None, frameworks: tuple[Optional[str], ...] = (None,)) -> dict[str, Any]:
+    """Every cell (for each of ``frameworks``; None: the plain loop), then the overhead job; with
+    ``partial``, what is done so far is written there after each cell."""
     from spotguard.launch import start_daemon
 
     rng = random.Random(seed)
@@ -466,6 +507,9 @@ def bench(cells: list[tuple[float, float, int]], *, overhead_blocks: int, overhe
     try:
         shape = "1 plain process, no torch.distributed" if os.environ.get("SG_TTS_SINGLE") == "1" else \
             "2 ranks torchrun gloo CPU"
+        if frameworks != (None,):
+            shape += f"; frameworks {', '.join(f or 'plain' for f in frameworks)}, 8-micro-batch accumulation, " \
+                     "the drill at a random phase of an optimizer step"
         out: dict[str, Any] = {
             "what": "notice_seen -> checkpoint_committed (hook log timestamps), drill through a real daemon at a "
                     f"uniformly random phase of an iteration; {shape}; local-folder storage",
@@ -474,8 +518,9 @@ def bench(cells: list[tuple[float, float, int]], *, overhead_blocks: int, overhe
             "storage": "local folder (file://, tmp); object-store throughput: bench_storage.py",
             "deadline_s": DEADLINE_S, "seed": seed, "load_avg_start": os.getloadavg(), "cells": [],
         }
-        for mib, period, trials in cells:
-            out["cells"].append(_cell(sock, work, mib, period, trials, rng))
+        for framework, (mib, period, trials) in ((f, c) for f in frameworks for c in cells):
+            out["cells"].append(_cell(sock, work, mib, period, trials, rng, framework))
+            out["cells"][-1]["load_avg_after"] = os.getloadavg()
             if partial is not None:
                 partial.parent.mkdir(parents=True, exist_ok=True)
                 partial.write_text(json.dumps({**out, "partial": True}, indent=2) + "\n")
@@ -529,7 +574,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--single", action="store_true", help="one plain process without torch.distributed")
     ap.add_argument("--busy-at", choices=("before", "forward"), default="before",
                     help="the simulated compute before the loader (default) or between forward and backward")
+    ap.add_argument("--framework", help="lightning,hf,accelerate (comma-separated) or all: the framework owns the "
+                                        "loop, 8-micro-batch gradient accumulation; SECONDS of a cell = one step")
     a = ap.parse_args(argv)
+    frameworks: tuple[Optional[str], ...] = (None,)
+    if a.framework:
+        from benchmarks._tts_frameworks import FRAMEWORKS
+
+        frameworks = FRAMEWORKS if a.framework == "all" else tuple(a.framework.split(","))
+        if set(frameworks) - set(FRAMEWORKS):
+            ap.error(f"--framework: one or more of {', '.join(FRAMEWORKS)}, or all")
+        if a.single or a.model != "ddp" or a.loop != "plain" or a.busy_at != "before":
+            ap.error("--framework: the framework owns the loop (2 ranks, DDP): no --single/--model/--loop/--busy-at")
     os.environ["SG_TTS_MODEL"] = a.model
     os.environ["SG_TTS_LOOP"] = a.loop
     os.environ["SG_TTS_BUSY_AT"] = a.busy_at
@@ -537,18 +593,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         if a.model != "ddp":
             ap.error("--single runs one process: no --model fsdp2")
         os.environ["SG_TTS_SINGLE"] = "1"
-    cells = _parse_cells(a.cells) if a.cells else (QUICK_CELLS if a.quick else CELLS)
+    if a.framework:
+        cells = _parse_cells(a.cells) if a.cells else (FRAMEWORK_QUICK_CELLS if a.quick else FRAMEWORK_CELLS)
+    else:
+        cells = _parse_cells(a.cells) if a.cells else (QUICK_CELLS if a.quick else CELLS)
     blocks, steps = (2, 40) if a.quick else (6, 150)
-    if a.no_overhead:
+    if a.no_overhead or a.framework:
         blocks = 0
     path = Path(a.out) if a.out else RESULTS / f"time_to_safe-{a.label}.json"
-    result = bench(cells, overhead_blocks=blocks, overhead_steps=steps, seed=a.seed, partial=path)
+    result = bench(cells, overhead_blocks=blocks, overhead_steps=steps, seed=a.seed, partial=path,
+                   frameworks=frameworks)
     result["label"] = a.label
     result["quick"] = a.quick
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
-    short = {"cells": [{k: c[k] for k in ("state_mib", "iteration_s", "failed", "notice_to_committed_s",
-                                          "steps_after_notice")} for c in result["cells"]],
+    short = {"cells": [{k: c[k] for k in ("framework", "state_mib", "iteration_s", "failed", "late",
+                                          "notice_to_committed_s", "steps_after_notice") if k in c}
+                       for c in result["cells"]],
              "overhead_10ms": {k: v for k, v in result.get("overhead_10ms", {}).items()
                                if not k.startswith("blocks") and k != "tail"},
              "results": str(path)}
@@ -558,6 +619,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        {"trial": _trial_worker, "overhead": _overhead_worker}[sys.argv[sys.argv.index("--worker") + 1]]()
+        def _framework_worker() -> None:
+            from benchmarks._tts_frameworks import worker
+
+            worker()
+
+        {"trial": _trial_worker, "overhead": _overhead_worker,
+         "framework": _framework_worker}[sys.argv[sys.argv.index("--worker") + 1]]()
     else:
         sys.exit(main(sys.argv[1:]))

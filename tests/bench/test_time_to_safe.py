@@ -47,3 +47,38 @@ def test_quick_run_measures_every_trial_from_the_hooks_log_lines(tmp_path: Path)
     assert "error" not in ov, ov
     assert len(ov["blocks_us_with"]) == len(ov["blocks_us_without"]) == ov["blocks"] == 2
     assert ov["us_per_step_without"] >= 10_000 and ov["us_per_step_with"] >= 10_000  # a 10 ms step at least
+
+
+def test_framework_quick_run_commits_every_trial_of_all_three_frameworks(tmp_path: Path) -> None:
+    """``--framework all``: Lightning, the transformers Trainer and Accelerate, 8-micro-batch accumulation,
+    one trial each (the full run is ``make bench-time-to-safe-frameworks``). Holds whether an adapter acts
+    at the next optimizer step (the checkpoint of a later step) or between micro-batches (the last one)."""
+    out = tmp_path / "tts-frameworks.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.time_to_safe", "--framework", "all", "--quick",
+                           "--cells", "1:1.2:1", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [c["framework"] for c in res["cells"]] == ["lightning", "hf", "accelerate"]
+    assert "overhead_10ms" not in res
+    for cell in res["cells"]:
+        assert cell["failed"] == 0 and cell["late"] == 0, [r.get("error") or r.get("tail") for r in cell["runs"]]
+        assert cell["notice_to_committed_s"]["n"] == cell["trials"] == 1
+        assert cell["accumulate"] == 8
+        period = cell["iteration_s"]
+        (r,) = cell["runs"]
+        assert r["exit_codes"] == [143, 143], r
+        # Calibrated: the real part of a step is well under the step, the rest is busy time in 8 micro-batches.
+        assert 0 < r["real_part_s"] < period and r["sleep_s"] > 0, r
+        # The drill came after the warm-up; the checkpoint (its step from the checkpoint_committed line)
+        # is the last completed step or a later one, never one the job had not reached.
+        assert r["completed_at_send"] >= 3 and 0 <= r["steps_after_notice"] <= 2, r
+        assert r["committed_step"] == r["completed_at_send"] + r["steps_after_notice"], r
+        # Where the notice landed: the micro-batch running at notice_seen's timestamp.
+        assert 0 <= r["micro_at_send"] < 8 and 0 <= r["micro_at_notice"] < 8, r
+        assert r["step_at_notice"] >= r["completed_at_send"], r
+        # From the hook's log lines: seen after it was sent, committed after it was seen, exit after that.
+        assert 0 < r["notice_to_committed_s"] <= r["sent_to_committed_s"] < 3 * period + 20, r
+        assert r["notice_to_exit_s"] >= r["notice_to_committed_s"], r
+        assert r["seconds_left_at_commit"] > 0 and r["late"] is False, r
