@@ -343,13 +343,20 @@ class Chaos:
 
     # --- reference -------------------------------------------------------------------
 
-    def reference(self) -> Path:
-        out = self.workdir / "reference.pt"
-        run = TorchRun(self.workdir / "reference.log", ["--steps", str(self.total_steps), "--no-hook", "--out",
-                                                         str(out)])
-        if run.wait(300) != 0:
-            raise ChaosError(f"reference run failed:\n{run.tail()}")
-        return out
+    def start_reference(self) -> TorchRun:
+        """The uninterrupted run, started before the cycles (independent of them: it only has to be done for
+        the final comparison); ``reference`` waits for it."""
+        return TorchRun(self.workdir / "reference.log", ["--steps", str(self.total_steps), "--no-hook", "--out",
+                                                          str(self.workdir / "reference.pt")])
+
+    def reference(self, run: Optional[TorchRun] = None) -> Path:
+        run = run or self.start_reference()
+        try:
+            if run.wait(300) != 0:
+                raise ChaosError(f"reference run failed:\n{run.tail()}")
+        finally:
+            run.kill()
+        return self.workdir / "reference.pt"
 
     # --- the plan -------------------------------------------------------------------
 
@@ -424,7 +431,9 @@ class Chaos:
             env["SG_CHAOS_EVERY"] = "1s"
             if self.storage_kind == "s3":
                 self.store.slow_all(0.4)
-        args = ["--steps", str(self.total_steps), "--step-time", str(self.step_time), "--storage", self.store.uri]
+        # the final run has no notice to time: its steps need no simulated work (the sleep is all --step-time does)
+        step_time = 0.0 if final else self.step_time
+        args = ["--steps", str(self.total_steps), "--step-time", str(step_time), "--storage", self.store.uri]
         out = self.workdir / "final.pt"
         if final:
             args += ["--out", str(out)]
@@ -651,17 +660,22 @@ class Chaos:
 
     def run(self) -> dict[str, Any]:
         t0 = time.monotonic()
-        self.setup()
-        ref = self.reference()
-        _log(f"reference run done ({self.total_steps} steps); storage {self.storage_kind} {self.store.uri}; "
-             f"every= {'supported' if self.periodic_supported else 'NOT implemented'}")
-        for i in range(self.preemptions):
-            c = self.run_cycle(i)
-            self.cycles.append(c)
-            _log(c.row())
-        final = self.run_cycle(self.preemptions, final=True)
-        self.cycles.append(final)
-        _log(final.row())
+        ref_run = self.start_reference()
+        try:
+            self.setup()
+            _log(f"reference run started ({self.total_steps} steps); storage {self.storage_kind} {self.store.uri}; "
+                 f"every= {'supported' if self.periodic_supported else 'NOT implemented'}")
+            for i in range(self.preemptions):
+                c = self.run_cycle(i)
+                self.cycles.append(c)
+                _log(c.row())
+            final = self.run_cycle(self.preemptions, final=True)
+            self.cycles.append(final)
+            _log(final.row())
+        except BaseException:
+            ref_run.kill()
+            raise
+        ref = self.reference(ref_run)
         out = self.workdir / "final.pt"
         if final.outcome == "finished" and out.exists():
             self.final_diff = first_difference(load_out(ref), load_out(out))

@@ -7,7 +7,8 @@ group and an instance of that group, else ``ValidationError`` (400); the result 
 ``CONTINUE`` or ``ABANDON``; completing a terminating action moves the instance to
 ``Terminating:Proceed``; ``GlobalTimeout`` follows AWS's rule min(100 x HeartbeatTimeout, 172800). Every call is appended as a JSON line to ``$MOTO_ASG_LOG`` for
 the tests to read. ``$MOTO_FIRST_INSTANCE_ID`` fixes the first instance id (the
-emulator's identity document names ``i-0123456789abcdef0``).
+emulator's identity document names ``i-0123456789abcdef0``), again after each ``POST /moto-api/reset`` (one
+server serves many tests: ``test_actions_asg.moto``).
 
     python tests/daemon/moto_asg.py -H 127.0.0.1 -p PORT
 """
@@ -66,10 +67,19 @@ def _patch() -> None:
     first = os.environ.get("MOTO_FIRST_INSTANCE_ID")
     if first:
         import moto.ec2.models.instances as instances
+        from moto.moto_api._internal.models import MotoAPIBackend
 
         original = instances.random_instance_id
-        ids = iter([first])
-        instances.random_instance_id = lambda: next(ids, None) or original()
+        pending = [first]
+        instances.random_instance_id = lambda: pending.pop() if pending else original()
+
+        original_reset = MotoAPIBackend.reset
+
+        def reset(self: Any) -> None:  # POST /moto-api/reset: a fresh account, the first instance id again
+            original_reset(self)
+            pending[:] = [first]
+
+        MotoAPIBackend.reset = reset
 
 
 if __name__ == "__main__":

@@ -5,12 +5,14 @@ watcher reading the emulator's target-lifecycle-state."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -88,6 +90,12 @@ class Moto:
         (i,) = self.asg.describe_auto_scaling_instances(InstanceIds=[instance_id])["AutoScalingInstances"]
         return i["LifecycleState"]
 
+    def reset(self) -> None:
+        """As freshly started: moto's state dropped (the first instance id is the emulator's again), the call
+        log empty."""
+        urllib.request.urlopen(urllib.request.Request(f"{self.url}/moto-api/reset", method="POST"), timeout=30).close()
+        self.log.write_text("")
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -96,17 +104,23 @@ class Moto:
             self.proc.kill()
 
 
+_SERVER: list[Moto] = []  # one moto server for the session's tests, reset before each (its start is seconds)
+
+
 @pytest.fixture
-def moto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Moto]:
-    m = Moto(tmp_path)
+def moto(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[Moto]:
+    if _SERVER and _SERVER[0].proc.poll() is None:
+        m = _SERVER[0]
+        m.reset()
+    else:
+        m = Moto(tmp_path_factory.mktemp("moto-asg"))
+        _SERVER[:] = [m]
+        atexit.register(m.stop)
     monkeypatch.setenv("AWS_ENDPOINT_URL", m.url)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.delenv("AWS_PROFILE", raising=False)
-    try:
-        yield m
-    finally:
-        m.stop()
+    yield m
 
 
 def asg_notice(nid: str, in_seconds: float = 120):

@@ -20,6 +20,7 @@ Environment (set by ``oracle.py``):
   ``every()``/``keep()``; ``EXO_SLOW_PERIODIC``: seconds each periodic (``every=``) upload takes (``store()``),
   so that a notice can land while one is in flight (background phases ``periodic``: before its first byte,
   ``periodic_mid``: half of it written).
+- ``EXO_FAST_WITHOUT_NOTICE=1``: with no ``EXO_NOTICE``, the phases take no time (``phase``).
 
 The digest never draws from an RNG and never runs module state-dict hooks (parameters and buffers
 are read through ``named_parameters``/``named_buffers``; a DTensor is digested as its local shard),
@@ -173,8 +174,15 @@ def phase(name: str, *, sleep: bool = True) -> None:
     if _TARGET is not None and not _FIRED.is_set() and _TARGET == (name, ITER):
         threading.Thread(target=_fire, name="exo-notice", daemon=True).start()
         _FIRED.wait(10)  # the notice is handed over while the loop is in this phase
-    if sleep:
+    if sleep and not _fast():
         time.sleep(_SLEEPS.get(name, DEFAULT_SLEEPS.get(name, 0.03)))
+
+
+def _fast() -> bool:
+    """``EXO_FAST_WITHOUT_NOTICE=1`` (the short version) and no notice: a reference or a resume, whose phases
+    need no length (they are long so that a notice lands in each; the long version draws its random moments
+    over the reference loop's length, so it leaves them on). Read at each call: the zygote imported this early."""
+    return os.environ.get("EXO_FAST_WITHOUT_NOTICE", "") == "1" and not os.environ.get("EXO_NOTICE", "")
 
 
 def background_phase(name: str) -> None:

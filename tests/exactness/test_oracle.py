@@ -136,6 +136,7 @@ def _run_all(cases: list[str], work: Path) -> None:
 @pytest.fixture(scope="module")
 def results(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     os.environ.setdefault("EXO_LAUNCHER", "zygote")
+    os.environ.setdefault("EXO_FAST_WITHOUT_NOTICE", "1")  # references and resumes: no phase sleeps (_rt.phase)
     oracle.LAUNCHER = os.environ["EXO_LAUNCHER"]
     work = Path(tempfile.mkdtemp(prefix="sg-exact-"))
     _run_all(_selected(request), work)

@@ -12,7 +12,8 @@ iteration ITER (PHASE ``eval``), ``--stall-before ITER:SECONDS`` a loader stall 
 the sleeps, so an interrupted and resumed run must end bitwise equal to ``--no-hook``.
 
 ``--notice-timer ITER:SECONDS`` sends it that long after iteration ITER starts (a random phase).
-``--phases-from ITER`` keeps the earlier iterations fast. Rank 0 prints ``{"step": i, "loss": l, "t": wall-clock}`` after each iteration.
+``--phases-from ITER`` keeps the earlier iterations fast (``--micro-time`` too), ``--phases-until ITER`` the
+later ones. Rank 0 prints ``{"step": i, "loss": l, "t": wall-clock}`` after each iteration.
 """
 
 from __future__ import annotations
@@ -128,6 +129,9 @@ def main() -> int:
     p.add_argument("--no-hook", action="store_true")
     p.add_argument("--phases", default="0,0,0,0,0", help="load,fwd,bwd,step,after seconds")
     p.add_argument("--phases-from", type=int, default=0, help="iterations before this one run without sleeps")
+    p.add_argument("--phases-until", type=int, default=None,
+                   help="iterations from this one on run without sleeps again (default: none; what comes after "
+                        "the iterations a test looks at need not cost its wall time)")
     p.add_argument("--notice-at", default=None, help="ITER:PHASE")
     p.add_argument("--notice-rank", type=int, default=0)
     p.add_argument("--notice-kind", default="signal", help="signal (SIGUSR1) or rebalance (hook.notify)")
@@ -254,8 +258,8 @@ def main() -> int:
                 os.kill(os.getpid(), signal.SIGUSR1)
 
             threading.Timer(delay, fire).start()
-        if i >= args.phases_from:
-            load_t, fwd_t, bwd_t, state["step_t"], after_t = phases
+        slow = i >= args.phases_from and (args.phases_until is None or i < args.phases_until)
+        load_t, fwd_t, bwd_t, state["step_t"], after_t = phases if slow else (0.0,) * 5
         if stall_before is not None and stall_before[0] == i:
             notice(i, "stall")
             time.sleep(stall_before[1])
@@ -284,7 +288,7 @@ def main() -> int:
                         raise RuntimeError("a collective of the user's failed (test)")
                     time.sleep(bwd_t)
             total += float(loss.item())
-            if args.micro_time > 0:
+            if args.micro_time > 0 and slow:
                 time.sleep(args.micro_time)
         opt.step()
         sched.step()

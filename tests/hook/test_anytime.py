@@ -179,7 +179,8 @@ def test_peer_that_never_joins_exits_75_previous_checkpoint_intact(tmp_path: Pat
     first = job(tmp_path, "first", ["--storage", str(store), "--notice-at", "2:fwd", "--phases", "0,0.3,0,0,0"])
     stopped(first, 2)
     assert committed(store) == [2]
-    run = job(tmp_path, "second", ["--storage", str(store), "--phases", ITER_15S, "--notice-at", "4:fwd"],
+    run = job(tmp_path, "second", ["--storage", str(store), "--phases", ITER_15S, "--phases-from", "3",
+                                   "--notice-at", "4:fwd"],
               env={"SPOTGUARD_TEST_AGREE_STALL_RANK": "1", "SPOTGUARD_SIGNAL_GRACE": "6"})
     assert run.wait(120) != 0, run.tail()
     [ex] = run.events("exit", 0)
@@ -225,7 +226,8 @@ def test_rebalance_checkpoint_in_the_background_keeps_training(ref_plain: Path, 
     store = tmp_path / "ckpt"
     out = tmp_path / "through.pt"
     run = job(tmp_path, "through", ["--storage", str(store), "--phases", ITER_15S, "--phases-from", "1",
-                                    "--notice-at", "2:step", "--notice-kind", "rebalance", "--out", str(out)])
+                                    "--phases-until", "4", "--notice-at", "2:step", "--notice-kind", "rebalance",
+                                    "--out", str(out)])
     assert run.wait(120) == 0, run.tail()
     agreed = run.events("agreed")
     assert {e["step"] for e in agreed} == {3} and {e["action"] for e in agreed} == {"checkpoint"}, agreed
@@ -264,7 +266,8 @@ def test_raising_state_dict_fails_the_round_without_touching_training(tmp_path: 
     preemption fails once and exits 75 at once (before: thousands of failing rounds until the deadline)."""
     store = tmp_path / "ckpt"
     run = job(tmp_path, kind, ["--storage", str(store), "--raising-state", "--phases", ITER_15S,
-                               "--notice-at", "2:fwd", "--notice-kind", kind], env={"SPOTGUARD_SIGNAL_GRACE": "20"})
+                               "--phases-from", "1", "--phases-until", "4", "--notice-at", "2:fwd",
+                               "--notice-kind", kind], env={"SPOTGUARD_SIGNAL_GRACE": "20"})
     rc = run.wait(120)
     assert (rc == 0) if code == 0 else (rc != 0), run.tail()  # torchrun itself exits 1 after a worker's 75
     failed = run.events("checkpoint_failed")
@@ -281,8 +284,8 @@ def test_preemption_during_a_round_for_a_far_notice_keeps_its_own_deadline(tmp_p
     blocks on rank 1), then a 6 s preemption: rank 0 exits 75 within the 6 s, nothing committed. (Before:
     the round was bounded by the maintenance notice's deadline, still blocked at 41 s.)"""
     store = tmp_path / "ckpt"
-    run = job(tmp_path, "far", ["--storage", str(store), "--phases", ITER_15S, "--notice-at", "2:fwd",
-                                "--far-notice", "--notice-rank", "0"],
+    run = job(tmp_path, "far", ["--storage", str(store), "--phases", ITER_15S, "--phases-from", "1",
+                                "--notice-at", "2:fwd", "--far-notice", "--notice-rank", "0"],
               env={"SPOTGUARD_TEST_AGREE_STALL_RANK": "1"})
     assert run.wait(120) != 0, run.tail()
     [ex] = run.events("exit", 0)
@@ -297,8 +300,9 @@ def test_emergency_pre_empts_an_ordinary_save_in_flight(tmp_path: Path) -> None:
     reached and every rank exits 143 long before the slow save would have ended. (Before: the emergency waited
     for the ordinary save to finish, then wrote a second full checkpoint.)"""
     store = tmp_path / "ckpt"
-    run = job(tmp_path, "preempt", ["--storage", str(store), "--phases", ITER_15S, "--notice-at", "2:fwd",
-                                    "--notice-kind", "rebalance", "--then-signal", "1.0", "--slow-first-save", "2.0"],
+    run = job(tmp_path, "preempt", ["--storage", str(store), "--phases", ITER_15S, "--phases-from", "1",
+                                    "--notice-at", "2:fwd", "--notice-kind", "rebalance", "--then-signal", "1.0",
+                                    "--slow-first-save", "2.0"],
               env={"SPOTGUARD_SIGNAL_GRACE": "20"})
     assert run.wait(120) != 0, run.tail()
     actions = [e["action"] for e in run.events("agreed", 0)]

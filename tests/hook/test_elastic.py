@@ -23,7 +23,8 @@ import torch
 from ._torchrun import TorchRun
 
 SCRIPT = Path(__file__).with_name("_elastic_train.py")
-STEPS, SAMPLES, GLOBAL_BATCH = 20, 192, 32
+# 36 steps: test_elastic_recipe's count, so its uninterrupted runs are these (make_references runs each once)
+STEPS, SAMPLES, GLOBAL_BATCH = 36, 192, 32
 PER_EPOCH = SAMPLES // GLOBAL_BATCH
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -52,10 +53,17 @@ def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return num / den
 
 
+_RUNS: dict[tuple[int, int], tuple[dict[str, Any], dict[int, Any], dict[int, list[int]]]] = {}  # this session's
+
+
 def make_references(tmp: Path, steps: int, worlds: tuple[int, ...]) -> dict[str, Any]:
-    """Uninterrupted runs at each world size: final weights, per-step LR, ids; and the float noise between them."""
+    """Uninterrupted runs at each world size: final weights, per-step LR, ids; and the float noise between them.
+    Each (steps, world size) runs once a session: a later caller (test_elastic_recipe) gets the same results."""
     outs, lines, ids = {}, {}, {}
     for w in worlds:
+        if (steps, w) in _RUNS:
+            outs[w], lines[w], ids[w] = _RUNS[steps, w]
+            continue
         # A reference run has no hook: it is not what is under test. torch/gloo itself aborted one at interpreter
         # exit on a loaded CI machine (-6, rank 1, after every step had run); such a run is run again, from
         # scratch in its own folder, at most twice.
@@ -69,6 +77,7 @@ def make_references(tmp: Path, steps: int, worlds: tuple[int, ...]) -> dict[str,
         outs[w] = torch.load(tmp / f"{name}.pt", weights_only=True)
         lines[w] = {e["step"]: e for e in run.lines() if "loss" in e}
         ids[w] = {s: sorted(v) for s, v in ids_by_step(tmp / f"ids-{name}").items()}
+        _RUNS[steps, w] = outs[w], lines[w], ids[w]
     assert all(ids[w] == ids[worlds[0]] for w in worlds)  # the same global batches at every world size
     noise = max(rel_diff(outs[a]["model"], outs[b]["model"]) for a, b in combinations(outs, 2))
     return {"out": outs, "steps": lines[worlds[0]], "noise": noise, "ids": ids[worlds[0]]}

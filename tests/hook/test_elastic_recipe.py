@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from ._torchrun import REPO, TorchRun
-from .test_elastic import GLOBAL_BATCH, SAMPLES, SCRIPT, check_epochs, make_references, rel_diff
+from .test_elastic import GLOBAL_BATCH, SAMPLES, SCRIPT, STEPS, check_epochs, make_references, rel_diff
 
 LAUNCH = REPO / "deploy" / "torchrun" / "launch.sh"
 STORE = REPO / "deploy" / "torchrun" / "rendezvous-store.sh"
-STEPS = 36
+# STEPS (36) is test_elastic's: the uninterrupted 2- and 4-rank runs are shared with it (make_references)
 PER_NODE = 2  # ranks per "node": the job runs on 4, then 2, then 4 ranks
 PER_EPOCH = SAMPLES // GLOBAL_BATCH
 

@@ -61,19 +61,22 @@ def test_readme_script_runs_is_preempted_and_resumes_bitwise(tmp_path: Path, mod
         d.mkdir()
         (d / "train.py").write_text(script)
 
+    # the uninterrupted run and the preempted one are independent (own folders): both at once
     ref = TorchRun(ref_dir / "run.log", [], script=ref_dir / "train.py")
-    assert ref.wait(180) == 0, ref.tail()
+    try:
+        pre = TorchRun(job_dir / "pre.log", [str(job_dir / "train.py")], script=SLOW)
+        try:
+            pre.wait_for(lambda: len(losses(pre)) >= 20, 120, "step 20")
+            pre.signal_rank(1, signal.SIGTERM)
+            assert pre.wait(120) != 0
+        finally:
+            pre.kill()
+        assert ref.wait(180) == 0, ref.tail()
+    finally:
+        ref.kill()
     expected = losses(ref)
     assert sorted(expected) == list(range(total)), ref.tail()
     assert [c.step for c in scan(open_storage(str(ref_dir / "checkpoints"))) if c.committed] == []  # no notice, no checkpoint
-
-    pre = TorchRun(job_dir / "pre.log", [str(job_dir / "train.py")], script=SLOW)
-    try:
-        pre.wait_for(lambda: len(losses(pre)) >= 20, 120, "step 20")
-        pre.signal_rank(1, signal.SIGTERM)
-        assert pre.wait(120) != 0
-    finally:
-        pre.kill()
     exits = {e["rank"]: e for e in pre.events("exit")}
     assert set(exits) == {0, 1} and all(e["code"] == 143 and e["committed"] for e in exits.values()), pre.tail()
     [stop] = [c.step for c in scan(open_storage(str(job_dir / "checkpoints"))) if c.committed]

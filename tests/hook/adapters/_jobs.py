@@ -31,9 +31,13 @@ class Job(TorchRun):
     def __init__(self, script: str, log: Path, args: list[str], *, nproc: int = 2,
                  env: Optional[dict[str, str]] = None) -> None:
         self.log = log
+        # the examples' own temp folders (the HF Trainer's default output_dir, /tmp/hf-out-*, one a rank) go
+        # under the test's folder, not /tmp, where they were left behind
+        tmpdir = log.parent / f"{log.stem}.tmp"
+        tmpdir.mkdir(exist_ok=True)
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **HUB_OFFLINE,
                     "SPOTGUARD_SOCKET": str(log.parent / "no-daemon.sock"),
-                    "SPOTGUARD_CACHE": str(log.parent / "cache"), **(env or {})}
+                    "SPOTGUARD_CACHE": str(log.parent / "cache"), "TMPDIR": str(tmpdir), **(env or {})}
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(
                 [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), str(REPO / "examples" / script), *args],

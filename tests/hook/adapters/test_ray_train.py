@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,38 +18,66 @@ pytest.importorskip("ray.train")
 from .._torchrun import REPO, first_difference, load_out
 from ._jobs import HUB_OFFLINE, committed
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 STEPS = 24
 
 
-def _ray(tmp: Path, name: str, *args: str) -> tuple[int, list[dict], str]:
-    env = {**os.environ, **HUB_OFFLINE, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0",
-           "SPOTGUARD_SOCKET": str(tmp / "no-daemon.sock"), "RAY_TMPDIR": "/tmp"}
-    proc = subprocess.run([sys.executable, str(REPO / "examples" / "ray_train.py"), *args], cwd=tmp, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=200)
-    (tmp / f"{name}.log").write_text(proc.stdout)
-    lines = []
-    for raw in proc.stdout.splitlines():
-        i = raw.find("{")
-        if i >= 0:
-            try:
-                lines.append(json.loads(raw[i:].split("\x1b")[0]))
-            except ValueError:
-                pass
-    return proc.returncode, lines, proc.stdout
+class _Ray:
+    """``examples/ray_train.py`` in its own Ray instance (its own short ``RAY_TMPDIR``: two may run at once)."""
+
+    def __init__(self, tmp: Path, name: str, *args: str) -> None:
+        self.name, self.tmp = name, tmp
+        self.ray_tmp = tempfile.mkdtemp(prefix="sgray-", dir="/tmp")  # AF_UNIX paths: keep it short
+        env = {**os.environ, **HUB_OFFLINE, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0",
+               "SPOTGUARD_SOCKET": str(tmp / "no-daemon.sock"), "RAY_TMPDIR": self.ray_tmp}
+        self.log = tmp / f"{name}.log"
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen([sys.executable, str(REPO / "examples" / "ray_train.py"), *args], cwd=tmp,
+                                         env=env, stdout=f, stderr=subprocess.STDOUT, text=True,
+                                         start_new_session=True)
+
+    def result(self, timeout: float = 200) -> tuple[int, list[dict], str]:
+        try:
+            rc = self.proc.wait(timeout)
+        finally:
+            self.stop()
+        out = self.log.read_text(errors="replace")
+        lines = []
+        for raw in out.splitlines():
+            i = raw.find("{")
+            if i >= 0:
+                try:
+                    lines.append(json.loads(raw[i:].split("\x1b")[0]))
+                except ValueError:
+                    pass
+        return rc, lines, out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
 
 def test_preempted_worker_restarted_by_failure_config_resumes_exactly(tmp_path: Path) -> None:
-    rc, ref_lines, out = _ray(tmp_path, "reference", "--steps", str(STEPS), "--storage", str(tmp_path / "ref-ckpt"),
-                              "--out", str(tmp_path / "ref.pt"), "--step-time", "0")
+    # the uninterrupted run and the preempted one are independent: both at once (most of a Ray run is waiting
+    # on its own start-up, not CPU), in two Ray instances
+    store = tmp_path / "ckpt"
+    runs = [_Ray(tmp_path, "reference", "--steps", str(STEPS), "--storage", str(tmp_path / "ref-ckpt"),
+                 "--out", str(tmp_path / "ref.pt"), "--step-time", "0")]
+    try:
+        runs.append(_Ray(tmp_path, "preempted", "--steps", str(STEPS), "--storage", str(store),
+                         "--preempt-at", "8", "--out", str(tmp_path / "resumed.pt"), "--step-time", "0"))
+        (rc, ref_lines, out), (rc_pre, lines, out_pre) = (r.result() for r in runs)
+    finally:
+        for r in runs:
+            r.stop()
     assert rc == 0, out[-4000:]
     ref = {e["step"]: e["hex"] for e in ref_lines if "hex" in e}
     assert sorted(ref) == list(range(STEPS))
 
-    store = tmp_path / "ckpt"
-    rc, lines, out = _ray(tmp_path, "preempted", "--steps", str(STEPS), "--storage", str(store),
-                          "--preempt-at", "8", "--out", str(tmp_path / "resumed.pt"), "--step-time", "0")
+    rc, out = rc_pre, out_pre
     assert rc == 0, out[-4000:]  # FailureConfig restarted the group and the run finished
     hook = [e for e in lines if e.get("component") == "hook"]
     agreed = {e["rank"]: e["step"] for e in hook if e["event"] == "agreed"}
