@@ -174,12 +174,14 @@ class ReplicaGuard:
         # deadline fallback: where the loop is ("post": between a committed step and the next training forward,
         # the loop's post-step work may still change the state; "iter": inside an iteration, the state is that
         # of the last committed step; "stepping": inside the optimizer's step), whether the fallback holds the
-        # optimizer, and whether the emergency write started / the group is done with its notice
+        # optimizer, and whether the group is done with its notice
         self._phase = "post"
         self._voted_ever = False  # a loop whose should_commit() someone else calls (LocalSGD/DiLoCo) never votes
         self._fallback_on = False
-        self._writing = threading.Event()
         self._done = threading.Event()
+        # a write started or the group left (Preempted): a fallback deferred to the training thread has nothing
+        # left to do (a process that lingers after leaving must not be ended with 75 "missed" at the deadline)
+        self._over = threading.Event()
         self._halt = threading.Event()  # never set: an optimizer step held by the fallback waits for the exit
         self._watchdog: Optional[threading.Thread] = None
         self.hook = _EngineHook(state, storage, socket=socket, exit_code=exit_code, on_notice=self._on_notice,
@@ -225,6 +227,7 @@ class ReplicaGuard:
                 raise KeyError(f"heal state lacks {missing}: the survivor's ReplicaGuard holds other items")
             for k, v in items.items():
                 v.load_state_dict(sd[k])
+            self.hook._count = self.manager.current_step()  # the state is now that step's (a deadline fallback)
 
         register("spotguard", load_state_dict, state_dict)
         self._log.info(HEAL_STATE, by="guard", keys=sorted(items))
@@ -351,6 +354,7 @@ class ReplicaGuard:
 
     def _leave(self, notice: Notice, step: int) -> None:
         self._done.set()
+        self._over.set()
         self._log.info(LEFT, notice_id=notice.id, step=step, seconds_left=round(notice.seconds_left(), 3))
         self.manager.shutdown(wait=False)
         self.hook._flush_intake()
@@ -381,6 +385,7 @@ class ReplicaGuard:
             self._pending = (notice, step, snap)
             return
         self._done.set()
+        self._over.set()
         self.hook._flush_intake()
         self.hook.close()
         raise Preempted(self._exit_code, notice_id=notice.id, step=step, committed=False)
@@ -399,7 +404,7 @@ class ReplicaGuard:
         with self._lock:
             pending, self._pending = self._pending, None
             if pending is not None:
-                self._writing.set()
+                self._over.set()
                 self._done.set()
         if pending is not None:
             notice, step, snap = pending
@@ -447,15 +452,17 @@ class ReplicaGuard:
             self._log.error(FALLBACK_MISSED, notice_id=notice.id, why=f"fallback failed: {exc!r}")
 
     def _fallback(self, notice: Notice) -> None:
-        step = self.manager.current_step()
         with self._lock:
-            if self._done.is_set() or self._writing.is_set() or self.hook._closed or self.hook._exiting:
+            if self._done.is_set() or self._over.is_set() or self.hook._closed or self.hook._exiting:
                 return
             single = self.hook._group is None
             direct = self._phase == "iter" and single
+            # the step the state is at: the hook's count (after_step's committed step, a resume's, a heal's) —
+            # not the manager's, which should_commit() counts before the optimizer steps (held from here on)
+            step = self.hook._count if direct else self.manager.current_step()
             if direct:
                 self._fallback_on = True  # from here every optimizer step of this process is held
-                self._writing.set()
+                self._over.set()
                 self._done.set()
             elif single and self._pending is None:
                 self._pending = (notice, None, None)  # the loop's next training forward writes it
@@ -464,7 +471,6 @@ class ReplicaGuard:
                           where=where, why="this group has not left by deadline - lead (no committed step since the "
                                            "notice: the other groups left, the quorum or the lighthouse stalls)")
         if direct:
-            self.hook._count = step
             self.hook._internal = True  # the training thread's hook points stand still meanwhile
             result = self.hook._save(notice, "emergency", self._snap_of_last_step())
             self.hook._exit_from_background(notice, result, step)
@@ -473,10 +479,10 @@ class ReplicaGuard:
             why = "a replica group of several processes cannot write from one rank's watchdog"
         else:
             why = "the loop did not reach its next training forward (post-step work of the last committed step)"
-        if self._writing.wait(max(0.0, notice.seconds_left() - 0.5)):
-            return  # the training thread writes (its commit is reported late if it lands past the deadline)
+        if self._over.wait(max(0.0, notice.seconds_left() - 0.5)):
+            return  # the training thread writes (its commit is reported late if it lands past the deadline), or left
         with self._lock:
-            if self._writing.is_set():
+            if self._over.is_set():
                 return
             self._pending = None
             self._done.set()

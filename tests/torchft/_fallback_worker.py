@@ -7,6 +7,12 @@ fallback tests. Modes (argv[1]):
   ``EVAL`` seconds; the notice comes at its start; later steps never commit.
 - ``allleave``: the single group leaves (the whole job): the write is deferred to the next training forward,
   and the loop runs the same long evaluation first.
+- ``slowstep``: the notice comes right before a step that commits, and that optimizer step is still running when
+  the fallback fires (a slow optimizer, or work between ``opt.step()`` and ``after_step()``): the fallback is
+  deferred, then the group leaves normally (``Preempted``); the process lingers past the deadline (cleanup).
+- ``commitrace``: the notice comes right before a step that commits, and the fallback fires after
+  ``should_commit()`` counted the step but before the optimizer stepped (torchft increments its step inside
+  ``should_commit``): the state is still that of the previous step.
 
 Per committed step it appends to ``digests.jsonl`` a digest of model/optimizer/scheduler state after the loop's
 post-step work, and the torch RNG state right after the optimizer step. Exit codes are the hook's; 3 = the loop
@@ -25,6 +31,7 @@ from typing import Any
 
 import torch
 
+from spotguard.hook.core import Preempted
 from spotguard.hook.torchft import ReplicaGuard
 from spotguard.notice import Notice
 from spotguard.timefmt import utcnow
@@ -41,6 +48,7 @@ class Manager:
     def __init__(self) -> None:
         self.step = 0
         self.stalled = False
+        self.after_count: Any = None  # commitrace: called inside should_commit once the step is counted
         self.voters = 2  # another group takes part (its vote: not leaving) unless "allleave"
 
     def current_step(self) -> int:
@@ -65,6 +73,8 @@ class Manager:
             time.sleep(0.05)
             return False
         self.step += 1
+        if self.after_count is not None:
+            self.after_count()
         return True
 
     def shutdown(self, wait: bool = True) -> None:
@@ -124,6 +134,13 @@ def main() -> None:
     out = open(os.path.join(workdir, "digests.jsonl"), "a")
     x = torch.randn(32, 8)
     y = torch.randn(32, 1)
+    slow = [False]
+    if mode == "slowstep":
+        def in_step(*_: Any) -> None:  # after the update, still inside opt.step(): wait for the deferred fallback
+            t_wait = time.monotonic() + 20
+            while slow[0] and guard._pending is None and time.monotonic() < t_wait:
+                time.sleep(0.01)
+        opt.register_step_post_hook(in_step)
     t_end = time.monotonic() + 30
     i = 0
     while time.monotonic() < t_end:
@@ -135,8 +152,17 @@ def main() -> None:
             notify(guard, deadline_s)
             if mode == "stall":
                 mgr.stalled = True
+            slow[0] = mode == "slowstep"
+            if mode == "commitrace":
+                mgr.after_count = lambda: guard._over.wait(20)  # the watchdog writes in this window
         rng_after_step = None
-        committed = g.step()
+        try:
+            committed = g.step()
+        except Preempted as p:
+            if mode == "slowstep":
+                print(json.dumps({"event": "worker_left", "code": p.code}), flush=True)
+                time.sleep(deadline_s + 1)  # cleanup (a W&B upload, a launcher) outlasting the deadline
+            raise
         if committed:
             rng_after_step = torch.get_rng_state()
         sched.step() if committed else None

@@ -106,3 +106,29 @@ def test_a_write_that_cannot_start_before_the_deadline_exits_75_at_the_deadline(
     (ex,) = _events(lines, "exit")
     # left before the deadline (3 s), not after the 12 s evaluation, and never claiming a commit
     assert ex["by"] == "replica-deadline" and ex["seconds_since_notice"] < 3 and not ex["committed"]
+
+
+def test_a_fallback_deferred_inside_a_committing_step_does_not_fire_after_the_group_left(tmp_path: Path) -> None:
+    # the fallback fires while opt.step() runs (phase "stepping": deferred to the next training forward); the
+    # step commits and the group leaves normally (143, its state lives on in the survivors). A process still
+    # alive at the deadline (cleanup) must not then be killed with 75 and "replica_fallback_missed"
+    code, _, lines = _run(tmp_path, "slowstep", DEADLINE="4", NOTICE_AT="5", SPOTGUARD_TORCHFT_FALLBACK_LEAD="3.5")
+    assert _events(lines, "replica_fallback") and _events(lines, "replica_left")
+    assert _events(lines, "worker_left")[0]["code"] == 143
+    assert not _events(lines, "replica_fallback_missed"), _events(lines, "replica_fallback_missed")
+    assert code == 143, lines[-5:]
+
+
+def test_a_fallback_between_should_commit_and_the_optimizer_step_writes_the_step_the_state_is_at(
+        tmp_path: Path) -> None:
+    # torchft counts the step inside should_commit(); the optimizer steps after it. A watchdog write in between
+    # (the optimizer is then held) holds the state of step 5: it must be labelled 5, not 6
+    code, _, lines = _run(tmp_path, "commitrace", DEADLINE="4", NOTICE_AT="5", SPOTGUARD_TORCHFT_FALLBACK_LEAD="3.5")
+    assert code == 143, lines[-5:]
+    fb = _events(lines, "replica_fallback")
+    assert fb and fb[0]["where"] == "watchdog"
+    info = newest_committed(open_storage(str(tmp_path / "ckpt")))
+    assert info is not None and info.step == 5
+    rec = _recorded(tmp_path)
+    step, dig, rng = _resumed(tmp_path)
+    assert step == 5 and dig == rec[5]["digest"] and rng == rec[5]["rng"]
