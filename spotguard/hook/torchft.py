@@ -48,6 +48,7 @@ import torch
 from ..logs import get_logger
 from ..notice import Notice
 from .core import EXIT_SAVE_FAILED, Hook, Preempted
+from .save import _BG
 from .settings import env_seconds
 from .state import PER_RANK, Snapshot
 
@@ -472,6 +473,12 @@ class ReplicaGuard:
                                            "notice: the other groups left, the quorum or the lighthouse stalls)")
         if direct:
             self.hook._internal = True  # the training thread's hook points stand still meanwhile
+            if self.hook._standing(step)[0]:
+                # nothing trained, nothing resumed: no state to keep (a step-0 checkpoint would hold the RNG and
+                # loaders of the moment, mid-iteration, and resume otherwise than a fresh start)
+                self.hook._exit_from_background(notice, None, step)
+                return
+            _BG.on = True  # this thread: no DCP fake step() on a stateless optimizer (SGD) under the training thread
             result = self.hook._save(notice, "emergency", self._snap_of_last_step())
             self.hook._exit_from_background(notice, result, step)
             return

@@ -13,6 +13,9 @@ fallback tests. Modes (argv[1]):
 - ``commitrace``: the notice comes right before a step that commits, and the fallback fires after
   ``should_commit()`` counted the step but before the optimizer stepped (torchft increments its step inside
   ``should_commit``): the state is still that of the previous step.
+- ``sgdstall``: ``stall`` with plain SGD (an optimizer without state): between each forward and its backward
+  (gradients None) the loop waits until the fallback's save is over or touched the parameters (DCP's fake
+  ``step()`` on a stateless optimizer would bump their version under the training thread's autograd graph).
 
 Per committed step it appends to ``digests.jsonl`` a digest of model/optimizer/scheduler state after the loop's
 post-step work, and the torch RNG state right after the optimizer step. Exit codes are the hook's; 3 = the loop
@@ -87,11 +90,12 @@ class Manager:
         self.step = sd["step"]
 
 
-def build(ckpt: str, sock: str, **kw: Any) -> tuple[Any, Any, Any, Manager, ReplicaGuard]:
+def build(ckpt: str, sock: str, sgd: bool = False, **kw: Any) -> tuple[Any, Any, Any, Manager, ReplicaGuard]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.3),
                                 torch.nn.Linear(16, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    opt = (torch.optim.SGD(model.parameters(), lr=0.05) if sgd else
+           torch.optim.AdamW(model.parameters(), lr=0.05))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
     mgr = Manager()
     guard = ReplicaGuard(mgr, {"model": model, "opt": opt, "sched": sched}, ckpt, socket=sock, **kw)
@@ -127,7 +131,8 @@ def main() -> None:
     deadline_s = float(os.environ.get("DEADLINE", "4"))
     eval_s = float(os.environ.get("EVAL", "0"))
     notice_at = int(os.environ.get("NOTICE_AT", "5"))
-    model, opt, sched, mgr, guard = build(os.path.join(workdir, "ckpt"), os.path.join(workdir, "none.sock"))
+    model, opt, sched, mgr, guard = build(os.path.join(workdir, "ckpt"), os.path.join(workdir, "none.sock"),
+                                          sgd=mode == "sgdstall")
     if mode == "allleave":
         mgr.voters = 1
     g = guard.optimizer(opt)
@@ -147,10 +152,15 @@ def main() -> None:
         g.zero_grad()
         model.train()
         loss = torch.nn.functional.mse_loss(model(x), y)
+        if mode == "sgdstall" and i > notice_at and guard._over.wait(deadline_s):  # gradients None: fallback
+            p0 = next(model.parameters())
+            v0, t_wait = p0._version, time.monotonic() + 10
+            while p0._version == v0 and guard.hook._exit_request is None and time.monotonic() < t_wait:
+                time.sleep(0.01)
         loss.backward()
         if i == notice_at and mode != "posteval":
             notify(guard, deadline_s)
-            if mode == "stall":
+            if mode in ("stall", "sgdstall"):
                 mgr.stalled = True
             slow[0] = mode == "slowstep"
             if mode == "commitrace":

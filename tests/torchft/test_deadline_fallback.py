@@ -132,3 +132,25 @@ def test_a_fallback_between_should_commit_and_the_optimizer_step_writes_the_step
     rec = _recorded(tmp_path)
     step, dig, rng = _resumed(tmp_path)
     assert step == 5 and dig == rec[5]["digest"] and rng == rec[5]["rng"]
+
+
+def test_a_watchdog_write_never_runs_a_fake_optimizer_step_under_the_training_thread(tmp_path: Path) -> None:
+    # plain SGD has no optimizer state: DCP's get_optimizer_state_dict() runs a fake step() (lr 0, zero grads,
+    # zero_grad) when the gradients are None — from the watchdog, between the loop's forward and backward, it
+    # bumped the parameters' version and the backward raised ("modified by an inplace operation"): the main
+    # thread died mid-write, nothing committed
+    code, _, lines = _run(tmp_path, "sgdstall", DEADLINE="4", NOTICE_AT="5")
+    assert code == 143, lines[-5:]
+    assert _events(lines, "checkpoint_committed")
+    info = newest_committed(open_storage(str(tmp_path / "ckpt")))
+    assert info is not None and info.step == 5
+
+
+def test_a_fallback_before_any_committed_step_writes_nothing_and_says_so(tmp_path: Path) -> None:
+    # no step ever committed (the first quorum stalls): a step-0 checkpoint would hold the RNG of the moment
+    # (mid-iteration) and resume differently from a fresh start; nothing was trained, so nothing is written
+    code, _, lines = _run(tmp_path, "stall", DEADLINE="3", NOTICE_AT="0")
+    assert code == 143, lines[-5:]
+    assert newest_committed(open_storage(str(tmp_path / "ckpt"))) is None
+    (ex,) = _events(lines, "exit")
+    assert ex["nothing_to_save"] and not ex["committed"]
