@@ -161,6 +161,7 @@ class ReplicaGuard:
         self._user_cb = on_notice
         self._lock = threading.Lock()
         self._notice: Optional[Notice] = None  # the notice this group leaves for (first one wins)
+        self._watch_deadline: Any = None  # the nearest deadline a watchdog watches (datetime)
         self._voted: Optional[Notice] = None  # the notice our vote of this step stands for
         self._tally: Optional[tuple[int, int]] = None  # (leaving, participants) of this step
         # a whole-job leave decided at step S, written once the loop's post-step work of S (scheduler, EMA) is
@@ -243,6 +244,11 @@ class ReplicaGuard:
             first = self._notice is None
             if first:
                 self._notice = notice
+            # a later notice with a nearer deadline (a SIGTERM's grace after a far notice) brings the fallback
+            # forward: a watchdog of its own (the group still leaves for the first; one write at most, _fallback)
+            watch = first or notice.deadline < self._watch_deadline
+            if watch:
+                self._watch_deadline = notice.deadline
         if first:
             self._log.info(LEAVING, notice_id=notice.id, step=self.manager.current_step(),
                            seconds_left=round(notice.seconds_left(), 3))
@@ -254,6 +260,7 @@ class ReplicaGuard:
                                       "deadline fallback acts, with this group's state of the moment",
                                   fix="use guard.optimizer(opt) or call guard.vote() before every "
                                       "manager.should_commit() (LocalSGD/DiLoCo are not supported yet)")
+        if watch:
             self._watchdog = threading.Thread(target=self._deadline_watch, args=(notice,), daemon=True,
                                               name="spotguard-replica-deadline")
             self._watchdog.start()

@@ -13,6 +13,8 @@ fallback tests. Modes (argv[1]):
 - ``commitrace``: the notice comes right before a step that commits, and the fallback fires after
   ``should_commit()`` counted the step but before the optimizer stepped (torchft increments its step inside
   ``should_commit``): the state is still that of the previous step.
+- ``sigterm``: ``stall`` whose notice is far off (``DEADLINE``), then two iterations later a SIGTERM (its
+  deadline ``SPOTGUARD_SIGNAL_GRACE`` away: a node drain's grace period) — the nearer deadline must count.
 - ``sgdstall``: ``stall`` with plain SGD (an optimizer without state): between each forward and its backward
   (gradients None) the loop waits until the fallback's save is over or touched the parameters (DCP's fake
   ``step()`` on a stateless optimizer would bump their version under the training thread's autograd graph).
@@ -160,11 +162,15 @@ def main() -> None:
         loss.backward()
         if i == notice_at and mode != "posteval":
             notify(guard, deadline_s)
-            if mode in ("stall", "sgdstall"):
+            if mode in ("stall", "sgdstall", "sigterm"):
                 mgr.stalled = True
             slow[0] = mode == "slowstep"
             if mode == "commitrace":
                 mgr.after_count = lambda: guard._over.wait(20)  # the watchdog writes in this window
+        if mode == "sigterm" and i == notice_at + 2:
+            import signal  # noqa: PLC0415
+
+            os.kill(os.getpid(), signal.SIGTERM)
         rng_after_step = None
         try:
             committed = g.step()

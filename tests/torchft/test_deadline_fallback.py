@@ -154,3 +154,17 @@ def test_a_fallback_before_any_committed_step_writes_nothing_and_says_so(tmp_pat
     assert newest_committed(open_storage(str(tmp_path / "ckpt"))) is None
     (ex,) = _events(lines, "exit")
     assert ex["nothing_to_save"] and not ex["committed"]
+
+
+def test_a_later_notice_with_a_nearer_deadline_moves_the_fallback_forward(tmp_path: Path) -> None:
+    # a far notice (60 s: the fallback would write at 40 s), then a SIGTERM with a 4 s grace (a node drain): the
+    # group still cannot leave (commits stalled) and must write by the SIGTERM's deadline, not the first one's
+    code, took, lines = _run(tmp_path, "sigterm", DEADLINE="60", NOTICE_AT="5", SPOTGUARD_SIGNAL_GRACE="4")
+    assert code == 143, lines[-5:]
+    done = _events(lines, "checkpoint_committed")
+    assert done and not _events(lines, "checkpoint_late")
+    info = newest_committed(open_storage(str(tmp_path / "ckpt")))
+    assert info is not None and info.step == 5
+    rec = _recorded(tmp_path)
+    step, dig, rng = _resumed(tmp_path)
+    assert step == 5 and dig == rec[5]["digest"] and rng == rec[5]["rng"]
