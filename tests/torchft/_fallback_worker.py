@@ -137,6 +137,10 @@ def main() -> None:
                                           sgd=mode == "sgdstall")
     if mode == "allleave":
         mgr.voters = 1
+    if os.environ.get("FAIL_WRITE"):  # the storage fails under the emergency write (a full disk, a lost bucket)
+        def fail(key: str, snap: Any) -> None:
+            raise OSError(28, "No space left on device")
+        guard.hook._write = fail  # type: ignore[method-assign]
     g = guard.optimizer(opt)
     out = open(os.path.join(workdir, "digests.jsonl"), "a")
     x = torch.randn(32, 8)

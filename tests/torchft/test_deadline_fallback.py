@@ -168,3 +168,16 @@ def test_a_later_notice_with_a_nearer_deadline_moves_the_fallback_forward(tmp_pa
     rec = _recorded(tmp_path)
     step, dig, rng = _resumed(tmp_path)
     assert step == 5 and dig == rec[5]["digest"] and rng == rec[5]["rng"]
+
+
+@pytest.mark.parametrize("mode", ["stall", "posteval"])
+def test_a_fallback_write_that_fails_exits_75_and_says_so(tmp_path: Path, mode: str) -> None:
+    # held: the watchdog's write (stall) and the training thread's (posteval) both fail on the storage: 75,
+    # checkpoint_failed naming the error, nothing claimed, before the deadline
+    code, _, lines = _run(tmp_path, mode, DEADLINE="5", EVAL="2", NOTICE_AT="4", FAIL_WRITE="1")
+    assert code == 75, lines[-5:]
+    (failed,) = _events(lines, "checkpoint_failed")
+    assert "No space left" in failed["error"]
+    assert newest_committed(open_storage(str(tmp_path / "ckpt"))) is None
+    (ex,) = _events(lines, "exit")
+    assert not ex["committed"] and ex["seconds_since_notice"] < 5
