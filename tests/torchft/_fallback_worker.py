@@ -134,7 +134,9 @@ def main() -> None:
     eval_s = float(os.environ.get("EVAL", "0"))
     notice_at = int(os.environ.get("NOTICE_AT", "5"))
     model, opt, sched, mgr, guard = build(os.path.join(workdir, "ckpt"), os.path.join(workdir, "none.sock"),
-                                          sgd=mode == "sgdstall")
+                                          sgd=mode == "sgdstall",
+                                          **({"every": float(os.environ["EVERY"]), "keep": 2}
+                                             if os.environ.get("EVERY") else {}))
     if mode == "allleave":
         mgr.voters = 1
     if os.environ.get("FAIL_WRITE"):  # the storage fails under the emergency write (a full disk, a lost bucket)

@@ -181,3 +181,17 @@ def test_a_fallback_write_that_fails_exits_75_and_says_so(tmp_path: Path, mode: 
     assert newest_committed(open_storage(str(tmp_path / "ckpt"))) is None
     (ex,) = _events(lines, "exit")
     assert not ex["committed"] and ex["seconds_since_notice"] < 5
+
+
+def test_a_fallback_next_to_periodic_checkpoints_writes_the_last_committed_step(tmp_path: Path) -> None:
+    # held: every= with keep=2 in the same storage (the writer group's periodic checkpoints before the notice):
+    # the watchdog's write is the newest, step 5 exactly, and keep does not drop it (no upload is in flight at
+    # the fallback here: with commits stalled no step boundary starts one)
+    code, _, lines = _run(tmp_path, "stall", DEADLINE="4", NOTICE_AT="5", EVERY="0.01")
+    assert code == 143, lines[-5:]
+    assert _events(lines, "periodic_committed")
+    info = newest_committed(open_storage(str(tmp_path / "ckpt")))
+    assert info is not None and info.step == 5 and info.record.reason == "emergency"
+    rec = _recorded(tmp_path)
+    step, dig, rng = _resumed(tmp_path)
+    assert step == 5 and dig == rec[5]["digest"] and rng == rec[5]["rng"]
