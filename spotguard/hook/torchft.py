@@ -134,9 +134,12 @@ class _EngineHook(Hook):
     guard: Optional["ReplicaGuard"] = None  # set by the guard that built it
 
     def _periodic_flags(self) -> tuple[int, int]:
-        """``every=``: only the writer group is ever due (its in-flight upload still counts as busy)."""
+        """``every=``: only the writer group is ever due (its in-flight upload still counts as busy) — replica
+        rank 0 of the quorum that committed the step just taken (the one written at the next boundary), asked
+        now: the rank remembered at the step before lagged a quorum change by one step (two writers of a step)."""
         due, busy = super()._periodic_flags()
-        return (due if self.guard is not None and self.guard._writer else 0), busy
+        writer = self.guard is not None and self.guard.manager.participating_rank() == 0
+        return (due if writer else 0), busy
 
 class ReplicaGuard:
     """Notices for one torchft replica group (one per process; every rank of the group builds one).
@@ -156,8 +159,8 @@ class ReplicaGuard:
                  keep: Optional[int] = None) -> None:
         self.manager = manager
         # periodic checkpoints (every=): the state is replicated, so one group writes them — the one with replica
-        # rank 0 in the last committed step's quorum (every process of that group: the shards are its own)
-        self._writer = False
+        # rank 0 in the last committed step's quorum (every process of that group: the shards are its own;
+        # _EngineHook._periodic_flags)
         self._user_cb = on_notice
         self._lock = threading.Lock()
         self._notice: Optional[Notice] = None  # the notice this group leaves for (first one wins)
@@ -343,7 +346,6 @@ class ReplicaGuard:
             # the hook counts this step too (its post-hook): keep its count on the manager's step, which a heal
             # moves, so that what it took at the next forward (buffers, RNG) is found for this step's label
             self.hook._count = step
-            self._writer = self.manager.participating_rank() == 0
             with self._lock:
                 self._phase = "post"  # the loop's post-step work of this step (scheduler, EMA) comes next
         if not committed or tally is None:
