@@ -48,6 +48,7 @@ import torch
 from ..logs import get_logger
 from ..notice import Notice
 from .core import EXIT_SAVE_FAILED, Hook, Preempted
+from .save import _BG
 from .settings import env_seconds
 from .state import PER_RANK, Snapshot
 
@@ -133,9 +134,12 @@ class _EngineHook(Hook):
     guard: Optional["ReplicaGuard"] = None  # set by the guard that built it
 
     def _periodic_flags(self) -> tuple[int, int]:
-        """``every=``: only the writer group is ever due (its in-flight upload still counts as busy)."""
+        """``every=``: only the writer group is ever due (its in-flight upload still counts as busy) — replica
+        rank 0 of the quorum that committed the step just taken (the one written at the next boundary), asked
+        now: the rank remembered at the step before lagged a quorum change by one step (two writers of a step)."""
         due, busy = super()._periodic_flags()
-        return (due if self.guard is not None and self.guard._writer else 0), busy
+        writer = self.guard is not None and self.guard.manager.participating_rank() == 0
+        return (due if writer else 0), busy
 
 class ReplicaGuard:
     """Notices for one torchft replica group (one per process; every rank of the group builds one).
@@ -155,11 +159,12 @@ class ReplicaGuard:
                  keep: Optional[int] = None) -> None:
         self.manager = manager
         # periodic checkpoints (every=): the state is replicated, so one group writes them — the one with replica
-        # rank 0 in the last committed step's quorum (every process of that group: the shards are its own)
-        self._writer = False
+        # rank 0 in the last committed step's quorum (every process of that group: the shards are its own;
+        # _EngineHook._periodic_flags)
         self._user_cb = on_notice
         self._lock = threading.Lock()
         self._notice: Optional[Notice] = None  # the notice this group leaves for (first one wins)
+        self._watch_deadline: Any = None  # the nearest deadline a watchdog watches (datetime)
         self._voted: Optional[Notice] = None  # the notice our vote of this step stands for
         self._tally: Optional[tuple[int, int]] = None  # (leaving, participants) of this step
         # a whole-job leave decided at step S, written once the loop's post-step work of S (scheduler, EMA) is
@@ -174,12 +179,14 @@ class ReplicaGuard:
         # deadline fallback: where the loop is ("post": between a committed step and the next training forward,
         # the loop's post-step work may still change the state; "iter": inside an iteration, the state is that
         # of the last committed step; "stepping": inside the optimizer's step), whether the fallback holds the
-        # optimizer, and whether the emergency write started / the group is done with its notice
+        # optimizer, and whether the group is done with its notice
         self._phase = "post"
         self._voted_ever = False  # a loop whose should_commit() someone else calls (LocalSGD/DiLoCo) never votes
         self._fallback_on = False
-        self._writing = threading.Event()
         self._done = threading.Event()
+        # a write started or the group left (Preempted): a fallback deferred to the training thread has nothing
+        # left to do (a process that lingers after leaving must not be ended with 75 "missed" at the deadline)
+        self._over = threading.Event()
         self._halt = threading.Event()  # never set: an optimizer step held by the fallback waits for the exit
         self._watchdog: Optional[threading.Thread] = None
         self.hook = _EngineHook(state, storage, socket=socket, exit_code=exit_code, on_notice=self._on_notice,
@@ -225,6 +232,7 @@ class ReplicaGuard:
                 raise KeyError(f"heal state lacks {missing}: the survivor's ReplicaGuard holds other items")
             for k, v in items.items():
                 v.load_state_dict(sd[k])
+            self.hook._count = self.manager.current_step()  # the state is now that step's (a deadline fallback)
 
         register("spotguard", load_state_dict, state_dict)
         self._log.info(HEAL_STATE, by="guard", keys=sorted(items))
@@ -239,6 +247,11 @@ class ReplicaGuard:
             first = self._notice is None
             if first:
                 self._notice = notice
+            # a later notice with a nearer deadline (a SIGTERM's grace after a far notice) brings the fallback
+            # forward: a watchdog of its own (the group still leaves for the first; one write at most, _fallback)
+            watch = first or notice.deadline < self._watch_deadline
+            if watch:
+                self._watch_deadline = notice.deadline
         if first:
             self._log.info(LEAVING, notice_id=notice.id, step=self.manager.current_step(),
                            seconds_left=round(notice.seconds_left(), 3))
@@ -250,6 +263,7 @@ class ReplicaGuard:
                                       "deadline fallback acts, with this group's state of the moment",
                                   fix="use guard.optimizer(opt) or call guard.vote() before every "
                                       "manager.should_commit() (LocalSGD/DiLoCo are not supported yet)")
+        if watch:
             self._watchdog = threading.Thread(target=self._deadline_watch, args=(notice,), daemon=True,
                                               name="spotguard-replica-deadline")
             self._watchdog.start()
@@ -332,7 +346,6 @@ class ReplicaGuard:
             # the hook counts this step too (its post-hook): keep its count on the manager's step, which a heal
             # moves, so that what it took at the next forward (buffers, RNG) is found for this step's label
             self.hook._count = step
-            self._writer = self.manager.participating_rank() == 0
             with self._lock:
                 self._phase = "post"  # the loop's post-step work of this step (scheduler, EMA) comes next
         if not committed or tally is None:
@@ -351,6 +364,7 @@ class ReplicaGuard:
 
     def _leave(self, notice: Notice, step: int) -> None:
         self._done.set()
+        self._over.set()
         self._log.info(LEFT, notice_id=notice.id, step=step, seconds_left=round(notice.seconds_left(), 3))
         self.manager.shutdown(wait=False)
         self.hook._flush_intake()
@@ -381,6 +395,7 @@ class ReplicaGuard:
             self._pending = (notice, step, snap)
             return
         self._done.set()
+        self._over.set()
         self.hook._flush_intake()
         self.hook.close()
         raise Preempted(self._exit_code, notice_id=notice.id, step=step, committed=False)
@@ -399,7 +414,7 @@ class ReplicaGuard:
         with self._lock:
             pending, self._pending = self._pending, None
             if pending is not None:
-                self._writing.set()
+                self._over.set()
                 self._done.set()
         if pending is not None:
             notice, step, snap = pending
@@ -447,15 +462,17 @@ class ReplicaGuard:
             self._log.error(FALLBACK_MISSED, notice_id=notice.id, why=f"fallback failed: {exc!r}")
 
     def _fallback(self, notice: Notice) -> None:
-        step = self.manager.current_step()
         with self._lock:
-            if self._done.is_set() or self._writing.is_set() or self.hook._closed or self.hook._exiting:
+            if self._done.is_set() or self._over.is_set() or self.hook._closed or self.hook._exiting:
                 return
             single = self.hook._group is None
             direct = self._phase == "iter" and single
+            # the step the state is at: the hook's count (after_step's committed step, a resume's, a heal's) —
+            # not the manager's, which should_commit() counts before the optimizer steps (held from here on)
+            step = self.hook._count if direct else self.manager.current_step()
             if direct:
                 self._fallback_on = True  # from here every optimizer step of this process is held
-                self._writing.set()
+                self._over.set()
                 self._done.set()
             elif single and self._pending is None:
                 self._pending = (notice, None, None)  # the loop's next training forward writes it
@@ -464,8 +481,13 @@ class ReplicaGuard:
                           where=where, why="this group has not left by deadline - lead (no committed step since the "
                                            "notice: the other groups left, the quorum or the lighthouse stalls)")
         if direct:
-            self.hook._count = step
             self.hook._internal = True  # the training thread's hook points stand still meanwhile
+            if self.hook._standing(step)[0]:
+                # nothing trained, nothing resumed: no state to keep (a step-0 checkpoint would hold the RNG and
+                # loaders of the moment, mid-iteration, and resume otherwise than a fresh start)
+                self.hook._exit_from_background(notice, None, step)
+                return
+            _BG.on = True  # this thread: no DCP fake step() on a stateless optimizer (SGD) under the training thread
             result = self.hook._save(notice, "emergency", self._snap_of_last_step())
             self.hook._exit_from_background(notice, result, step)
             return
@@ -473,10 +495,10 @@ class ReplicaGuard:
             why = "a replica group of several processes cannot write from one rank's watchdog"
         else:
             why = "the loop did not reach its next training forward (post-step work of the last committed step)"
-        if self._writing.wait(max(0.0, notice.seconds_left() - 0.5)):
-            return  # the training thread writes (its commit is reported late if it lands past the deadline)
+        if self._over.wait(max(0.0, notice.seconds_left() - 0.5)):
+            return  # the training thread writes (its commit is reported late if it lands past the deadline), or left
         with self._lock:
-            if self._writing.is_set():
+            if self._over.is_set():
                 return
             self._pending = None
             self._done.set()

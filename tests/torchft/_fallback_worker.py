@@ -7,6 +7,17 @@ fallback tests. Modes (argv[1]):
   ``EVAL`` seconds; the notice comes at its start; later steps never commit.
 - ``allleave``: the single group leaves (the whole job): the write is deferred to the next training forward,
   and the loop runs the same long evaluation first.
+- ``slowstep``: the notice comes right before a step that commits, and that optimizer step is still running when
+  the fallback fires (a slow optimizer, or work between ``opt.step()`` and ``after_step()``): the fallback is
+  deferred, then the group leaves normally (``Preempted``); the process lingers past the deadline (cleanup).
+- ``commitrace``: the notice comes right before a step that commits, and the fallback fires after
+  ``should_commit()`` counted the step but before the optimizer stepped (torchft increments its step inside
+  ``should_commit``): the state is still that of the previous step.
+- ``sigterm``: ``stall`` whose notice is far off (``DEADLINE``), then two iterations later a SIGTERM (its
+  deadline ``SPOTGUARD_SIGNAL_GRACE`` away: a node drain's grace period) — the nearer deadline must count.
+- ``sgdstall``: ``stall`` with plain SGD (an optimizer without state): between each forward and its backward
+  (gradients None) the loop waits until the fallback's save is over or touched the parameters (DCP's fake
+  ``step()`` on a stateless optimizer would bump their version under the training thread's autograd graph).
 
 Per committed step it appends to ``digests.jsonl`` a digest of model/optimizer/scheduler state after the loop's
 post-step work, and the torch RNG state right after the optimizer step. Exit codes are the hook's; 3 = the loop
@@ -25,6 +36,7 @@ from typing import Any
 
 import torch
 
+from spotguard.hook.core import Preempted
 from spotguard.hook.torchft import ReplicaGuard
 from spotguard.notice import Notice
 from spotguard.timefmt import utcnow
@@ -41,6 +53,7 @@ class Manager:
     def __init__(self) -> None:
         self.step = 0
         self.stalled = False
+        self.after_count: Any = None  # commitrace: called inside should_commit once the step is counted
         self.voters = 2  # another group takes part (its vote: not leaving) unless "allleave"
 
     def current_step(self) -> int:
@@ -65,6 +78,8 @@ class Manager:
             time.sleep(0.05)
             return False
         self.step += 1
+        if self.after_count is not None:
+            self.after_count()
         return True
 
     def shutdown(self, wait: bool = True) -> None:
@@ -77,11 +92,12 @@ class Manager:
         self.step = sd["step"]
 
 
-def build(ckpt: str, sock: str, **kw: Any) -> tuple[Any, Any, Any, Manager, ReplicaGuard]:
+def build(ckpt: str, sock: str, sgd: bool = False, **kw: Any) -> tuple[Any, Any, Any, Manager, ReplicaGuard]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.3),
                                 torch.nn.Linear(16, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    opt = (torch.optim.SGD(model.parameters(), lr=0.05) if sgd else
+           torch.optim.AdamW(model.parameters(), lr=0.05))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
     mgr = Manager()
     guard = ReplicaGuard(mgr, {"model": model, "opt": opt, "sched": sched}, ckpt, socket=sock, **kw)
@@ -117,26 +133,58 @@ def main() -> None:
     deadline_s = float(os.environ.get("DEADLINE", "4"))
     eval_s = float(os.environ.get("EVAL", "0"))
     notice_at = int(os.environ.get("NOTICE_AT", "5"))
-    model, opt, sched, mgr, guard = build(os.path.join(workdir, "ckpt"), os.path.join(workdir, "none.sock"))
+    model, opt, sched, mgr, guard = build(os.path.join(workdir, "ckpt"), os.path.join(workdir, "none.sock"),
+                                          sgd=mode == "sgdstall",
+                                          **({"every": float(os.environ["EVERY"]), "keep": 2}
+                                             if os.environ.get("EVERY") else {}))
     if mode == "allleave":
         mgr.voters = 1
+    if os.environ.get("FAIL_WRITE"):  # the storage fails under the emergency write (a full disk, a lost bucket)
+        def fail(key: str, snap: Any) -> None:
+            raise OSError(28, "No space left on device")
+        guard.hook._write = fail  # type: ignore[method-assign]
     g = guard.optimizer(opt)
     out = open(os.path.join(workdir, "digests.jsonl"), "a")
     x = torch.randn(32, 8)
     y = torch.randn(32, 1)
+    slow = [False]
+    if mode == "slowstep":
+        def in_step(*_: Any) -> None:  # after the update, still inside opt.step(): wait for the deferred fallback
+            t_wait = time.monotonic() + 20
+            while slow[0] and guard._pending is None and time.monotonic() < t_wait:
+                time.sleep(0.01)
+        opt.register_step_post_hook(in_step)
     t_end = time.monotonic() + 30
     i = 0
     while time.monotonic() < t_end:
         g.zero_grad()
         model.train()
         loss = torch.nn.functional.mse_loss(model(x), y)
+        if mode == "sgdstall" and i > notice_at and guard._over.wait(deadline_s):  # gradients None: fallback
+            p0 = next(model.parameters())
+            v0, t_wait = p0._version, time.monotonic() + 10
+            while p0._version == v0 and guard.hook._exit_request is None and time.monotonic() < t_wait:
+                time.sleep(0.01)
         loss.backward()
         if i == notice_at and mode != "posteval":
             notify(guard, deadline_s)
-            if mode == "stall":
+            if mode in ("stall", "sgdstall", "sigterm"):
                 mgr.stalled = True
+            slow[0] = mode == "slowstep"
+            if mode == "commitrace":
+                mgr.after_count = lambda: guard._over.wait(20)  # the watchdog writes in this window
+        if mode == "sigterm" and i == notice_at + 2:
+            import signal  # noqa: PLC0415
+
+            os.kill(os.getpid(), signal.SIGTERM)
         rng_after_step = None
-        committed = g.step()
+        try:
+            committed = g.step()
+        except Preempted as p:
+            if mode == "slowstep":
+                print(json.dumps({"event": "worker_left", "code": p.code}), flush=True)
+                time.sleep(deadline_s + 1)  # cleanup (a W&B upload, a launcher) outlasting the deadline
+            raise
         if committed:
             rng_after_step = torch.get_rng_state()
         sched.step() if committed else None

@@ -106,3 +106,92 @@ def test_a_write_that_cannot_start_before_the_deadline_exits_75_at_the_deadline(
     (ex,) = _events(lines, "exit")
     # left before the deadline (3 s), not after the 12 s evaluation, and never claiming a commit
     assert ex["by"] == "replica-deadline" and ex["seconds_since_notice"] < 3 and not ex["committed"]
+
+
+def test_a_fallback_deferred_inside_a_committing_step_does_not_fire_after_the_group_left(tmp_path: Path) -> None:
+    # the fallback fires while opt.step() runs (phase "stepping": deferred to the next training forward); the
+    # step commits and the group leaves normally (143, its state lives on in the survivors). A process still
+    # alive at the deadline (cleanup) must not then be killed with 75 and "replica_fallback_missed"
+    code, _, lines = _run(tmp_path, "slowstep", DEADLINE="4", NOTICE_AT="5", SPOTGUARD_TORCHFT_FALLBACK_LEAD="3.5")
+    assert _events(lines, "replica_fallback") and _events(lines, "replica_left")
+    assert _events(lines, "worker_left")[0]["code"] == 143
+    assert not _events(lines, "replica_fallback_missed"), _events(lines, "replica_fallback_missed")
+    assert code == 143, lines[-5:]
+
+
+def test_a_fallback_between_should_commit_and_the_optimizer_step_writes_the_step_the_state_is_at(
+        tmp_path: Path) -> None:
+    # torchft counts the step inside should_commit(); the optimizer steps after it. A watchdog write in between
+    # (the optimizer is then held) holds the state of step 5: it must be labelled 5, not 6
+    code, _, lines = _run(tmp_path, "commitrace", DEADLINE="4", NOTICE_AT="5", SPOTGUARD_TORCHFT_FALLBACK_LEAD="3.5")
+    assert code == 143, lines[-5:]
+    fb = _events(lines, "replica_fallback")
+    assert fb and fb[0]["where"] == "watchdog"
+    info = newest_committed(open_storage(str(tmp_path / "ckpt")))
+    assert info is not None and info.step == 5
+    rec = _recorded(tmp_path)
+    step, dig, rng = _resumed(tmp_path)
+    assert step == 5 and dig == rec[5]["digest"] and rng == rec[5]["rng"]
+
+
+def test_a_watchdog_write_never_runs_a_fake_optimizer_step_under_the_training_thread(tmp_path: Path) -> None:
+    # plain SGD has no optimizer state: DCP's get_optimizer_state_dict() runs a fake step() (lr 0, zero grads,
+    # zero_grad) when the gradients are None — from the watchdog, between the loop's forward and backward, it
+    # bumped the parameters' version and the backward raised ("modified by an inplace operation"): the main
+    # thread died mid-write, nothing committed
+    code, _, lines = _run(tmp_path, "sgdstall", DEADLINE="4", NOTICE_AT="5")
+    assert code == 143, lines[-5:]
+    assert _events(lines, "checkpoint_committed")
+    info = newest_committed(open_storage(str(tmp_path / "ckpt")))
+    assert info is not None and info.step == 5
+
+
+def test_a_fallback_before_any_committed_step_writes_nothing_and_says_so(tmp_path: Path) -> None:
+    # no step ever committed (the first quorum stalls): a step-0 checkpoint would hold the RNG of the moment
+    # (mid-iteration) and resume differently from a fresh start; nothing was trained, so nothing is written
+    code, _, lines = _run(tmp_path, "stall", DEADLINE="3", NOTICE_AT="0")
+    assert code == 143, lines[-5:]
+    assert newest_committed(open_storage(str(tmp_path / "ckpt"))) is None
+    (ex,) = _events(lines, "exit")
+    assert ex["nothing_to_save"] and not ex["committed"]
+
+
+def test_a_later_notice_with_a_nearer_deadline_moves_the_fallback_forward(tmp_path: Path) -> None:
+    # a far notice (60 s: the fallback would write at 40 s), then a SIGTERM with a 4 s grace (a node drain): the
+    # group still cannot leave (commits stalled) and must write by the SIGTERM's deadline, not the first one's
+    code, took, lines = _run(tmp_path, "sigterm", DEADLINE="60", NOTICE_AT="5", SPOTGUARD_SIGNAL_GRACE="4")
+    assert code == 143, lines[-5:]
+    done = _events(lines, "checkpoint_committed")
+    assert done and not _events(lines, "checkpoint_late")
+    info = newest_committed(open_storage(str(tmp_path / "ckpt")))
+    assert info is not None and info.step == 5
+    rec = _recorded(tmp_path)
+    step, dig, rng = _resumed(tmp_path)
+    assert step == 5 and dig == rec[5]["digest"] and rng == rec[5]["rng"]
+
+
+@pytest.mark.parametrize("mode", ["stall", "posteval"])
+def test_a_fallback_write_that_fails_exits_75_and_says_so(tmp_path: Path, mode: str) -> None:
+    # held: the watchdog's write (stall) and the training thread's (posteval) both fail on the storage: 75,
+    # checkpoint_failed naming the error, nothing claimed, before the deadline
+    code, _, lines = _run(tmp_path, mode, DEADLINE="5", EVAL="2", NOTICE_AT="4", FAIL_WRITE="1")
+    assert code == 75, lines[-5:]
+    (failed,) = _events(lines, "checkpoint_failed")
+    assert "No space left" in failed["error"]
+    assert newest_committed(open_storage(str(tmp_path / "ckpt"))) is None
+    (ex,) = _events(lines, "exit")
+    assert not ex["committed"] and ex["seconds_since_notice"] < 5
+
+
+def test_a_fallback_next_to_periodic_checkpoints_writes_the_last_committed_step(tmp_path: Path) -> None:
+    # held: every= with keep=2 in the same storage (the writer group's periodic checkpoints before the notice):
+    # the watchdog's write is the newest, step 5 exactly, and keep does not drop it (no upload is in flight at
+    # the fallback here: with commits stalled no step boundary starts one)
+    code, _, lines = _run(tmp_path, "stall", DEADLINE="4", NOTICE_AT="5", EVERY="0.01")
+    assert code == 143, lines[-5:]
+    assert _events(lines, "periodic_committed")
+    info = newest_committed(open_storage(str(tmp_path / "ckpt")))
+    assert info is not None and info.step == 5 and info.record.reason == "emergency"
+    rec = _recorded(tmp_path)
+    step, dig, rng = _resumed(tmp_path)
+    assert step == 5 and dig == rec[5]["digest"] and rng == rec[5]["rng"]

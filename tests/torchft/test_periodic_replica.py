@@ -27,9 +27,11 @@ import _fallback_worker as w  # noqa: E402
 sys.path.pop(0)
 
 
-def _train(tmp: Path, *, rank: int, steps: int, every: float, keep: Any) -> dict[int, str]:
+def _train(tmp: Path, *, rank: int, steps: int, every: float, keep: Any, rank1_from: int = 0,
+           pause: float = 0.02) -> dict[int, str]:
     model, opt, sched, mgr, guard = w.build(str(tmp / "ckpt"), str(tmp / "none.sock"), every=every, keep=keep)
-    mgr.participating_rank = lambda: rank  # type: ignore[method-assign]
+    # rank1_from: from the quorum of that step on another group has replica rank 0 (a quorum change)
+    mgr.participating_rank = lambda: 1 if rank1_from and mgr.step >= rank1_from else rank  # type: ignore[method-assign]
     g = guard.optimizer(opt)
     x, y = torch.randn(32, 8), torch.randn(32, 1)
     seen: dict[int, str] = {}
@@ -40,7 +42,7 @@ def _train(tmp: Path, *, rank: int, steps: int, every: float, keep: Any) -> dict
             assert g.step()
             sched.step()
             seen[mgr.step] = w.digest(model, opt, sched)
-            time.sleep(0.02)
+            time.sleep(pause)  # the loop's other work (an upload of the last periodic checkpoint ends meanwhile)
     finally:
         guard.close()  # waits for an upload in flight
     return seen
@@ -66,6 +68,15 @@ def test_keep_bounds_them_and_other_groups_write_none(tmp_path: Path) -> None:
     assert 1 <= len(kept) <= 2, kept
     _train(tmp_path / "r1", rank=1, steps=40, every=0.1, keep=2)
     assert not [c for c in scan(open_storage(str(tmp_path / "r1" / "ckpt"))) if c.committed]
+
+
+def test_after_a_quorum_change_the_former_rank_0_writes_no_step_of_the_new_quorum(tmp_path: Path) -> None:
+    # the writer is decided by the quorum that committed the step written (before: the one of the step before,
+    # so the former rank 0 still wrote step 10, the first step of a quorum where another group has rank 0 —
+    # that group may write the same step folder)
+    _train(tmp_path, rank=0, steps=14, every=0.01, keep=None, rank1_from=10, pause=0.5)
+    steps = [c.step for c in scan(open_storage(str(tmp_path / "ckpt"))) if c.committed]
+    assert steps and max(steps) <= 9, steps
 
 
 def test_a_scheduler_can_be_built_on_the_guarded_optimizer(tmp_path: Path) -> None:
