@@ -217,6 +217,10 @@ class ReplicaGuard:
             return
         items = self.heal_items()
         theirs = sorted(getattr(self.manager, "_user_state_dicts", None) or {})
+        if "spotguard" in theirs:  # a guard built before on this Manager registered its dict (torchft asserts
+            self._log.info(HEAL_STATE, by="earlier-guard", keys=theirs, guard_keys=sorted(items),  # on a 2nd)
+                           why="an earlier ReplicaGuard on this Manager registered its items; heals use those")
+            return
         if theirs:
             self._log.info(HEAL_STATE, by="manager", keys=theirs, guard_keys=sorted(items),
                            why="the Manager has its own state_dict callbacks: heals use them; they must hold "
