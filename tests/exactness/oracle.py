@@ -133,6 +133,12 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("lightning_specnorm", "lightning_loop.py", env=(("EXO_SPECNORM", "1"),), what="the lightning pattern "
             "with parametrizations.spectral_norm on fc1 (its _u/_v buffers move at each training forward)",
             phases=("load", "micro", "step", "fwd", "bwd", "prestep", "after")),
+    Pattern("hf_trainer_specnorm", "hf_trainer.py", env=(("EXO_ACCUM", "6"), ("EXO_SPECNORM", "1")),
+            what="the hf_trainer_accum6 pattern with parametrizations.spectral_norm on fc1",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),
+    Pattern("accelerate_accum_specnorm", "accelerate_loop.py", env=(("EXO_ACCUM", "4"), ("EXO_SPECNORM", "1")),
+            what="the accelerate_accum pattern with parametrizations.spectral_norm on fc1",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
     Pattern("hf_trainer", "hf_trainer.py", what="transformers.Trainer on 2 ranks (DDP, gloo): "
             "gradient_accumulation_steps=2, dropout, AdamW + StepLR via optimizers=; iteration = one optimizer step",
             phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),

@@ -32,8 +32,8 @@ Life cycle (every rank):
 Accumulation: with ``accumulate_grad_batches`` > 1 the step boundary can be
 minutes away, and Lightning writes its checkpoint from the training thread (no
 background read as in the plain hook). At each step's end the callback takes
-what the micro-batches after it move — this rank's RNG, the running statistics
-of normalisation layers, Lightning's loop progress (``checkpoint["loops"]``) and
+what the micro-batches after it move — this rank's RNG, the module's persistent
+buffers (running statistics, spectral norm's ``_u``/``_v``), Lightning's loop progress (``checkpoint["loops"]``) and
 the callbacks' ``state_dict``s; weights, optimizer, schedulers and the precision
 plugin do not move until the next step. An agreed notice at a micro-batch's end
 is saved with RNG and buffers put back to S and the loops/callbacks entries
@@ -78,7 +78,8 @@ from ...notice import Notice
 from ...storage import Storage
 from ..elastic import derive_rng
 from ..events import ELASTIC_RESUME
-from ..state import capture_rng, copy_buffers, pack, restore_rng, tracked_buffers, unpack
+from ..state import capture_rng, copy_buffers, pack, restore_rng, unpack
+from ..watch import model_snapshot_buffers
 from ._base import FrameworkHook
 from ._files import report_local, staging_dir, upload_dir
 
@@ -288,7 +289,7 @@ class LightningHook(FrameworkHook):
         module = trainer.lightning_module
         self._at_step = _AtStep(
             step=step, epoch=int(trainer.current_epoch), rng=capture_rng(),
-            buffers={n: b.detach().clone() for n, b in tracked_buffers(module).items()},
+            buffers={n: b.detach().clone() for n, b in model_snapshot_buffers(module).items()},
             loops=_copy_containers(loops_of()),
             callbacks={cb.state_key: _copy_containers(sd) for cb in trainer.callbacks if (sd := cb.state_dict())},
         )
@@ -329,7 +330,7 @@ class LightningHook(FrameworkHook):
             yield
             return
         live_rng = capture_rng()
-        live = tracked_buffers(self.trainer.lightning_module)
+        live = model_snapshot_buffers(self.trainer.lightning_module)
         now = {n: b.detach().clone() for n, b in live.items()}
         copy_buffers({"m": live}, {"m": at.buffers})
         restore_rng(at.rng)

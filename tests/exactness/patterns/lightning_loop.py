@@ -69,8 +69,6 @@ class Module(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)  # the same initial weights on every rank
         self.net = Net()
-        if os.environ.get("EXO_SPECNORM") == "1":  # power-iteration buffers _u/_v move at every training forward
-            torch.nn.utils.parametrizations.spectral_norm(self.net.fc1)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         global _resumed
