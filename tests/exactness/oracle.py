@@ -133,6 +133,9 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("lightning_specnorm", "lightning_loop.py", env=(("EXO_SPECNORM", "1"),), what="the lightning pattern "
             "with parametrizations.spectral_norm on fc1 (its _u/_v buffers move at each training forward)",
             phases=("load", "micro", "step", "fwd", "bwd", "prestep", "after")),
+    Pattern("lightning_meter", "lightning_loop.py", env=(("EXO_METER", "1"),), what="the lightning pattern with "
+            "a user callback whose state_dict tensor (batches seen) is updated in place at every batch's end",
+            phases=("load", "micro", "step", "fwd", "bwd", "prestep", "after")),
     Pattern("hf_trainer_specnorm", "hf_trainer.py", env=(("EXO_ACCUM", "6"), ("EXO_SPECNORM", "1")),
             what="the hf_trainer_accum6 pattern with parametrizations.spectral_norm on fc1",
             phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),

@@ -62,6 +62,8 @@ CASES: dict[str, tuple[str, ...]] = {
     # review of issue 23: spectral_norm's _u/_v (buffers, not a normalisation layer's) moved by the micro-batch
     # since step 2: the save must hold them as of step 2
     "lightning-specnorm-micro-batch": ("lightning_specnorm", "phase:micro@2"),
+    # a callback's state_dict tensor updated in place at every batch (micro-batches too): saved as of step 2
+    "lightning-meter-callback-micro-batch": ("lightning_meter", "phase:micro@2"),
     "hf-trainer-specnorm-micro-batch": ("hf_trainer_specnorm", "phase:micro@1"),
     "accelerate-accum-specnorm-micro-batch": ("accelerate_accum_specnorm", "phase:micro@4"),
     "hf-trainer-accum-substep-epoch-end": ("hf_trainer", "phase:micro@3"),
