@@ -79,7 +79,7 @@ from ...storage import Storage
 from ..elastic import derive_rng
 from ..events import ELASTIC_RESUME
 from ..state import capture_rng, copy_buffers, pack, restore_rng, unpack
-from ..watch import model_snapshot_buffers
+from ..watch import SNAPSHOT_ALL_BUFFERS, model_snapshot_buffers
 from ._base import FrameworkHook
 from ._files import report_local, staging_dir, upload_dir
 
@@ -167,15 +167,17 @@ class _AtStep:
     callbacks: dict[str, Any]
 
 
-def _copy_containers(obj: Any) -> Any:
-    """Dicts/lists/tuples copied, tensors shared (a callback's state may hold a model's worth of them, and
-    in-place tensor updates come with optimizer steps, not micro-batches), other leaves deep-copied."""
+def _copy_containers(obj: Any, budget: list[int]) -> Any:
+    """Dicts/lists/tuples copied, other leaves deep-copied; tensors cloned while ``budget[0]`` (bytes) lasts —
+    a callback may update one in place at every batch (a running loss, an EMA), micro-batches included — and
+    shared beyond it (``budget[0]`` < 0 then: the caller does not rewind with such a copy)."""
     if isinstance(obj, dict):
-        return {k: _copy_containers(v) for k, v in obj.items()}
+        return {k: _copy_containers(v, budget) for k, v in obj.items()}
     if type(obj) in (list, tuple):
-        return type(obj)(_copy_containers(v) for v in obj)
+        return type(obj)(_copy_containers(v, budget) for v in obj)
     if isinstance(obj, torch.Tensor):
-        return obj
+        budget[0] -= obj.numel() * obj.element_size()
+        return obj.detach().clone() if budget[0] >= 0 else obj
     return copy.deepcopy(obj)
 
 
@@ -287,12 +289,16 @@ class LightningHook(FrameworkHook):
             self._at_step = None
             return
         module = trainer.lightning_module
+        budget = [SNAPSHOT_ALL_BUFFERS]
         self._at_step = _AtStep(
             step=step, epoch=int(trainer.current_epoch), rng=capture_rng(),
             buffers={n: b.detach().clone() for n, b in model_snapshot_buffers(module).items()},
-            loops=_copy_containers(loops_of()),
-            callbacks={cb.state_key: _copy_containers(sd) for cb in trainer.callbacks if (sd := cb.state_dict())},
+            loops=_copy_containers(loops_of(), budget),
+            callbacks={cb.state_key: _copy_containers(sd, budget) for cb in trainer.callbacks
+                       if (sd := cb.state_dict())},
         )
+        if budget[0] < 0:  # tensors too big to copy at every step (a callback's EMA): the step boundary, as before
+            self._at_step = None
 
     def _rewindable(self) -> bool:
         """Can a save now stand for the last optimizer step? The same answer on every rank (same step,
