@@ -136,6 +136,9 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("lightning_meter", "lightning_loop.py", env=(("EXO_METER", "1"),), what="the lightning pattern with "
             "a user callback whose state_dict tensor (batches seen) is updated in place at every batch's end",
             phases=("load", "micro", "step", "fwd", "bwd", "prestep", "after")),
+    Pattern("lightning_accum4", "lightning_loop.py", env=(("EXO_ACCUM", "4"),), what="the lightning pattern with "
+            "accumulate_grad_batches=4 over 10-batch epochs (4, 4, then a short 2)",
+            phases=("load", "micro", "step", "fwd", "bwd", "prestep", "after")),
     Pattern("hf_trainer_specnorm", "hf_trainer.py", env=(("EXO_ACCUM", "6"), ("EXO_SPECNORM", "1")),
             what="the hf_trainer_accum6 pattern with parametrizations.spectral_norm on fc1",
             phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),

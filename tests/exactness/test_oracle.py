@@ -64,6 +64,8 @@ CASES: dict[str, tuple[str, ...]] = {
     "lightning-specnorm-micro-batch": ("lightning_specnorm", "phase:micro@2"),
     # a callback's state_dict tensor updated in place at every batch (micro-batches too): saved as of step 2
     "lightning-meter-callback-micro-batch": ("lightning_meter", "phase:micro@2"),
+    # accumulate_grad_batches=4 over 10-batch epochs: a micro-batch of an epoch's second step, rewound to step 4
+    "lightning-accum4-micro-batch-mid-epoch": ("lightning_accum4", "phase:load@4"),
     "hf-trainer-specnorm-micro-batch": ("hf_trainer_specnorm", "phase:micro@1"),
     "accelerate-accum-specnorm-micro-batch": ("accelerate_accum_specnorm", "phase:micro@4"),
     "hf-trainer-accum-substep-epoch-end": ("hf_trainer", "phase:micro@3"),

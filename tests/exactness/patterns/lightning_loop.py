@@ -42,7 +42,7 @@ except ImportError:  # the older package name works the same
 from _common import Net, _rt, setup
 from spotguard import install_preemption_hook
 
-ACCUM = 2
+ACCUM = int(os.environ.get("EXO_ACCUM", "2"))  # 4 (lightning_accum4): steps end at batches 3, 7 and 9 (short)
 BATCHES = 10  # a 10-batch epoch is 5 optimizer steps: the 10 iterations cross an epoch boundary
 rank = int(os.environ.get("RANK", "0"))
 setup(distributed=False)  # Lightning creates the process group itself (inside fit)
