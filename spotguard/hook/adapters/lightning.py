@@ -170,7 +170,8 @@ class _AtStep:
 def _copy_containers(obj: Any, budget: list[int]) -> Any:
     """Dicts/lists/tuples copied, other leaves deep-copied; tensors cloned while ``budget[0]`` (bytes) lasts —
     a callback may update one in place at every batch (a running loss, an EMA), micro-batches included — and
-    shared beyond it (``budget[0]`` < 0 then: the caller does not rewind with such a copy)."""
+    shared beyond it (a callback's EMA of the weights: not copied at every step). Whether to act between
+    micro-batches never depends on these sizes: a rank-local answer would split the ranks' collectives."""
     if isinstance(obj, dict):
         return {k: _copy_containers(v, budget) for k, v in obj.items()}
     if type(obj) in (list, tuple):
@@ -297,8 +298,6 @@ class LightningHook(FrameworkHook):
             callbacks={cb.state_key: _copy_containers(sd, budget) for cb in trainer.callbacks
                        if (sd := cb.state_dict())},
         )
-        if budget[0] < 0:  # tensors too big to copy at every step (a callback's EMA): the step boundary, as before
-            self._at_step = None
 
     def _rewindable(self) -> bool:
         """Can a save now stand for the last optimizer step? The same answer on every rank (same step,
