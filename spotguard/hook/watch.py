@@ -38,7 +38,10 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-__all__ = ["StateWatch", "data_accesses", "watch_param_data", "unwatch_param_data", "SNAPSHOT_ALL_BUFFERS"]
+from .state import tracked_buffers
+
+__all__ = ["StateWatch", "data_accesses", "watch_param_data", "unwatch_param_data", "SNAPSHOT_ALL_BUFFERS",
+           "snapshot_buffers", "model_snapshot_buffers"]
 
 #: persistent buffers up to this many bytes (all models together) are all copied at every mark
 SNAPSHOT_ALL_BUFFERS = int(os.environ.get("SPOTGUARD_SNAPSHOT_BUFFER_BYTES", str(16 << 20)) or 0)
@@ -130,6 +133,20 @@ def _persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def snapshot_buffers(persistent: Mapping[str, Mapping[str, torch.Tensor]],
+                     norm: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+    """The buffers a snapshot copies, by model key: every persistent one while they total at most
+    ``SNAPSHOT_ALL_BUFFERS`` bytes (spectral norm's ``_u``/``_v`` and a user's counters move in forward too),
+    else the normalisation layers' running statistics. Same sizes on every rank, same answer."""
+    total = sum(b.numel() * b.element_size() for bufs in persistent.values() for b in bufs.values())
+    return {k: dict(v) for k, v in (persistent if total <= SNAPSHOT_ALL_BUFFERS else norm).items() if v}
+
+
+def model_snapshot_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``snapshot_buffers`` of one model, by buffer name (what the framework adapters rewind between micro-batches)."""
+    return snapshot_buffers({"m": _persistent_buffers(model)}, {"m": tracked_buffers(model)}).get("m", {})
+
+
 def fsdp2_params(model: torch.nn.Module) -> Optional[list[tuple[str, torch.Tensor]]]:
     """(FQN, sharded DTensor parameter) of every FSDP2 parameter of ``model``, read from FSDP2's own records
     (which module, which attribute), never from the module's registered parameters: those are swapped for
@@ -177,11 +194,7 @@ class StateWatch:
                  ) -> None:
         self._params = [p for m in models.values() for p in m.parameters()]
         self._bufs = {k: _persistent_buffers(m) for k, m in models.items()}
-        total = sum(b.numel() * b.element_size() for bufs in self._bufs.values() for b in bufs.values())
-        if total <= SNAPSHOT_ALL_BUFFERS:
-            self.tracked: dict[str, dict[str, torch.Tensor]] = {k: dict(v) for k, v in self._bufs.items() if v}
-        else:
-            self.tracked = {k: dict(v) for k, v in norm_buffers.items() if v}
+        self.tracked: dict[str, dict[str, torch.Tensor]] = snapshot_buffers(self._bufs, norm_buffers)
         self.fsdp = any(is_fsdp2(m) for m in models.values())
         # FSDP2: the sharded parameters by model (FQN, DTensor), what a background read may take instead of
         # the module's state dict (whose hooks reshard under the training thread); None = not understood.

@@ -129,6 +129,22 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("lightning", "lightning_loop.py", what="Lightning Trainer on 2 ranks (DDP, gloo): accumulate_grad_batches"
             "=2, dropout, AdamW, step-interval StepLR; iteration = one optimizer step",
             phases=("load", "micro", "step", "fwd", "bwd", "prestep", "after")),
+    # review of issue 23: a buffer that is not a normalisation layer's moves at every micro-batch's forward
+    Pattern("lightning_specnorm", "lightning_loop.py", env=(("EXO_SPECNORM", "1"),), what="the lightning pattern "
+            "with parametrizations.spectral_norm on fc1 (its _u/_v buffers move at each training forward)",
+            phases=("load", "micro", "step", "fwd", "bwd", "prestep", "after")),
+    Pattern("lightning_meter", "lightning_loop.py", env=(("EXO_METER", "1"),), what="the lightning pattern with "
+            "a user callback whose state_dict tensor (batches seen) is updated in place at every batch's end",
+            phases=("load", "micro", "step", "fwd", "bwd", "prestep", "after")),
+    Pattern("lightning_accum4", "lightning_loop.py", env=(("EXO_ACCUM", "4"),), what="the lightning pattern with "
+            "accumulate_grad_batches=4 over 10-batch epochs (4, 4, then a short 2)",
+            phases=("load", "micro", "step", "fwd", "bwd", "prestep", "after")),
+    Pattern("hf_trainer_specnorm", "hf_trainer.py", env=(("EXO_ACCUM", "6"), ("EXO_SPECNORM", "1")),
+            what="the hf_trainer_accum6 pattern with parametrizations.spectral_norm on fc1",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),
+    Pattern("accelerate_accum_specnorm", "accelerate_loop.py", env=(("EXO_ACCUM", "4"), ("EXO_SPECNORM", "1")),
+            what="the accelerate_accum pattern with parametrizations.spectral_norm on fc1",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
     Pattern("hf_trainer", "hf_trainer.py", what="transformers.Trainer on 2 ranks (DDP, gloo): "
             "gradient_accumulation_steps=2, dropout, AdamW + StepLR via optimizers=; iteration = one optimizer step",
             phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),

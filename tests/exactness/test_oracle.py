@@ -59,6 +59,15 @@ CASES: dict[str, tuple[str, ...]] = {
     # an ordinary notice saved at a micro-batch (rewound to step 3): the live RNG/buffers come back and training
     # goes on to the reference's final state
     "lightning-rebalance-at-micro-batch-training-goes-on": ("lightning", "phase:micro@2", "rebalance"),
+    # review of issue 23: spectral_norm's _u/_v (buffers, not a normalisation layer's) moved by the micro-batch
+    # since step 2: the save must hold them as of step 2
+    "lightning-specnorm-micro-batch": ("lightning_specnorm", "phase:micro@2"),
+    # a callback's state_dict tensor updated in place at every batch (micro-batches too): saved as of step 2
+    "lightning-meter-callback-micro-batch": ("lightning_meter", "phase:micro@2"),
+    # accumulate_grad_batches=4 over 10-batch epochs: a micro-batch of an epoch's second step, rewound to step 4
+    "lightning-accum4-micro-batch-mid-epoch": ("lightning_accum4", "phase:load@4"),
+    "hf-trainer-specnorm-micro-batch": ("hf_trainer_specnorm", "phase:micro@1"),
+    "accelerate-accum-specnorm-micro-batch": ("accelerate_accum_specnorm", "phase:micro@4"),
     "hf-trainer-accum-substep-epoch-end": ("hf_trainer", "phase:micro@3"),
     # issue 23: acted on at the next micro-batch, the checkpoint rewound to the last optimizer step: inside the
     # epoch's last, shorter accumulation (S=1, mid-epoch) and in the first one of an epoch (S=2: the RNG before

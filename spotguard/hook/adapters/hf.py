@@ -26,8 +26,9 @@ Life cycle (every rank):
   step's end is past the deadline). Weights, optimizer and scheduler are still
   those of S; what the micro-batches since moved is put back for the save
   (``_rewound``): the RNG (taken at ``on_step_begin``, or at ``on_epoch_begin``
-  for an epoch's first step: where the resumed Trainer restores it), running
-  statistics of normalisation layers, the FLOP/token counters. ``global_step``
+  for an epoch's first step: where the resumed Trainer restores it), the model's
+  persistent buffers (``watch.model_snapshot_buffers``: running statistics, spectral norm's
+  ``_u``/``_v``), the FLOP/token counters. ``global_step``
   and ``epoch`` have not moved, so the resumed Trainer skips ``S x
   accumulation`` batches of the epoch and replays the thrown-away micro-batches
   from the first one of step S+1 (also in an epoch's last, shorter
@@ -67,7 +68,8 @@ import torch.distributed as dist
 
 from ...storage import Storage
 from ..core import periodic_notice
-from ..state import capture_rng, clone_buffers, copy_buffers, restore_rng, tracked_buffers
+from ..state import capture_rng, clone_buffers, copy_buffers, restore_rng
+from ..watch import model_snapshot_buffers
 from ._base import FrameworkHook
 from ._files import upload_dir
 
@@ -141,7 +143,7 @@ class HFTrainerHook(FrameworkHook):
         # (_framework_microbatch); what moved since is taken at each step's start (_capture). Off without it.
         self._accumulating = int(getattr(getattr(trainer, "args", None), "gradient_accumulation_steps", 1) or 1) > 1
         self._at: Optional[_AtStep] = None
-        self._norm_bufs: Optional[dict[str, dict[str, torch.Tensor]]] = None
+        self._snap_bufs: Optional[dict[str, dict[str, torch.Tensor]]] = None
         self._resume_path: Optional[str] = None  # the folder this run resumed from (its RNG files)
         self._rng_from: Optional[str] = None  # set during a rewound save whose RNG is that folder's files
         self._jit_disabled = self._disable_jit_checkpoint()
@@ -194,11 +196,11 @@ class HFTrainerHook(FrameworkHook):
         if self._at is not None and self._at.step == step and self._at.epoch_start:
             return
         tr = self.trainer
-        if self._norm_bufs is None:
-            self._norm_bufs = {"model": tracked_buffers(tr.model)}
+        if self._snap_bufs is None:
+            self._snap_bufs = {"model": model_snapshot_buffers(tr.model)}
         resumed_here = step == self._resumed_step and step > 0
         self._at = _AtStep(step, epoch_start, None if resumed_here else capture_rng(),
-                           clone_buffers(self._norm_bufs) if self._norm_bufs["model"] else {},
+                           clone_buffers(self._snap_bufs) if self._snap_bufs["model"] else {},
                            float(getattr(tr, "current_flos", 0.0)), float(tr.state.total_flos),
                            tr.state.num_input_tokens_seen)
 
@@ -282,20 +284,20 @@ class HFTrainerHook(FrameworkHook):
             yield
             return
         live_rng = capture_rng()
-        live_bufs = clone_buffers(self._norm_bufs or {})
+        live_bufs = clone_buffers(self._snap_bufs or {})
         live = (getattr(tr, "current_flos", 0.0), tr.state.total_flos, tr.state.num_input_tokens_seen)
         if at.rng is not None:
             restore_rng(at.rng)
         else:
             self._rng_from = self._resume_path
-        copy_buffers(self._norm_bufs or {}, at.bufs)
+        copy_buffers(self._snap_bufs or {}, at.bufs)
         tr.current_flos, tr.state.total_flos, tr.state.num_input_tokens_seen = at.flos, at.total_flos, at.tokens
         try:
             yield
         finally:
             self._rng_from = None
             tr.current_flos, tr.state.total_flos, tr.state.num_input_tokens_seen = live
-            copy_buffers(self._norm_bufs or {}, live_bufs)
+            copy_buffers(self._snap_bufs or {}, live_bufs)
             restore_rng(live_rng)
 
     def _copy_rng_files(self, src: str) -> None:

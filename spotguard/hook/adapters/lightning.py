@@ -32,8 +32,8 @@ Life cycle (every rank):
 Accumulation: with ``accumulate_grad_batches`` > 1 the step boundary can be
 minutes away, and Lightning writes its checkpoint from the training thread (no
 background read as in the plain hook). At each step's end the callback takes
-what the micro-batches after it move — this rank's RNG, the running statistics
-of normalisation layers, Lightning's loop progress (``checkpoint["loops"]``) and
+what the micro-batches after it move — this rank's RNG, the module's persistent
+buffers (running statistics, spectral norm's ``_u``/``_v``), Lightning's loop progress (``checkpoint["loops"]``) and
 the callbacks' ``state_dict``s; weights, optimizer, schedulers and the precision
 plugin do not move until the next step. An agreed notice at a micro-batch's end
 is saved with RNG and buffers put back to S and the loops/callbacks entries
@@ -78,7 +78,8 @@ from ...notice import Notice
 from ...storage import Storage
 from ..elastic import derive_rng
 from ..events import ELASTIC_RESUME
-from ..state import capture_rng, copy_buffers, pack, restore_rng, tracked_buffers, unpack
+from ..state import capture_rng, copy_buffers, pack, restore_rng, unpack
+from ..watch import SNAPSHOT_ALL_BUFFERS, model_snapshot_buffers
 from ._base import FrameworkHook
 from ._files import report_local, staging_dir, upload_dir
 
@@ -166,15 +167,18 @@ class _AtStep:
     callbacks: dict[str, Any]
 
 
-def _copy_containers(obj: Any) -> Any:
-    """Dicts/lists/tuples copied, tensors shared (a callback's state may hold a model's worth of them, and
-    in-place tensor updates come with optimizer steps, not micro-batches), other leaves deep-copied."""
+def _copy_containers(obj: Any, budget: list[int]) -> Any:
+    """Dicts/lists/tuples copied, other leaves deep-copied; tensors cloned while ``budget[0]`` (bytes) lasts —
+    a callback may update one in place at every batch (a running loss, an EMA), micro-batches included — and
+    shared beyond it (a callback's EMA of the weights: not copied at every step). Whether to act between
+    micro-batches never depends on these sizes: a rank-local answer would split the ranks' collectives."""
     if isinstance(obj, dict):
-        return {k: _copy_containers(v) for k, v in obj.items()}
+        return {k: _copy_containers(v, budget) for k, v in obj.items()}
     if type(obj) in (list, tuple):
-        return type(obj)(_copy_containers(v) for v in obj)
+        return type(obj)(_copy_containers(v, budget) for v in obj)
     if isinstance(obj, torch.Tensor):
-        return obj
+        budget[0] -= obj.numel() * obj.element_size()
+        return obj.detach().clone() if budget[0] >= 0 else obj
     return copy.deepcopy(obj)
 
 
@@ -286,11 +290,13 @@ class LightningHook(FrameworkHook):
             self._at_step = None
             return
         module = trainer.lightning_module
+        budget = [SNAPSHOT_ALL_BUFFERS]
         self._at_step = _AtStep(
             step=step, epoch=int(trainer.current_epoch), rng=capture_rng(),
-            buffers={n: b.detach().clone() for n, b in tracked_buffers(module).items()},
-            loops=_copy_containers(loops_of()),
-            callbacks={cb.state_key: _copy_containers(sd) for cb in trainer.callbacks if (sd := cb.state_dict())},
+            buffers={n: b.detach().clone() for n, b in model_snapshot_buffers(module).items()},
+            loops=_copy_containers(loops_of(), budget),
+            callbacks={cb.state_key: _copy_containers(sd, budget) for cb in trainer.callbacks
+                       if (sd := cb.state_dict())},
         )
 
     def _rewindable(self) -> bool:
@@ -329,7 +335,7 @@ class LightningHook(FrameworkHook):
             yield
             return
         live_rng = capture_rng()
-        live = tracked_buffers(self.trainer.lightning_module)
+        live = model_snapshot_buffers(self.trainer.lightning_module)
         now = {n: b.detach().clone() for n, b in live.items()}
         copy_buffers({"m": live}, {"m": at.buffers})
         restore_rng(at.rng)

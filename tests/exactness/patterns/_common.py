@@ -45,6 +45,8 @@ class Net(torch.nn.Module):
         self.fc1 = torch.nn.Linear(d_in, hidden)
         self.drop = torch.nn.Dropout(p)
         self.fc2 = torch.nn.Linear(hidden, d_out)
+        if os.environ.get("EXO_SPECNORM") == "1":  # power-iteration buffers _u/_v move at every training forward
+            torch.nn.utils.parametrizations.spectral_norm(self.fc1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.drop(torch.relu(self.fc1(x))))

@@ -42,7 +42,7 @@ except ImportError:  # the older package name works the same
 from _common import Net, _rt, setup
 from spotguard import install_preemption_hook
 
-ACCUM = 2
+ACCUM = int(os.environ.get("EXO_ACCUM", "2"))  # 4 (lightning_accum4): steps end at batches 3, 7 and 9 (short)
 BATCHES = 10  # a 10-batch epoch is 5 optimizer steps: the 10 iterations cross an epoch boundary
 rank = int(os.environ.get("RANK", "0"))
 setup(distributed=False)  # Lightning creates the process group itself (inside fit)
@@ -118,12 +118,31 @@ class Phases(pl.Callback):
         _rt.end_iteration(trainer.global_step - 1, state())
 
 
+class LossMeter(pl.Callback):
+    """``EXO_METER=1``: a user callback with a tensor state updated in place at every batch's end (batches
+    seen and a sum of their indices), saved through its ``state_dict``."""
+
+    def __init__(self) -> None:
+        self.sums = torch.zeros(2, dtype=torch.float64)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # the same on every rank: Lightning saves rank 0's callback state and loads it on all
+        self.sums.add_(torch.tensor([float(batch_idx), 1.0], dtype=torch.float64))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sums": self.sums}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.sums.copy_(state_dict["sums"])
+
+
+METER = LossMeter() if os.environ.get("EXO_METER") == "1" else None
 module = Module()
 torch.manual_seed(1 + rank)  # per-rank dropout streams
 trainer = pl.Trainer(
     accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), num_nodes=1,
     strategy="ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "auto",
-    max_steps=_rt.steps(), max_epochs=-1, accumulate_grad_batches=ACCUM, callbacks=[Phases()],
+    max_steps=_rt.steps(), max_epochs=-1, accumulate_grad_batches=ACCUM, callbacks=[*([METER] if METER else []), Phases()],
     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
 )
@@ -132,7 +151,8 @@ trainer = pl.Trainer(
 def state() -> dict[str, Any]:
     """What a resume must restore: weights, optimizer, scheduler, Lightning's loop position (RNG: ``_rt``)."""
     return {"model": module, "optimizer": trainer.optimizers[0],
-            "scheduler": trainer.lr_scheduler_configs[0].scheduler, "loop": lambda: dict(POS)}
+            "scheduler": trainer.lr_scheduler_configs[0].scheduler, "loop": lambda: dict(POS),
+            **({"meter": METER} if METER else {})}
 
 
 hook = install_preemption_hook(trainer, storage=_rt.storage())
