@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-dir", default=None, help="the Trainer's own output_dir (default: a temp folder)")
     p.add_argument("--jit", action="store_true", help="also set enable_jit_checkpoint (spotguard switches it off)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--save-only-model", action="store_true",
+                   help="TrainingArguments(save_only_model=True): the Trainer's own saves hold the weights only")
     p.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps (--step-time is per "
                    "micro-batch; 12 micro-batches an epoch)")
     p.add_argument("--eval-every", type=int, default=6, help="evaluate every N steps (with --eval-batches)")
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         lr_scheduler_type="linear", warmup_steps=3, weight_decay=0.01,
         logging_strategy="no", save_strategy="no", report_to=[], disable_tqdm=True,
         seed=args.seed, use_cpu=True, ddp_backend="gloo", ddp_find_unused_parameters=False, dataloader_num_workers=0,
-        enable_jit_checkpoint=args.jit, **evaluation,
+        enable_jit_checkpoint=args.jit, save_only_model=args.save_only_model, **evaluation,
     )
     trainer = LoggingTrainer(model=model, args=targs, train_dataset=train, eval_dataset=evalset)
     trainer.step_time = args.step_time

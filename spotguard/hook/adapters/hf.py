@@ -214,6 +214,7 @@ class HFTrainerHook(FrameworkHook):
         if res is not None and res[0] == 0 and not final and self._every is not None and self._agree.flags[0]:
             # every=: some rank is due: every rank has the Trainer write checkpoint-<step> now (on_save uploads)
             self._plan_pending = (periodic_notice(step), [], "periodic")
+            self._full_saves(True)
             control.should_save = True
             return
         if res is not None and res[0] > 0:
@@ -228,6 +229,7 @@ class HFTrainerHook(FrameworkHook):
                     self._exit(notice, None)
                 # Every rank sets the same flags: the Trainer writes checkpoint-<step> on all ranks now.
                 self._plan_pending = plan
+                self._full_saves(True)
                 control.should_save = True
                 if action == "emergency":
                     control.should_training_stop = True
@@ -236,8 +238,21 @@ class HFTrainerHook(FrameworkHook):
             level, deadline_ms = self._local_level()
             self._agree.launch(level, deadline_ms, self._periodic_flags())
 
+    def _full_saves(self, on: bool) -> None:
+        """``save_only_model=True`` makes the Trainer write the weights only; a resume from them restarts the
+        optimizer, scheduler and RNG, so spotguard's own checkpoints are written in full: the flag is off from
+        the moment spotguard asks the Trainer to save until that save is over (the Trainer's own saves keep it)."""
+        args = self.trainer.args
+        if on and getattr(args, "save_only_model", False):
+            args.save_only_model = False
+            self._only_model = True
+        elif not on and getattr(self, "_only_model", False):
+            args.save_only_model = True
+            self._only_model = False
+
     def _on_save(self, control: Any) -> None:
         plan, self._plan_pending = self._plan_pending, None
+        self._full_saves(False)
         if plan is None:
             return  # one of the Trainer's own periodic saves
         self._internal = True
@@ -258,7 +273,11 @@ class HFTrainerHook(FrameworkHook):
             if plan is None:
                 return
             if plan[2] != "exit":
-                self.trainer._save_checkpoint(self.trainer.model, trial=None)
+                self._full_saves(True)
+                try:
+                    self.trainer._save_checkpoint(self.trainer.model, trial=None)
+                finally:
+                    self._full_saves(False)
                 if self._rng_from is not None:  # a rewound save right after a resume: that folder's RNG
                     self._copy_rng_files(self._rng_from)
             self._carry_out(plan, None)  # an emergency never returns: Preempted

@@ -34,6 +34,14 @@ def test_sigterm_to_one_rank_with_jit_checkpoint_enabled(reference: tuple[dict[i
     assert "enable_jit_checkpoint switched off" in (tmp_path / "preempted.log").read_text()
 
 
+def test_save_only_model_still_gets_a_full_checkpoint(reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
+    """``save_only_model=True``: the Trainer's saves hold the weights only; spotguard's checkpoint must still hold
+    optimizer, scheduler and RNG (before: weights only, committed and exit 143 'nothing lost', and the resumed
+    run restarted its optimizer: not bitwise)."""
+    preempt_and_resume(SCRIPT, tmp_path, reference, STEPS, 8, "usr1-rank1", marker="optimizer.pt",
+                       extra_args=("--save-only-model",))
+
+
 def test_sigterm_to_torchrun_reaches_both_ranks(reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
     preempt_and_resume(SCRIPT, tmp_path, reference, STEPS, 20, "term-torchrun", marker="optimizer.pt")
 
