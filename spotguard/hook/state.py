@@ -42,12 +42,13 @@ a derived stream, see ``elastic.derive_rng``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import random
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
@@ -62,6 +63,7 @@ __all__ = [
     "pack",
     "clone_buffers",
     "copy_buffers",
+    "rng_and_buffers_at",
     "unpack",
     "GLOBAL",
     "PER_RANK",
@@ -267,6 +269,24 @@ def copy_buffers(live: Mapping[str, Mapping[str, torch.Tensor]],
             for name, val in bufs.items():
                 if name in cur:
                     cur[name].copy_(val)
+
+
+@contextlib.contextmanager
+def rng_and_buffers_at(rng: Optional[dict[str, Any]], live: Mapping[str, Mapping[str, torch.Tensor]],
+                       values: Mapping[str, Mapping[str, torch.Tensor]]) -> Iterator[None]:
+    """This process's RNG (``capture_rng`` form; None: left as is) and the live buffers set to an earlier
+    moment's for one save (a framework writes its checkpoint from the live objects); the live values come back
+    afterwards, also when the save raises."""
+    now_rng = capture_rng()
+    now_bufs = clone_buffers(live)
+    if rng is not None:
+        restore_rng(rng)
+    copy_buffers(live, values)
+    try:
+        yield
+    finally:
+        copy_buffers(live, now_bufs)
+        restore_rng(now_rng)
 
 
 @dataclass

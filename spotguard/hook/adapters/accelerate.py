@@ -53,7 +53,7 @@ import torch
 
 from ...storage import Storage
 from ..core import Hook
-from ..state import Snapshot, capture_rng, clone_buffers, copy_buffers, restore_rng
+from ..state import Snapshot, rng_and_buffers_at
 from ._base import FrameworkHook
 from ...storage.integrity import DamagedCheckpoint
 from ...storage.verify import verified_folder
@@ -164,24 +164,19 @@ class AccelerateHook(FrameworkHook):
         if snap is None:
             yield
             return
-        now_rng = capture_rng()
-        now_bufs = clone_buffers(self._buffers)
         acc, now_step, now_sched = self.accelerator, self.accelerator.step, self._sched_counts()
-        restore_rng(snap.rng)
-        copy_buffers(self._buffers, self._end_buffers(self._count))
-        if self._acc_step is not None and self._acc_step[0] == self._count:
-            acc.step = self._acc_step[1]
-        if self._sched_at is not None and self._sched_at[0] == self._count:
-            for inner, n in self._sched_at[1]:
-                inner._step_count = n
-        try:
-            yield
-        finally:
-            for inner, n in now_sched:
-                inner._step_count = n
-            acc.step = now_step
-            copy_buffers(self._buffers, now_bufs)
-            restore_rng(now_rng)
+        with rng_and_buffers_at(snap.rng, self._buffers, self._end_buffers(self._count)):
+            if self._acc_step is not None and self._acc_step[0] == self._count:
+                acc.step = self._acc_step[1]
+            if self._sched_at is not None and self._sched_at[0] == self._count:
+                for inner, n in self._sched_at[1]:
+                    inner._step_count = n
+            try:
+                yield
+            finally:
+                for inner, n in now_sched:
+                    inner._step_count = n
+                acc.step = now_step
 
     @contextlib.contextmanager
     def _explicit_dirs(self) -> Iterator[None]:

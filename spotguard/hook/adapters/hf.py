@@ -68,7 +68,7 @@ import torch.distributed as dist
 
 from ...storage import Storage
 from ..core import periodic_notice
-from ..state import capture_rng, clone_buffers, copy_buffers, restore_rng
+from ..state import capture_rng, clone_buffers, rng_and_buffers_at
 from ..watch import model_snapshot_buffers
 from ._base import FrameworkHook
 from ._files import upload_dir
@@ -302,22 +302,16 @@ class HFTrainerHook(FrameworkHook):
         if at is None or at.step != self._count:
             yield
             return
-        live_rng = capture_rng()
-        live_bufs = clone_buffers(self._snap_bufs or {})
         live = (getattr(tr, "current_flos", 0.0), tr.state.total_flos, tr.state.num_input_tokens_seen)
-        if at.rng is not None:
-            restore_rng(at.rng)
-        else:
-            self._rng_from = self._resume_path
-        copy_buffers(self._snap_bufs or {}, at.bufs)
-        tr.current_flos, tr.state.total_flos, tr.state.num_input_tokens_seen = at.flos, at.total_flos, at.tokens
-        try:
-            yield
-        finally:
-            self._rng_from = None
-            tr.current_flos, tr.state.total_flos, tr.state.num_input_tokens_seen = live
-            copy_buffers(self._snap_bufs or {}, live_bufs)
-            restore_rng(live_rng)
+        with rng_and_buffers_at(at.rng, self._snap_bufs or {}, at.bufs):
+            if at.rng is None:
+                self._rng_from = self._resume_path
+            tr.current_flos, tr.state.total_flos, tr.state.num_input_tokens_seen = at.flos, at.total_flos, at.tokens
+            try:
+                yield
+            finally:
+                self._rng_from = None
+                tr.current_flos, tr.state.total_flos, tr.state.num_input_tokens_seen = live
 
     def _copy_rng_files(self, src: str) -> None:
         """This rank's RNG file of the resumed folder over the one just written (the Trainer loads it by name)."""

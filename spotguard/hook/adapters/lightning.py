@@ -78,7 +78,7 @@ from ...notice import Notice
 from ...storage import Storage
 from ..elastic import derive_rng
 from ..events import ELASTIC_RESUME
-from ..state import capture_rng, copy_buffers, pack, restore_rng, unpack
+from ..state import capture_rng, pack, restore_rng, rng_and_buffers_at, unpack
 from ..watch import SNAPSHOT_ALL_BUFFERS, model_snapshot_buffers
 from ._base import FrameworkHook
 from ._files import report_local, staging_dir, upload_dir
@@ -334,18 +334,13 @@ class LightningHook(FrameworkHook):
         if at is None:
             yield
             return
-        live_rng = capture_rng()
-        live = model_snapshot_buffers(self.trainer.lightning_module)
-        now = {n: b.detach().clone() for n, b in live.items()}
-        copy_buffers({"m": live}, {"m": at.buffers})
-        restore_rng(at.rng)
-        self._rewinding = at
-        try:
-            yield
-        finally:
-            self._rewinding = None
-            copy_buffers({"m": live}, {"m": now})
-            restore_rng(live_rng)
+        with rng_and_buffers_at(at.rng, {"m": model_snapshot_buffers(self.trainer.lightning_module)},
+                                {"m": at.buffers}):
+            self._rewinding = at
+            try:
+                yield
+            finally:
+                self._rewinding = None
 
     # ------------------------------------------------------------- writing
 
