@@ -10,10 +10,8 @@ the restarted job resumes from that step and ends bitwise equal to an uninterrup
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -21,7 +19,7 @@ from spotguard.daemon.client import request_sync
 from spotguard.launch import DaemonProc
 from spotguard.protocol import DrillCancel
 
-from .._daemons import drill, running_daemon, wait_subscribed
+from .._daemons import drill, wait_subscribed
 from .._torchrun import TorchRun, first_difference, load_out
 from ._jobs import Job, assert_same_losses, committed, losses
 
@@ -32,16 +30,6 @@ EVAL_EVERY = 6  # the first evaluation starts after optimizer step 6
 EVAL_BATCHES = 40
 EVAL_BATCH_TIME = "0.5"  # 40 x 0.5 s = 20 s of evaluation
 DEADLINE = 8.0  # the drill's notice: far shorter than the evaluation
-
-
-@pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
-    short = Path(tempfile.mkdtemp(prefix="sg-", dir="/tmp"))  # AF_UNIX paths: 107 bytes at most
-    try:
-        with running_daemon(short / "d.sock", tmp_path / "daemon.log") as d:
-            yield d
-    finally:
-        shutil.rmtree(short, ignore_errors=True)
 
 
 def _job(script: str, log: Path, args: list[str], sock: str | None = None) -> Job:

@@ -11,10 +11,8 @@ The same for a notice during a validation that runs between two micro-batches.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 
@@ -22,7 +20,7 @@ from spotguard.daemon.client import request_sync
 from spotguard.launch import DaemonProc
 from spotguard.protocol import DrillCancel
 
-from .._daemons import drill, running_daemon, wait_subscribed
+from .._daemons import drill, wait_subscribed
 from .._torchrun import TorchRun, first_difference, load_out
 from ._jobs import Job, committed
 
@@ -42,16 +40,6 @@ DEADLINE = 5.0  # shorter than the 8 s accumulation, longer than a micro-batch p
 def _micro(run: TorchRun) -> dict[tuple[int, int, int], str]:
     """(optimizer step, epoch, batch index) -> that micro-batch's loss as ``float.hex``, rank 0's lines."""
     return {(e["step"], e["epoch"], e["batch"]): e["hex"] for e in run.lines() if "hex" in e and "batch" in e}
-
-
-@pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
-    short = Path(tempfile.mkdtemp(prefix="sg-", dir="/tmp"))  # AF_UNIX paths: 107 bytes at most
-    try:
-        with running_daemon(short / "d.sock", tmp_path / "daemon.log") as d:
-            yield d
-    finally:
-        shutil.rmtree(short, ignore_errors=True)
 
 
 def _preempt_and_resume(tmp_path: Path, daemon: DaemonProc, args: list[str], reference_args: list[str],
