@@ -74,6 +74,7 @@ import torch.distributed as dist
 from ..notice import Notice
 from ..timefmt import utcnow
 from . import events as ev
+from .doomed import doomed_ranks
 from .dist import (
     NO_DEADLINE_MS,
     group_alive,
@@ -131,12 +132,14 @@ class AgreementMixin:
 
     def _gather_notice(self, level: int, deadline_ms: int) -> tuple[Notice, list[str]]:
         """After agreement every rank enters this: the notice to act on (from whichever rank has it)."""
-        mine = self._best_local()
+        mine = (self._best_local(), self._doomed_here())
         if self._dist and group_alive(self._group):
-            allv: list[Any] = [None] * self._world
-            dist.all_gather_object(allv, mine, group=self._group)
+            got: list[Any] = [None] * self._world
+            dist.all_gather_object(got, mine, group=self._group)
         else:
-            allv = [mine]
+            got = [mine]
+        allv = [g[0] for g in got]
+        self._doomed = doomed_ranks(g[1] for g in got)  # the save plans replicated items onto the others
         ids = [c[2]["id"] for c in allv if c is not None]
         best = best_candidate(allv)
         return best or agreed_notice(self._count, deadline_ms, "notice withdrawn after agreement"), ids
@@ -208,7 +211,7 @@ class AgreementMixin:
             self._freeze, self._target, self._hold_until = stand, None, t_end
         level, deadline_ms = self._local_level()
         try:
-            allv = bg.gather((level, deadline_ms, stand, self._best_local(), self._range_broken),
+            allv = bg.gather((level, deadline_ms, stand, self._best_local(), self._range_broken, self._doomed_here()),
                              max(0.5, t_end - time.monotonic()))
         except RoundFailed as exc:
             if self._peers_finished(t_end):
@@ -221,6 +224,7 @@ class AgreementMixin:
         level = max(int(v[0]) for v in allv)
         deadline_ms = min(int(v[1]) for v in allv)
         step = max(int(v[2]) for v in allv)
+        self._doomed = doomed_ranks(len(v) > 5 and v[5] for v in allv)  # who writes replicated items (doomed.py)
         if deadline_ms < NO_DEADLINE_MS:  # every later bound (hold, copy, save) from the agreed earliest deadline
             t_end = min(t_end, _round_end(deadline_ms))
             with self._cv:
@@ -240,7 +244,8 @@ class AgreementMixin:
             self._cv.notify_all()
         action = self._action_for(level, step)
         self._log.info(ev.AGREED, notice_id=notice.id, step=step, flag=level, action=action, kind=notice.kind,
-                       via="background", stands=[int(v[2]) for v in allv], **self._timing(notice))
+                       via="background", stands=[int(v[2]) for v in allv], **self._timing(notice),
+                       **({"doomed": sorted(self._doomed)} if self._doomed else {}))
         nothing, already = self._standing(step)
         if action == "exit" or ((nothing or already) and action == "emergency"):
             self._exit_from_background(notice, None, step)

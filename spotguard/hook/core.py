@@ -234,6 +234,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         self._pending: dict[str, Notice] = {}
         self._seen: set[str] = set()
         self._committed_ids: set[str] = set()
+        self._doomed: Optional[frozenset[int]] = None  # ranks with a notice, from the last agreement (doomed.py)
 
         self._test_delay = _env_float("SPOTGUARD_TEST_SAVE_DELAY")
         delay_rank = os.environ.get("SPOTGUARD_TEST_SAVE_DELAY_RANK")

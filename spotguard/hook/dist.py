@@ -56,13 +56,19 @@ def gather_writes(group: Optional[Any], mine: dict[str, Any]) -> dict[str, Any]:
 
     A collective on the hook's gloo group (every rank calls it); without one, this rank's report.
     """
+    return gather_writes_with(group, mine, None)[0]
+
+
+def gather_writes_with(group: Optional[Any], mine: dict[str, Any], info: Any) -> tuple[dict[str, Any], list[Any]]:
+    """``gather_writes`` plus every rank's ``info`` (by rank in ``group``) in the same collective: who wrote
+    what and when it was durable (``save.py``), at no extra round trip."""
     from ..storage.integrity import merge  # noqa: PLC0415
 
     if group is None:
-        return merge([mine])
+        return merge([mine]), [info]
     reports: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reports, mine, group=group)
-    return merge(r or {} for r in reports)
+    dist.all_gather_object(reports, (mine, info), group=group)
+    return merge((r[0] if r else None) or {} for r in reports), [r[1] if r else None for r in reports]
 
 
 def group_alive(group: Any) -> bool:

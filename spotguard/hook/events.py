@@ -78,6 +78,8 @@ OPTIMIZER_STEP_SKIPPED = "optimizer_step_skipped"
 DEADLINE_AT_RISK = "deadline_at_risk"
 CHECKPOINT_LATE = "checkpoint_late"
 DRILL_VERDICT = "drill_verdict"
+#: a doomed rank's own bytes are durable (the survivors write the replicated ones); it waits for the commit
+CHECKPOINT_SAFE = "checkpoint_safe"
 CHECKPOINT_COMMITTED = "checkpoint_committed"
 CHECKPOINT_FAILED = "checkpoint_failed"
 CHECKPOINT_SKIPPED = "checkpoint_skipped"
@@ -95,6 +97,7 @@ TIMELINE: tuple[str, ...] = (
     CHECKPOINT_STARTED,
     CHECKPOINT_STAGED,
     CHECKPOINT_FALLBACK,
+    CHECKPOINT_SAFE,
     CHECKPOINT_COMMITTED,
     CHECKPOINT_LATE,
     DEADLINE_AT_RISK,

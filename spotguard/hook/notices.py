@@ -213,6 +213,12 @@ class NoticesMixin:
             deadline = min(deadline, _ms(n.deadline))
         return level, deadline
 
+    def _doomed_here(self) -> bool:
+        """Whether this rank holds a notice that its VM is going (an emergency, whatever its deadline): the
+        save plan then gives the replicated items to the ranks without one (``doomed.py``)."""
+        with self._lock:
+            return any(n.emergency for n in self._pending.values())
+
     def _best_local(self) -> Optional[tuple[int, int, dict[str, Any]]]:
         with self._lock:
             notices = list(self._pending.values())

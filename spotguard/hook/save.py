@@ -35,9 +35,10 @@ from ..timefmt import to_rfc3339, utcnow
 from . import elastic
 from . import events as ev
 from .dist import (
-    gather_writes,
+    gather_writes_with,
     set_group_timeout,
 )
+from .doomed import SafeMark, writers_record
 from .periodic import PERIODIC_SETTLED, stage_state_dict
 from .settings import EMERGENCY_LEAD, HANDED_OVER, HOLD_SLACK, PERIODIC_NOTICE_PREFIX, SAVE_MARGIN
 from .state import Snapshot, clone_buffers, pack
@@ -182,11 +183,15 @@ class SaveMixin:
             stage = "write"
             err = None
             self._storage.write_log.take(key)  # what an earlier attempt at this step wrote does not count
+            doomed = getattr(self, "_doomed", None)
+            self._safe = SafeMark(self._storage, key, t0, bool(doomed and self._rank in doomed), self._log,
+                                  {"notice_id": notice.id, "step": step})
             try:
                 if write is not None:
                     write(key)
                 else:
                     self._write(key, snap)
+                self._safe.mark()  # a writer that was not wrapped (an adapter's own format): durable now
                 if self._test_delay:
                     time.sleep(self._test_delay)  # test-only: widen the window for a SIGKILL during the save
             except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException!) on every rank
@@ -197,7 +202,10 @@ class SaveMixin:
             if not self._all_ok(err is None, group):
                 return self._fail(notice, step, err or "another rank failed to write its shards", t0, peers_ok=True)
             stage = "gather"  # the record names exactly what the ranks report writing
-            written = gather_writes(group if self._dist else None, self._storage.write_log.take(key))
+            mine = self._storage.write_log.take(key)
+            written, infos = gather_writes_with(group if self._dist else None, mine,
+                                                {**self._safe.info(), "bytes": sum(d.size for d in mine.values())})
+            writers = writers_record(infos, doomed)
             stage = "commit"
             outcome: Any = None
             if self._rank == 0:
@@ -207,14 +215,15 @@ class SaveMixin:
                     seconds=round(time.monotonic() - t0, 3),
                     extra={"spotguard": __version__, "lineage": self._lineage} if reason == "periodic" else
                     {"notice_kind": notice.kind, "notice_source": notice.source,
-                     "deadline": to_rfc3339(notice.deadline), "spotguard": __version__, "lineage": self._lineage},
+                     "deadline": to_rfc3339(notice.deadline), "spotguard": __version__, "lineage": self._lineage,
+                     "writers": writers},
                 ), self._keep, self._log, written, exclude=frozenset(getattr(self, "_damaged_dirs", ())))
             stage = "commit-barrier"
             # Every rank passes this only after the record is durable: no rank may exit before it.
             outcome = self._bcast0(outcome, group)
             if outcome[0] != "ok":
                 return self._fail(notice, step, f"commit failed on rank 0: {outcome[1]}", t0, peers_ok=True)
-            return self._finish_ok(notice, step, uri, int(outcome[1]), t0)
+            return self._finish_ok(notice, step, uri, int(outcome[1]), t0, writers=writers)
         except BaseException as exc:  # noqa: BLE001 - a collective failed: a peer died or timed out
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -260,7 +269,8 @@ class SaveMixin:
                          "this run never resumed from; call hook.resume() before training, or give this run its "
                          "own storage prefix")
 
-    def _finish_ok(self, notice: Notice, step: int, uri: str, nbytes: int, t0: float, already: bool = False) -> _Result:
+    def _finish_ok(self, notice: Notice, step: int, uri: str, nbytes: int, t0: float, already: bool = False,
+                   writers: Optional[dict[str, Any]] = None) -> _Result:
         secs = round(time.monotonic() - t0, 3)
         self._last_save_seconds = secs  # what the next save's wait for the end of an iteration leaves room for
         self._committed_ids.add(notice.id)
@@ -268,7 +278,8 @@ class SaveMixin:
             self._periodic.restart_clock()
         past = late_by(notice)
         self._log.info(ev.CHECKPOINT_COMMITTED, notice_id=notice.id, step=step, uri=uri, bytes=nbytes,
-                       seconds=secs, already_committed=already, late=past > 0, **self._timing(notice))
+                       seconds=secs, already_committed=already, late=past > 0, **self._timing(notice),
+                       **({"writers": writers} if writers else {}))
         if past > 0:
             self._log.warning(ev.CHECKPOINT_LATE, notice_id=notice.id, step=step, seconds_past=round(past, 3),
                               source=notice.source,
@@ -312,7 +323,14 @@ class SaveMixin:
         sd = self._save_state_dict(snap)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.save(sd, storage_writer=self._storage.dcp_writer(key), process_group=self._group)
+            dcp.save(sd, storage_writer=self._dcp_storage_writer(key), process_group=self._group,
+                     planner=_planner(None, getattr(self, "_doomed", None)))
+
+    def _dcp_storage_writer(self, key: str) -> Any:
+        """The storage's DCP writer for ``key``, marking this rank safe when its own bytes are durable."""
+        writer = self._storage.dcp_writer(key)
+        mark = getattr(self, "_safe", None)
+        return mark.wrap(writer) if mark is not None and mark.key == key else writer
 
     def _save_state_dict(self, snap: Optional[Snapshot]) -> dict[str, Any]:
         if snap is None:
@@ -527,8 +545,8 @@ class SaveMixin:
 
             with warnings.catch_warnings():  # a single process: DCP's "assuming a single process" note
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                dcp.save(sd, storage_writer=self._storage.dcp_writer(key), process_group=group,
-                         planner=None if cancel is None else _cancellable_planner(cancel))
+                dcp.save(sd, storage_writer=self._dcp_storage_writer(key), process_group=group,
+                         planner=_planner(cancel, getattr(self, "_doomed", None)))
             if validate:  # written from live tensors: still the state of S at the end of the write?
                 why = self._watch.changed(getattr(self, "_live_mark", None))
                 self._live_moved = why
@@ -839,17 +857,18 @@ class _StoreCancel:
         return False
 
 
-def _cancellable_planner(cancel: Any) -> Any:
-    """DCP's stock planner with a cancellation point per write item (as the periodic saver's)."""
-    from torch.distributed.checkpoint import DefaultSavePlanner  # noqa: PLC0415
+def _planner(cancel: Any, doomed: "Optional[frozenset[int]]") -> Any:
+    """The save's DCP planner: the stock one (None) unless the save can be cancelled (a check per write item)
+    or some ranks are doomed (replicated items written by the survivors only: ``storage/survivors.py``)."""
+    if cancel is None and not doomed:
+        return None
+    from ..storage.survivors import SurvivorsPlanner  # noqa: PLC0415
 
-    class CancellablePlanner(DefaultSavePlanner):
-        def resolve_data(self, write_item: Any) -> Any:
-            if cancel.is_set():
-                raise Cancelled("ordinary checkpoint given up: an emergency notice arrived while it was written")
-            return super().resolve_data(write_item)
+    def check() -> None:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled("ordinary checkpoint given up: an emergency notice arrived while it was written")
 
-    return CancellablePlanner()
+    return SurvivorsPlanner(doomed, check)
 
 
 class StateMoved(Exception):

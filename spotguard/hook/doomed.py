@@ -1,0 +1,96 @@
+"""Who is doomed, when each rank's own bytes were durable, and who wrote what (issue 26).
+
+Why: a notice usually reaches one node of a job. The agreement learns which
+ranks hold one (each rank says so in the round's gather), and the save plan
+then gives every replicated item to the ranks without one
+(``storage/survivors.py``): the doomed ranks write only their per-rank state.
+A doomed rank is *safe* the moment its own bytes are durable (its DCP
+``write_data`` returned); it then stays in the save's collectives until the
+commit or its deadline — leaving earlier would make the launcher restart the
+survivors while they still write. That moment, and the bytes every rank wrote,
+go into the ``checkpoint_safe``/``checkpoint_committed`` lines and the commit
+record (``extra["writers"]``), which ``spotguard checkpoints`` shows.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Iterable, Optional
+
+from ..timefmt import to_rfc3339, utcnow
+from . import events as ev
+
+__all__ = ["doomed_ranks", "SafeMark", "writers_record"]
+
+
+def doomed_ranks(flags: Iterable[Any]) -> Optional[frozenset[int]]:
+    """The ranks (positions in the round's gather = ranks in the save's group) whose flag is true; None when
+    none or all are: then the save is planned exactly as without notice-aware planning."""
+    flags = [bool(f) for f in flags]
+    doomed = frozenset(r for r, f in enumerate(flags) if f)
+    return doomed if doomed and len(doomed) < len(flags) else None
+
+
+class SafeMark:
+    """Marks the moment this rank's own checkpoint bytes are durable: wraps the DCP storage writer so that its
+    ``write_data`` completing records the time and the bytes this rank wrote (``Storage.write_log``), and logs
+    ``checkpoint_safe`` on a doomed rank right then (not after the commit: the line must exist even when the
+    survivors never commit)."""
+
+    def __init__(self, storage: Any, key: str, t0: float, doomed: bool, log: Any, fields: dict[str, Any]) -> None:
+        self.storage, self.key, self.t0, self.doomed, self.log, self.fields = storage, key, t0, doomed, log, fields
+        self.seconds: Optional[float] = None  # since the save started, when this rank's bytes were durable
+        self.at: Optional[str] = None
+        self.bytes = 0
+        self._lock = threading.Lock()
+
+    def wrap(self, writer: Any) -> Any:
+        """``writer`` with its ``write_data`` marking this rank safe when the future it returns completes."""
+        orig = writer.write_data
+
+        def write_data(plan: Any, planner: Any) -> Any:
+            fut = orig(plan, planner)
+            fut.add_done_callback(self._done)
+            return fut
+
+        writer.write_data = write_data
+        return writer
+
+    def _done(self, fut: Any) -> None:
+        try:
+            fut.value()  # raises what the write raised: not safe
+        except BaseException:  # noqa: BLE001 - the save reports it
+            return
+        self.mark()
+
+    def mark(self) -> None:
+        """This rank's bytes are durable now (first call wins; ``_save`` calls it again after a writer that
+        was not wrapped — a framework adapter's own format — returned)."""
+        with self._lock:
+            if self.seconds is not None:
+                return
+            self.seconds = round(time.monotonic() - self.t0, 4)
+            self.at = to_rfc3339(utcnow())
+            self.bytes = sum(d.size for d in self.storage.write_log.peek(self.key).values())
+        if self.doomed:
+            self.log.info(ev.CHECKPOINT_SAFE, bytes=self.bytes, seconds=self.seconds, at=self.at,
+                          waits_for="the commit or the deadline (leaving earlier would restart the survivors)",
+                          **self.fields)
+
+    def info(self) -> dict[str, Any]:
+        """What this rank reports to the commit (gathered with the write log)."""
+        return {"bytes": self.bytes, "seconds": self.seconds, "at": self.at, "doomed": self.doomed}
+
+
+def writers_record(infos: list[Any], doomed: Optional[frozenset[int]]) -> dict[str, Any]:
+    """The commit record's ``extra["writers"]``: bytes per rank (by rank), the doomed ranks and when each became
+    safe (seconds since its save started, and the wall-clock time)."""
+    infos = [i or {} for i in infos]
+    out: dict[str, Any] = {"bytes_per_rank": [int(i.get("bytes") or 0) for i in infos],
+                           "plan": "survivors" if doomed else "all-ranks"}
+    if doomed:
+        out["doomed"] = sorted(doomed)
+        out["safe_seconds"] = {str(r): infos[r].get("seconds") for r in sorted(doomed) if r < len(infos)}
+        out["safe_at"] = {str(r): infos[r].get("at") for r in sorted(doomed) if r < len(infos)}
+    return out

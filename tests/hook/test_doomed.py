@@ -1,0 +1,123 @@
+"""Notice-aware save planning with real ``torchrun`` (2 ranks, gloo, CPU): a notice to one rank only.
+
+The doomed rank (its own SIGUSR1: a notice on its "node") writes only its per-rank
+state; the survivor writes every replicated (DDP) item. Asserted from the bytes on
+storage (DCP's ``.metadata`` says which file holds each item), the commit record's
+``writers`` and the log lines; the resume is bitwise. The survivor's loss before the
+commit leaves the previous checkpoint newest with nothing partial committed.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spotguard.hook.elastic import rank_key
+from spotguard.storage import open_storage
+from spotguard.storage.commit import COMMIT_NAME, scan, step_dir
+from spotguard.storage.safeload import load_dcp_metadata
+
+from ._torchrun import TorchRun, reference_run
+from .test_torchrun import STEPS, assert_agreed_exit, committed, preempt, resume_to_end
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return reference_run(tmp_path_factory.mktemp("reference"), STEPS)
+
+
+def files_by_item(store: Path, step: int) -> dict[str, str]:
+    """Item FQN -> the ``.distcp`` file that holds it, from the checkpoint's DCP metadata."""
+    folder = store / step_dir(step)
+    md = load_dcp_metadata((folder / ".metadata").read_bytes(), str(folder))
+    return {idx.fqn: info.relative_path for idx, info in md.storage_data.items()}
+
+
+def record(store: Path, step: int) -> Any:
+    [info] = [c for c in scan(open_storage(str(store))) if c.step == step and c.committed]
+    return info.record
+
+
+def test_notice_to_one_rank_the_doomed_rank_writes_only_its_own_state(reference: Path, tmp_path: Path) -> None:
+    store = tmp_path / "ckpt"
+    run = preempt(tmp_path, store, "doomed", 6, 1, signal.SIGUSR1)
+    assert run.wait() == 1, run.tail()
+    stop = assert_agreed_exit(run)
+    by_item = files_by_item(store, stop)
+    doomed_files = {f for f in by_item.values() if f.startswith("__1_")}
+    assert {k for k, f in by_item.items() if f in doomed_files} == {rank_key(1)}, by_item
+    assert by_item[rank_key(0)].startswith("__0_")
+    rec = record(store, stop)
+    writers = rec.extra["writers"]
+    assert writers["plan"] == "survivors" and writers["doomed"] == [1], writers
+    on_disk = [sum(p.stat().st_size for p in (store / step_dir(stop)).glob(f"__{r}_*.distcp")) for r in (0, 1)]
+    assert writers["bytes_per_rank"][1] == on_disk[1] and writers["bytes_per_rank"][0] >= on_disk[0], \
+        (writers, on_disk)
+    assert on_disk[0] > on_disk[1], on_disk  # the whole model and optimizer went to the survivor
+    safe = run.events("checkpoint_safe")
+    assert [e["rank"] for e in safe] == [1], safe  # only the doomed rank reports "safe", then waits
+    assert safe[0]["bytes"] == on_disk[1] and writers["safe_seconds"]["1"] == safe[0]["seconds"]
+    commit_line = run.events("checkpoint_committed", 1)[0]
+    assert commit_line["writers"]["doomed"] == [1]
+    assert safe[0]["timestamp"] <= commit_line["timestamp"]  # it did not leave before the commit
+    resume_to_end(tmp_path, store, "resumed", stop, reference)
+
+
+def test_every_rank_doomed_plans_as_before(tmp_path: Path) -> None:
+    """A notice every rank holds (SIGTERM to both): no survivors, the stock plan (both ranks write items)."""
+    store = tmp_path / "ckpt"
+    run = TorchRun(tmp_path / "all.log", ["--steps", str(STEPS), "--step-time", "0.05", "--storage", str(store)])
+    try:
+        run.wait_step(5)
+        run.signal_rank(0, signal.SIGTERM)
+        run.signal_rank(1, signal.SIGTERM)
+        assert run.wait() == 1, run.tail()
+    finally:
+        run.kill()
+    stop = assert_agreed_exit(run, launcher_summary=False)
+    writers = record(store, stop).extra["writers"]
+    assert writers["plan"] == "all-ranks" and "doomed" not in writers, writers
+    by_item = files_by_item(store, stop)
+    assert any(f.startswith("__1_") for k, f in by_item.items() if k != rank_key(1)), by_item
+    assert run.events("checkpoint_safe") == []
+
+
+def test_survivor_lost_before_commit_keeps_previous_newest(reference: Path, tmp_path: Path) -> None:
+    """The survivor (rank 0, writing every replicated byte) dies after the doomed rank is safe and before the
+    commit: nothing is committed for that step, the previous checkpoint stays newest, the doomed rank waited
+    (it left only once its peer was gone), and the resume from the previous one is bitwise."""
+    store = tmp_path / "ckpt"
+    first = preempt(tmp_path, store, "first", 4, 1, signal.SIGUSR1)
+    assert first.wait() == 1, first.tail()
+    prev = assert_agreed_exit(first)
+    run = TorchRun(tmp_path / "lost.log", ["--steps", str(STEPS), "--step-time", "0.05", "--storage", str(store)],
+                   env={"SPOTGUARD_TEST_SAVE_DELAY": "30", "SPOTGUARD_TEST_SAVE_DELAY_RANK": "0"})
+    try:
+        run.wait_step(prev + 3)
+        run.signal_rank(1, signal.SIGUSR1)
+        run.wait_for(lambda: bool(run.events("checkpoint_safe", 1)), 60, "the doomed rank safe")
+        started = run.events("checkpoint_started", 0)
+        assert started, run.tail()
+        run.wait_for(lambda: bool(list((store / step_dir(started[0]["step"])).glob("__0_*.distcp"))), 30,
+                     "the survivor's shard files")
+        pid0 = run.pid(0)
+        import os  # noqa: PLC0415
+
+        os.kill(pid0, signal.SIGKILL)
+        run.wait(90)
+    finally:
+        run.kill()
+    step = started[0]["step"]
+    assert step > prev
+    assert committed(store) == [prev], committed(store)
+    assert not (store / step_dir(step) / COMMIT_NAME).exists()
+    assert run.events("checkpoint_committed") == []
+    exits = run.events("exit", 1)
+    assert exits and exits[0]["committed"] is False, run.tail()
+    assert run.events("checkpoint_safe", 1)[0]["timestamp"] <= exits[0]["timestamp"]
+    resume_to_end(tmp_path, store, "resumed", prev, reference)
