@@ -90,13 +90,15 @@ def test_every_rank_doomed_plans_as_before(tmp_path: Path) -> None:
 def test_survivor_lost_before_commit_keeps_previous_newest(reference: Path, tmp_path: Path) -> None:
     """The survivor (rank 0, writing every replicated byte) dies after the doomed rank is safe and before the
     commit: nothing is committed for that step, the previous checkpoint stays newest, the doomed rank waited
-    (it left only once its peer was gone), and the resume from the previous one is bitwise."""
+    (it left only once its peer was gone), and the resume from the previous one is bitwise. This run acts at
+    step boundaries (``SPOTGUARD_BACKGROUND_AGREEMENT=0``): the plan there is notice-aware too."""
     store = tmp_path / "ckpt"
     first = preempt(tmp_path, store, "first", 4, 1, signal.SIGUSR1)
     assert first.wait() == 1, first.tail()
     prev = assert_agreed_exit(first)
     run = TorchRun(tmp_path / "lost.log", ["--steps", str(STEPS), "--step-time", "0.05", "--storage", str(store)],
-                   env={"SPOTGUARD_TEST_SAVE_DELAY": "30", "SPOTGUARD_TEST_SAVE_DELAY_RANK": "0"})
+                   env={"SPOTGUARD_TEST_SAVE_DELAY": "30", "SPOTGUARD_TEST_SAVE_DELAY_RANK": "0",
+                        "SPOTGUARD_BACKGROUND_AGREEMENT": "0"})
     try:
         run.wait_step(prev + 3)
         run.signal_rank(1, signal.SIGUSR1)
@@ -117,6 +119,9 @@ def test_survivor_lost_before_commit_keeps_previous_newest(reference: Path, tmp_
     assert committed(store) == [prev], committed(store)
     assert not (store / step_dir(step) / COMMIT_NAME).exists()
     assert run.events("checkpoint_committed") == []
+    assert {e["rank"]: e.get("via") for e in run.events("agreed")} == {0: None, 1: None}  # the boundary path
+    by_item = files_by_item(store, step)  # DCP's .metadata was written before the survivor's (test) delay
+    assert {k for k, f in by_item.items() if f.startswith("__1_")} == {rank_key(1)}, by_item
     exits = run.events("exit", 1)
     assert exits and exits[0]["committed"] is False, run.tail()
     assert run.events("checkpoint_safe", 1)[0]["timestamp"] <= exits[0]["timestamp"]
