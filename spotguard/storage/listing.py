@@ -78,6 +78,32 @@ def late_seconds(info: CheckpointInfo) -> float | None:
     return round(past, 3) if past > 0 else None
 
 
+def writers(info: CheckpointInfo) -> dict[str, Any] | None:
+    """The record's ``extra["writers"]`` (who wrote what: bytes per rank, the doomed ranks, when they were safe),
+    or None (a record from before notice-aware planning, or a periodic save)."""
+    rec = info.record
+    w = rec.extra.get("writers") if rec is not None and isinstance(rec.extra, dict) else None
+    return w if isinstance(w, dict) else None
+
+
+def writers_note(info: CheckpointInfo) -> str | None:
+    """One phrase for the table when the save was planned around doomed ranks: which, what they wrote, and how
+    soon after the save began their bytes were durable (the survivors wrote the replicated state)."""
+    w = writers(info)
+    doomed = w.get("doomed") if w is not None else None
+    if not isinstance(doomed, list) or not doomed:
+        return None
+    try:
+        per = [int(b) for b in w.get("bytes_per_rank", [])]
+        mine = sum(per[r] for r in doomed if 0 <= int(r) < len(per))
+        safe = [float(v) for v in (w.get("safe_seconds") or {}).values() if v is not None]
+    except (TypeError, ValueError):
+        return None
+    when = f"safe {max(safe):.2f} s into the save" if safe else "safe time unknown"
+    return (f"notice on rank{'s' if len(doomed) > 1 else ''} {','.join(str(r) for r in doomed)}: wrote "
+            f"{human_size(mine)}, {when}; the others wrote {human_size(sum(per) - mine)}")
+
+
 def _state(info: CheckpointInfo, chosen: str | None, checks: dict[str, str | None] | None = None) -> str:
     if info.quarantine is not None:
         return f"QUARANTINED ({info.quarantine.describe()}), never loaded" \
@@ -90,6 +116,9 @@ def _state(info: CheckpointInfo, chosen: str | None, checks: dict[str, str | Non
         past = late_seconds(info)
         if past is not None:
             parts.append(f"LATE: committed {past:.1f} s after its notice's deadline (a real VM would have been gone)")
+        note = writers_note(info)
+        if note is not None:
+            parts.append(note)
         if info.dir == chosen:
             parts.append("newest")
         if info.latest:
@@ -154,6 +183,7 @@ def _to_json(info: CheckpointInfo, chosen: str | None, checks: dict[str, str | N
         "quarantine": info.quarantine.to_dict() if info.quarantine is not None else None,
         "quarantine_mark_ignored": info.mark_ignored,
         "late_seconds": late_seconds(info),
+        "writers": writers(info),
     }
     if checks is not None and info.dir in checks:
         doc["verified"] = checks.get(info.dir) is None

@@ -10,6 +10,8 @@ commit leaves the previous checkpoint newest with nothing partial committed.
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,11 @@ def test_notice_to_one_rank_the_doomed_rank_writes_only_its_own_state(reference:
     commit_line = run.events("checkpoint_committed", 1)[0]
     assert commit_line["writers"]["doomed"] == [1]
     assert safe[0]["timestamp"] <= commit_line["timestamp"]  # it did not leave before the commit
+    shown = subprocess.run([sys.executable, "-m", "spotguard", "checkpoints", str(store)], capture_output=True,
+                           text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    [row] = [ln for ln in shown.stdout.splitlines() if ln.split()[:1] == [str(stop)]]
+    assert "notice on rank 1: wrote " in row and "s into the save" in row, row
     resume_to_end(tmp_path, store, "resumed", stop, reference)
 
 
