@@ -173,6 +173,9 @@ class CheckpointDone(Message):
     seconds: float = 0.0
     late: bool = False  # committed after the notice's deadline: it would not have survived a real notice
     seconds_past: float = 0.0  # how far past the deadline (0 when not late)
+    rank_bytes: int = 0  # what this rank wrote (notice-aware planning: a doomed rank writes only its own state)
+    doomed: bool = False  # this rank held the notice; the replicated state was written by the others
+    safe_seconds: float = 0.0  # a doomed rank: seconds from the save's start until its own bytes were durable
 
 
 @dataclass

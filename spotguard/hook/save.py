@@ -289,8 +289,12 @@ class SaveMixin:
                                   "(docs/api.md, the per-pattern table)")
         if notice.source == "drill":
             self._log.info(ev.DRILL_VERDICT, notice_id=notice.id, **drill_verdict(notice))
+        mark = getattr(self, "_safe", None)
+        own = mark.info() if mark is not None and not already else {}
         self._report(CheckpointDone(id=notice.id, step=step, uri=uri, bytes=nbytes, seconds=secs,
-                                    late=past > 0, seconds_past=round(max(0.0, past), 3)))
+                                    late=past > 0, seconds_past=round(max(0.0, past), 3),
+                                    rank_bytes=int(own.get("bytes") or 0), doomed=bool(own.get("doomed")),
+                                    safe_seconds=float(own.get("seconds") or 0.0)))
         self._after_commit(notice, step, uri)
         return _Result(committed=True, uri=uri, bytes=nbytes, seconds=secs, late_seconds=max(0.0, past))
 

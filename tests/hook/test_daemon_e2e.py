@@ -169,6 +169,9 @@ def test_notice_to_one_node_only_two_daemons(short_tmp: Path, tmp_path: Path) ->
         assert {e["notice_id"] for e in run.events("checkpoint_committed")} == {notice_id}
         assert_daemon_saw_done(sock_b, notice_id, {1}, stop, store)
         assert query_status(sock_a)["active_notices"] == []
+        # node B's rank wrote only its own state; node A's wrote the replicated model and optimizer (issue 26)
+        writers = commit_record(store, stop).extra["writers"]
+        assert writers["doomed"] == [1] and writers["bytes_per_rank"][0] > writers["bytes_per_rank"][1], writers
 
 
 def test_daemon_restart_mid_training_hook_resubscribes_then_drill_commits(short_tmp: Path, tmp_path: Path) -> None:
