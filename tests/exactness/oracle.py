@@ -629,10 +629,22 @@ def _judge(ref: Reference, t: Trial, env: dict[str, str], folder: Path, storage:
     if named and named != [s]:
         problems.append(f"the exit lines name committed step(s) {named}, storage's notice checkpoint is {s}")
     problems += _check_commits(ref, folder, storage, ck, timeout, ours)
+    problems += _doomed_plan(p, t, ours[-1])
     if problems:
         t.why = "; ".join(problems)
     else:
         t.verdict, t.why = "exact", ""
+
+
+def _doomed_plan(p: Pattern, t: Trial, c: dict[str, Any]) -> list[str]:
+    """Under DDP/FSDP2 the notice reaches one rank only: its emergency checkpoint must have been planned around
+    that rank (issue 26: the record's ``writers`` names it doomed; the others wrote the replicated state)."""
+    if p.nproc < 2 or not p.name.startswith(("ddp", "fsdp2")) or _reason(c) != "emergency":
+        return []
+    writers = ((c.get("record") or {}).get("extra") or {}).get("writers") or {}
+    if writers.get("doomed") != [t.rank]:
+        return [f"the notice reached rank {t.rank} only, yet the commit record's writers say {writers}"]
+    return []
 
 
 def _judge_ordinary(ref: Reference, t: Trial, env: dict[str, str], folder: Path, storage: Path,
