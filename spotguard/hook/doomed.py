@@ -14,6 +14,7 @@ record (``extra["writers"]``), which ``spotguard checkpoints`` shows.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, Iterable, Optional
@@ -21,7 +22,13 @@ from typing import Any, Iterable, Optional
 from ..timefmt import to_rfc3339, utcnow
 from . import events as ev
 
-__all__ = ["doomed_ranks", "SafeMark", "writers_record"]
+__all__ = ["doomed_ranks", "plan_around_doomed", "SafeMark", "writers_record"]
+
+
+def plan_around_doomed() -> bool:
+    """``$SPOTGUARD_SURVIVORS_PLAN`` (default on): ``0`` keeps DCP's stock plan (every rank writes a share of the
+    replicated state) while still logging when the doomed ranks were safe — today's path, for comparison."""
+    return os.environ.get("SPOTGUARD_SURVIVORS_PLAN", "1").strip() != "0"
 
 
 def doomed_ranks(flags: Iterable[Any]) -> Optional[frozenset[int]]:
@@ -88,7 +95,7 @@ def writers_record(infos: list[Any], doomed: Optional[frozenset[int]]) -> dict[s
     safe (seconds since its save started, and the wall-clock time)."""
     infos = [i or {} for i in infos]
     out: dict[str, Any] = {"bytes_per_rank": [int(i.get("bytes") or 0) for i in infos],
-                           "plan": "survivors" if doomed else "all-ranks"}
+                           "plan": "survivors" if doomed and plan_around_doomed() else "all-ranks"}
     if doomed:
         out["doomed"] = sorted(doomed)
         out["safe_seconds"] = {str(r): infos[r].get("seconds") for r in sorted(doomed) if r < len(infos)}

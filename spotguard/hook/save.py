@@ -38,7 +38,7 @@ from .dist import (
     gather_writes_with,
     set_group_timeout,
 )
-from .doomed import SafeMark, writers_record
+from .doomed import SafeMark, plan_around_doomed, writers_record
 from .periodic import PERIODIC_SETTLED, stage_state_dict
 from .settings import EMERGENCY_LEAD, HANDED_OVER, HOLD_SLACK, PERIODIC_NOTICE_PREFIX, SAVE_MARGIN
 from .state import Snapshot, clone_buffers, pack
@@ -864,6 +864,8 @@ class _StoreCancel:
 def _planner(cancel: Any, doomed: "Optional[frozenset[int]]") -> Any:
     """The save's DCP planner: the stock one (None) unless the save can be cancelled (a check per write item)
     or some ranks are doomed (replicated items written by the survivors only: ``storage/survivors.py``)."""
+    if not plan_around_doomed():
+        doomed = None
     if cancel is None and not doomed:
         return None
     from ..storage.survivors import SurvivorsPlanner  # noqa: PLC0415
