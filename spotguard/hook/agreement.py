@@ -181,6 +181,7 @@ class AgreementMixin:
         notice, ids, action = plan
         if action == "periodic":  # a framework adapter's every= checkpoint: no notice involved
             self._save(notice, "periodic", snap)
+            self._doomed = None
             set_group_timeout(self._group, 1800.0)
             return
         if action == "exit":
@@ -188,6 +189,7 @@ class AgreementMixin:
         if action == "emergency":
             self._exit(notice, self._save(notice, "emergency", snap))
         self._save(notice, "manual", snap)  # ordinary checkpoint, keep training
+        self._doomed = None
         self._forget(ids)
         set_group_timeout(self._group, 1800.0)
 
@@ -267,6 +269,7 @@ class AgreementMixin:
                                 peers_ok=True)
         finally:
             self._round_action = None
+            self._doomed = None  # this round's: a later save (torchft's, an adapter's) learns its own
         if result.error == HANDED_OVER:  # every rank alike: no rank entered the save's collectives
             self._hand_over(step, self._range_broken or "")
             return

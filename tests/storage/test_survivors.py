@@ -1,0 +1,60 @@
+"""The notice-aware DCP plan (``storage/survivors.py``) on real DCP local plans, three "ranks" in one process.
+
+Each rank's plan is what DCP's ``DefaultSavePlanner`` makes of its state dict: a replicated model (the same
+FQNs on every rank, as under DDP), a per-rank blob, and one item only rank 1 holds (an FSDP shard of its own).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultSavePlanner
+
+from spotguard.storage.survivors import SurvivorsPlanner
+
+
+def _local_plans(world: int) -> list[Any]:
+    plans = []
+    for r in range(world):
+        sd: dict[str, Any] = {"model.w": torch.ones(64, 64), "model.b": torch.ones(64), "lr": 0.1,
+                              f"rank{r}": torch.tensor([r])}
+        if r == 1:
+            sd["only1"] = torch.zeros(8)
+        p = DefaultSavePlanner()
+        p.set_up_planner(sd, is_coordinator=r == 0)
+        plans.append(p.create_local_plan())
+    return plans
+
+
+def _fqns(plan: Any) -> set[str]:
+    return {i.index.fqn for i in plan.items}
+
+
+def _global(doomed: Any) -> list[set[str]]:
+    plans, _ = SurvivorsPlanner(doomed).create_global_plan(_local_plans(3))
+    return [_fqns(p) for p in plans]
+
+
+def test_doomed_rank_writes_only_what_no_survivor_holds() -> None:
+    got = _global(frozenset({1}))
+    assert got[1] == {"rank1", "only1"}
+    assert got[0] | got[2] >= {"model.w", "model.b", "lr", "rank0", "rank2"}
+    assert not (got[0] & got[2])  # the stock dedup still writes each replicated item once
+
+
+def test_no_or_every_rank_doomed_is_the_stock_plan() -> None:
+    stock, _ = DefaultSavePlanner().create_global_plan(_local_plans(3))
+    want = [_fqns(p) for p in stock]
+    assert any("model.w" in s or "model.b" in s for s in want[1:])  # the stock plan spreads replicated items
+    assert _global(None) == want
+    assert _global(frozenset({0, 1, 2})) == want
+
+
+def test_cancel_is_asked_per_item() -> None:
+    asked: list[int] = []
+    p = SurvivorsPlanner(None, lambda: asked.append(1))
+    p.set_up_planner({"x": torch.ones(2)}, is_coordinator=True)
+    plan = p.create_local_plan()
+    p.resolve_data(plan.items[0])
+    assert asked == [1]
