@@ -91,6 +91,13 @@ bench-time-to-safe: $(STAMP)
 bench-time-to-safe-frameworks: $(STAMP)
 	$(PY) -m benchmarks.time_to_safe --framework all --label frameworks $(TTS_ARGS)
 
+# Notice to one node only (issue 26): node B's time to safe and the commit, DCP's stock plan vs the
+# notice-aware one alternating in one run, DDP 64 MiB and 1 GiB, 10 trials each; ~15 min on 2 shared cores.
+# DOOMED_ARGS e.g. "--cells 64 --trials 3 --label quick".
+.PHONY: bench-doomed-plan
+bench-doomed-plan: $(STAMP)
+	$(PY) -m benchmarks.doomed_plan $(DOOMED_ARGS)
+
 # GPU proof kit (benchmarks/gpu_check.py, docs/performance.md "GPU"): one JSON summary, ~8 minutes on
 # one GPU; prints SKIP and exits 0 where no CUDA device exists. GPU_PY: the machine's own python3 (it
 # holds the CUDA torch); the wheels from `make gpu-wheels` are installed first when .whl/ exists and
