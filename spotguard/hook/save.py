@@ -223,7 +223,8 @@ class SaveMixin:
             outcome = self._bcast0(outcome, group)
             if outcome[0] != "ok":
                 return self._fail(notice, step, f"commit failed on rank 0: {outcome[1]}", t0, peers_ok=True)
-            return self._finish_ok(notice, step, uri, int(outcome[1]), t0, writers=writers)
+            self._writers = writers  # for _finish_ok's line (its signature is an adapter's override point)
+            return self._finish_ok(notice, step, uri, int(outcome[1]), t0)
         except BaseException as exc:  # noqa: BLE001 - a collective failed: a peer died or timed out
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -269,14 +270,14 @@ class SaveMixin:
                          "this run never resumed from; call hook.resume() before training, or give this run its "
                          "own storage prefix")
 
-    def _finish_ok(self, notice: Notice, step: int, uri: str, nbytes: int, t0: float, already: bool = False,
-                   writers: Optional[dict[str, Any]] = None) -> _Result:
+    def _finish_ok(self, notice: Notice, step: int, uri: str, nbytes: int, t0: float, already: bool = False) -> _Result:
         secs = round(time.monotonic() - t0, 3)
         self._last_save_seconds = secs  # what the next save's wait for the end of an iteration leaves room for
         self._committed_ids.add(notice.id)
         if self._periodic is not None:
             self._periodic.restart_clock()
         past = late_by(notice)
+        writers, self._writers = (None if already else getattr(self, "_writers", None)), None
         self._log.info(ev.CHECKPOINT_COMMITTED, notice_id=notice.id, step=step, uri=uri, bytes=nbytes,
                        seconds=secs, already_committed=already, late=past > 0, **self._timing(notice),
                        **({"writers": writers} if writers else {}))
