@@ -58,3 +58,28 @@ def test_cancel_is_asked_per_item() -> None:
     plan = p.create_local_plan()
     p.resolve_data(plan.items[0])
     assert asked == [1]
+
+
+def test_hsdp_replicated_shards_go_to_the_replica_unique_shards_stay() -> None:
+    """HSDP: 4 ranks, two replica groups {0, 1} and {2, 3}, each sharding ``w`` in two (offsets 0 and 32):
+    rank 1 doomed gives its shard to rank 3 (the same shard in the other group) and keeps its per-rank blob;
+    with rank 3 doomed too that shard exists nowhere else and stays where it is."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+    from spotguard.storage.survivors import survivors_only
+
+    def shard(off: int) -> WriteItem:
+        return WriteItem(index=MetadataIndex("w", torch.Size([off, 0])), type=WriteItemType.SHARD)
+
+    def blob(r: int) -> WriteItem:
+        return WriteItem(index=MetadataIndex(f"rank{r}"), type=WriteItemType.BYTE_IO)
+
+    plans = [SavePlan([shard(0 if r % 2 == 0 else 32), blob(r)]) for r in range(4)]
+    got = [{(i.index.fqn, tuple(i.index.offset or ())) for i in p.items} for p in survivors_only(plans, {1})]
+    assert got[1] == {("rank1", ())}
+    assert ("w", (32, 0)) in got[3]
+    both = survivors_only([dataclasses.replace(p) for p in plans], {1, 3})
+    assert [len(p.items) for p in both] == [2, 2, 2, 2]
