@@ -112,8 +112,9 @@ def test_survivor_lost_before_commit_keeps_previous_newest(reference: Path, tmp_
         run.wait_for(lambda: bool(run.events("checkpoint_safe", 1)), 60, "the doomed rank safe")
         started = run.events("checkpoint_started", 0)
         assert started, run.tail()
-        run.wait_for(lambda: bool(list((store / step_dir(started[0]["step"])).glob("__0_*.distcp"))), 30,
-                     "the survivor's shard files")
+        # DCP's .metadata: the survivor's shards are written, it is in its (test) delay before the commit
+        run.wait_for(lambda: (store / step_dir(started[0]["step"]) / ".metadata").exists(), 30,
+                     "the survivor's shards and DCP metadata")
         pid0 = run.pid(0)
         import os  # noqa: PLC0415
 
@@ -127,7 +128,7 @@ def test_survivor_lost_before_commit_keeps_previous_newest(reference: Path, tmp_
     assert not (store / step_dir(step) / COMMIT_NAME).exists()
     assert run.events("checkpoint_committed") == []
     assert {e["rank"]: e.get("via") for e in run.events("agreed")} == {0: None, 1: None}  # the boundary path
-    by_item = files_by_item(store, step)  # DCP's .metadata was written before the survivor's (test) delay
+    by_item = files_by_item(store, step)
     assert {k for k, f in by_item.items() if f.startswith("__1_")} == {rank_key(1)}, by_item
     exits = run.events("exit", 1)
     assert exits and exits[0]["committed"] is False, run.tail()
