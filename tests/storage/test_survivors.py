@@ -51,6 +51,15 @@ def test_no_or_every_rank_doomed_is_the_stock_plan() -> None:
     assert _global(frozenset({0, 1, 2})) == want
 
 
+def test_doomed_ranks_from_the_agreement() -> None:
+    """What the agreement's gather gives the plan: the flagged ranks, or None (stock plan) for none or all."""
+    from spotguard.hook.doomed import doomed_ranks
+
+    assert doomed_ranks([False, True, False]) == frozenset({1})
+    assert doomed_ranks([False, False]) is None
+    assert doomed_ranks([True, True]) is None
+
+
 def test_cancel_is_asked_per_item() -> None:
     asked: list[int] = []
     p = SurvivorsPlanner(None, lambda: asked.append(1))
