@@ -15,16 +15,10 @@ import argparse
 import hashlib
 import json
 import os
-import queue
-import shutil
 import socket
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Optional
 
 __all__ = ["LR", "lr_factor", "digest", "worker", "main"]
