@@ -23,7 +23,6 @@ import asyncio
 # drops privileges may not be able to read the standard library any more.
 import concurrent.futures.thread  # noqa: F401
 import dataclasses
-import inspect
 import os
 import signal
 import socket
@@ -54,15 +53,18 @@ from ..protocol import (
     encode,
 )
 from ..timefmt import to_rfc3339, utcnow
+from . import status as status_mod
 from .actions import EARLIER_WINDOW, ActionError, ActionRunner
 from .book import Entry, NoticeBook
 from .config import ConfigError, DaemonConfig, add_arguments as _add_config_arguments
 from .logsink import LogSink
 from .metrics import Metrics, MetricsServer
-from .persist import NoticeState, state_path_for
+from .persist import state_path_for
 from .sdnotify import SdNotifier
 from .server import Client, Server, ServerStartError, SocketInUse, drill_allowed
-from .watchers.base import Backoff, Watcher
+from .statefile import StateKeeper
+from .supervise import WatchersUnbuildable, WatcherSupervisor, build_watchers, resolve_cloud
+from .watchers.base import Watcher
 from .watchers.signal import SignalWatcher
 
 __all__ = ["Daemon", "StartupError", "add_arguments", "main"]
@@ -70,9 +72,6 @@ __all__ = ["Daemon", "StartupError", "add_arguments", "main"]
 log = get_logger("spotguard.daemon")
 
 MAX_DRILL_DEADLINE = 24 * 3600.0
-# Seconds: an emergency notice further off than this is not waited for by ``wait-checkpoint``
-# until its checkpoint starts (the hook's default SPOTGUARD_EMERGENCY_LEAD).
-FAR_NOTICE = 300.0
 # Seconds ``spotguard daemon`` waits for a predecessor still serving its socket (an overlapping rollout).
 TAKEOVER_WAIT = 5.0
 
@@ -118,10 +117,9 @@ class Daemon:
         self.config = config
         self.book = NoticeBook(expire_margin=expire_margin)
         # Active notices survive a daemon restart with their ids ("" = next to the socket, None = off).
-        self.state = NoticeState(state_path_for(config.socket) if state_path == "" else state_path,
-                                 expire_margin=expire_margin)
-        self._persisted: dict[tuple[str, str], Notice] = {}
-        self._aliases: dict[str, str] = {}  # a watcher's fresh id -> the persisted id of the same notice
+        self.keeper = StateKeeper(state_path_for(config.socket) if state_path == "" else state_path, self.book,
+                                  expire_margin=expire_margin)
+        self.state = self.keeper.state
         # Per connected client: its final report for an id this life never saw, and when (_earlier_life_report).
         self._earlier_final: dict[int, tuple[float, Message]] = {}
         self.metrics = metrics or Metrics()
@@ -131,7 +129,6 @@ class Daemon:
         self.watchers: list[Watcher] = []
         self._given_watchers = None if watchers is None else list(watchers)
         self.install_signals = install_signals
-        self.restart_backoff = restart_backoff
         self.housekeeping_interval = housekeeping_interval
         self.write_timeout = write_timeout
         self.takeover_wait = takeover_wait
@@ -145,8 +142,9 @@ class Daemon:
         self.stopped = asyncio.Event()
         self._stop = asyncio.Event()
         self._progress = asyncio.Event()  # a subscriber reported or left: re-check the shutdown condition
-        self._watcher_tasks: dict[int, asyncio.Task[None]] = {}
-        self._restarts: dict[str, int] = {}
+        # ``ingest`` looked up per event (not bound now), as before the supervisor was its own object
+        self.supervisor = WatcherSupervisor(lambda event, w: self.ingest(event, w), self.metrics, self._stop,
+                                            restart_backoff)
         self._tasks: list[asyncio.Task[Any]] = []
         self._termination_task: Optional[asyncio.Task[None]] = None
         self._side_tasks: set[asyncio.Task[Any]] = set()
@@ -154,14 +152,9 @@ class Daemon:
         self._shut = False
         # Cluster actions (webhooks, Kubernetes, ASG lifecycle): off the delivery path, see actions/.
         self.actions = ActionRunner([], node=self.node, counter=self.metrics.actions,
-                                    reconnect_grace=config.reconnect_grace, on_change=self._save_state,
-                                    persist=self._persist_state)
-        self._state_dirty = False
-        self._state_writer: Optional[asyncio.Task[None]] = None
-        # Set once the earlier life's state file was read: a trainer that reconnects before then (the socket is
-        # bound first) must not have it overwritten unread (its subscriber list, with the trainers of a kill -9).
-        self._state_loaded = False
-        self._subscribers_at_stop = 0
+                                    reconnect_grace=config.reconnect_grace, on_change=self.keeper.save,
+                                    persist=self.keeper.persist)
+        self.keeper.attach(self.actions)
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -184,8 +177,11 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.config
-        self.cloud = await self._resolve_cloud()
-        built = self._given_watchers if self._given_watchers is not None else await self._build_watchers(self.cloud)
+        self.cloud = await resolve_cloud(cfg)
+        try:
+            built = self._given_watchers if self._given_watchers is not None else await build_watchers(cfg, self.cloud)
+        except WatchersUnbuildable as exc:
+            raise StartupError(str(exc)) from None
         self.watchers = [*built, self.signal_watcher]
         for w in self.watchers:
             w.health.stale_after = cfg.health_stale_after
@@ -201,11 +197,7 @@ class Daemon:
         await self._start_actions()
         await asyncio.to_thread(lambda: None)  # the state writer's thread exists before the first notice
         # Only now: the socket is ours, so no live daemon is using the state file beside it.
-        self._persisted = self.state.load()
-        self._restore_action_state()
-        self._state_loaded = True
-        if self._state_dirty:
-            self._save_state()
+        self.keeper.load(then=self._restore_action_state)
         self._reconcile_cluster("start")
         if cfg.metrics_port:
             self.metrics_server = MetricsServer(self.metrics, cfg.metrics_port, self._health)
@@ -220,8 +212,7 @@ class Daemon:
             loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
             loop.add_signal_handler(signal.SIGINT, self._on_sigint)
             self._signals = [signal.SIGTERM, signal.SIGINT]
-        for w in self.watchers:
-            self._watcher_tasks[id(w)] = asyncio.create_task(self._supervise(w), name=f"watcher-{w.source}")
+        self.supervisor.start(self.watchers)
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="spotguard-housekeeping"))
         if self.sd.watchdog_interval:
             self._tasks.append(asyncio.create_task(self._watchdog(self.sd.watchdog_interval), name="sd-watchdog"))
@@ -251,13 +242,14 @@ class Daemon:
         if self._shut:
             return
         self._shut = True
+        self.keeper.closed = True
         self._stop_deciding()
         self.sd.stopping(f"stopping ({self.shutting_down or 'requested'})")
         if self._signals:
             loop = asyncio.get_running_loop()
             for sig in self._signals:
                 loop.remove_signal_handler(sig)
-        tasks = [*self._watcher_tasks.values(), *self._tasks, *self._side_tasks]
+        tasks = [*self.supervisor.tasks(), *self._tasks, *self._side_tasks]
         if self._termination_task is not None and self._termination_task is not asyncio.current_task():
             tasks.append(self._termination_task)
         for t in tasks:
@@ -271,7 +263,7 @@ class Daemon:
         closes = [asyncio.ensure_future(self._close_watcher(w)) for w in self.watchers]
         if closes:
             await asyncio.wait(closes, timeout=0.4)
-        await self._flush_state()
+        await self.keeper.flush()
         if self.metrics_server is not None:
             await self.metrics_server.close()
         self.sd.close()
@@ -295,84 +287,11 @@ class Daemon:
         except Exception as exc:  # a watcher's close must not block shutdown
             log.warning("watcher.close_failed", source=w.source, error=repr(exc))
 
-    async def _resolve_cloud(self) -> str:
-        cfg = self.config
-        if cfg.cloud != "auto":
-            return cfg.cloud
-        try:
-            from .watchers.detect import detect_cloud
-
-            kwargs = {"dmi_root": cfg.dmi_root, "probe_base_url": cfg.metadata_url}
-            if inspect.iscoroutinefunction(detect_cloud):
-                cloud = await detect_cloud(**kwargs)
-            else:
-                cloud = await asyncio.to_thread(detect_cloud, **kwargs)
-        except Exception as exc:
-            log.warning("cloud.detect_failed", error=repr(exc), fallback="none",
-                        fix="pass --cloud aws|gcp|azure explicitly")
-            return "none"
-        cloud = str(cloud or "none")
-        log.info("cloud.detected", cloud=cloud, dmi_root=cfg.dmi_root)
-        if cloud == "none":
-            log.warning("cloud.none", detail="no cloud detected: watching SIGTERM and drills only",
-                        fix="pass --cloud aws|gcp|azure if this is a cloud VM")
-        return cloud
-
-    async def _build_watchers(self, cloud: str) -> list[Watcher]:
-        if cloud == "none":
-            return []
-        try:
-            from .watchers.registry import build_watchers
-
-            result = build_watchers(cloud, self.config.metadata_url, self.config.poll_interval,
-                                    azure_vm_name=self.config.azure_vm_name or None)
-            if inspect.isawaitable(result):
-                result = await result
-        except Exception as exc:
-            raise StartupError(f"cannot build the {cloud} watchers ({type(exc).__name__}: {exc}); check --cloud "
-                               "and --metadata-url") from None
-        return list(result)
-
-    # --- watchers --------------------------------------------------------------
-
-    async def _supervise(self, w: Watcher) -> None:
-        """Run one watcher forever; a crash is logged, counted and restarted with backoff."""
-        base, cap = self.restart_backoff
-        backoff = Backoff(base=base, cap=cap)
-        loop = asyncio.get_running_loop()
-        while True:
-            started = loop.time()
-            try:
-                async for event in w.events():
-                    try:
-                        self.ingest(event, w)
-                    except Exception as exc:
-                        log.error("notice.ingest_failed", source=w.source, error=repr(exc), exc_info=True)
-                if self._stop.is_set():
-                    return
-                log.warning("watcher.ended", source=w.source, detail="events() returned; restarting")
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.error("watcher.crashed", source=w.source, error=f"{type(exc).__name__}: {exc}", exc_info=True)
-                try:
-                    w.health.error("crash", f"{type(exc).__name__}: {exc}")
-                except Exception:
-                    pass
-            self._restarts[w.source] = self._restarts.get(w.source, 0) + 1
-            self.metrics.watcher_restarts.labels(w.source).inc()
-            if loop.time() - started > 60:
-                backoff.reset()
-            delay = backoff.next_delay()
-            log.info("watcher.restarting", source=w.source, in_seconds=round(delay, 3),
-                     restarts=self._restarts[w.source])
-            await asyncio.sleep(delay)
-
     def ingest(self, event: Any, watcher: Optional[Watcher] = None) -> Optional[Entry]:
         """One event from a source: de-dup, record, fan out. Returns the new entry, if any."""
         assert self.server is not None
         if isinstance(event, Cancel):
-            notice_id = self._aliases.pop(event.id, event.id)
+            notice_id = self.keeper.cancelled_id(event.id)
             entry = self.book.cancel(notice_id)
             if entry is None:
                 return None
@@ -380,13 +299,13 @@ class Daemon:
             log.info("notice.cancelled", notice_id=notice_id, source=event.source, detail=event.detail[:500])
             self.metrics.cancels.labels(event.source).inc()
             self.actions.cancelled(notice_id)
-            self._save_state()
+            self.keeper.save()
             self._progress.set()
             return None
         if not isinstance(event, Notice):
             log.warning("watcher.bad_event", source=getattr(watcher, "source", None), event_type=type(event).__name__)
             return None
-        notice = self._restored(_fit_line(event))
+        notice = self.keeper.restored(_fit_line(event))
         entry = self.book.add(notice, watcher)
         if entry is None:
             return None
@@ -401,7 +320,7 @@ class Daemon:
             if earlier is not None and entry.seen_monotonic - at < EARLIER_WINDOW:
                 self._record_earlier(c, earlier, [entry])
         if notice.key:
-            self._save_state()
+            self.keeper.save()
         self.metrics.notices.labels(notice.source, notice.kind).inc()
         log.info("notice.seen", notice_id=notice.id, source=notice.source, kind=notice.kind,
                  deadline=to_rfc3339(notice.deadline), received_at=to_rfc3339(notice.received_at),
@@ -415,87 +334,11 @@ class Daemon:
             self._termination_task = asyncio.create_task(self._terminate(notice), name="spotguard-termination")
         return entry
 
-    def _restored(self, notice: Notice) -> Notice:
-        """The same provider notice seen before a daemon restart keeps its id, deadline and received_at."""
-        alias = self._aliases.get(notice.id)
-        if alias is not None:
-            return dataclasses.replace(notice, id=alias)
-        if not notice.key:
-            return notice
-        for entry in self.book.active.values():  # a watcher restarted in this daemon life
-            if entry.notice.key == notice.key and entry.notice.source == notice.source:
-                if entry.id != notice.id:
-                    self._aliases[notice.id] = entry.id
-                return dataclasses.replace(notice, id=entry.id, deadline=entry.notice.deadline,
-                                           received_at=entry.notice.received_at)
-        old = self._persisted.pop((notice.source, notice.key), None)
-        if old is None or old.kind != notice.kind:
-            return notice
-        if old.id != notice.id:
-            self._aliases[notice.id] = old.id
-        log.info("notice.restored", notice_id=old.id, watcher_id=notice.id, source=notice.source, kind=notice.kind,
-                 deadline=to_rfc3339(old.deadline), detail="seen before a daemon restart: same id and deadline")
-        return dataclasses.replace(notice, id=old.id, deadline=old.deadline, received_at=old.received_at)
-
-    # --- the state file: notices + action state, written off the delivery path ---------------
-
-    def _state_notices(self) -> list[Notice]:
-        now = utcnow()
-        margin = timedelta(seconds=self.book.expire_margin)
-        left = [n for n in self._persisted.values() if n.deadline + margin >= now]  # not re-seen (yet)
-        return [*(e.notice for e in self.book.active.values() if e.notice.key), *left]
-
-    def _save_state(self) -> None:
-        """The active notices (and their action state) changed: write the state file soon, from a worker
-        thread, after the fan-out already queued has gone out. Never waits: a slow disk (SkyPilot keeps the
-        socket under $HOME) must not stand between a notice and its subscribers."""
-        self._state_dirty = True
-        if self._shut or not self._state_loaded:
-            return  # shutdown writes the final state itself (_flush_state); before the load: start() writes it
-        if self._state_writer is None or self._state_writer.done():
-            try:
-                self._state_writer = asyncio.get_running_loop().create_task(self._write_state(),
-                                                                            name="spotguard-state-writer")
-            except RuntimeError:  # no loop (a unit test calling ingest synchronously)
-                self._write_state_now()
-
-    async def _write_state(self) -> None:
-        await asyncio.sleep(0)  # the client writers queued by this fan-out run first
-        while self._state_dirty:
-            self._state_dirty = False
-            data = self.state.encode(self._state_notices(), self.actions.states(),
-                                     subscribed=self.actions.registry())
-            if data is not None:
-                await asyncio.to_thread(self.state.write, data)
-
-    def _write_state_now(self) -> None:
-        self._state_dirty = False
-        data = self.state.encode(self._state_notices(), self.actions.states(), subscribers=self._subscribers_at_stop)
-        if data is not None:
-            self.state.write(data)
-
-    async def _persist_state(self) -> None:
-        """Write the state file now (off the loop) and return once it is on disk: before an outcome is sent."""
-        self._save_state()
-        writer = self._state_writer
-        if writer is not None and not writer.done():
-            await asyncio.shield(writer)
-
-    async def _flush_state(self) -> None:
-        """At shutdown: wait (bounded) for a write in flight, then write what is left inline."""
-        if not self._state_loaded:
-            return  # stopped before the earlier life's state file was read: leave it for the next life
-        writer = self._state_writer
-        if writer is not None and not writer.done():
-            await asyncio.wait([writer], timeout=2.0)
-        if self._state_dirty or writer is not None or self._subscribers_at_stop:
-            self._write_state_now()
-
     def _restore_action_state(self) -> None:
         """Hand the action state of the notices an earlier life persisted to the action runner."""
         from .actions import ActionState
 
-        restarted = bool(self._persisted) or self.state.subscribers > 0 or bool(self.server and self.server.found_stale)
+        restarted = bool(self.keeper.persisted) or self.state.subscribers > 0 or bool(self.server and self.server.found_stale)
         self.actions.restore({nid: ActionState.from_dict(doc) for nid, doc in self.state.actions.items()},
                              restarted=restarted, earlier_subscribers=self.state.subscribed)
 
@@ -503,7 +346,7 @@ class Daemon:
         """From the first moment of a stop: the disconnects of our own shutdown are not the trainers' outcome;
         the next daemon life decides it (the notice and its action state stay in the state file)."""
         self.actions.stopping = True
-        self._subscribers_at_stop = 0 if self.server is None else len(self.server.subscribers())
+        self.keeper.subscribers_at_stop = 0 if self.server is None else len(self.server.subscribers())
 
     # --- shutdown on SIGTERM --------------------------------------------------
 
@@ -786,98 +629,27 @@ class Daemon:
             fields.update(latency_ms_p50=round(lat[len(lat) // 2] * 1e3, 3), latency_ms_max=round(lat[-1] * 1e3, 3))
         log.info("notice.delivered", notice_id=entry.id, source=entry.notice.source, kind=entry.notice.kind, **fields)
 
-    # --- operations --------------------------------------------------------------
+    # --- operations (status.py) ------------------------------------------------------
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
 
     def status(self, compact: bool = False) -> dict[str, Any]:
         """The ``status`` reply; ``compact`` lists at most 32 subscribers and counts states per notice."""
-        server = self.server
-        watchers = []
-        for w in self.watchers:
-            d = dict(w.health.to_dict())
-            task = self._watcher_tasks.get(id(w))
-            d["running"] = task is not None and not task.done()
-            d["restarts"] = self._restarts.get(w.source, 0)
-            watchers.append(d)
-        last = self.book.last
-        subscribers = [] if server is None else [c.describe() for c in server.subscribers()]
-        healthy, problems = self.health()
-        return {
-            "daemon_version": __version__,
-            "protocol_version": VERSION,
-            "node": self.node(),
-            "cloud": self.cloud,
-            "sources": self.sources(),
-            "pid": os.getpid(),
-            "uid": self.uid,
-            "uptime_seconds": round(time.monotonic() - self.started_monotonic, 3),
-            "socket": self.config.socket,
-            "watchers": watchers,
-            "subscribers": subscribers[:32] if compact else subscribers,
-            "subscribers_total": len(subscribers),
-            "clients": 0 if server is None else len(server.clients),
-            "active_notices": self.book.snapshot(compact=compact),
-            "last_notice": None if last is None else last.to_wire(),
-            "notices_total": self.book.total,
-            "azure_ack_after_checkpoint": self.config.azure_ack_after_checkpoint,
-            "actions": [a.name for a in self.actions.actions],
-            "sigterm_notice": self.config.sigterm_notice,
-            "shutting_down": self.shutting_down,
-            "healthy": healthy,
-            "problems": problems,
-            "checkpoint_pending": self.checkpoint_pending(),
-            "log_write_errors": self.metrics.log_write_errors(),
-        }
+        return status_mod.status(self, compact)
 
     def health(self) -> tuple[bool, list[str]]:
-        """Healthy = serving the socket and every metadata watcher sees notices; else the problems,
-        one line each with its fix (what /healthz and ``spotguard status --check`` report)."""
-        problems: list[str] = []
-        if not (self.server is not None and self.server.serving and not self._stop.is_set()):
-            problems.append(f"not serving {self.config.socket}" + (" (shutting down)" if self._stop.is_set() else ""))
-        for w in self.watchers:
-            problem = w.health.problem()
-            if problem is not None:
-                problems.append(problem)
-        return not problems, problems
+        return status_mod.health(self)
 
     def checkpoint_pending(self) -> dict[str, Any]:
-        """For ``spotguard wait-checkpoint``: the active emergency notices, and the connected
-        subscribers that have not reported ``checkpoint_done``/``checkpoint_failed`` for each."""
-        notices = [e for e in self.book.active.values() if e.notice.emergency]
-        waiting: list[dict[str, Any]] = []
-        subs = [] if self.server is None else self.server.subscribers()
-        for c in subs:
-            late = []
-            for e in notices:
-                r = e.reports.get(c.id)
-                state = "queued" if r is None else r.state
-                if state in ("checkpoint_done", "checkpoint_failed"):
-                    continue
-                # A far notice (a GCP GPU maintenance window an hour out) is not being checkpointed yet:
-                # the hook keeps training until SPOTGUARD_EMERGENCY_LEAD before it. Wait only for one
-                # that is near, or whose checkpoint has started.
-                if state == "checkpoint_started" or e.notice.seconds_left() <= FAR_NOTICE:
-                    late.append(e.id)
-            if late:
-                waiting.append({**c.describe(), "notices": late})
-        return {"notices": [e.id for e in notices], "count": len(waiting), "subscribers": waiting[:32]}
+        return status_mod.checkpoint_pending(self)
 
     def _health(self) -> tuple[bool, dict[str, Any]]:
-        ok, problems = self.health()
-        return ok, {
-            "socket": self.config.socket,
-            "serving": self.server is not None and self.server.serving and not self._stop.is_set(),
-            "cloud": self.cloud,
-            "watchers": {w.source: w.health.healthy for w in self.watchers},
-            "seeing_notices": {w.source: w.health.problem() is None for w in self.watchers},
-            "problems": problems,
-            "subscribers": 0 if self.server is None else len(self.server.subscribers()),
-        }
+        return status_mod.health_doc(self)
 
     def _sd_status(self) -> str:
-        subs = 0 if self.server is None else len(self.server.subscribers())
-        return (f"cloud={self.cloud} subscribers={subs} active_notices={len(self.book.active)} "
-                f"socket={self.config.socket}")
+        return status_mod.sd_status(self)
 
     async def _housekeeping(self) -> None:
         while True:
@@ -887,23 +659,12 @@ class Daemon:
                 log.info("notice.expired", notice_id=entry.id, source=entry.notice.source,
                          deadline=to_rfc3339(entry.notice.deadline),
                          detail="deadline passed and the VM is still here; no longer replayed")
-                for alias in [a for a, nid in self._aliases.items() if nid == entry.id]:
-                    del self._aliases[alias]
+                self.keeper.expired(entry.id)
             if expired:
-                self._save_state()
+                self.keeper.save()
                 self._reconcile_cluster("expired")
 
     # --- cluster actions: undo spotguard's cordon once the VM outlived its notices ---------
-
-    def _cluster_active_ids(self) -> set[str]:
-        """Cloud emergency notices still active on this node: in the book, or restored from the state file and
-        not yet re-seen nor expired (a restarted daemon keeps the cordon of a notice that is still running)."""
-        ids = {e.id for e in self.book.active.values()
-               if e.notice.emergency and e.notice.source in ("aws", "gcp", "azure")}
-        margin = timedelta(seconds=self.book.expire_margin)
-        now = utcnow()
-        ids.update(n.id for n in self._persisted.values() if n.emergency and n.deadline + margin >= now)
-        return ids
 
     def _reconcile_cluster(self, why: str) -> None:
         """At start and on expiry (cancel goes through ``actions.cancelled``): actions with a ``reconcile``
@@ -913,15 +674,13 @@ class Daemon:
         if not actions:
             return
         for a in actions:
-            a.active = self._cluster_active_ids  # type: ignore[attr-defined]
+            a.active = self.keeper.cluster_active_ids  # type: ignore[attr-defined]
             self._spawn(a.reconcile(why))  # type: ignore[attr-defined]
-        if why == "start":
-            margin = timedelta(seconds=self.book.expire_margin)
-            ends = [n.deadline + margin for n in self._persisted.values() if n.emergency]
-            if ends:
-                delay = (max(ends) - utcnow()).total_seconds() + 1.0
-                if delay > 0:
-                    asyncio.get_running_loop().call_later(delay, self._reconcile_cluster, "expired")
+        end = self.keeper.last_restored_end() if why == "start" else None
+        if end is not None:
+            delay = (end - utcnow()).total_seconds() + 1.0
+            if delay > 0:
+                asyncio.get_running_loop().call_later(delay, self._reconcile_cluster, "expired")
 
     async def _watchdog(self, interval: float) -> None:
         while True:
