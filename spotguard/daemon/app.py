@@ -28,22 +28,16 @@ import signal
 import socket
 import sys
 import time
-import uuid
-from datetime import timedelta
 from typing import Any, Optional, Sequence
 
 from .. import __version__
 from ..logs import configure_logging, get_logger
-from ..notice import EMERGENCY_KINDS, KINDS, Cancel, Notice
+from ..notice import Cancel, Notice
 from ..protocol import (
     VERSION,
     CancelMsg,
-    CheckpointDone,
-    CheckpointFailed,
-    CheckpointStarted,
     Drill,
     DrillCancel,
-    DrillOk,
     ErrorReply,
     Hello,
     Message,
@@ -53,15 +47,16 @@ from ..protocol import (
     encode,
 )
 from ..timefmt import to_rfc3339, utcnow
-from . import status as status_mod
-from .actions import EARLIER_WINDOW, ActionError, ActionRunner
+from . import drills, status as status_mod
+from .actions import ActionError, ActionRunner
 from .book import Entry, NoticeBook
 from .config import ConfigError, DaemonConfig, add_arguments as _add_config_arguments
 from .logsink import LogSink
 from .metrics import Metrics, MetricsServer
 from .persist import state_path_for
+from .reports import Reports
 from .sdnotify import SdNotifier
-from .server import Client, Server, ServerStartError, SocketInUse, drill_allowed
+from .server import Client, Server, ServerStartError, SocketInUse
 from .statefile import StateKeeper
 from .supervise import WatchersUnbuildable, WatcherSupervisor, build_watchers, resolve_cloud
 from .watchers.base import Watcher
@@ -71,7 +66,6 @@ __all__ = ["Daemon", "StartupError", "add_arguments", "main"]
 
 log = get_logger("spotguard.daemon")
 
-MAX_DRILL_DEADLINE = 24 * 3600.0
 # Seconds ``spotguard daemon`` waits for a predecessor still serving its socket (an overlapping rollout).
 TAKEOVER_WAIT = 5.0
 
@@ -120,8 +114,6 @@ class Daemon:
         self.keeper = StateKeeper(state_path_for(config.socket) if state_path == "" else state_path, self.book,
                                   expire_margin=expire_margin)
         self.state = self.keeper.state
-        # Per connected client: its final report for an id this life never saw, and when (_earlier_life_report).
-        self._earlier_final: dict[int, tuple[float, Message]] = {}
         self.metrics = metrics or Metrics()
         self.sd = notifier if notifier is not None else SdNotifier()
         self.signal_watcher = SignalWatcher()
@@ -155,6 +147,7 @@ class Daemon:
                                     reconnect_grace=config.reconnect_grace, on_change=self.keeper.save,
                                     persist=self.keeper.persist)
         self.keeper.attach(self.actions)
+        self.reports = Reports(self.book, self.actions, self.metrics, config, self._progress, self._spawn)
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -315,10 +308,7 @@ class Daemon:
         for c in sent:
             self.book.queued(notice.id, c.id, live=True)
         entry.broadcast_to = len(sent)
-        for c in sent:  # a trainer that already reported for an earlier life's id of (maybe) this notice
-            at, earlier = self._earlier_final.get(c.id, (0.0, None))
-            if earlier is not None and entry.seen_monotonic - at < EARLIER_WINDOW:
-                self._record_earlier(c, earlier, [entry])
+        self.reports.sent(entry, sent)
         if notice.key:
             self.keeper.save()
         self.metrics.notices.labels(notice.source, notice.kind).inc()
@@ -438,110 +428,7 @@ class Daemon:
         self.sd.status(self._sd_status())
 
     def on_report(self, client: Client, msg: Message) -> None:
-        entry, changed = self.book.record(client.id, msg)
-        nid = getattr(msg, "id", "")
-        if entry is None:
-            if isinstance(msg, (CheckpointDone, CheckpointFailed)) and nid and not self.book.seen(nid) \
-                    and self.actions.from_killed_life(client):
-                self._earlier_life_report(client, msg)
-                return
-            log.info("report.unknown_notice", notice_id=nid, message_type=msg.type, **client.log_fields())
-            return
-        if not changed:
-            return
-        fields: dict[str, Any] = {}
-        if isinstance(msg, CheckpointStarted):
-            fields = {"step": msg.step}
-        elif isinstance(msg, CheckpointDone):
-            fields = {"step": msg.step, "uri": msg.uri, "bytes": msg.bytes, "seconds": msg.seconds}
-            if msg.late:
-                fields.update(late=True, seconds_past=msg.seconds_past)
-                log.warning("notice.checkpoint_late", notice_id=nid, step=msg.step, seconds_past=msg.seconds_past,
-                            why="committed after the notice's deadline: it would not have survived a real notice",
-                            **client.log_fields())
-            if msg.seconds >= 0:
-                self.metrics.checkpoint_seconds.observe(msg.seconds)
-            if msg.bytes >= 0:
-                self.metrics.checkpoint_bytes.observe(msg.bytes)
-        elif isinstance(msg, CheckpointFailed):
-            fields = {"error": msg.error[:500]}
-            self.metrics.checkpoint_failures.inc()
-        event = "notice.acked" if msg.type == "ack" else f"notice.{msg.type}"
-        log.info(event, notice_id=nid, seconds_left=round(entry.notice.seconds_left(), 3), **fields,
-                 **client.log_fields())
-        if self.config.azure_ack_after_checkpoint and self.book.ready_for_approval(entry):
-            entry.approved = True
-            self._spawn(self._approve(entry))
-        touched = [entry, *self._same_report_for_siblings(client, msg, entry)]
-        self.actions.progress(touched)
-        self._progress.set()
-
-    def _earlier_life_report(self, client: Client, msg: Message) -> None:
-        """A final report for an id this life never saw: the id an earlier daemon life delivered before it was
-        killed, before the state file had the notice (the same provider notice has a new id here). The trainer
-        checkpointed once, for that id: its report stands for the emergency notices this life sent it, and for
-        it in those seen soon (``ActionRunner.earlier_report``). Before: dropped, and the new id ended
-        ``incomplete`` when the trainer left (daemon chaos, kill -9 before delivery)."""
-        log.info("report.earlier_life_notice", notice_id=getattr(msg, "id", ""), message_type=msg.type,
-                 detail="an id this daemon life never saw: delivered by a daemon killed before it wrote it down",
-                 **client.log_fields())
-        self._earlier_final[client.id] = (time.monotonic(), msg)
-        touched = self._record_earlier(client, msg, [e for e in self.book.active.values() if e.id in client.sent_ids])
-        state = "checkpoint_done" if isinstance(msg, CheckpointDone) else "checkpoint_failed"
-        self.actions.earlier_report(client, state, step=getattr(msg, "step", None), uri=getattr(msg, "uri", None),
-                                    error=getattr(msg, "error", None),
-                                    seconds_past=getattr(msg, "seconds_past", None) if getattr(msg, "late", False)
-                                    else None)
-        if touched:
-            self.actions.progress(touched)
-        self._progress.set()
-
-    def _record_earlier(self, client: Client, msg: Message, entries: list[Entry]) -> list[Entry]:
-        out = []
-        for e in entries:
-            if e.notice.kind not in EMERGENCY_KINDS:
-                continue
-            got, changed = self.book.record(client.id, dataclasses.replace(msg, id=e.id))
-            if got is not None and changed:
-                log.info(f"notice.{msg.type}", notice_id=e.id, same_as=getattr(msg, "id", ""), earlier_life=True,
-                         **client.log_fields())
-                out.append(got)
-        return out
-
-    def _same_report_for_siblings(self, client: Client, msg: Message, entry: Any) -> list[Any]:
-        """A trainer's final report on one emergency notice stands for every other emergency notice it was sent:
-        the hook checkpoints once and reports for the notice it acted on, and a spot interruption inside an ASG
-        is two notices (instance-action and target-lifecycle-state) — the other one must not end ``incomplete``."""
-        if not isinstance(msg, (CheckpointDone, CheckpointFailed)) or entry.notice.kind not in EMERGENCY_KINDS:
-            return []
-        out = []
-        for other in list(self.book.active.values()):
-            if other is entry or other.notice.kind not in EMERGENCY_KINDS or other.id not in client.sent_ids:
-                continue
-            got, changed = self.book.record(client.id, dataclasses.replace(msg, id=other.id))
-            if got is not None and changed:
-                log.info(f"notice.{msg.type}", notice_id=other.id, same_as=entry.id, **client.log_fields())
-                out.append(got)
-        return out
-
-    async def _approve(self, entry: Entry) -> None:
-        w = entry.watcher
-        if w is None or type(w).approve is Watcher.approve:
-            return  # only sources with an approval step (Azure StartRequests)
-        log.info("notice.approving", notice_id=entry.id, source=entry.notice.source,
-                 subscribers=len(entry.reports))
-        try:
-            ok = await w.approve(entry.notice)
-        except Exception as exc:
-            ok, error = False, repr(exc)
-        else:
-            error = "the provider did not accept the approval (see the watcher's log line)"
-        if ok is False:
-            # The event then starts at its own NotBefore; a later report may retry.
-            log.error("notice.approve_failed", notice_id=entry.id, source=entry.notice.source, error=error)
-            entry.approved = False
-            return
-        log.info("notice.approved", notice_id=entry.id, source=entry.notice.source)
+        self.reports.on_report(client, msg)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -556,47 +443,18 @@ class Daemon:
         reply = StatusReply(state=self.status(compact=True))
         return reply if _fits(reply) else ErrorReply(error="status too large for one line")
 
-    def _drill_refusal(self, client: Client) -> Optional[Message]:
-        if drill_allowed(client.peer, self.uid):
-            return None
-        uid = None if client.peer is None else client.peer.uid
-        log.warning("drill.refused", peer_uid_allowed=False, daemon_uid=self.uid, **client.log_fields())
-        return ErrorReply(error=f"drill refused: peer uid {uid} is neither root nor the daemon's uid "
-                                f"{self.uid}; run `spotguard drill` as root or as uid {self.uid}")
-
     def on_drill_cancel(self, client: Client, msg: DrillCancel) -> Message:
         """Withdraw an active drill: subscribers get ``cancel`` and it is no longer replayed."""
-        refused = self._drill_refusal(client)
-        if refused is not None:
-            return refused
-        entry = self.book.get(msg.id)
-        if entry is None or entry.notice.source != "drill":
-            active = [e.id for e in self.book.active.values() if e.notice.source == "drill"]
-            return ErrorReply(error=f"no active drill {msg.id!r} (active drills: {', '.join(active) or 'none'}); "
-                                    "`spotguard status` lists them")
-        log.info("drill.cancel_requested", notice_id=msg.id, **client.log_fields())
-        self.ingest(Cancel(id=msg.id, source="drill", detail="cancelled with spotguard drill --cancel"))
-        return DrillOk(id=msg.id, deadline=to_rfc3339(entry.notice.deadline))
+        reply, cancel = drills.cancel(client, msg, self.uid, self.book)
+        if cancel is not None:
+            self.ingest(cancel)
+        return reply
 
     def on_drill(self, client: Client, msg: Drill) -> Message:
-        refused = self._drill_refusal(client)
-        if refused is not None:
-            return refused
-        if msg.kind not in KINDS:
-            return ErrorReply(error=f"drill refused: unknown kind {msg.kind!r} (one of {', '.join(KINDS)})")
-        if not 0 < msg.deadline_in <= MAX_DRILL_DEADLINE:
-            return ErrorReply(error=f"drill refused: deadline_in must be in (0, {MAX_DRILL_DEADLINE:g}] seconds")
-        now = utcnow()
-        peer = client.peer
-        notice = Notice(
-            id=f"drill-{uuid.uuid4().hex[:16]}", source="drill", kind=msg.kind,
-            deadline=now + timedelta(seconds=msg.deadline_in), received_at=now,
-            detail=f"drill requested by pid {peer.pid if peer else '?'} uid {peer.uid if peer else '?'}",
-        )
-        log.info("drill.accepted", notice_id=notice.id, kind=msg.kind, deadline_in=msg.deadline_in,
-                 **client.log_fields())
-        self.ingest(notice, None)
-        return DrillOk(id=notice.id, deadline=to_rfc3339(notice.deadline))
+        reply, notice = drills.drill(client, msg, self.uid)
+        if notice is not None:
+            self.ingest(notice, None)
+        return reply
 
     def on_delivered(self, client: Client, notice_id: str, latency: Optional[float]) -> None:
         entry = self.book.get(notice_id)
@@ -615,7 +473,7 @@ class Daemon:
         self.metrics.disconnects.labels(_disconnect_label(reason)).inc()
         for entry in self.book.client_gone(client.id):
             self._log_delivered(entry)
-        self._earlier_final.pop(client.id, None)
+        self.reports.forget(client)
         self.actions.forget(client)
         self.actions.progress(self.book.active.values())
         self._progress.set()
