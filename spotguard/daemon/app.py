@@ -30,7 +30,6 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from .. import __version__
 from ..logs import configure_logging, get_logger
 from ..notice import Cancel, Notice
 from ..protocol import (
@@ -47,6 +46,7 @@ from ..protocol import (
     encode,
 )
 from ..timefmt import to_rfc3339, utcnow
+from ..version import __version__
 from . import drills, status as status_mod
 from .actions import ActionError, ActionRunner
 from .book import Entry, NoticeBook

@@ -11,8 +11,8 @@ import os
 import time
 from typing import Any, Optional, Protocol
 
-from .. import __version__
 from ..protocol import VERSION
+from ..version import __version__
 from .actions import ActionRunner
 from .book import NoticeBook
 from .config import DaemonConfig
