@@ -15,6 +15,7 @@ Read from the source with ``ast`` (nothing is imported), so it runs in well unde
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -232,3 +233,33 @@ def test_the_checker_counts_module_level_imports_only(source: str, expected: set
 def test_the_checker_finds_a_circle() -> None:
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+STEP_REF = re.compile(r"`(spotguard/[\w/]+\.py):([A-Za-z_][\w.]*)`")
+
+
+def _defines(path: Path, dotted: str) -> bool:
+    """``path`` defines ``dotted`` (``func``, ``Class`` or ``Class.method``) at its top level."""
+    scope: list[ast.stmt] = ast.parse(path.read_text(encoding="utf-8")).body
+    for part in dotted.split("."):
+        found = next((n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                      and n.name == part), None)
+        if found is None:
+            return False
+        scope = found.body
+    return True
+
+
+def test_the_notice_path_in_architecture_md_names_only_functions_that_exist() -> None:
+    """docs/architecture.md's numbered path of a notice: every ``file:function`` step is real (a rename must
+    update the document a newcomer follows)."""
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    section = text.split("## The path of a notice", 1)[1].split("\n## ", 1)[0]
+    refs = STEP_REF.findall(section)
+    assert len(refs) >= 15, f"the notice path lists too few file:function steps ({len(refs)})"
+    missing = [f"{f}:{name}" for f, name in refs if not (ROOT / f).is_file() or not _defines(ROOT / f, name)]
+    assert not missing, f"docs/architecture.md names steps that do not exist: {missing}"
+    # the numbered list runs from the watcher to the record, in order
+    numbers = [int(m) for m in re.findall(r"^(\d+)\. ", section, re.M)]
+    assert numbers == list(range(1, len(numbers) + 1)) and len(numbers) >= 12, numbers
