@@ -40,8 +40,6 @@ LONG_ALLOWED: dict[str, str] = {
                                "apart; splitting the class further would share its attributes across files",
     "spotguard/daemon/watchers/aws.py": "one watcher: IMDSv2 token, hop-limit detection and four polled paths "
                                         "(spot, rebalance, scheduled events, ASG lifecycle) that share the token",
-    "spotguard/emulator/state.py": "the emulator's one state object: three clouds' notices, faults and request "
-                                   "counters behind one lock, read by the tests through its methods",
     "spotguard/storage/commit.py": "the commit protocol of one folder layout: folder states (scan, newest "
                                    "committed), writing, retention and quarantine share its naming and checks; "
                                    "the record is record.py",
