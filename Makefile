@@ -198,7 +198,7 @@ $(FRAMEWORKS_STAMP): $(PY) requirements-frameworks.txt
 	$(PY) -c "import torch, sys; v = torch.__version__; print('frameworks-tools: torch', v); sys.exit(0 if v.startswith('2.13.0') else 1)"
 	touch $@
 
-# torchft replica-group engine (spotguard/hook/torchft.py): torchft-nightly with --no-deps so
+# torchft replica-group engine (spotguard/torchft/): torchft-nightly with --no-deps so
 # torch is never replaced, its runtime requirements from requirements-torchft-deps.txt, and a
 # check that torch is still 2.13.0 and the lighthouse binary is there. Without it the torchft
 # tests skip (importorskip). Re-runs only when the pins change.

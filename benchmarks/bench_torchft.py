@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spotguard.ftreplica import Group, ReplicaJob
+from spotguard.torchft.launch import Group, ReplicaJob
 
 TRIALS = int(os.environ.get("SG_BENCH_TRIALS", "10"))
 RESTARTS = int(os.environ.get("SG_BENCH_RESTARTS", "3"))

@@ -804,10 +804,11 @@ def check_torchft(budget: float) -> dict[str, Any]:
         import torchft  # noqa: F401
     except ImportError as exc:
         return {"pass": False, "error": f"torchft not importable ({exc}): carry its wheels (make gpu-wheels)"}
-    from spotguard.ftreplica import LR, lr_factor, start_lighthouse
-    from spotguard.hook.torchft import lighthouse_args
     from spotguard.storage import open_storage
     from spotguard.storage.commit import newest_committed
+    from spotguard.torchft.engine import lighthouse_args
+    from spotguard.torchft.launch import start_lighthouse
+    from spotguard.torchft.worker import LR, lr_factor
 
     t_end = time.monotonic() + budget
     store = tempfile.mkdtemp(prefix="sg-gpu-ft-")
@@ -817,7 +818,7 @@ def check_torchft(budget: float) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     try:
         for extra in (["--notify-at", str(notify_at)], []):
-            argv = [sys.executable, "-m", "spotguard.ftreplica", "--replica-id", "g0", "--lighthouse", lh.addr,
+            argv = [sys.executable, "-m", "spotguard.torchft.worker", "--replica-id", "g0", "--lighthouse", lh.addr,
                     "--storage", store, "--steps", str(steps), "--step-time", "0.02", "--device", device, *extra]
             try:
                 proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=_env(),

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .version import __version__
+
 if TYPE_CHECKING:
     from .notice import Cancel, Notice
 
-__version__ = "0.1.0"
 __all__ = ["Notice", "Cancel", "install_preemption_hook", "Preempted", "__version__"]
 
 

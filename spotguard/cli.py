@@ -32,7 +32,7 @@ EXIT_USAGE = 2
 
 def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     """Only the chosen subcommand's module is imported: one broken module cannot break the others."""
-    from . import __version__
+    from .version import __version__
 
     parser = argparse.ArgumentParser(prog="spotguard", description="Turn spot/preemptible VM termination notices into a committed checkpoint and a clean exit.")
     parser.add_argument("--version", action="version", version=f"spotguard {__version__}")

@@ -23,28 +23,20 @@ import asyncio
 # drops privileges may not be able to read the standard library any more.
 import concurrent.futures.thread  # noqa: F401
 import dataclasses
-import inspect
 import os
 import signal
 import socket
 import sys
 import time
-import uuid
-from datetime import timedelta
 from typing import Any, Optional, Sequence
 
-from .. import __version__
 from ..logs import configure_logging, get_logger
-from ..notice import EMERGENCY_KINDS, KINDS, Cancel, Notice
+from ..notice import Cancel, Notice
 from ..protocol import (
     VERSION,
     CancelMsg,
-    CheckpointDone,
-    CheckpointFailed,
-    CheckpointStarted,
     Drill,
     DrillCancel,
-    DrillOk,
     ErrorReply,
     Hello,
     Message,
@@ -54,25 +46,26 @@ from ..protocol import (
     encode,
 )
 from ..timefmt import to_rfc3339, utcnow
-from .actions import EARLIER_WINDOW, ActionError, ActionRunner
+from ..version import __version__
+from . import drills, status as status_mod
+from .actions import ActionError, ActionRunner
 from .book import Entry, NoticeBook
 from .config import ConfigError, DaemonConfig, add_arguments as _add_config_arguments
 from .logsink import LogSink
 from .metrics import Metrics, MetricsServer
-from .persist import NoticeState, state_path_for
+from .persist import state_path_for
+from .reports import Reports
 from .sdnotify import SdNotifier
-from .server import Client, Server, ServerStartError, SocketInUse, drill_allowed
-from .watchers.base import Backoff, Watcher
+from .server import Client, Server, ServerStartError, SocketInUse
+from .statefile import StateKeeper
+from .supervise import WatchersUnbuildable, WatcherSupervisor, build_watchers, resolve_cloud
+from .watchers.base import Watcher
 from .watchers.signal import SignalWatcher
 
 __all__ = ["Daemon", "StartupError", "add_arguments", "main"]
 
 log = get_logger("spotguard.daemon")
 
-MAX_DRILL_DEADLINE = 24 * 3600.0
-# Seconds: an emergency notice further off than this is not waited for by ``wait-checkpoint``
-# until its checkpoint starts (the hook's default SPOTGUARD_EMERGENCY_LEAD).
-FAR_NOTICE = 300.0
 # Seconds ``spotguard daemon`` waits for a predecessor still serving its socket (an overlapping rollout).
 TAKEOVER_WAIT = 5.0
 
@@ -118,12 +111,9 @@ class Daemon:
         self.config = config
         self.book = NoticeBook(expire_margin=expire_margin)
         # Active notices survive a daemon restart with their ids ("" = next to the socket, None = off).
-        self.state = NoticeState(state_path_for(config.socket) if state_path == "" else state_path,
-                                 expire_margin=expire_margin)
-        self._persisted: dict[tuple[str, str], Notice] = {}
-        self._aliases: dict[str, str] = {}  # a watcher's fresh id -> the persisted id of the same notice
-        # Per connected client: its final report for an id this life never saw, and when (_earlier_life_report).
-        self._earlier_final: dict[int, tuple[float, Message]] = {}
+        self.keeper = StateKeeper(state_path_for(config.socket) if state_path == "" else state_path, self.book,
+                                  expire_margin=expire_margin)
+        self.state = self.keeper.state
         self.metrics = metrics or Metrics()
         self.sd = notifier if notifier is not None else SdNotifier()
         self.signal_watcher = SignalWatcher()
@@ -131,7 +121,6 @@ class Daemon:
         self.watchers: list[Watcher] = []
         self._given_watchers = None if watchers is None else list(watchers)
         self.install_signals = install_signals
-        self.restart_backoff = restart_backoff
         self.housekeeping_interval = housekeeping_interval
         self.write_timeout = write_timeout
         self.takeover_wait = takeover_wait
@@ -145,8 +134,9 @@ class Daemon:
         self.stopped = asyncio.Event()
         self._stop = asyncio.Event()
         self._progress = asyncio.Event()  # a subscriber reported or left: re-check the shutdown condition
-        self._watcher_tasks: dict[int, asyncio.Task[None]] = {}
-        self._restarts: dict[str, int] = {}
+        # ``ingest`` looked up per event (not bound now), as before the supervisor was its own object
+        self.supervisor = WatcherSupervisor(lambda event, w: self.ingest(event, w), self.metrics, self._stop,
+                                            restart_backoff)
         self._tasks: list[asyncio.Task[Any]] = []
         self._termination_task: Optional[asyncio.Task[None]] = None
         self._side_tasks: set[asyncio.Task[Any]] = set()
@@ -154,14 +144,10 @@ class Daemon:
         self._shut = False
         # Cluster actions (webhooks, Kubernetes, ASG lifecycle): off the delivery path, see actions/.
         self.actions = ActionRunner([], node=self.node, counter=self.metrics.actions,
-                                    reconnect_grace=config.reconnect_grace, on_change=self._save_state,
-                                    persist=self._persist_state)
-        self._state_dirty = False
-        self._state_writer: Optional[asyncio.Task[None]] = None
-        # Set once the earlier life's state file was read: a trainer that reconnects before then (the socket is
-        # bound first) must not have it overwritten unread (its subscriber list, with the trainers of a kill -9).
-        self._state_loaded = False
-        self._subscribers_at_stop = 0
+                                    reconnect_grace=config.reconnect_grace, on_change=self.keeper.save,
+                                    persist=self.keeper.persist)
+        self.keeper.attach(self.actions)
+        self.reports = Reports(self.book, self.actions, self.metrics, config, self._progress, self._spawn)
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -184,8 +170,11 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.config
-        self.cloud = await self._resolve_cloud()
-        built = self._given_watchers if self._given_watchers is not None else await self._build_watchers(self.cloud)
+        self.cloud = await resolve_cloud(cfg)
+        try:
+            built = self._given_watchers if self._given_watchers is not None else await build_watchers(cfg, self.cloud)
+        except WatchersUnbuildable as exc:
+            raise StartupError(str(exc)) from None
         self.watchers = [*built, self.signal_watcher]
         for w in self.watchers:
             w.health.stale_after = cfg.health_stale_after
@@ -201,11 +190,7 @@ class Daemon:
         await self._start_actions()
         await asyncio.to_thread(lambda: None)  # the state writer's thread exists before the first notice
         # Only now: the socket is ours, so no live daemon is using the state file beside it.
-        self._persisted = self.state.load()
-        self._restore_action_state()
-        self._state_loaded = True
-        if self._state_dirty:
-            self._save_state()
+        self.keeper.load(then=self._restore_action_state)
         self._reconcile_cluster("start")
         if cfg.metrics_port:
             self.metrics_server = MetricsServer(self.metrics, cfg.metrics_port, self._health)
@@ -220,8 +205,7 @@ class Daemon:
             loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
             loop.add_signal_handler(signal.SIGINT, self._on_sigint)
             self._signals = [signal.SIGTERM, signal.SIGINT]
-        for w in self.watchers:
-            self._watcher_tasks[id(w)] = asyncio.create_task(self._supervise(w), name=f"watcher-{w.source}")
+        self.supervisor.start(self.watchers)
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="spotguard-housekeeping"))
         if self.sd.watchdog_interval:
             self._tasks.append(asyncio.create_task(self._watchdog(self.sd.watchdog_interval), name="sd-watchdog"))
@@ -251,13 +235,14 @@ class Daemon:
         if self._shut:
             return
         self._shut = True
+        self.keeper.closed = True
         self._stop_deciding()
         self.sd.stopping(f"stopping ({self.shutting_down or 'requested'})")
         if self._signals:
             loop = asyncio.get_running_loop()
             for sig in self._signals:
                 loop.remove_signal_handler(sig)
-        tasks = [*self._watcher_tasks.values(), *self._tasks, *self._side_tasks]
+        tasks = [*self.supervisor.tasks(), *self._tasks, *self._side_tasks]
         if self._termination_task is not None and self._termination_task is not asyncio.current_task():
             tasks.append(self._termination_task)
         for t in tasks:
@@ -271,7 +256,7 @@ class Daemon:
         closes = [asyncio.ensure_future(self._close_watcher(w)) for w in self.watchers]
         if closes:
             await asyncio.wait(closes, timeout=0.4)
-        await self._flush_state()
+        await self.keeper.flush()
         if self.metrics_server is not None:
             await self.metrics_server.close()
         self.sd.close()
@@ -295,84 +280,11 @@ class Daemon:
         except Exception as exc:  # a watcher's close must not block shutdown
             log.warning("watcher.close_failed", source=w.source, error=repr(exc))
 
-    async def _resolve_cloud(self) -> str:
-        cfg = self.config
-        if cfg.cloud != "auto":
-            return cfg.cloud
-        try:
-            from .watchers.detect import detect_cloud
-
-            kwargs = {"dmi_root": cfg.dmi_root, "probe_base_url": cfg.metadata_url}
-            if inspect.iscoroutinefunction(detect_cloud):
-                cloud = await detect_cloud(**kwargs)
-            else:
-                cloud = await asyncio.to_thread(detect_cloud, **kwargs)
-        except Exception as exc:
-            log.warning("cloud.detect_failed", error=repr(exc), fallback="none",
-                        fix="pass --cloud aws|gcp|azure explicitly")
-            return "none"
-        cloud = str(cloud or "none")
-        log.info("cloud.detected", cloud=cloud, dmi_root=cfg.dmi_root)
-        if cloud == "none":
-            log.warning("cloud.none", detail="no cloud detected: watching SIGTERM and drills only",
-                        fix="pass --cloud aws|gcp|azure if this is a cloud VM")
-        return cloud
-
-    async def _build_watchers(self, cloud: str) -> list[Watcher]:
-        if cloud == "none":
-            return []
-        try:
-            from .watchers.registry import build_watchers
-
-            result = build_watchers(cloud, self.config.metadata_url, self.config.poll_interval,
-                                    azure_vm_name=self.config.azure_vm_name or None)
-            if inspect.isawaitable(result):
-                result = await result
-        except Exception as exc:
-            raise StartupError(f"cannot build the {cloud} watchers ({type(exc).__name__}: {exc}); check --cloud "
-                               "and --metadata-url") from None
-        return list(result)
-
-    # --- watchers --------------------------------------------------------------
-
-    async def _supervise(self, w: Watcher) -> None:
-        """Run one watcher forever; a crash is logged, counted and restarted with backoff."""
-        base, cap = self.restart_backoff
-        backoff = Backoff(base=base, cap=cap)
-        loop = asyncio.get_running_loop()
-        while True:
-            started = loop.time()
-            try:
-                async for event in w.events():
-                    try:
-                        self.ingest(event, w)
-                    except Exception as exc:
-                        log.error("notice.ingest_failed", source=w.source, error=repr(exc), exc_info=True)
-                if self._stop.is_set():
-                    return
-                log.warning("watcher.ended", source=w.source, detail="events() returned; restarting")
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.error("watcher.crashed", source=w.source, error=f"{type(exc).__name__}: {exc}", exc_info=True)
-                try:
-                    w.health.error("crash", f"{type(exc).__name__}: {exc}")
-                except Exception:
-                    pass
-            self._restarts[w.source] = self._restarts.get(w.source, 0) + 1
-            self.metrics.watcher_restarts.labels(w.source).inc()
-            if loop.time() - started > 60:
-                backoff.reset()
-            delay = backoff.next_delay()
-            log.info("watcher.restarting", source=w.source, in_seconds=round(delay, 3),
-                     restarts=self._restarts[w.source])
-            await asyncio.sleep(delay)
-
     def ingest(self, event: Any, watcher: Optional[Watcher] = None) -> Optional[Entry]:
         """One event from a source: de-dup, record, fan out. Returns the new entry, if any."""
         assert self.server is not None
         if isinstance(event, Cancel):
-            notice_id = self._aliases.pop(event.id, event.id)
+            notice_id = self.keeper.cancelled_id(event.id)
             entry = self.book.cancel(notice_id)
             if entry is None:
                 return None
@@ -380,13 +292,13 @@ class Daemon:
             log.info("notice.cancelled", notice_id=notice_id, source=event.source, detail=event.detail[:500])
             self.metrics.cancels.labels(event.source).inc()
             self.actions.cancelled(notice_id)
-            self._save_state()
+            self.keeper.save()
             self._progress.set()
             return None
         if not isinstance(event, Notice):
             log.warning("watcher.bad_event", source=getattr(watcher, "source", None), event_type=type(event).__name__)
             return None
-        notice = self._restored(_fit_line(event))
+        notice = self.keeper.restored(_fit_line(event))
         entry = self.book.add(notice, watcher)
         if entry is None:
             return None
@@ -396,12 +308,9 @@ class Daemon:
         for c in sent:
             self.book.queued(notice.id, c.id, live=True)
         entry.broadcast_to = len(sent)
-        for c in sent:  # a trainer that already reported for an earlier life's id of (maybe) this notice
-            at, earlier = self._earlier_final.get(c.id, (0.0, None))
-            if earlier is not None and entry.seen_monotonic - at < EARLIER_WINDOW:
-                self._record_earlier(c, earlier, [entry])
+        self.reports.sent(entry, sent)
         if notice.key:
-            self._save_state()
+            self.keeper.save()
         self.metrics.notices.labels(notice.source, notice.kind).inc()
         log.info("notice.seen", notice_id=notice.id, source=notice.source, kind=notice.kind,
                  deadline=to_rfc3339(notice.deadline), received_at=to_rfc3339(notice.received_at),
@@ -415,87 +324,11 @@ class Daemon:
             self._termination_task = asyncio.create_task(self._terminate(notice), name="spotguard-termination")
         return entry
 
-    def _restored(self, notice: Notice) -> Notice:
-        """The same provider notice seen before a daemon restart keeps its id, deadline and received_at."""
-        alias = self._aliases.get(notice.id)
-        if alias is not None:
-            return dataclasses.replace(notice, id=alias)
-        if not notice.key:
-            return notice
-        for entry in self.book.active.values():  # a watcher restarted in this daemon life
-            if entry.notice.key == notice.key and entry.notice.source == notice.source:
-                if entry.id != notice.id:
-                    self._aliases[notice.id] = entry.id
-                return dataclasses.replace(notice, id=entry.id, deadline=entry.notice.deadline,
-                                           received_at=entry.notice.received_at)
-        old = self._persisted.pop((notice.source, notice.key), None)
-        if old is None or old.kind != notice.kind:
-            return notice
-        if old.id != notice.id:
-            self._aliases[notice.id] = old.id
-        log.info("notice.restored", notice_id=old.id, watcher_id=notice.id, source=notice.source, kind=notice.kind,
-                 deadline=to_rfc3339(old.deadline), detail="seen before a daemon restart: same id and deadline")
-        return dataclasses.replace(notice, id=old.id, deadline=old.deadline, received_at=old.received_at)
-
-    # --- the state file: notices + action state, written off the delivery path ---------------
-
-    def _state_notices(self) -> list[Notice]:
-        now = utcnow()
-        margin = timedelta(seconds=self.book.expire_margin)
-        left = [n for n in self._persisted.values() if n.deadline + margin >= now]  # not re-seen (yet)
-        return [*(e.notice for e in self.book.active.values() if e.notice.key), *left]
-
-    def _save_state(self) -> None:
-        """The active notices (and their action state) changed: write the state file soon, from a worker
-        thread, after the fan-out already queued has gone out. Never waits: a slow disk (SkyPilot keeps the
-        socket under $HOME) must not stand between a notice and its subscribers."""
-        self._state_dirty = True
-        if self._shut or not self._state_loaded:
-            return  # shutdown writes the final state itself (_flush_state); before the load: start() writes it
-        if self._state_writer is None or self._state_writer.done():
-            try:
-                self._state_writer = asyncio.get_running_loop().create_task(self._write_state(),
-                                                                            name="spotguard-state-writer")
-            except RuntimeError:  # no loop (a unit test calling ingest synchronously)
-                self._write_state_now()
-
-    async def _write_state(self) -> None:
-        await asyncio.sleep(0)  # the client writers queued by this fan-out run first
-        while self._state_dirty:
-            self._state_dirty = False
-            data = self.state.encode(self._state_notices(), self.actions.states(),
-                                     subscribed=self.actions.registry())
-            if data is not None:
-                await asyncio.to_thread(self.state.write, data)
-
-    def _write_state_now(self) -> None:
-        self._state_dirty = False
-        data = self.state.encode(self._state_notices(), self.actions.states(), subscribers=self._subscribers_at_stop)
-        if data is not None:
-            self.state.write(data)
-
-    async def _persist_state(self) -> None:
-        """Write the state file now (off the loop) and return once it is on disk: before an outcome is sent."""
-        self._save_state()
-        writer = self._state_writer
-        if writer is not None and not writer.done():
-            await asyncio.shield(writer)
-
-    async def _flush_state(self) -> None:
-        """At shutdown: wait (bounded) for a write in flight, then write what is left inline."""
-        if not self._state_loaded:
-            return  # stopped before the earlier life's state file was read: leave it for the next life
-        writer = self._state_writer
-        if writer is not None and not writer.done():
-            await asyncio.wait([writer], timeout=2.0)
-        if self._state_dirty or writer is not None or self._subscribers_at_stop:
-            self._write_state_now()
-
     def _restore_action_state(self) -> None:
         """Hand the action state of the notices an earlier life persisted to the action runner."""
         from .actions import ActionState
 
-        restarted = bool(self._persisted) or self.state.subscribers > 0 or bool(self.server and self.server.found_stale)
+        restarted = bool(self.keeper.persisted) or self.state.subscribers > 0 or bool(self.server and self.server.found_stale)
         self.actions.restore({nid: ActionState.from_dict(doc) for nid, doc in self.state.actions.items()},
                              restarted=restarted, earlier_subscribers=self.state.subscribed)
 
@@ -503,7 +336,7 @@ class Daemon:
         """From the first moment of a stop: the disconnects of our own shutdown are not the trainers' outcome;
         the next daemon life decides it (the notice and its action state stay in the state file)."""
         self.actions.stopping = True
-        self._subscribers_at_stop = 0 if self.server is None else len(self.server.subscribers())
+        self.keeper.subscribers_at_stop = 0 if self.server is None else len(self.server.subscribers())
 
     # --- shutdown on SIGTERM --------------------------------------------------
 
@@ -595,110 +428,7 @@ class Daemon:
         self.sd.status(self._sd_status())
 
     def on_report(self, client: Client, msg: Message) -> None:
-        entry, changed = self.book.record(client.id, msg)
-        nid = getattr(msg, "id", "")
-        if entry is None:
-            if isinstance(msg, (CheckpointDone, CheckpointFailed)) and nid and not self.book.seen(nid) \
-                    and self.actions.from_killed_life(client):
-                self._earlier_life_report(client, msg)
-                return
-            log.info("report.unknown_notice", notice_id=nid, message_type=msg.type, **client.log_fields())
-            return
-        if not changed:
-            return
-        fields: dict[str, Any] = {}
-        if isinstance(msg, CheckpointStarted):
-            fields = {"step": msg.step}
-        elif isinstance(msg, CheckpointDone):
-            fields = {"step": msg.step, "uri": msg.uri, "bytes": msg.bytes, "seconds": msg.seconds}
-            if msg.late:
-                fields.update(late=True, seconds_past=msg.seconds_past)
-                log.warning("notice.checkpoint_late", notice_id=nid, step=msg.step, seconds_past=msg.seconds_past,
-                            why="committed after the notice's deadline: it would not have survived a real notice",
-                            **client.log_fields())
-            if msg.seconds >= 0:
-                self.metrics.checkpoint_seconds.observe(msg.seconds)
-            if msg.bytes >= 0:
-                self.metrics.checkpoint_bytes.observe(msg.bytes)
-        elif isinstance(msg, CheckpointFailed):
-            fields = {"error": msg.error[:500]}
-            self.metrics.checkpoint_failures.inc()
-        event = "notice.acked" if msg.type == "ack" else f"notice.{msg.type}"
-        log.info(event, notice_id=nid, seconds_left=round(entry.notice.seconds_left(), 3), **fields,
-                 **client.log_fields())
-        if self.config.azure_ack_after_checkpoint and self.book.ready_for_approval(entry):
-            entry.approved = True
-            self._spawn(self._approve(entry))
-        touched = [entry, *self._same_report_for_siblings(client, msg, entry)]
-        self.actions.progress(touched)
-        self._progress.set()
-
-    def _earlier_life_report(self, client: Client, msg: Message) -> None:
-        """A final report for an id this life never saw: the id an earlier daemon life delivered before it was
-        killed, before the state file had the notice (the same provider notice has a new id here). The trainer
-        checkpointed once, for that id: its report stands for the emergency notices this life sent it, and for
-        it in those seen soon (``ActionRunner.earlier_report``). Before: dropped, and the new id ended
-        ``incomplete`` when the trainer left (daemon chaos, kill -9 before delivery)."""
-        log.info("report.earlier_life_notice", notice_id=getattr(msg, "id", ""), message_type=msg.type,
-                 detail="an id this daemon life never saw: delivered by a daemon killed before it wrote it down",
-                 **client.log_fields())
-        self._earlier_final[client.id] = (time.monotonic(), msg)
-        touched = self._record_earlier(client, msg, [e for e in self.book.active.values() if e.id in client.sent_ids])
-        state = "checkpoint_done" if isinstance(msg, CheckpointDone) else "checkpoint_failed"
-        self.actions.earlier_report(client, state, step=getattr(msg, "step", None), uri=getattr(msg, "uri", None),
-                                    error=getattr(msg, "error", None),
-                                    seconds_past=getattr(msg, "seconds_past", None) if getattr(msg, "late", False)
-                                    else None)
-        if touched:
-            self.actions.progress(touched)
-        self._progress.set()
-
-    def _record_earlier(self, client: Client, msg: Message, entries: list[Entry]) -> list[Entry]:
-        out = []
-        for e in entries:
-            if e.notice.kind not in EMERGENCY_KINDS:
-                continue
-            got, changed = self.book.record(client.id, dataclasses.replace(msg, id=e.id))
-            if got is not None and changed:
-                log.info(f"notice.{msg.type}", notice_id=e.id, same_as=getattr(msg, "id", ""), earlier_life=True,
-                         **client.log_fields())
-                out.append(got)
-        return out
-
-    def _same_report_for_siblings(self, client: Client, msg: Message, entry: Any) -> list[Any]:
-        """A trainer's final report on one emergency notice stands for every other emergency notice it was sent:
-        the hook checkpoints once and reports for the notice it acted on, and a spot interruption inside an ASG
-        is two notices (instance-action and target-lifecycle-state) — the other one must not end ``incomplete``."""
-        if not isinstance(msg, (CheckpointDone, CheckpointFailed)) or entry.notice.kind not in EMERGENCY_KINDS:
-            return []
-        out = []
-        for other in list(self.book.active.values()):
-            if other is entry or other.notice.kind not in EMERGENCY_KINDS or other.id not in client.sent_ids:
-                continue
-            got, changed = self.book.record(client.id, dataclasses.replace(msg, id=other.id))
-            if got is not None and changed:
-                log.info(f"notice.{msg.type}", notice_id=other.id, same_as=entry.id, **client.log_fields())
-                out.append(got)
-        return out
-
-    async def _approve(self, entry: Entry) -> None:
-        w = entry.watcher
-        if w is None or type(w).approve is Watcher.approve:
-            return  # only sources with an approval step (Azure StartRequests)
-        log.info("notice.approving", notice_id=entry.id, source=entry.notice.source,
-                 subscribers=len(entry.reports))
-        try:
-            ok = await w.approve(entry.notice)
-        except Exception as exc:
-            ok, error = False, repr(exc)
-        else:
-            error = "the provider did not accept the approval (see the watcher's log line)"
-        if ok is False:
-            # The event then starts at its own NotBefore; a later report may retry.
-            log.error("notice.approve_failed", notice_id=entry.id, source=entry.notice.source, error=error)
-            entry.approved = False
-            return
-        log.info("notice.approved", notice_id=entry.id, source=entry.notice.source)
+        self.reports.on_report(client, msg)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -713,47 +443,18 @@ class Daemon:
         reply = StatusReply(state=self.status(compact=True))
         return reply if _fits(reply) else ErrorReply(error="status too large for one line")
 
-    def _drill_refusal(self, client: Client) -> Optional[Message]:
-        if drill_allowed(client.peer, self.uid):
-            return None
-        uid = None if client.peer is None else client.peer.uid
-        log.warning("drill.refused", peer_uid_allowed=False, daemon_uid=self.uid, **client.log_fields())
-        return ErrorReply(error=f"drill refused: peer uid {uid} is neither root nor the daemon's uid "
-                                f"{self.uid}; run `spotguard drill` as root or as uid {self.uid}")
-
     def on_drill_cancel(self, client: Client, msg: DrillCancel) -> Message:
         """Withdraw an active drill: subscribers get ``cancel`` and it is no longer replayed."""
-        refused = self._drill_refusal(client)
-        if refused is not None:
-            return refused
-        entry = self.book.get(msg.id)
-        if entry is None or entry.notice.source != "drill":
-            active = [e.id for e in self.book.active.values() if e.notice.source == "drill"]
-            return ErrorReply(error=f"no active drill {msg.id!r} (active drills: {', '.join(active) or 'none'}); "
-                                    "`spotguard status` lists them")
-        log.info("drill.cancel_requested", notice_id=msg.id, **client.log_fields())
-        self.ingest(Cancel(id=msg.id, source="drill", detail="cancelled with spotguard drill --cancel"))
-        return DrillOk(id=msg.id, deadline=to_rfc3339(entry.notice.deadline))
+        reply, cancel = drills.cancel(client, msg, self.uid, self.book)
+        if cancel is not None:
+            self.ingest(cancel)
+        return reply
 
     def on_drill(self, client: Client, msg: Drill) -> Message:
-        refused = self._drill_refusal(client)
-        if refused is not None:
-            return refused
-        if msg.kind not in KINDS:
-            return ErrorReply(error=f"drill refused: unknown kind {msg.kind!r} (one of {', '.join(KINDS)})")
-        if not 0 < msg.deadline_in <= MAX_DRILL_DEADLINE:
-            return ErrorReply(error=f"drill refused: deadline_in must be in (0, {MAX_DRILL_DEADLINE:g}] seconds")
-        now = utcnow()
-        peer = client.peer
-        notice = Notice(
-            id=f"drill-{uuid.uuid4().hex[:16]}", source="drill", kind=msg.kind,
-            deadline=now + timedelta(seconds=msg.deadline_in), received_at=now,
-            detail=f"drill requested by pid {peer.pid if peer else '?'} uid {peer.uid if peer else '?'}",
-        )
-        log.info("drill.accepted", notice_id=notice.id, kind=msg.kind, deadline_in=msg.deadline_in,
-                 **client.log_fields())
-        self.ingest(notice, None)
-        return DrillOk(id=notice.id, deadline=to_rfc3339(notice.deadline))
+        reply, notice = drills.drill(client, msg, self.uid)
+        if notice is not None:
+            self.ingest(notice, None)
+        return reply
 
     def on_delivered(self, client: Client, notice_id: str, latency: Optional[float]) -> None:
         entry = self.book.get(notice_id)
@@ -772,7 +473,7 @@ class Daemon:
         self.metrics.disconnects.labels(_disconnect_label(reason)).inc()
         for entry in self.book.client_gone(client.id):
             self._log_delivered(entry)
-        self._earlier_final.pop(client.id, None)
+        self.reports.forget(client)
         self.actions.forget(client)
         self.actions.progress(self.book.active.values())
         self._progress.set()
@@ -786,98 +487,27 @@ class Daemon:
             fields.update(latency_ms_p50=round(lat[len(lat) // 2] * 1e3, 3), latency_ms_max=round(lat[-1] * 1e3, 3))
         log.info("notice.delivered", notice_id=entry.id, source=entry.notice.source, kind=entry.notice.kind, **fields)
 
-    # --- operations --------------------------------------------------------------
+    # --- operations (status.py) ------------------------------------------------------
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
 
     def status(self, compact: bool = False) -> dict[str, Any]:
         """The ``status`` reply; ``compact`` lists at most 32 subscribers and counts states per notice."""
-        server = self.server
-        watchers = []
-        for w in self.watchers:
-            d = dict(w.health.to_dict())
-            task = self._watcher_tasks.get(id(w))
-            d["running"] = task is not None and not task.done()
-            d["restarts"] = self._restarts.get(w.source, 0)
-            watchers.append(d)
-        last = self.book.last
-        subscribers = [] if server is None else [c.describe() for c in server.subscribers()]
-        healthy, problems = self.health()
-        return {
-            "daemon_version": __version__,
-            "protocol_version": VERSION,
-            "node": self.node(),
-            "cloud": self.cloud,
-            "sources": self.sources(),
-            "pid": os.getpid(),
-            "uid": self.uid,
-            "uptime_seconds": round(time.monotonic() - self.started_monotonic, 3),
-            "socket": self.config.socket,
-            "watchers": watchers,
-            "subscribers": subscribers[:32] if compact else subscribers,
-            "subscribers_total": len(subscribers),
-            "clients": 0 if server is None else len(server.clients),
-            "active_notices": self.book.snapshot(compact=compact),
-            "last_notice": None if last is None else last.to_wire(),
-            "notices_total": self.book.total,
-            "azure_ack_after_checkpoint": self.config.azure_ack_after_checkpoint,
-            "actions": [a.name for a in self.actions.actions],
-            "sigterm_notice": self.config.sigterm_notice,
-            "shutting_down": self.shutting_down,
-            "healthy": healthy,
-            "problems": problems,
-            "checkpoint_pending": self.checkpoint_pending(),
-            "log_write_errors": self.metrics.log_write_errors(),
-        }
+        return status_mod.status(self, compact)
 
     def health(self) -> tuple[bool, list[str]]:
-        """Healthy = serving the socket and every metadata watcher sees notices; else the problems,
-        one line each with its fix (what /healthz and ``spotguard status --check`` report)."""
-        problems: list[str] = []
-        if not (self.server is not None and self.server.serving and not self._stop.is_set()):
-            problems.append(f"not serving {self.config.socket}" + (" (shutting down)" if self._stop.is_set() else ""))
-        for w in self.watchers:
-            problem = w.health.problem()
-            if problem is not None:
-                problems.append(problem)
-        return not problems, problems
+        return status_mod.health(self)
 
     def checkpoint_pending(self) -> dict[str, Any]:
-        """For ``spotguard wait-checkpoint``: the active emergency notices, and the connected
-        subscribers that have not reported ``checkpoint_done``/``checkpoint_failed`` for each."""
-        notices = [e for e in self.book.active.values() if e.notice.emergency]
-        waiting: list[dict[str, Any]] = []
-        subs = [] if self.server is None else self.server.subscribers()
-        for c in subs:
-            late = []
-            for e in notices:
-                r = e.reports.get(c.id)
-                state = "queued" if r is None else r.state
-                if state in ("checkpoint_done", "checkpoint_failed"):
-                    continue
-                # A far notice (a GCP GPU maintenance window an hour out) is not being checkpointed yet:
-                # the hook keeps training until SPOTGUARD_EMERGENCY_LEAD before it. Wait only for one
-                # that is near, or whose checkpoint has started.
-                if state == "checkpoint_started" or e.notice.seconds_left() <= FAR_NOTICE:
-                    late.append(e.id)
-            if late:
-                waiting.append({**c.describe(), "notices": late})
-        return {"notices": [e.id for e in notices], "count": len(waiting), "subscribers": waiting[:32]}
+        return status_mod.checkpoint_pending(self)
 
     def _health(self) -> tuple[bool, dict[str, Any]]:
-        ok, problems = self.health()
-        return ok, {
-            "socket": self.config.socket,
-            "serving": self.server is not None and self.server.serving and not self._stop.is_set(),
-            "cloud": self.cloud,
-            "watchers": {w.source: w.health.healthy for w in self.watchers},
-            "seeing_notices": {w.source: w.health.problem() is None for w in self.watchers},
-            "problems": problems,
-            "subscribers": 0 if self.server is None else len(self.server.subscribers()),
-        }
+        return status_mod.health_doc(self)
 
     def _sd_status(self) -> str:
-        subs = 0 if self.server is None else len(self.server.subscribers())
-        return (f"cloud={self.cloud} subscribers={subs} active_notices={len(self.book.active)} "
-                f"socket={self.config.socket}")
+        return status_mod.sd_status(self)
 
     async def _housekeeping(self) -> None:
         while True:
@@ -887,23 +517,12 @@ class Daemon:
                 log.info("notice.expired", notice_id=entry.id, source=entry.notice.source,
                          deadline=to_rfc3339(entry.notice.deadline),
                          detail="deadline passed and the VM is still here; no longer replayed")
-                for alias in [a for a, nid in self._aliases.items() if nid == entry.id]:
-                    del self._aliases[alias]
+                self.keeper.expired(entry.id)
             if expired:
-                self._save_state()
+                self.keeper.save()
                 self._reconcile_cluster("expired")
 
     # --- cluster actions: undo spotguard's cordon once the VM outlived its notices ---------
-
-    def _cluster_active_ids(self) -> set[str]:
-        """Cloud emergency notices still active on this node: in the book, or restored from the state file and
-        not yet re-seen nor expired (a restarted daemon keeps the cordon of a notice that is still running)."""
-        ids = {e.id for e in self.book.active.values()
-               if e.notice.emergency and e.notice.source in ("aws", "gcp", "azure")}
-        margin = timedelta(seconds=self.book.expire_margin)
-        now = utcnow()
-        ids.update(n.id for n in self._persisted.values() if n.emergency and n.deadline + margin >= now)
-        return ids
 
     def _reconcile_cluster(self, why: str) -> None:
         """At start and on expiry (cancel goes through ``actions.cancelled``): actions with a ``reconcile``
@@ -913,15 +532,13 @@ class Daemon:
         if not actions:
             return
         for a in actions:
-            a.active = self._cluster_active_ids  # type: ignore[attr-defined]
+            a.active = self.keeper.cluster_active_ids  # type: ignore[attr-defined]
             self._spawn(a.reconcile(why))  # type: ignore[attr-defined]
-        if why == "start":
-            margin = timedelta(seconds=self.book.expire_margin)
-            ends = [n.deadline + margin for n in self._persisted.values() if n.emergency]
-            if ends:
-                delay = (max(ends) - utcnow()).total_seconds() + 1.0
-                if delay > 0:
-                    asyncio.get_running_loop().call_later(delay, self._reconcile_cluster, "expired")
+        end = self.keeper.last_restored_end() if why == "start" else None
+        if end is not None:
+            delay = (end - utcnow()).total_seconds() + 1.0
+            if delay > 0:
+                asyncio.get_running_loop().call_later(delay, self._reconcile_cluster, "expired")
 
     async def _watchdog(self, interval: float) -> None:
         while True:

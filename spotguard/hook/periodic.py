@@ -46,9 +46,9 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from .. import __version__
 from ..storage.commit import CommitRecord, commit_and_retain, step_dir
 from ..storage.staging import copy_to_host, wants_staging
+from ..version import __version__
 from .dist import destroy_group, gather_writes, make_group, set_group_timeout
 
 if TYPE_CHECKING:

@@ -19,7 +19,6 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .. import __version__
 from ..notice import Notice
 from ..protocol import CheckpointDone, CheckpointFailed, CheckpointStarted
 from ..storage import Storage
@@ -32,6 +31,7 @@ from ..storage.commit import (
     step_dir,
 )
 from ..timefmt import to_rfc3339, utcnow
+from ..version import __version__
 from . import elastic
 from . import events as ev
 from .dist import (

@@ -16,16 +16,14 @@ import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
+from .errors import StorageError
+
 if TYPE_CHECKING:  # torch is imported lazily: the daemon and the CLI never need it
     from torch.distributed.checkpoint import StorageReader, StorageWriter
 
     from .integrity import FileDigest, WriteLog
 
 __all__ = ["StorageError", "ObjectInfo", "Storage", "check_key", "check_prefix", "join_key"]
-
-
-class StorageError(Exception):
-    """A storage URI that cannot be opened, or an operation the store refused."""
 
 
 @dataclass(frozen=True)

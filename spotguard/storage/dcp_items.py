@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from .base import StorageError, check_key
 from .integrity import BLOCK_SIZE, DamagedCheckpoint, FileDigest, verify_span
-from .objstore import MemReader
+from .objmemory import MemReader
 from .safeload import load_dcp_metadata
 
 __all__ = ["Group", "METADATA", "parse_metadata", "recorded_digest", "read_groups", "load_items"]

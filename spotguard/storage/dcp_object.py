@@ -35,7 +35,7 @@ import pickle
 import threading
 import uuid
 from concurrent.futures import Future as CFuture
-from typing import Any, Iterator, cast
+from typing import TYPE_CHECKING, Any, Iterator, cast
 
 import torch
 import torch.utils.serialization  # noqa: F401 - the save config lives here (torch >= 2.6)
@@ -63,8 +63,11 @@ from ..logs import get_logger
 from .base import StorageError, join_key
 from .dcp_items import METADATA, Group, load_items, parse_metadata, read_groups, recorded_digest
 from .integrity import BLOCK_SIZE, DamagedCheckpoint, FileDigest, verify_span
-from .objstore import ObjectStorage, StagedSource, UploadStream, ZeroCopySource
+from .objupload import StagedSource, UploadStream, ZeroCopySource
 from .staging import Stager, minimal_storage, shared_stager, wants_staging
+
+if TYPE_CHECKING:
+    from .objstore import ObjectStorage
 
 __all__ = ["ObjectStoreWriter", "ObjectStoreReader", "METADATA_NAME"]
 

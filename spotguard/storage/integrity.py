@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from .base import StorageError
+from .errors import StorageError
 
 __all__ = [
     "ALGORITHM",

@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from spotguard.hook.core import Preempted
-from spotguard.hook.torchft import ReplicaGuard
 from spotguard.notice import Notice
 from spotguard.timefmt import utcnow
+from spotguard.torchft.engine import ReplicaGuard
 
 
 class _Work:

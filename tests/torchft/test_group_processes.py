@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from spotguard.ftreplica import ReplicaJob, lighthouse_binary  # noqa: E402
+from spotguard.torchft.launch import ReplicaJob, lighthouse_binary  # noqa: E402
 
 if lighthouse_binary() is None:  # pragma: no cover - the wheel ships it
     pytest.skip("torchft_lighthouse not installed", allow_module_level=True)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.ftreplica import lighthouse_binary, start_lighthouse
-from spotguard.hook.torchft import lighthouse_args
+from spotguard.torchft.engine import lighthouse_args
+from spotguard.torchft.launch import lighthouse_binary, start_lighthouse
 
 REPO = Path(__file__).resolve().parents[2]
 UNIT = REPO / "systemd" / "torchft-lighthouse.service"

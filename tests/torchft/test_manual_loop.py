@@ -18,11 +18,11 @@ import torch
 pytest.importorskip("torchft")
 
 from spotguard.hook.core import Preempted  # noqa: E402
-from spotguard.hook.torchft import ReplicaGuard  # noqa: E402
 from spotguard.notice import Notice  # noqa: E402
 from spotguard.storage import open_storage  # noqa: E402
 from spotguard.storage.commit import newest_committed  # noqa: E402
 from spotguard.timefmt import utcnow  # noqa: E402
+from spotguard.torchft.engine import ReplicaGuard  # noqa: E402
 
 
 class _Work:

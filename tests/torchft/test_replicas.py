@@ -14,9 +14,10 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from spotguard.ftreplica import LR, Group, ReplicaJob, lighthouse_binary, lr_factor  # noqa: E402
 from spotguard.storage import open_storage  # noqa: E402
 from spotguard.storage.commit import newest_committed  # noqa: E402
+from spotguard.torchft.launch import Group, ReplicaJob, lighthouse_binary  # noqa: E402
+from spotguard.torchft.worker import LR, lr_factor  # noqa: E402
 
 if lighthouse_binary() is None:  # pragma: no cover - the wheel ships it
     pytest.skip("torchft_lighthouse not installed", allow_module_level=True)

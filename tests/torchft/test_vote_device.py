@@ -11,7 +11,7 @@ import pytest
 
 process_group = pytest.importorskip("torchft.process_group")
 
-from spotguard.hook.torchft import vote_device  # noqa: E402
+from spotguard.torchft.engine import vote_device  # noqa: E402
 
 
 @pytest.mark.parametrize("cls,device", [("ProcessGroupGloo", "cpu"), ("ProcessGroupBabyGloo", "cpu"),

@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .ftreplica import Group, ReplicaJob, lighthouse_binary
+from ..torchft.launch import Group, ReplicaJob, lighthouse_binary
 
 __all__ = ["run"]
 

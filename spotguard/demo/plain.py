@@ -24,12 +24,12 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from . import protocol
-from .launch import DaemonProc, Emulator, start_daemon, start_emulator
+from .. import protocol
+from ..launch import DaemonProc, Emulator, start_daemon, start_emulator
 
 __all__ = ["add_arguments", "main"]
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torchrun_train.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchrun_train.py"
 CLOUD_NAMES = {"aws": "AWS", "gcp": "GCP", "azure": "Azure"}
 DEADLINES = {"aws": 120, "gcp": 30, "azure": 30}
 
@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--script", default=str(EXAMPLE), help="training script run under torchrun")
     p.add_argument("--engine", choices=("torchrun", "torchft"), default="torchrun",
                    help="torchft: three replica groups, one preempted, the others keep training "
-                        "(spotguard/demo_torchft.py)")
+                        "(spotguard/demo/torchft.py)")
 
 
 class Clock:
@@ -359,7 +359,7 @@ def part_training(emu: Emulator, work: Path, args: argparse.Namespace) -> int:
 
 def main(args: argparse.Namespace) -> int:
     if getattr(args, "engine", "torchrun") == "torchft":
-        from .demo_torchft import main as torchft_main  # noqa: PLC0415
+        from .torchft import main as torchft_main  # noqa: PLC0415
 
         return torchft_main(args)
     work = Path(args.workdir).resolve()
