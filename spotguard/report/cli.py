@@ -1,0 +1,64 @@
+"""``spotguard report URI``: what spot cost this job, from its history and commit records.
+
+Reads ``history/`` (``spotguard/history``) and the commit records beside it; prints the summary,
+``--json`` for machines, ``--html FILE`` for a self-contained timeline a person can look at.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ..history.read import read_history
+from ..logs import configure_logging
+from ..storage import open_storage
+from ..storage.commit import scan
+from .figures import Figures, compute, money
+from .text import render_text
+
+__all__ = ["add_arguments", "main", "build_figures"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("uri", help="the job's storage URI (as given to the hook)")
+    p.add_argument("--json", action="store_true", help="print every figure as one JSON object")
+    p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with a timeline")
+    p.add_argument("--price-spot", type=float, help="spot price per node-hour")
+    p.add_argument("--price-on-demand", type=float, help="on-demand price per node-hour")
+    p.add_argument("--nodes", type=int, help="nodes of the job (default: the most hosts seen in one attempt)")
+
+
+def build_figures(uri: str, price_spot: float | None = None, price_on_demand: float | None = None,
+                  nodes: int | None = None) -> Figures:
+    """Read the history and commit records under ``uri``; the figures."""
+    storage = open_storage(uri)
+    hist = read_history(storage)
+    stored = [(c.step, c.record) for c in scan(storage) if c.committed]
+    fig = compute(hist.events, stored=stored, skipped=hist.skipped)
+    if price_spot is not None and price_on_demand is not None:
+        fig.money = money(fig, price_spot, price_on_demand, nodes)
+    elif nodes:
+        fig.nodes = nodes
+    return fig
+
+
+def main(args: Any) -> int:
+    configure_logging("console", "warning", stream=sys.stderr)
+    if (args.price_spot is None) != (args.price_on_demand is None):
+        print("spotguard report: --price-spot and --price-on-demand go together", file=sys.stderr)
+        return 2
+    fig = build_figures(args.uri, args.price_spot, args.price_on_demand, args.nodes)
+    if args.html:
+        from .html import render_html  # noqa: PLC0415
+
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(render_html(fig, args.uri))
+    if args.json:
+        print(json.dumps(fig.to_dict(), indent=1, default=str))
+    else:
+        print(render_text(fig, args.uri))
+        if args.html:
+            print(f"\n  HTML report: {args.html}")
+    return 0
