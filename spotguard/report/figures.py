@@ -193,8 +193,9 @@ def compute(events: Iterable[Event], *, stored: Optional[list[tuple[int, Any]]] 
                 p.nodes.append(e.node)
         elif e.kind == "agreed" and isinstance(nid, str) and e.fields.get("action") in LEAVING:
             p = notices.setdefault(nid, Preemption(notice_id=nid, attempt=i))
-            p.agreed, p.step = e.time, int(_num(e.fields.get("step")) or 0)
-            p.kind = str(e.fields.get("kind") or p.kind)
+            if p.agreed is None:  # a restart on the doomed VM agrees again on a replayed notice: same preemption
+                p.agreed, p.step = e.time, int(_num(e.fields.get("step")) or 0)
+                p.kind = str(e.fields.get("kind") or p.kind)
         elif e.kind in ("checkpoint_committed", "periodic_committed") and not e.fields.get("already_committed"):
             ck = Checkpoint(step=int(_num(e.fields.get("step")) or 0), time=e.time,
                             reason="periodic" if e.kind == "periodic_committed" else "notice",
