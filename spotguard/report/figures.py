@@ -107,6 +107,7 @@ class Figures:
     counterfactual: list[dict[str, Any]] = field(default_factory=list)
     money: Optional[dict[str, float]] = None
     stored_checkpoints: list[int] = field(default_factory=list)
+    lanes: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -156,6 +157,43 @@ def _attempts(events: list[Event]) -> list[Attempt]:
             a.end_kind = ("peers_lost" if reason == "peers_lost" else "process_end" if reason == "process_end"
                           else "preempted" if ex.fields.get("notice_id") else "exit")
         out.append(a)
+    return out
+
+
+def _lanes(evs: list[Event], attempts: list[Attempt]) -> list[dict[str, Any]]:
+    """One lane per (node, rank) that wrote a start: its processes (start..end) and what its node saw."""
+    lanes: dict[tuple[str, int], dict[str, Any]] = {}
+    for e in evs:
+        if e.kind == "hook_installed":
+            lane = lanes.setdefault((e.node, e.rank), {"node": e.node, "rank": e.rank, "runs": {}, "notices": [],
+                                                       "lost": []})
+            ps = _num(e.fields.get("process_started"))
+            lane["runs"][e.run] = {"run": e.run, "start": ps if ps is not None and ps <= e.time else e.time,
+                                   "end": None, "end_kind": "vanished"}
+    by_node = {}
+    for (node, _), lane in sorted(lanes.items(), key=lambda kv: kv[0][1]):
+        by_node.setdefault(node, lane)
+    for e in evs:
+        lane = lanes.get((e.node, e.rank)) or by_node.get(e.node)
+        if lane is None:
+            continue
+        if e.kind == "exit" and e.run in lane["runs"]:
+            run = lane["runs"][e.run]
+            run["end"] = e.time
+            run["end_kind"] = str(e.fields.get("reason") or ("preempted" if e.fields.get("notice_id") else "exit"))
+        elif e.kind == "notice_seen" and e.fields.get("notice_id") not in [n["notice_id"] for n in lane["notices"]]:
+            lane["notices"].append({"time": e.time, "notice_id": e.fields.get("notice_id"),
+                                    "source": e.fields.get("source"), "deadline": _time(e.fields.get("deadline"))})
+        elif e.kind == "peers_lost":
+            lane["lost"].append(e.time)
+    out = []
+    for (_, _), lane in sorted(lanes.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        runs = sorted(lane["runs"].values(), key=lambda r: r["start"])
+        for r in runs:
+            r["attempt"] = _owner(attempts, r["start"])
+            if r["end"] is None:  # vanished: its attempt's end is the best known
+                r["end"] = attempts[r["attempt"]].end
+        out.append({**lane, "runs": runs})
     return out
 
 
@@ -242,6 +280,7 @@ def compute(events: Iterable[Event], *, stored: Optional[list[tuple[int, Any]]] 
         fig.throughput_mb_s = fig.checkpoint_bytes / fig.checkpoint_seconds / 1e6
     fig.nodes = max([len(a.nodes) for a in attempts] + [1])
     fig.counterfactual = [counterfactual(fig, m) for m in COUNTERFACTUAL_MINUTES]
+    fig.lanes = _lanes(evs, attempts)
     return fig
 
 
@@ -254,10 +293,16 @@ def counterfactual(fig: Figures, minutes: float) -> dict[str, Any]:
     """
     period = minutes * 60.0
     by_attempt = {p.attempt: p for p in fig.preemptions}
+    final_step = fig.attempts[-1].last_step if fig.attempts else 0
     lost = extra = 0.0
     for i, a in enumerate(fig.attempts[:-1]):
         p = by_attempt.get(i)
         gone = p.deadline if p is not None and p.deadline is not None and p.deadline > a.resumed else a.end
+        if fig.step_seconds and final_step > a.resume_step:  # the job would have ended before the VM: no loss
+            finish = a.resumed + (final_step - a.resume_step) * fig.step_seconds
+            if finish <= gone:
+                extra += max(0.0, finish - a.train_end)
+                continue
         trained = max(0.0, gone - a.resumed)
         lost += trained % period
         extra += max(0.0, gone - a.train_end)  # training it would have done between the notice and the deadline
