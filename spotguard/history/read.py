@@ -52,11 +52,12 @@ def read_history(storage: Storage, log: Any = None, threads: int = 8) -> History
     if len(infos) > MAX_ENTRIES:
         out.skipped.append((PREFIX, f"{len(infos)} entries; reading the first {MAX_ENTRIES}"))
         infos = infos[:MAX_ENTRIES]
-    if storage.local_path("") is not None or len(infos) < 64:
+    if storage.local_path("") is not None or len(infos) < 64:  # a file read costs less than a thread hand-off
         results = [_read_one(storage, i) for i in infos]
-    else:  # an object store: one request per entry, several in flight
+    else:  # an object store: one request per entry, several in flight, handed out in chunks
+        chunks = [infos[k:k + 64] for k in range(0, len(infos), 64)]
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            results = list(pool.map(lambda i: _read_one(storage, i), infos))
+            results = [r for part in pool.map(lambda c: [_read_one(storage, i) for i in c], chunks) for r in part]
     for info, (ev, why) in zip(infos, results):
         if ev is not None:
             out.events.append(ev)

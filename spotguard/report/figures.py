@@ -10,6 +10,7 @@ the attempt whose time span holds them.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional
@@ -166,7 +167,7 @@ def _lanes(evs: list[Event], attempts: list[Attempt]) -> list[dict[str, Any]]:
     for e in evs:
         if e.kind == "hook_installed":
             lane = lanes.setdefault((e.node, e.rank), {"node": e.node, "rank": e.rank, "runs": {}, "notices": [],
-                                                       "lost": []})
+                                                       "lost": [], "seen": set()})
             ps = _num(e.fields.get("process_started"))
             lane["runs"][e.run] = {"run": e.run, "start": ps if ps is not None and ps <= e.time else e.time,
                                    "end": None, "end_kind": "vanished"}
@@ -181,29 +182,28 @@ def _lanes(evs: list[Event], attempts: list[Attempt]) -> list[dict[str, Any]]:
             run = lane["runs"][e.run]
             run["end"] = e.time
             run["end_kind"] = str(e.fields.get("reason") or ("preempted" if e.fields.get("notice_id") else "exit"))
-        elif e.kind == "notice_seen" and e.fields.get("notice_id") not in [n["notice_id"] for n in lane["notices"]]:
+        elif e.kind == "notice_seen" and e.fields.get("notice_id") not in lane["seen"]:
+            lane["seen"].add(e.fields.get("notice_id"))
             lane["notices"].append({"time": e.time, "notice_id": e.fields.get("notice_id"),
                                     "source": e.fields.get("source"), "deadline": _time(e.fields.get("deadline"))})
         elif e.kind == "peers_lost":
             lane["lost"].append(e.time)
     out = []
+    starts = [a.start for a in attempts]
     for (_, _), lane in sorted(lanes.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         runs = sorted(lane["runs"].values(), key=lambda r: r["start"])
         for r in runs:
-            r["attempt"] = _owner(attempts, r["start"])
+            r["attempt"] = _owner(attempts, r["start"], starts)
             if r["end"] is None:  # vanished: its attempt's end is the best known
                 r["end"] = attempts[r["attempt"]].end
-        out.append({**lane, "runs": runs})
+        out.append({**{k: v for k, v in lane.items() if k != "seen"}, "runs": runs})
     return out
 
 
-def _owner(attempts: list[Attempt], t: float) -> int:
+def _owner(attempts: list[Attempt], t: float, starts: Optional[list[float]] = None) -> int:
     """The attempt whose span holds time ``t`` (the last one started at or before it; 0 before all)."""
-    idx = 0
-    for i, a in enumerate(attempts):
-        if a.start <= t + 1e-6:
-            idx = i
-    return idx
+    starts = starts if starts is not None else [a.start for a in attempts]
+    return max(0, bisect.bisect_right(starts, t + 1e-6) - 1)
 
 
 def compute(events: Iterable[Event], *, stored: Optional[list[tuple[int, Any]]] = None,
@@ -217,8 +217,9 @@ def compute(events: Iterable[Event], *, stored: Optional[list[tuple[int, Any]]] 
         return fig
     nodes: dict[int, set[str]] = {}
     notices: dict[str, Preemption] = {}
+    starts = [a.start for a in attempts]
     for e in evs:
-        i = _owner(attempts, e.time)
+        i = _owner(attempts, e.time, starts)
         if e.kind == "hook_installed":
             nodes.setdefault(i, set()).add(e.node)
         nid = e.fields.get("notice_id")
@@ -262,10 +263,10 @@ def compute(events: Iterable[Event], *, stored: Optional[list[tuple[int, Any]]] 
     fig.training_seconds = sum(a.training_seconds for a in attempts)
     steps = sum(max(0, a.last_step - a.resume_step) for a in attempts)
     fig.step_seconds = fig.training_seconds / steps if steps > 0 else None
-    for prev, a in zip(attempts, attempts[1:]):
+    for k, (prev, a) in enumerate(zip(attempts, attempts[1:])):
         fig.steps_recomputed += max(0, prev.last_step - a.resume_step)
         waiting = max(0.0, a.start - prev.end)
-        fig.downtime.append({"after_attempt": attempts.index(prev), "seconds": a.resumed - prev.end,
+        fig.downtime.append({"after_attempt": k, "seconds": a.resumed - prev.end,
                              "waiting": waiting, "restart_load": a.resumed - max(a.start, prev.end),
                              "load": a.load_seconds})
     fig.downtime_seconds = sum(d["seconds"] for d in fig.downtime)
