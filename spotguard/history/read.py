@@ -7,6 +7,8 @@ parser (``record.py``), and a damaged, oversized or foreign object is data — s
 
 from __future__ import annotations
 
+import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -29,13 +31,24 @@ class History:
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _read_one(storage: Storage, info: ObjectInfo) -> tuple[Optional[Event], Optional[str]]:
+def _read_local(folder: str, name: str) -> bytes:
+    """A local entry's bytes: never through a link, never from a FIFO or device (the store's own read rules)."""
+    fd = os.open(os.path.join(folder, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
-        parse_key(info.key)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BadEntry("not a regular file")
+        return os.read(fd, MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+
+
+def _read_one(storage: Storage, info: ObjectInfo, folder: Optional[str]) -> tuple[Optional[Event], Optional[str]]:
+    try:
+        _, run, rank, _ = parse_key(info.key)  # the key is checked before it names anything to read
         if info.size > MAX_BYTES:
             raise BadEntry(f"{info.size} bytes (at most {MAX_BYTES})")
-        ev = Event.from_json(storage.read_bytes(info.key))
-        _, run, rank, _ = parse_key(info.key)
+        data = _read_local(folder, info.key[len(PREFIX):]) if folder else storage.read_bytes(info.key)
+        ev = Event.from_json(data)
         if (ev.run, ev.rank) != (run, rank):
             raise BadEntry(f"its body names run {ev.run} rank {ev.rank}, its key run {run} rank {rank}")
         return ev, None
@@ -52,12 +65,15 @@ def read_history(storage: Storage, log: Any = None, threads: int = 8) -> History
     if len(infos) > MAX_ENTRIES:
         out.skipped.append((PREFIX, f"{len(infos)} entries; reading the first {MAX_ENTRIES}"))
         infos = infos[:MAX_ENTRIES]
-    if storage.local_path("") is not None or len(infos) < 64:  # a file read costs less than a thread hand-off
-        results = [_read_one(storage, i) for i in infos]
+    root = storage.local_path("")
+    folder = os.path.join(str(root), PREFIX.rstrip("/")) if root is not None else None
+    if folder is not None or len(infos) < 64:  # a file read costs less than a thread hand-off
+        results = [_read_one(storage, i, folder) for i in infos]
     else:  # an object store: one request per entry, several in flight, handed out in chunks
         chunks = [infos[k:k + 64] for k in range(0, len(infos), 64)]
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            results = [r for part in pool.map(lambda c: [_read_one(storage, i) for i in c], chunks) for r in part]
+            results = [r for part in pool.map(lambda c: [_read_one(storage, i, None) for i in c], chunks)
+                       for r in part]
     for info, (ev, why) in zip(infos, results):
         if ev is not None:
             out.events.append(ev)

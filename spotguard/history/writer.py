@@ -37,6 +37,12 @@ JOB_WIDE = frozenset({"resumed", "agreed", "checkpoint_started", "checkpoint_com
 #: written by every rank: which node received a notice is information (a notice may reach one node only)
 PER_RANK = frozenset({"notice_seen"})
 #: everything else: rank 0 and each node's local leader (LOCAL_RANK 0), for the timeline per node
+#: a notice's save is (about to be) in flight: the writer holds its entries until it ends (never competes with it)
+HOLD_FROM = frozenset({"notice_seen", "agreed", "checkpoint_started"})
+HOLD_UNTIL = frozenset({"checkpoint_committed", "checkpoint_failed", "checkpoint_skipped", "notice_cancelled",
+                        "exit", "peers_lost"})
+#: the longest hold (a save that never ends must not cost the history)
+MAX_HOLD = 60.0
 
 
 def history_enabled() -> bool:
@@ -72,6 +78,7 @@ class HistoryWriter:
         self._q: "queue.Queue[Event]" = queue.Queue(QUEUE_SIZE)
         self._idle = threading.Condition()
         self._pending = 0
+        self._hold_until = 0.0  # monotonic: the writer waits until then (a notice's save in flight)
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._warned: set[str] = set()
@@ -102,6 +109,10 @@ class HistoryWriter:
                 atexit.register(self._at_exit)
             elif kind == "exit":
                 self._exited = True
+            if kind in HOLD_FROM or kind in HOLD_UNTIL:
+                with self._idle:
+                    self._hold_until = time.monotonic() + MAX_HOLD if kind in HOLD_FROM else 0.0
+                    self._idle.notify_all()
             ev = Event(kind=kind, time=time.time(), run=self.run, rank=self.rank, node=self.node,
                        local_rank=self.local_rank, fields={**fields, "seq": seq})
             with self._idle:
@@ -140,6 +151,9 @@ class HistoryWriter:
     def _loop(self) -> None:
         while True:
             ev = self._q.get()
+            with self._idle:  # a notice's save is in flight: its I/O first, these entries after
+                while (left := self._hold_until - time.monotonic()) > 0:
+                    self._idle.wait(left)
             try:
                 key = event_key(ev.time, ev.run, ev.rank, int(ev.fields["seq"]))
                 self.storage.write_bytes(key, ev.to_json())

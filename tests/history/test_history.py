@@ -93,11 +93,13 @@ def test_damaged_and_foreign_entries_are_skipped_and_named(tmp_path: Path) -> No
     store.write_bytes(event_key(1.7e9, "ffffffffffff", 3, 1), Event(  # body and key disagree
         kind="exit", time=1.7e9, run="0123456789ab", rank=3).to_json())
     store.write_bytes(event_key(1.7e9, "eeeeeeeeeeee", 0, 1), b"x" * (MAX_BYTES + 1))  # oversized
+    link = event_key(1.7e9, "dddddddddddd", 0, 1)
+    (tmp_path / link).symlink_to(tmp_path / good[1])  # a link, even to a valid entry, is never read
     h = read_history(store)
     assert [e.kind for e in h.events] == ["exit"]
     skipped = dict(h.skipped)
     assert set(skipped) == {good[0], "history/notes.txt", event_key(1.7e9, "ffffffffffff", 3, 1),
-                            event_key(1.7e9, "eeeeeeeeeeee", 0, 1)}
+                            event_key(1.7e9, "eeeeeeeeeeee", 0, 1)}  # the store's listing never shows a link
     assert "not JSON" in skipped[good[0]] and "not a history entry name" in skipped["history/notes.txt"]
     assert "body names run" in skipped[event_key(1.7e9, "ffffffffffff", 3, 1)]
     assert "bytes (at most" in skipped[event_key(1.7e9, "eeeeeeeeeeee", 0, 1)]
@@ -143,3 +145,14 @@ def test_a_stalled_store_never_blocks_recording_and_bounds_the_exit_flush(tmp_pa
     LogTap(_Log(), w).info("exit", code=143, seconds_left=0.3)  # bound: max(0.05, 0.3 - 0.5)
     assert time.monotonic() - t0 < 0.5
     store.release.set()
+
+
+def test_entries_wait_while_a_notice_save_is_in_flight(tmp_path: Path) -> None:
+    """Between a notice and its commit the writer does no I/O: the save has the store to itself."""
+    store = open_storage(str(tmp_path))
+    w = HistoryWriter(store, rank=0)
+    w.record("notice_seen", {"notice_id": "n1"})
+    w.record("agreed", {"notice_id": "n1", "step": 3})
+    assert not w.flush(0.3) and store.list("history/") == []
+    w.record("checkpoint_committed", {"notice_id": "n1", "step": 3})
+    assert w.flush(5) and len(store.list("history/")) == 3
