@@ -83,6 +83,7 @@ class HistoryWriter:
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         self._log = get_logger("spotguard.history", component="history", rank=rank)
+        atexit.register(self._at_exit)  # a plain process end: mark it, and write what is queued
 
     def wants(self, kind: str) -> bool:
         """Whether this process writes ``kind`` (job-wide events: rank 0 only)."""
@@ -93,8 +94,19 @@ class HistoryWriter:
         return kind in PER_RANK or self.rank == 0 or self.local_rank == 0
 
     def record(self, kind: str, fields: dict[str, Any]) -> None:
-        """Queue one event (any thread, never blocks, never raises)."""
+        """Queue one event if this process writes its kind (any thread, never blocks, never raises).
+
+        Every kind is seen here, wanted or not: a commit written by rank 0 also ends another rank's hold.
+        """
         try:
+            if kind in HOLD_FROM or kind in HOLD_UNTIL:
+                with self._idle:
+                    self._hold_until = time.monotonic() + MAX_HOLD if kind in HOLD_FROM else 0.0
+                    self._idle.notify_all()
+            if kind == "exit":
+                self._exited = True
+            if not self.wants(kind):
+                return
             with self._lock:
                 if self._seq >= MAX_EVENTS:
                     self._drop("the per-process limit", MAX_EVENTS)
@@ -106,13 +118,6 @@ class HistoryWriter:
                     self._thread.start()
             if kind == "hook_installed":
                 fields = {**fields, "process_started": process_started()}
-                atexit.register(self._at_exit)
-            elif kind == "exit":
-                self._exited = True
-            if kind in HOLD_FROM or kind in HOLD_UNTIL:
-                with self._idle:
-                    self._hold_until = time.monotonic() + MAX_HOLD if kind in HOLD_FROM else 0.0
-                    self._idle.notify_all()
             ev = Event(kind=kind, time=time.time(), run=self.run, rank=self.rank, node=self.node,
                        local_rank=self.local_rank, fields={**fields, "seq": seq})
             with self._idle:
@@ -139,7 +144,11 @@ class HistoryWriter:
 
     def _at_exit(self) -> None:
         """A process that ends without a notice (the job finished, or failed) still marks its end."""
-        if self._exited or not self.wants("exit"):
+        with self._idle:
+            self._hold_until = 0.0  # nothing is in flight any more
+            self._idle.notify_all()
+        if self._exited or self._seq == 0 or not self.wants("exit"):
+            self.flush(EXIT_FLUSH)  # what this rank queued (its notice_seen) still goes out
             return
         try:
             step = self._step_of() if self._step_of is not None else None
@@ -192,7 +201,7 @@ class LogTap:
 
     def _tap(self, level: str, event: Any, kw: dict[str, Any]) -> Any:
         out = getattr(self._inner, level)(event, **kw)
-        if isinstance(event, str) and self._writer.wants(event):
+        if isinstance(event, str) and event in KINDS:
             self._writer.record(event, kw)
             if event == "exit":  # the process leaves next (often with os._exit): write what is pending now
                 left = kw.get("seconds_left")

@@ -156,3 +156,13 @@ def test_entries_wait_while_a_notice_save_is_in_flight(tmp_path: Path) -> None:
     assert not w.flush(0.3) and store.list("history/") == []
     w.record("checkpoint_committed", {"notice_id": "n1", "step": 3})
     assert w.flush(5) and len(store.list("history/")) == 3
+
+
+def test_a_rank_that_writes_only_its_notice_is_released_by_rank0s_commit(tmp_path: Path) -> None:
+    """Rank 1 (not a leader) writes notice_seen only; the commit it logs but does not write ends its hold."""
+    store = open_storage(str(tmp_path))
+    w = HistoryWriter(store, rank=1, local_rank=1)
+    log = LogTap(_Log(), w)
+    log.info("notice_seen", notice_id="n1", source="signal", kind="termination")
+    log.info("checkpoint_committed", notice_id="n1", step=3, bytes=1)
+    assert w.flush(5) and [o.key.split("-")[-2] for o in store.list("history/")] == ["00001"]
