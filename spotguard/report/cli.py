@@ -14,6 +14,7 @@ from typing import Any
 from ..history.read import read_history
 from ..logs import configure_logging
 from ..storage import open_storage
+from ..storage.base import StorageError
 from ..storage.commit import scan
 from .figures import Figures, compute, money
 from .text import render_text
@@ -54,7 +55,11 @@ def main(args: Any) -> int:
     if (args.price_spot is None) != (args.price_on_demand is None):
         print("spotguard report: --price-spot and --price-on-demand go together", file=sys.stderr)
         return 2
-    fig = build_figures(args.uri, args.price_spot, args.price_on_demand, args.nodes)
+    try:
+        fig = build_figures(args.uri, args.price_spot, args.price_on_demand, args.nodes)
+    except StorageError as exc:  # a URI that cannot be opened or listed: one line, not a traceback
+        print(f"spotguard report: {exc}", file=sys.stderr)
+        return 2
     if args.html:
         from .html import render_html  # noqa: PLC0415
 

@@ -99,3 +99,9 @@ def test_cli_json_and_damaged_entry_named(tmp_path: Path) -> None:
     text = subprocess.run([sys.executable, "-m", "spotguard", "report", str(tmp_path)], capture_output=True,
                           text=True, timeout=60)
     assert text.returncode == 0 and "Goodput" in text.stdout and bad in text.stdout
+
+
+def test_cli_names_a_bad_uri_in_one_line() -> None:
+    out = subprocess.run([sys.executable, "-m", "spotguard", "report", "foo://x"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "unsupported storage URI" in out.stderr and "Traceback" not in out.stderr
