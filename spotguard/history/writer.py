@@ -43,6 +43,8 @@ HOLD_UNTIL = frozenset({"checkpoint_committed", "checkpoint_failed", "checkpoint
                         "exit", "peers_lost"})
 #: the longest hold (a save that never ends must not cost the history)
 MAX_HOLD = 60.0
+#: the hold ends this long before the notice's deadline (the entries must be out before the VM is gone)
+HOLD_MARGIN = 2.0
 
 
 def history_enabled() -> bool:
@@ -100,9 +102,7 @@ class HistoryWriter:
         """
         try:
             if kind in HOLD_FROM or kind in HOLD_UNTIL:
-                with self._idle:
-                    self._hold_until = time.monotonic() + MAX_HOLD if kind in HOLD_FROM else 0.0
-                    self._idle.notify_all()
+                self._hold(kind, fields)
             if kind == "exit":
                 self._exited = True
             if not self.wants(kind):
@@ -130,6 +130,21 @@ class HistoryWriter:
                 self._drop("a full queue", QUEUE_SIZE)
         except Exception as exc:  # noqa: BLE001 - the history never fails the caller
             self._warn("record", exc)
+
+    def _hold(self, kind: str, fields: dict[str, Any]) -> None:
+        """Start, keep or end the hold. It ends ``HOLD_MARGIN`` s before the notice's deadline at the latest:
+        a VM that goes at its deadline (a save too slow for it) still leaves the notice in the history."""
+        now = time.monotonic()
+        with self._idle:
+            if kind in HOLD_UNTIL:
+                self._hold_until = 0.0
+            else:
+                left = fields.get("seconds_left")
+                span = MAX_HOLD if isinstance(left, bool) or not isinstance(left, (int, float)) \
+                    else max(0.0, min(MAX_HOLD, left - HOLD_MARGIN))
+                held = self._hold_until > now
+                self._hold_until = min(self._hold_until, now + span) if held else now + span
+            self._idle.notify_all()
 
     def flush(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s until every queued event is written (or given up); True if so."""

@@ -166,3 +166,13 @@ def test_a_rank_that_writes_only_its_notice_is_released_by_rank0s_commit(tmp_pat
     log.info("notice_seen", notice_id="n1", source="signal", kind="termination")
     log.info("checkpoint_committed", notice_id="n1", step=3, bytes=1)
     assert w.flush(5) and [o.key.split("-")[-2] for o in store.list("history/")] == ["00001"]
+
+
+def test_the_hold_ends_before_the_notice_deadline(tmp_path: Path) -> None:
+    """A save too slow for its deadline: the entries go out 2 s before it, while the VM still exists."""
+    store = open_storage(str(tmp_path))
+    w = HistoryWriter(store, rank=0)
+    w.record("notice_seen", {"notice_id": "n1", "seconds_left": 2.4})
+    w.record("checkpoint_started", {"notice_id": "n1", "step": 3})  # no deadline in it: the hold stays as it is
+    assert not w.flush(0.1)
+    assert w.flush(3) and len(store.list("history/")) == 2
