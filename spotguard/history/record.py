@@ -72,6 +72,18 @@ def _clean(value: Any, depth: int = 0) -> Any:
     return str(value)[:_MAX_STR]
 
 
+def _reject(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a number JSON allows")
+
+
+def _finite(text: str) -> float:
+    """A JSON number as a float; ``1e999`` (inf to Python's parser) is no number a writer produces."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is not a finite number")
+    return value
+
+
 @dataclass(frozen=True)
 class Event:
     """One thing that happened to the job: ``kind`` (a hook event name), wall ``time`` (epoch s), who and what.
@@ -106,7 +118,7 @@ class Event:
         if len(data) > MAX_BYTES:
             raise BadEntry(f"{len(data)} bytes (at most {MAX_BYTES})")
         try:
-            d = json.loads(data, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+            d = json.loads(data, parse_constant=_reject, parse_float=_finite)
         except (ValueError, UnicodeDecodeError) as exc:
             raise BadEntry(f"not JSON: {exc}") from None
         if not isinstance(d, dict):
@@ -126,4 +138,7 @@ class Event:
                 raise BadEntry(f"{name} {val!r} is not a rank")
         if not isinstance(node, str) or not isinstance(fields, dict):
             raise BadEntry("node must be a string and fields an object")
+        seq = fields.get("seq", 0)
+        if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 10**9:
+            raise BadEntry(f"seq {seq!r} is not a sequence number")
         return cls(kind=kind, time=float(t), run=run, rank=rank, node=node, local_rank=local_rank, fields=fields)

@@ -11,6 +11,7 @@ the attempt whose time span holds them.
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional
@@ -23,6 +24,8 @@ __all__ = ["Attempt", "Preemption", "Checkpoint", "Figures", "compute", "counter
 #: agreed actions that end the attempt (an emergency checkpoint, or an exit on a replayed notice)
 LEAVING = ("emergency", "exit")
 COUNTERFACTUAL_MINUTES = (15, 30, 60)
+#: a ``process_started`` further back than this before its ``hook_installed`` is not believed (a damaged entry)
+MAX_STARTUP = 86400.0
 
 
 @dataclass
@@ -116,7 +119,20 @@ class Figures:
 
 
 def _num(v: Any) -> Optional[float]:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    """A count, size, duration or time from the history: a finite number >= 0, else None (not known).
+
+    Why so strict: anyone who can write the store can write history entries; a negative step or
+    size would make every figure derived from it absurd rather than merely unknown.
+    """
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v) if math.isfinite(v) and v >= 0 else None
+
+
+def _started(inst: Event) -> float:
+    """A ``hook_installed`` process's start: its ``process_started`` when plausible, else the event's time."""
+    ps = _num(inst.fields.get("process_started"))
+    return ps if ps is not None and inst.time - MAX_STARTUP <= ps <= inst.time else inst.time
 
 
 def _time(text: Any) -> Optional[float]:
@@ -139,8 +155,7 @@ def _attempts(events: list[Event]) -> list[Attempt]:
         res = next((e for e in evs if e.kind == "resumed"), None)
         ex = next((e for e in evs if e.kind == "exit"), None)
         installed = inst.time if inst else first.time
-        start = _num(inst.fields.get("process_started")) if inst else None
-        start = start if start is not None and start <= installed else installed
+        start = _started(inst) if inst else installed
         resumed = res.time if res else installed
         end = ex.time if ex else evs[-1].time
         steps = [int(s) for e in evs if (s := _num(e.fields.get("step"))) is not None]
@@ -168,8 +183,7 @@ def _lanes(evs: list[Event], attempts: list[Attempt]) -> list[dict[str, Any]]:
         if e.kind == "hook_installed":
             lane = lanes.setdefault((e.node, e.rank), {"node": e.node, "rank": e.rank, "runs": {}, "notices": [],
                                                        "lost": [], "seen": set()})
-            ps = _num(e.fields.get("process_started"))
-            lane["runs"][e.run] = {"run": e.run, "start": ps if ps is not None and ps <= e.time else e.time,
+            lane["runs"][e.run] = {"run": e.run, "start": _started(e),
                                    "end": None, "end_kind": "vanished"}
     by_node = {}
     for (node, _), lane in sorted(lanes.items(), key=lambda kv: kv[0][1]):

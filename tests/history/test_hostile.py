@@ -1,0 +1,66 @@
+"""Hostile or odd history objects: each is skipped and named, or yields sane figures; never a traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from spotguard.history import read_history
+from spotguard.history.record import event_key
+from spotguard.report.cli import build_figures
+from spotguard.report.html import render_html
+from spotguard.report.text import render_text
+from spotguard.storage import open_storage
+
+R = "aaaaaaaaaaaa"
+
+
+def _put(root: Path, t: float, kind: str, seq: int, fields: str, node: str = "n") -> str:
+    """One stored entry with ``fields`` given as raw JSON text (what a hostile writer can put there)."""
+    key = event_key(t, R, 0, seq)
+    path = root / key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"v":1,"kind":"%s","time":%s,"run":"%s","rank":0,"local_rank":0,"node":%s,"fields":%s}'
+                    % (kind, t, R, json.dumps(node), fields))
+    return key
+
+
+# valid JSON a parser accepts (1e999 is inf in Python's json) with values no writer produces
+BAD_FIELDS = {
+    "seq_text": ("hook_installed", '{"seq":"x"}'),
+    "seq_list": ("hook_installed", '{"seq":[1]}'),
+    "seq_inf": ("hook_installed", '{"seq":1e999}'),
+    "step_inf": ("resumed", '{"step":1e999,"seq":2}'),
+    "bytes_inf": ("periodic_committed", '{"step":3,"bytes":1e999,"seconds":1,"seq":2}'),
+    "seconds_inf": ("periodic_committed", '{"step":3,"bytes":1,"seconds":-1e999,"seq":2}'),
+    "code_inf": ("exit", '{"code":1e999,"seq":2}'),
+    "world_size_inf": ("hook_installed", '{"world_size":1e999,"seq":1}'),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FIELDS))
+def test_non_finite_or_mistyped_numbers_are_skipped_and_named(tmp_path: Path, case: str) -> None:
+    kind, fields = BAD_FIELDS[case]
+    _put(tmp_path, 100, "hook_installed", 1, '{"world_size":1,"seq":1}')
+    bad = _put(tmp_path, 101, kind, 2 if kind != "hook_installed" else 3, fields)
+    _put(tmp_path, 102, "exit", 4, '{"code":0,"step":5,"reason":"process_end","seq":4}')
+    hist = read_history(open_storage(str(tmp_path)))
+    assert [k for k, _ in hist.skipped] == [bad]
+    fig = build_figures(str(tmp_path), 1.0, 3.0)
+    assert render_text(fig, "x") and render_html(fig, "x")
+    json.dumps(fig, default=vars, allow_nan=False)
+
+
+def test_out_of_range_values_give_sane_figures(tmp_path: Path) -> None:
+    """A negative resume step, a process start in 1970 and negative seconds do not make the figures absurd."""
+    _put(tmp_path, 1000, "hook_installed", 1, '{"world_size":1,"process_started":-1e300,"seq":1}')
+    _put(tmp_path, 1001, "resumed", 2, '{"step":-1e300,"seconds":-5,"seq":2}')
+    _put(tmp_path, 1050, "periodic_committed", 3, '{"step":10,"bytes":-7,"seconds":-2,"seq":3}')
+    _put(tmp_path, 1100, "exit", 4, '{"code":-3,"step":20,"reason":"process_end","seq":4}')
+    fig = build_figures(str(tmp_path))
+    assert fig.wall_seconds == pytest.approx(100.0)
+    assert fig.attempts[0].resume_step == 0 and fig.attempts[0].load_seconds == 0.0
+    assert fig.step_seconds == pytest.approx(99.0 / 20)
+    assert fig.checkpoint_bytes == 0 and fig.checkpoint_seconds == 0.0
