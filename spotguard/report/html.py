@@ -88,7 +88,7 @@ def _timeline(fig: Figures) -> str:
              'aria-label="timeline per node and rank">']
     for i, lane in enumerate(fig.lanes):
         y = _TOP + i * _LANE
-        parts.append(f'<text x="4" y="{y + 14}" class="lbl">{_e(lane["node"])[:18]} rank {int(lane["rank"])}</text>')
+        parts.append(f'<text x="4" y="{y + 14}" class="lbl">{_e(str(lane["node"])[:18])} rank {int(lane["rank"])}</text>')
         parts += _lane_shapes(fig, ax, lane, y)
     axis_y = _TOP + _LANE * len(fig.lanes) + 4
     for k in range(6):

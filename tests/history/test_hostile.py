@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from spotguard.history import read_history
+from spotguard.history import Event, read_history
 from spotguard.history.record import event_key
 from spotguard.report.cli import build_figures
+from spotguard.report.figures import compute
 from spotguard.report.html import render_html
 from spotguard.report.text import render_text
 from spotguard.storage import open_storage
@@ -64,3 +66,12 @@ def test_out_of_range_values_give_sane_figures(tmp_path: Path) -> None:
     assert fig.attempts[0].resume_step == 0 and fig.attempts[0].load_seconds == 0.0
     assert fig.step_seconds == pytest.approx(99.0 / 20)
     assert fig.checkpoint_bytes == 0 and fig.checkpoint_seconds == 0.0
+
+
+def test_html_cuts_a_long_node_name_before_escaping_it() -> None:
+    """A lane label is cut to 18 characters: cutting the escaped text would leave half an entity (``&am``)."""
+    node = "node-0123456789<&>\"'x"
+    page = render_html(compute([Event("hook_installed", 100, R, 0, node=node, fields={"seq": 1}),
+                                Event("exit", 160, R, 0, node=node, fields={"seq": 2, "code": 0})]), "x")
+    assert re.findall(r"&(?!(?:amp|lt|gt|quot|#x27);)", page) == []
+    assert "node-0123456789&lt;&amp;&gt; rank 0" in page
