@@ -34,6 +34,7 @@ KINDS: frozenset[str] = frozenset({
     "checkpoint_committed", "checkpoint_failed", "checkpoint_late", "checkpoint_skipped", "periodic_committed",
     "periodic_failed", "peers_lost", "exit", "replica_leaving", "replica_left", "replica_all_leaving",
     "replica_heal_state",
+    "alive",  # the writer's own: one object per process, rewritten (a process killed -9 leaves its progress)
 })
 
 

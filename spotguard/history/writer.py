@@ -43,6 +43,8 @@ HOLD_UNTIL = frozenset({"checkpoint_committed", "checkpoint_failed", "checkpoint
                         "exit", "peers_lost"})
 #: the longest hold (a save that never ends must not cost the history)
 MAX_HOLD = 60.0
+#: a quiet process rewrites its one ``alive`` entry this often (``SPOTGUARD_HISTORY_ALIVE`` s; 0 turns it off)
+ALIVE_EVERY = 300.0
 #: the hold ends this long before the notice's deadline (the entries must be out before the VM is gone)
 HOLD_MARGIN = 2.0
 
@@ -50,6 +52,14 @@ HOLD_MARGIN = 2.0
 def history_enabled() -> bool:
     """``SPOTGUARD_HISTORY=0`` turns the history off (the benchmark's "without" run)."""
     return os.environ.get("SPOTGUARD_HISTORY", "1").strip() != "0"
+
+
+def alive_every() -> float:
+    """Seconds between ``alive`` rewrites: a process that vanishes without ``exit`` is known up to this long."""
+    try:
+        return max(0.0, float(os.environ.get("SPOTGUARD_HISTORY_ALIVE", ALIVE_EVERY)))
+    except ValueError:
+        return ALIVE_EVERY
 
 
 def process_started() -> Optional[float]:
@@ -84,6 +94,8 @@ class HistoryWriter:
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._warned: set[str] = set()
+        self._alive_every = alive_every()
+        self._alive_key: Optional[str] = None  # one object per process, rewritten in place (no count, no cap)
         self._log = get_logger("spotguard.history", component="history", rank=rank)
         atexit.register(self._at_exit)  # a plain process end: mark it, and write what is queued
 
@@ -172,9 +184,29 @@ class HistoryWriter:
         self.record("exit", {"reason": "process_end", "code": None, "step": step})
         self.flush(EXIT_FLUSH)
 
+    def _alive(self) -> None:
+        """Rewrite this process's ``alive`` entry (time, step): a SIGKILL/OOM/lost VM leaves no ``exit``, and
+        without it the report would count the whole span since the last event as downtime."""
+        if self._exited or self._hold_until > time.monotonic() or not self.wants("alive"):
+            return
+        try:
+            step = self._step_of() if self._step_of is not None else None
+            now = time.time()
+            self._alive_key = self._alive_key or event_key(now, self.run, self.rank, 0)
+            ev = Event(kind="alive", time=now, run=self.run, rank=self.rank, node=self.node,
+                       local_rank=self.local_rank, fields={"step": step, "seq": 0})
+            self.storage.write_bytes(self._alive_key, ev.to_json())
+            self.storage.write_log.discard(self._alive_key)
+        except Exception as exc:  # noqa: BLE001 - a failing store costs entries, never the job
+            self._warn("write", exc)
+
     def _loop(self) -> None:
         while True:
-            ev = self._q.get()
+            try:
+                ev = self._q.get(timeout=self._alive_every or None)
+            except queue.Empty:  # quiet: a training loop logs nothing per step
+                self._alive()
+                continue
             with self._idle:  # a notice's save is in flight: its I/O first, these entries after
                 while (left := self._hold_until - time.monotonic()) > 0:
                     self._idle.wait(left)
