@@ -247,7 +247,8 @@ def compute(events: Iterable[Event], *, stored: Optional[list[tuple[int, Any]]] 
         elif e.kind == "agreed" and isinstance(nid, str) and e.fields.get("action") in LEAVING:
             p = notices.setdefault(nid, Preemption(notice_id=nid, attempt=i))
             if p.agreed is None:  # a restart on the doomed VM agrees again on a replayed notice: same preemption
-                p.agreed, p.step = e.time, int(_num(e.fields.get("step")) or 0)
+                # rank 0's clock places it (a notice_seen came from any node's clock, maybe skewed)
+                p.agreed, p.step, p.attempt = e.time, int(_num(e.fields.get("step")) or 0), i
                 p.kind = str(e.fields.get("kind") or p.kind)
         elif e.kind in ("checkpoint_committed", "periodic_committed") and not e.fields.get("already_committed"):
             ck = Checkpoint(step=int(_num(e.fields.get("step")) or 0), time=e.time,

@@ -75,3 +75,19 @@ def test_html_cuts_a_long_node_name_before_escaping_it() -> None:
                                 Event("exit", 160, R, 0, node=node, fields={"seq": 2, "code": 0})]), "x")
     assert re.findall(r"&(?!(?:amp|lt|gt|quot|#x27);)", page) == []
     assert "node-0123456789&lt;&amp;&gt; rank 0" in page
+
+
+def test_a_notice_seen_by_a_node_whose_clock_is_behind_belongs_to_rank0s_attempt() -> None:
+    """Times come from different machines: the preemption's attempt is where rank 0 agreed on it."""
+    from .test_figures import B, chain, ev  # noqa: PLC0415
+
+    evs = [e for e in chain() if not (e.run == B and e.kind in ("peers_lost", "exit"))]
+    evs += [ev("notice_seen", 255, "b1b1b1b1b1b1", rank=1, node="n1", notice_id="n-2", source="gcp",
+               kind="preemption", deadline="1970-01-01T00:06:50Z"),  # n1's clock is ~140 s behind
+            ev("agreed", 395, B, notice_id="n-2", step=160, action="emergency", kind="preemption"),
+            ev("checkpoint_committed", 396, B, notice_id="n-2", step=160, bytes=1, seconds=0.5,
+               seconds_since_notice=1.0),
+            ev("exit", 400.2, B, notice_id="n-2", code=143, step=160)]
+    fig = compute(evs)
+    assert [p.attempt for p in fig.preemptions] == [0, 1]
+    assert fig.interruptions_without_notice == 0
