@@ -54,6 +54,10 @@ def history_enabled() -> bool:
     return os.environ.get("SPOTGUARD_HISTORY", "1").strip() != "0"
 
 
+#: pid -> run of the first writer that recorded ``hook_installed`` in this process
+_STARTED_PIDS: dict[int, str] = {}
+
+
 def alive_every() -> float:
     """Seconds between ``alive`` rewrites: a process that vanishes without ``exit`` is known up to this long."""
     try:
@@ -128,8 +132,9 @@ class HistoryWriter:
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._loop, name="spotguard-history", daemon=True)
                     self._thread.start()
-            if kind == "hook_installed":
-                fields = {**fields, "process_started": process_started()}
+            if kind == "hook_installed":  # only a process's first hook starts with the process (no restart after)
+                first = _STARTED_PIDS.setdefault(os.getpid(), self.run) == self.run
+                fields = {**fields, "process_started": process_started() if first else None}
             ev = Event(kind=kind, time=time.time(), run=self.run, rank=self.rank, node=self.node,
                        local_rank=self.local_rank, fields={**fields, "seq": seq})
             with self._idle:
@@ -169,6 +174,16 @@ class HistoryWriter:
                 self._idle.wait(left)
         return True
 
+    def close(self) -> None:
+        """The hook is closed (its process may go on: a sweep, a notebook, a second training): the attempt ends
+        here, not at the process end; what is queued goes out (bounded)."""
+        try:
+            atexit.unregister(self._at_exit)
+        except Exception:  # noqa: BLE001
+            pass
+        if not self._exited:  # an exit already went out, flushed within its deadline: never wait again
+            self._at_exit()
+
     def _at_exit(self) -> None:
         """A process that ends without a notice (the job finished, or failed) still marks its end."""
         with self._idle:
@@ -177,6 +192,7 @@ class HistoryWriter:
         if self._exited or self._seq == 0 or not self.wants("exit"):
             self.flush(EXIT_FLUSH)  # what this rank queued (its notice_seen) still goes out
             return
+        self._exited = True  # once: close() then the process end write one exit
         try:
             step = self._step_of() if self._step_of is not None else None
         except Exception:  # noqa: BLE001
@@ -189,6 +205,7 @@ class HistoryWriter:
         without it the report would count the whole span since the last event as downtime."""
         if self._exited or self._hold_until > time.monotonic() or not self.wants("alive"):
             return
+        self._exited = True  # once: close() then the process end write one exit
         try:
             step = self._step_of() if self._step_of is not None else None
             now = time.time()

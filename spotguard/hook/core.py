@@ -424,6 +424,8 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             atexit.unregister(self._at_exit)
         except Exception:
             pass
+        if self._history is not None:
+            self._history.close()  # this attempt ends at the close (the process may train again)
 
     # ------------------------------------------------------------- step hooks
 
