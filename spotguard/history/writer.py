@@ -28,6 +28,12 @@ __all__ = ["HistoryWriter", "LogTap", "tap", "history_enabled", "process_started
 
 #: events one process may write (a loop of notices cannot fill the store)
 MAX_EVENTS = 2000
+#: shares of MAX_EVENTS: weeks of periodic checkpoints, or a storm of notices, must not leave the events that
+#: end an attempt (its save, peers lost) without room; ``exit`` (once or twice a process) is never refused
+ROUTINE_SHARE, OTHER_SHARE = 0.7, 0.9
+_SHARE = {"periodic_committed": ROUTINE_SHARE, "periodic_failed": ROUTINE_SHARE,
+          **{k: 1.0 for k in ("agreed", "checkpoint_started", "checkpoint_committed", "checkpoint_failed",
+                              "checkpoint_late", "checkpoint_skipped", "peers_lost")}}
 QUEUE_SIZE = 512
 #: the exiting thread waits at most this long for the pending entries (less when the deadline is nearer)
 EXIT_FLUSH = 1.0
@@ -124,7 +130,7 @@ class HistoryWriter:
             if not self.wants(kind):
                 return
             with self._lock:
-                if self._seq >= MAX_EVENTS:
+                if kind != "exit" and self._seq >= int(MAX_EVENTS * _SHARE.get(kind, OTHER_SHARE)):
                     self._drop("the per-process limit", MAX_EVENTS)
                     return
                 self._seq += 1

@@ -176,3 +176,24 @@ def test_the_hold_ends_before_the_notice_deadline(tmp_path: Path) -> None:
     w.record("checkpoint_started", {"notice_id": "n1", "step": 3})  # no deadline in it: the hold stays as it is
     assert not w.flush(0.1)
     assert w.flush(3) and len(store.list("history/")) == 2
+
+
+def test_a_long_run_of_periodic_checkpoints_never_crowds_out_the_preemption(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weeks of periodic checkpoints reach the per-process cap; the notice, its save and the exit still go out."""
+    import spotguard.history.writer as writer  # noqa: PLC0415
+
+    monkeypatch.setattr(writer, "MAX_EVENTS", 40)
+    store = open_storage(str(tmp_path))
+    w = HistoryWriter(store, rank=0)
+    w.record("hook_installed", {"world_size": 1})
+    for step in range(100):
+        w.record("periodic_committed", {"step": step, "bytes": 1, "seconds": 0.1})
+    for k in range(30):  # a storm of notices on top
+        w.record("notice_seen", {"notice_id": f"r-{k}", "source": "aws", "kind": "rebalance"})
+    for kind in ("notice_seen", "agreed", "checkpoint_committed", "exit"):
+        w.record(kind, {"notice_id": "n-1", "step": 100, "action": "emergency", "code": 143})
+    assert w.flush(10)
+    kinds = [e.kind for e in read_history(store).events]
+    assert kinds[-3:] == ["agreed", "checkpoint_committed", "exit"]
+    assert kinds.count("periodic_committed") <= 30 and len(kinds) <= 41 and w.dropped > 0
