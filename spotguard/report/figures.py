@@ -331,13 +331,21 @@ def counterfactual(fig: Figures, minutes: float) -> dict[str, Any]:
 
 
 def money(fig: Figures, price_spot: float, price_on_demand: float, nodes: Optional[int] = None) -> dict[str, float]:
-    """Spot bill (node-hours the processes ran) vs on-demand for the same useful work (no interruptions)."""
-    n = nodes or fig.nodes
-    ran = sum(a.end - a.start for a in fig.attempts)
+    """Spot bill (node-hours the processes ran) vs on-demand for the same useful work (no interruptions).
+
+    Without ``nodes`` each attempt counts its own nodes (host names it started on): after an elastic
+    resize, a week on 4 nodes and an hour on 8 are not a week on 8.
+    """
+    def count(a: Attempt) -> int:
+        return nodes or max(1, len(a.nodes))
+
+    ran = sum((a.end - a.start) * count(a) for a in fig.attempts)
+    share = fig.goodput_seconds / fig.training_seconds if fig.training_seconds > 0 else 0.0
     first = fig.attempts[0] if fig.attempts else None
-    od_seconds = fig.goodput_seconds + ((first.resumed - first.start) if first else 0.0)
-    spot = ran / 3600.0 * n * price_spot
-    od = od_seconds / 3600.0 * n * price_on_demand
-    return {"nodes": n, "spot_node_hours": round(ran / 3600.0 * n, 4), "spot_cost": round(spot, 4),
-            "on_demand_node_hours": round(od_seconds / 3600.0 * n, 4), "on_demand_cost": round(od, 4),
+    od_seconds = sum(a.training_seconds * share * count(a) for a in fig.attempts) \
+        + ((first.resumed - first.start) * count(first) if first else 0.0)
+    spot = ran / 3600.0 * price_spot
+    od = od_seconds / 3600.0 * price_on_demand
+    return {"nodes": nodes or fig.nodes, "nodes_per_attempt": not nodes, "spot_node_hours": round(ran / 3600.0, 4), "spot_cost": round(spot, 4),
+            "on_demand_node_hours": round(od_seconds / 3600.0, 4), "on_demand_cost": round(od, 4),
             "saved": round(od - spot, 4), "saved_percent": round(100.0 * (od - spot) / od, 2) if od > 0 else 0.0}

@@ -48,7 +48,9 @@ def rows(fig: Figures) -> list[tuple[str, str]]:
     ]
     if fig.money is not None:
         m = fig.money
-        out.append(("Cost on spot", f"{m['spot_cost']:.2f} ({m['spot_node_hours']:.2f} node-h x {int(m['nodes'])})"))
+        out.append(("Cost on spot", f"{m['spot_cost']:.2f} ({m['spot_node_hours']:.2f} node-h, "
+                                    f"{'up to ' if m.get('nodes_per_attempt') and len({len(a.nodes) for a in fig.attempts}) > 1 else ''}"
+                                    f"{int(m['nodes'])} nodes)"))
         out.append(("Same work on demand", f"{m['on_demand_cost']:.2f} ({m['on_demand_node_hours']:.2f} node-h)"))
         out.append(("Saved", f"{m['saved']:.2f} ({m['saved_percent']:.1f} %)"))
     for c in fig.counterfactual:

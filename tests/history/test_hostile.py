@@ -91,3 +91,22 @@ def test_a_notice_seen_by_a_node_whose_clock_is_behind_belongs_to_rank0s_attempt
     fig = compute(evs)
     assert [p.attempt for p in fig.preemptions] == [0, 1]
     assert fig.interruptions_without_notice == 0
+
+
+def test_money_counts_each_attempts_own_nodes_after_an_elastic_resize() -> None:
+    """One hour on 1 node, then (after a resize) one hour on 2: 3 node-hours, not 2 x the most nodes seen."""
+    from .test_figures import ev  # noqa: PLC0415
+    from spotguard.report.figures import money  # noqa: PLC0415
+
+    a, b = "a0a0a0a0a0a0", "b0b0b0b0b0b0"
+    evs = [ev("hook_installed", 0, a, world_size=1, node="n0"), ev("resumed", 0, a, step=0),
+           ev("exit", 3600, a, reason="peers_lost", code=69, step=100),
+           ev("hook_installed", 3600, b, world_size=2, node="n0"),
+           ev("hook_installed", 3600, "b1b1b1b1b1b1", rank=1, node="n1", world_size=2),
+           ev("resumed", 3600, b, step=100), ev("exit", 7200, b, reason="process_end", step=300)]
+    fig = compute(evs)
+    assert [len(x.nodes) for x in fig.attempts] == [1, 2] and fig.nodes == 2
+    m = money(fig, 1.0, 3.0)
+    assert m["spot_node_hours"] == pytest.approx(3.0) and m["spot_cost"] == pytest.approx(3.0)
+    assert m["on_demand_node_hours"] == pytest.approx(3.0)  # the same useful hours on the same nodes
+    assert money(fig, 1.0, 3.0, nodes=4)["spot_node_hours"] == pytest.approx(8.0)  # --nodes: what the user says
