@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
@@ -26,9 +27,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("uri", help="the job's storage URI (as given to the hook)")
     p.add_argument("--json", action="store_true", help="print every figure as one JSON object")
     p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with a timeline")
-    p.add_argument("--price-spot", type=float, help="spot price per node-hour")
-    p.add_argument("--price-on-demand", type=float, help="on-demand price per node-hour")
-    p.add_argument("--nodes", type=int, help="nodes of the job (default: the most hosts seen in one attempt)")
+    p.add_argument("--price-spot", type=price, help="spot price per node-hour")
+    p.add_argument("--price-on-demand", type=price, help="on-demand price per node-hour")
+    p.add_argument("--nodes", type=node_count, help="nodes of the job (default: each attempt's own hosts)")
+
+
+def price(text: str) -> float:
+    """A price per node-hour: a finite number >= 0 (argparse turns the ValueError into exit 2)."""
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(text)
+    return value
+
+
+def node_count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
 
 
 def build_figures(uri: str, price_spot: float | None = None, price_on_demand: float | None = None,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,10 +13,12 @@ import pytest
 from spotguard.history import Event, read_history
 from spotguard.history.record import event_key
 from spotguard.report.cli import build_figures
-from spotguard.report.figures import compute
+from spotguard.report.figures import compute, money
 from spotguard.report.html import render_html
 from spotguard.report.text import render_text
 from spotguard.storage import open_storage
+
+from .test_figures import B, chain, ev
 
 R = "aaaaaaaaaaaa"
 
@@ -79,8 +83,6 @@ def test_html_cuts_a_long_node_name_before_escaping_it() -> None:
 
 def test_a_notice_seen_by_a_node_whose_clock_is_behind_belongs_to_rank0s_attempt() -> None:
     """Times come from different machines: the preemption's attempt is where rank 0 agreed on it."""
-    from .test_figures import B, chain, ev  # noqa: PLC0415
-
     evs = [e for e in chain() if not (e.run == B and e.kind in ("peers_lost", "exit"))]
     evs += [ev("notice_seen", 255, "b1b1b1b1b1b1", rank=1, node="n1", notice_id="n-2", source="gcp",
                kind="preemption", deadline="1970-01-01T00:06:50Z"),  # n1's clock is ~140 s behind
@@ -95,8 +97,6 @@ def test_a_notice_seen_by_a_node_whose_clock_is_behind_belongs_to_rank0s_attempt
 
 def test_money_counts_each_attempts_own_nodes_after_an_elastic_resize() -> None:
     """One hour on 1 node, then (after a resize) one hour on 2: 3 node-hours, not 2 x the most nodes seen."""
-    from .test_figures import ev  # noqa: PLC0415
-    from spotguard.report.figures import money  # noqa: PLC0415
 
     a, b = "a0a0a0a0a0a0", "b0b0b0b0b0b0"
     evs = [ev("hook_installed", 0, a, world_size=1, node="n0"), ev("resumed", 0, a, step=0),
@@ -110,3 +110,12 @@ def test_money_counts_each_attempts_own_nodes_after_an_elastic_resize() -> None:
     assert m["spot_node_hours"] == pytest.approx(3.0) and m["spot_cost"] == pytest.approx(3.0)
     assert m["on_demand_node_hours"] == pytest.approx(3.0)  # the same useful hours on the same nodes
     assert money(fig, 1.0, 3.0, nodes=4)["spot_node_hours"] == pytest.approx(8.0)  # --nodes: what the user says
+
+
+@pytest.mark.parametrize("args", [["--price-spot", "-1", "--price-on-demand", "3"],
+                                  ["--price-spot", "1", "--price-on-demand", "nan"],
+                                  ["--price-spot", "1", "--price-on-demand", "3", "--nodes", "-2"]])
+def test_negative_or_nan_prices_and_nodes_are_refused(tmp_path: Path, args: list[str]) -> None:
+    out = subprocess.run([sys.executable, "-m", "spotguard", "report", str(tmp_path), *args], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stdout + out.stderr
