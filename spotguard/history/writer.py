@@ -92,6 +92,7 @@ class HistoryWriter:
         self.storage, self.rank, self.local_rank = storage, rank, local_rank
         self._step_of = step_of
         self._exited = False  # an ``exit`` event was recorded: the process end needs no other
+        self._pid = os.getpid()  # a forked child inherits this object, not its thread: it records nothing
         self.run = uuid.uuid4().hex[:12]
         self.node = socket.gethostname()
         self.dropped = 0
@@ -123,6 +124,8 @@ class HistoryWriter:
         Every kind is seen here, wanted or not: a commit written by rank 0 also ends another rank's hold.
         """
         try:
+            if os.getpid() != self._pid:
+                return
             if kind in HOLD_FROM or kind in HOLD_UNTIL:
                 self._hold(kind, fields)
             if kind == "exit":
@@ -192,6 +195,8 @@ class HistoryWriter:
 
     def _at_exit(self) -> None:
         """A process that ends without a notice (the job finished, or failed) still marks its end."""
+        if os.getpid() != self._pid:  # a forked child's end is not this attempt's (and it has no writer thread)
+            return
         with self._idle:
             self._hold_until = 0.0  # nothing is in flight any more
             self._idle.notify_all()

@@ -36,3 +36,31 @@ def test_closing_a_hook_ends_its_attempt_at_the_close(tmp_path: Path) -> None:
     first, second = fig.attempts
     assert first.end_kind == "process_end" and first.end <= second.start, (first, second)
     assert [e.kind for e in events].count("exit") == 2
+
+
+FORKED = textwrap.dedent("""
+    import os, sys, time
+    from spotguard.history import HistoryWriter
+    from spotguard.storage import open_storage
+
+    w = HistoryWriter(open_storage(sys.argv[1]), rank=0)
+    w.record("hook_installed", {"world_size": 1})
+    assert w.flush(10)
+    pid = os.fork()
+    if pid == 0:  # a helper process forked by the training script, ending normally (atexit runs)
+        sys.exit(0)
+    t0 = time.monotonic()
+    os.waitpid(pid, 0)
+    print(f"child {time.monotonic() - t0:.3f}", flush=True)
+""")
+
+
+def test_a_forked_child_ending_normally_is_not_the_attempts_end(tmp_path: Path) -> None:
+    """The child inherits the writer but not its thread: its atexit must neither write nor wait for one."""
+    out = subprocess.run([sys.executable, "-c", FORKED, str(tmp_path)], capture_output=True, text=True,
+                         timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    seconds = float(out.stdout.split()[-1])
+    assert seconds < 0.5, f"the forked child waited {seconds} s for a writer thread it does not have"
+    kinds = [e.kind for e in read_history(open_storage(str(tmp_path))).events]
+    assert kinds == ["hook_installed", "exit"]  # the parent's own process end, once
