@@ -79,8 +79,12 @@ def main(args: Any) -> int:
     if args.html:
         from .html import render_html  # noqa: PLC0415
 
-        with open(args.html, "w", encoding="utf-8") as f:
-            f.write(render_html(fig, args.uri))
+        try:
+            with open(args.html, "w", encoding="utf-8") as f:
+                f.write(render_html(fig, args.uri))
+        except OSError as exc:  # a folder that does not exist, no permission: one line, not a traceback
+            print(f"spotguard report: cannot write {args.html}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(fig, default=_plain, separators=(",", ":")))  # the C encoder: 10,000 events in well under 1 s
     else:

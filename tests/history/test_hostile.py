@@ -119,3 +119,9 @@ def test_negative_or_nan_prices_and_nodes_are_refused(tmp_path: Path, args: list
     out = subprocess.run([sys.executable, "-m", "spotguard", "report", str(tmp_path), *args], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stdout + out.stderr
+
+
+def test_an_html_path_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "spotguard", "report", str(tmp_path), "--html",
+                          str(tmp_path / "missing" / "r.html")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "r.html" in out.stderr, out.stderr
