@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from spotguard.history import read_history
 from spotguard.report.figures import compute
 from spotguard.storage import open_storage
@@ -64,3 +66,22 @@ def test_a_forked_child_ending_normally_is_not_the_attempts_end(tmp_path: Path) 
     assert seconds < 0.5, f"the forked child waited {seconds} s for a writer thread it does not have"
     kinds = [e.kind for e in read_history(open_storage(str(tmp_path))).events]
     assert kinds == ["hook_installed", "exit"]  # the parent's own process end, once
+
+
+def test_history_off_writes_nothing_under_history(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SPOTGUARD_HISTORY=0``: the hook writes no history entry (and the same hook with it on does)."""
+    import torch  # noqa: PLC0415
+
+    from spotguard import install_preemption_hook  # noqa: PLC0415
+
+    monkeypatch.setenv("SPOTGUARD_SOCKET", str(tmp_path / "none.sock"))
+    for value, store in (("0", tmp_path / "off"), ("1", tmp_path / "on")):
+        monkeypatch.setenv("SPOTGUARD_HISTORY", value)
+        net = torch.nn.Linear(2, 1)
+        hook = install_preemption_hook({"model": net, "optimizer": torch.optim.SGD(net.parameters(), lr=0.1)},
+                                       storage=str(store))
+        hook.resume()
+        hook.close()
+    assert open_storage(str(tmp_path / "off")).list("history/") == []
+    assert [e.kind for e in read_history(open_storage(str(tmp_path / "on"))).events] == \
+        ["hook_installed", "resumed", "exit"]
