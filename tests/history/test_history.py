@@ -28,7 +28,10 @@ class _Log:
         self.lines.append(("error", event, kw))
 
 
-def test_round_trip_through_the_store_in_time_order(tmp_path: Path) -> None:
+def test_round_trip_through_the_store_in_time_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import spotguard.history.writer as writer  # noqa: PLC0415
+
+    monkeypatch.setattr(writer, "_STARTED_PIDS", {})  # this writer is the process's first hook (only it has a start)
     store = open_storage(str(tmp_path))
     w = HistoryWriter(store, rank=0)
     inner = _Log()
