@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "status": ("spotguard.daemon.client", "print a running daemon's state"),
     "demo": ("spotguard.demo", "the whole story on one machine"),
     "checkpoints": ("spotguard.storage.listing", "list checkpoints under a storage URI"),
+    "report": ("spotguard.report.cli", "what spot cost a job: goodput, preemptions, downtime, money (history/)"),
     "wait-checkpoint": ("spotguard.daemon.waitckpt",
                         "block until every local trainer reported its checkpoint for the active notice"),
 }

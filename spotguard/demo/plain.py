@@ -357,6 +357,18 @@ def part_training(emu: Emulator, work: Path, args: argparse.Namespace) -> int:
     return 0 if verdict.startswith("identical") else 1
 
 
+def print_report(store: Path) -> None:
+    """``spotguard report`` of the demo's own run: what its history says the preemption cost."""
+    from ..report.cli import build_figures  # noqa: PLC0415
+    from ..report.text import render_text  # noqa: PLC0415
+
+    print("\n== 4. The job's own report (`spotguard report`, from the history beside its checkpoints)", flush=True)
+    try:
+        print(render_text(build_figures(str(store)), str(store)), flush=True)
+    except Exception as exc:  # noqa: BLE001 - the demo's verdict stands without its report
+        print(f"  report failed: {type(exc).__name__}: {exc}", flush=True)
+
+
 def main(args: argparse.Namespace) -> int:
     if getattr(args, "engine", "torchrun") == "torchft":
         from .torchft import main as torchft_main  # noqa: PLC0415
@@ -373,5 +385,7 @@ def main(args: argparse.Namespace) -> int:
         rc = part_training(emu, work, args)
     finally:
         emu.stop()
+    if (work / "checkpoints").is_dir():
+        print_report(work / "checkpoints")
     print(f"\ndemo finished in {time.monotonic() - t0:.1f} s (logs in {work})", flush=True)
     return rc

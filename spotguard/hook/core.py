@@ -84,6 +84,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from ..history.writer import for_hook as history_for_hook
+from ..history.writer import tap as history_tap
 from ..logs import get_logger
 from ..notice import Notice
 from ..storage import Storage, StorageError, open_storage
@@ -189,7 +191,10 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         self._local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
         self._group = make_group() if self._dist else None
         self._agree = Agreement(self._group)
-        self._log = get_logger("spotguard.hook", component="hook", rank=self._rank)
+        # the job history beside the checkpoints (spotguard/history): a tap on this logger, written off-thread
+        self._history = history_for_hook(self._storage, self._rank, self._local_rank,
+                                         lambda: getattr(self, "_count", None))
+        self._log = history_tap(get_logger("spotguard.hook", component="hook", rank=self._rank), self._history)
         if not getattr(self, "_probed", False):
             self._probe_storage()
         self._torn_down = False  # the user destroyed the process group (or the hook quiesced for exit)
@@ -420,6 +425,8 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             atexit.unregister(self._at_exit)
         except Exception:
             pass
+        if self._history is not None:
+            self._history.close()  # this attempt ends at the close (the process may train again)
 
     # ------------------------------------------------------------- step hooks
 

@@ -61,6 +61,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..history.writer import tap as history_tap
 from ..logs import get_logger
 from . import events as ev
 from .dist import destroy_group, is_dist, run_bounded
@@ -396,6 +397,7 @@ def watch_peers(hook: Any) -> Optional[PeerWatch]:
     if os.environ.get("SPOTGUARD_PEER_TIMEOUT", "").strip().lower() in ("off", "0", "none", "false"):
         return None
     watch = PeerWatch(on_lost=exit_on_lost(hook))
+    watch._log = history_tap(watch._log, getattr(hook, "_history", None))  # peers_lost/exit in the history
     after = getattr(hook, "_after_commit", None)
     if callable(after):  # learn each commit's step (every rank calls it right after the commit barrier)
 

@@ -134,9 +134,10 @@ class LocalStorage(Storage):
             return []
         out: list[ObjectInfo] = []
         for dirpath, dirnames, filenames in os.walk(start):
-            dirnames.sort()
             rel_dir = os.path.relpath(dirpath, self.root)
             rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/")
+            # only folders that can hold a match: list("step-") never reads history/ (thousands of entries)
+            dirnames[:] = sorted(d for d in dirnames if _may_hold(f"{rel_dir}/{d}/" if rel_dir else f"{d}/", prefix))
             for name in filenames:
                 if name.startswith(TMP_MARK):
                     continue
@@ -220,6 +221,11 @@ class LocalStorage(Storage):
                         pass
             _fsync_dir(pathlib.Path(dirpath))
         _fsync_dir(path.parent)
+
+
+def _may_hold(folder: str, prefix: str) -> bool:
+    """Whether keys under ``folder`` (ending in "/") can start with ``prefix``."""
+    return folder.startswith(prefix) or prefix.startswith(folder)
 
 
 def _rmtree(path: pathlib.Path) -> None:

@@ -49,6 +49,7 @@ from ..hook.core import EXIT_SAVE_FAILED, Hook, Preempted
 from ..hook.save import _BG
 from ..hook.settings import env_seconds
 from ..hook.state import PER_RANK, Snapshot
+from ..history.writer import tap as history_tap
 from ..logs import get_logger
 from ..notice import Notice
 
@@ -192,7 +193,8 @@ class ReplicaGuard:
         self.hook = _EngineHook(state, storage, socket=socket, exit_code=exit_code, on_notice=self._on_notice,
                                 every=every, keep=keep)
         self.hook.guard = self
-        self._log = get_logger("spotguard.torchft", component="hook", rank=self.hook._rank)
+        self._log = history_tap(get_logger("spotguard.torchft", component="hook", rank=self.hook._rank),
+                                getattr(self.hook, "_history", None))  # leaves/heals in the history
         self._register_heal_state()
         self._fwd_handles = [m.register_forward_pre_hook(self._on_forward) for m in self.hook._objs.models.values()]
         self._gate_handles = [o.register_step_pre_hook(self._gate) for o in self.hook._objs.optimizers.values()]

@@ -684,8 +684,30 @@ class Chaos:
             self.final_identical = False
             self.final_diff = f"final run {final.outcome}"
         summary = self.summary()
+        summary["report"] = self.report()
         summary["seconds"] = round(time.monotonic() - t0, 1)
         return summary
+
+    def report(self) -> dict[str, Any]:
+        """``spotguard report`` of the run's storage: its history was written through the same faults."""
+        from spotguard.report.cli import build_figures  # noqa: PLC0415
+
+        env = dict(getattr(self.store, "env", {}))
+        before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            self.store.clear()
+            fig = build_figures(self.store.uri)
+        finally:
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        return {"attempts": len(fig.attempts), "preemptions": len(fig.preemptions),
+                "preemptions_by": fig.preemptions_by, "steps_recomputed": fig.steps_recomputed,
+                "goodput_percent": round(fig.goodput_percent, 1), "downtime_seconds": round(fig.downtime_seconds, 1),
+                "skipped": fig.skipped}
 
     def summary(self) -> dict[str, Any]:
         pre = [c for c in self.cycles if c.mode != "final"]

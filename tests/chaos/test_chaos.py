@@ -27,7 +27,7 @@ def test_short_chaos_run(tmp_path: Path, capsys: Any) -> None:
     finally:
         chaos.close()
     with capsys.disabled():
-        print("\n" + "\n".join(summary["cycles"]) + "\n" + render(summary))
+        print("\n" + "\n".join(summary["cycles"]) + "\n" + render(summary) + f"\nreport: {summary['report']}")
     (tmp_path / "summary.json").write_text(json.dumps(summary, indent=2))
     assert summary["preemptions"] == 5
     assert summary["storage"] == "s3", "the storage faults always run: S3 (moto) is a test dependency"
@@ -35,6 +35,9 @@ def test_short_chaos_run(tmp_path: Path, capsys: Any) -> None:
     exercised = set(summary["faults"]) | set(summary["faults_not_exercised"])
     assert len(exercised) == 13, f"every fault kind is injected (or reported as not exercised): {exercised}"
     assert summary["checkpoints_committed"] >= 1 and summary["resumes_from_committed_step"] >= 1
+    rep = summary["report"]  # spotguard report over the run's history on S3, written through the faults
+    assert rep["skipped"] == [], rep
+    assert rep["attempts"] >= summary["preemptions"] + 1 and 1 <= rep["preemptions"] <= summary["preemptions"], rep
     bad = verdict(summary)
     assert not bad, "\n".join(bad) + f"\nlogs: {tmp_path}\n" + render(summary)
     shutil.rmtree(tmp_path, ignore_errors=True)  # pass: the gigabytes of logs are not kept

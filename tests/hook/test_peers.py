@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from spotguard.history import read_history
+from spotguard.storage import open_storage
+
 from ._torchrun import TorchRun
 
 SCRIPT = Path(__file__).resolve().parent / "_peers_train.py"
@@ -39,6 +42,10 @@ def test_rank_holding_the_gil_past_the_timeout_is_named(short_tmp: Path) -> None
     assert lost and lost[0]["lost_ranks"] == [1] and lost[0]["code"] == 69, run.tail()
     assert "rank 1 on" in lost[0]["detail"]
     assert run.proc.returncode != 0
+    # the job's history (docs/report.md) says so too, written before the os._exit
+    hist = [e for e in read_history(open_storage(str(short_tmp / "ckpt"))).events if e.rank == 0]
+    assert [e.fields["lost_ranks"] for e in hist if e.kind == "peers_lost"] == [[1]], hist
+    assert [(e.fields["reason"], e.fields["code"]) for e in hist if e.kind == "exit"] == [("peers_lost", 69)], hist
 
 
 def test_rank_that_closed_its_hook_and_stays_alive_is_not_lost(short_tmp: Path) -> None:

@@ -205,3 +205,26 @@ def test_fifo_or_symlink_is_not_an_object(tmp_path) -> None:  # type: ignore[no-
         store.read_bytes("step-00000001/QUARANTINE.json")
     with pytest.raises(FileNotFoundError):
         store.read_bytes("step-00000001/x.distcp")
+
+
+def test_list_of_a_prefix_never_walks_folders_that_cannot_match(store: LocalStorage,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``list("step-")`` (every resume, and retention inside each save) must not read the job's history/
+    (thousands of small entries: seconds of READDIR on NFS, on the emergency path)."""
+    store.write_bytes("step-00000001/a.bin", b"1")
+    store.write_bytes("step-00000001/sub/b.bin", b"2")
+    store.write_bytes("history/0000000000000001-aaaaaaaaaaaa-00000-000001.json", b"{}")
+    store.write_bytes("stepx/c.bin", b"3")
+    walked: list[str] = []
+    real = os.scandir
+
+    def scandir(path: str = ".") -> "os._ScandirIterator[str]":  # type: ignore[name-defined]
+        walked.append(os.path.relpath(path, store.root))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    keys = [o.key for o in store.list("step-")]
+    assert keys == ["step-00000001/a.bin", "step-00000001/sub/b.bin"]
+    assert "history" not in walked and "stepx" not in walked, walked
+    assert [o.key for o in store.list("step-00000001/s")] == ["step-00000001/sub/b.bin"]
+    assert [o.key for o in store.list("")][0] == "history/0000000000000001-aaaaaaaaaaaa-00000-000001.json"
