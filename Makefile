@@ -19,11 +19,24 @@ $(STAMP): $(PY) pyproject.toml requirements-dev.txt
 
 setup: $(STAMP)
 
-test: $(STAMP) deploy-tools storage-tools frameworks-tools torchft-tools
+test: $(STAMP) deploy-tools storage-tools frameworks-tools torchft-tools browser-tools
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 test-fast: $(STAMP) deploy-tools storage-tools frameworks-tools torchft-tools
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
+
+# Debian's chromium for the one test that renders `spotguard report --html` in a real headless browser
+# (tests/history/test_html.py). Installed only where apt-get can be used as root; otherwise that test skips
+# and says why. Never fails the set-up.
+.PHONY: browser-tools
+browser-tools:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  timeout 300 apt-get install -y -q chromium >/dev/null 2>&1 || \
+	  { timeout 180 apt-get update -q >/dev/null 2>&1; timeout 300 apt-get install -y -q chromium >/dev/null 2>&1; } || \
+	  echo "browser-tools: chromium could not be installed; the HTML render test will skip"; \
+	else echo "browser-tools: no root apt-get; the HTML render test will skip (apt-get install chromium)"; fi
 
 demo: $(STAMP)
 	$(VENV)/bin/spotguard demo
