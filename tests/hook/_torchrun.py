@@ -19,13 +19,21 @@ EXAMPLE = REPO / "examples" / "torchrun_train.py"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 
+def job_tmpdir(log: Path) -> Path:
+    """``<log>.tmp`` beside the job's log, made: the job's ``TMPDIR``, so torchelastic's ``torchelastic_*``
+    folders (and the workers' own temp files) go under the test's folder instead of piling up in /tmp."""
+    tmpdir = log.parent / f"{log.stem}.tmp"
+    tmpdir.mkdir(parents=True, exist_ok=True)
+    return tmpdir
+
+
 class TorchRun:
     """One ``torchrun --standalone`` job; stdout+stderr of agent and workers go to one log file."""
 
     def __init__(self, log: Path, args: list[str], *, script: Path = EXAMPLE, nproc: int = 2,
                  env: Optional[dict[str, str]] = None) -> None:
         self.log = log
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": str(job_tmpdir(log)),
                     "SPOTGUARD_SOCKET": str(log.parent / "no-daemon.sock"), **(env or {})}
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(

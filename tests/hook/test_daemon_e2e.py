@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from spotguard.launch import DaemonProc, query_status, start_daemon
+from spotguard.launch import DaemonProc, query_status
 from spotguard.storage import open_storage
 from spotguard.storage.commit import scan
 
@@ -27,9 +27,7 @@ from ._daemons import (
     drill,
     running_daemon,
     status_cli,
-    subscribers,
     wait_subscribed,
-    wait_until,
 )
 from ._torchrun import TorchRun, reference_run
 from .test_torchrun import STEPS, assert_agreed_exit, committed, resume_to_end
@@ -174,33 +172,5 @@ def test_notice_to_one_node_only_two_daemons(short_tmp: Path, tmp_path: Path) ->
         assert writers["doomed"] == [1] and writers["bytes_per_rank"][0] > writers["bytes_per_rank"][1], writers
 
 
-def test_daemon_restart_mid_training_hook_resubscribes_then_drill_commits(short_tmp: Path, tmp_path: Path) -> None:
-    sock, store = str(short_tmp / "d.sock"), tmp_path / "ckpt"
-    first = start_daemon(sock, cloud="none", log_path=tmp_path / "daemon-1.log")
-    second: DaemonProc | None = None
-    run = TorchRun(tmp_path / "restart.log", [*LONG, "--storage", str(store)], env={"SPOTGUARD_SOCKET": sock})
-    try:
-        wait_subscribed(sock, {0, 1}, run)
-        pids = {s["rank"]: s["pid"] for s in subscribers(sock)}
-        run.wait_step(3)
-        assert first.stop() == 0
-        # Both intakes noticed the daemon went away (condition on their log lines, not a sleep).
-        wait_until(lambda: {e["rank"] for e in run.lines() if "reconnecting" in str(e.get("event"))} == {0, 1},
-                   20, "both intakes to notice the lost daemon", run)
-        step_at_restart = max(run.steps())
-        second = start_daemon(sock, cloud="none", log_path=tmp_path / "daemon-2.log")
-        assert query_status(sock)["pid"] == second.proc.pid
-        wait_subscribed(sock, {0, 1}, run)  # the hook re-subscribed to the new daemon
-        assert {s["rank"]: s["pid"] for s in subscribers(sock)} == pids  # the same workers, not a restart
-        notice_id = drill_when_running(run, sock, {0, 1}, step_at_restart + 1)
-        assert run.wait(60) == 1, run.tail()
-        stop = assert_agreed_exit(run)
-        assert stop > step_at_restart  # training went on while the daemon was away
-        assert committed(store) == [stop]
-        assert {e["notice_id"] for e in run.events("checkpoint_committed")} == {notice_id}
-        assert_daemon_saw_done(sock, notice_id, {0, 1}, stop, store)
-    finally:
-        run.kill()
-        if second is not None:
-            second.stop()
-        first.stop()
+# The daemon stopped mid-training (SIGINT), a new one on the same socket, the hook re-subscribes and a drill
+# through it commits: test_daemon_rollout's rollout test, in the same torchrun job as the rollout.

@@ -69,17 +69,23 @@ def resume_to_end(tmp: Path, store: Path, name: str, expect_step: int, reference
 
 
 @pytest.mark.parametrize(
-    "seed,rank,sig",
-    [(11, 1, signal.SIGUSR1), (12, 0, signal.SIGTERM), (13, 1, signal.SIGTERM)],
+    "seed,rank,sig,grace",
+    [(11, 1, signal.SIGUSR1, None), (12, 0, signal.SIGTERM, None), (13, 1, signal.SIGTERM, 15)],
     ids=["usr1-to-rank1-only", "term-to-rank0-only", "term-to-rank1-only"],
 )
 def test_preemption_at_random_step_resumes_bitwise(reference: Path, tmp_path: Path, seed: int, rank: int,
-                                                   sig: int) -> None:
+                                                   sig: int, grace: int | None) -> None:
+    """``grace``: ``SPOTGUARD_SIGNAL_GRACE`` (GKE 15 s, torchrun 30 s), the deadline a SIGTERM gets; checked in
+    this job (it had one of its own in test_daemon_rollout)."""
     at = random.Random(seed).randint(2, STEPS - 10)
     store = tmp_path / "ckpt"
-    run = preempt(tmp_path, store, "preempted", at, rank, sig)
+    run = preempt(tmp_path, store, "preempted", at, rank, sig,
+                  env={"SPOTGUARD_SIGNAL_GRACE": str(grace)} if grace else None)
     assert run.wait() != 0  # torchrun itself exits 1 once a worker failed
     stop = assert_agreed_exit(run)
+    if grace:
+        seen = [e for e in run.events("notice_seen") if e["via"] == "signal"]
+        assert seen and all(grace - 5 < e["seconds_left"] <= grace for e in seen), seen
     assert at < stop <= STEPS
     assert committed(store) == [stop]
     resume_to_end(tmp_path, store, "resumed", stop, reference)

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from spotguard.storage import open_storage
 from spotguard.storage.commit import scan
 
-from .._torchrun import REPO, TORCHRUN, TorchRun, first_difference, load_out
+from .._torchrun import REPO, TORCHRUN, TorchRun, first_difference, job_tmpdir, load_out
 
 __all__ = ["Job", "read_log", "preempt_in_accumulation", "ACCUM_STEPS", "ACCUM_ARGS", "losses", "committed", "assert_agreed_exit", "assert_same_losses", "first_difference", "load_out"]
 
@@ -33,8 +33,7 @@ class Job(TorchRun):
         self.log = log
         # the examples' own temp folders (the HF Trainer's default output_dir, /tmp/hf-out-*, one a rank) go
         # under the test's folder, not /tmp, where they were left behind
-        tmpdir = log.parent / f"{log.stem}.tmp"
-        tmpdir.mkdir(exist_ok=True)
+        tmpdir = job_tmpdir(log)
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **HUB_OFFLINE,
                     "SPOTGUARD_SOCKET": str(log.parent / "no-daemon.sock"),
                     "SPOTGUARD_CACHE": str(log.parent / "cache"), "TMPDIR": str(tmpdir), **(env or {})}
