@@ -50,6 +50,7 @@ class SafeMark:
         self.seconds: Optional[float] = None  # since the save started, when this rank's bytes were durable
         self.at: Optional[str] = None
         self.bytes = 0
+        self.planned = "all-ranks"  # "survivors" once this rank's DCP save got the notice-aware planner
         self._lock = threading.Lock()
 
     def wrap(self, writer: Any) -> Any:
@@ -87,15 +88,18 @@ class SafeMark:
 
     def info(self) -> dict[str, Any]:
         """What this rank reports to the commit (gathered with the write log)."""
-        return {"bytes": self.bytes, "seconds": self.seconds, "at": self.at, "doomed": self.doomed}
+        return {"bytes": self.bytes, "seconds": self.seconds, "at": self.at, "doomed": self.doomed,
+                "planned": self.planned}
 
 
 def writers_record(infos: list[Any], doomed: Optional[frozenset[int]]) -> dict[str, Any]:
     """The commit record's ``extra["writers"]``: bytes per rank (by rank), the doomed ranks and when each became
-    safe (seconds since its save started, and the wall-clock time)."""
+    safe (seconds since its save started, and the wall-clock time). ``plan`` is what the coordinator's (rank
+    0's) planner did: a framework adapter's own format never goes through it, whoever holds a notice."""
     infos = [i or {} for i in infos]
+    planned = infos[0].get("planned") if infos else None
     out: dict[str, Any] = {"bytes_per_rank": [int(i.get("bytes") or 0) for i in infos],
-                           "plan": "survivors" if doomed and plan_around_doomed() else "all-ranks"}
+                           "plan": "survivors" if doomed and planned == "survivors" else "all-ranks"}
     if doomed:
         out["doomed"] = sorted(doomed)
         out["safe_seconds"] = {str(r): infos[r].get("seconds") for r in sorted(doomed) if r < len(infos)}

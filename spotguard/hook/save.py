@@ -329,7 +329,15 @@ class SaveMixin:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.save(sd, storage_writer=self._dcp_storage_writer(key), process_group=self._group,
-                     planner=_planner(None, getattr(self, "_doomed", None)))
+                     planner=self._save_planner(None))
+
+    def _save_planner(self, cancel: Any) -> Any:
+        """``_planner`` for this save's doomed ranks; the commit record's ``plan`` says whether it was used."""
+        planner = _planner(cancel, getattr(self, "_doomed", None))
+        mark = getattr(self, "_safe", None)
+        if mark is not None and getattr(planner, "doomed", None):
+            mark.planned = "survivors"
+        return planner
 
     def _dcp_storage_writer(self, key: str) -> Any:
         """The storage's DCP writer for ``key``, marking this rank safe when its own bytes are durable."""
@@ -551,7 +559,7 @@ class SaveMixin:
             with warnings.catch_warnings():  # a single process: DCP's "assuming a single process" note
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
                 dcp.save(sd, storage_writer=self._dcp_storage_writer(key), process_group=group,
-                         planner=_planner(cancel, getattr(self, "_doomed", None)))
+                         planner=self._save_planner(cancel))
             if validate:  # written from live tensors: still the state of S at the end of the write?
                 why = self._watch.changed(getattr(self, "_live_mark", None))
                 self._live_moved = why

@@ -92,3 +92,15 @@ def test_hsdp_replicated_shards_go_to_the_replica_unique_shards_stay() -> None:
     assert ("w", (32, 0)) in got[3]
     both = survivors_only([dataclasses.replace(p) for p in plans], {1, 3})
     assert [len(p.items) for p in both] == [2, 2, 2, 2]
+
+
+def test_record_says_survivors_only_when_the_coordinator_planned_so() -> None:
+    """A framework adapter writes its own format (Lightning: rank 0 writes everything) without the DCP planner:
+    with rank 0 doomed the record must not claim that the survivors wrote the replicated state."""
+    from spotguard.hook.doomed import writers_record
+
+    doomed = frozenset({0})
+    adapter = [{"bytes": 900, "seconds": 2.0, "doomed": True}, {"bytes": 0, "doomed": False}]
+    assert writers_record(adapter, doomed)["plan"] == "all-ranks"
+    dcp = [{**adapter[0], "bytes": 1, "planned": "survivors"}, {"bytes": 899, "planned": "survivors"}]
+    assert writers_record(dcp, doomed)["plan"] == "survivors"
