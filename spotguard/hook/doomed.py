@@ -17,12 +17,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 from ..timefmt import to_rfc3339, utcnow
 from . import events as ev
 
-__all__ = ["doomed_ranks", "plan_around_doomed", "SafeMark", "writers_record"]
+__all__ = ["doomed_ranks", "with_late_notices", "plan_around_doomed", "SafeMark", "writers_record"]
 
 
 def plan_around_doomed() -> bool:
@@ -37,6 +37,15 @@ def doomed_ranks(flags: Iterable[Any]) -> Optional[frozenset[int]]:
     flags = [bool(f) for f in flags]
     doomed = frozenset(r for r, f in enumerate(flags) if f)
     return doomed if doomed and len(doomed) < len(flags) else None
+
+
+def with_late_notices(agreed: Optional[frozenset[int]], flags: Sequence[Any]) -> Optional[frozenset[int]]:
+    """The round's doomed ranks plus those whose emergency notice came after its gather (``flags``: asked again
+    right before the save plans). Why: VMs of one job are often reclaimed a moment apart; giving every
+    replicated byte to a rank whose own notice came during the staging copy would load the bytes onto a VM that
+    is going too. Every rank doomed now: None, DCP's stock plan."""
+    late = agreed or frozenset()
+    return doomed_ranks(bool(f) or r in late for r, f in enumerate(flags))
 
 
 class SafeMark:

@@ -38,7 +38,7 @@ from .dist import (
     gather_writes_with,
     set_group_timeout,
 )
-from .doomed import SafeMark, plan_around_doomed, writers_record
+from .doomed import SafeMark, plan_around_doomed, with_late_notices, writers_record
 from .periodic import PERIODIC_SETTLED, stage_state_dict
 from .settings import EMERGENCY_LEAD, HANDED_OVER, HOLD_SLACK, PERIODIC_NOTICE_PREFIX, SAVE_MARGIN
 from .state import Snapshot, clone_buffers, pack
@@ -180,6 +180,8 @@ class SaveMixin:
                 return self._finish_ok(notice, step, uri, 0, t0, already=True)
             if status[0] == "error":
                 return self._fail(notice, step, f"prepare failed on rank 0: {status[1]}", t0, peers_ok=True)
+            stage = "doomed"
+            self._doomed = self._doomed_now(group)
             stage = "write"
             err = None
             self._storage.write_log.take(key)  # what an earlier attempt at this step wrote does not count
@@ -330,6 +332,16 @@ class SaveMixin:
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.save(sd, storage_writer=self._dcp_storage_writer(key), process_group=self._group,
                      planner=self._save_planner(None))
+
+    def _doomed_now(self, group: Any) -> "Optional[frozenset[int]]":
+        """Every rank, right before the write: when the round doomed some ranks only, ask again (a notice that
+        came after its gather dooms its rank too: ``with_late_notices``); otherwise the round's answer."""
+        agreed = getattr(self, "_doomed", None)
+        if not agreed or not self._dist or not plan_around_doomed():
+            return agreed
+        got: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(got, self._doomed_here(), group=group)
+        return with_late_notices(agreed, got)
 
     def _save_planner(self, cancel: Any) -> Any:
         """``_planner`` for this save's doomed ranks; the commit record's ``plan`` says whether it was used."""
