@@ -337,7 +337,7 @@ class SaveMixin:
         """Every rank, right before the write: when the round doomed some ranks only, ask again (a notice that
         came after its gather dooms its rank too: ``with_late_notices``); otherwise the round's answer."""
         agreed = getattr(self, "_doomed", None)
-        if not agreed or not self._dist or not plan_around_doomed():
+        if not agreed or not self._dist:  # the same on every rank (from the round's gather); not a per-rank env
             return agreed
         got: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(got, self._doomed_here(), group=group)
