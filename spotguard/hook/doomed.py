@@ -17,12 +17,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 from ..timefmt import to_rfc3339, utcnow
 from . import events as ev
 
-__all__ = ["doomed_ranks", "plan_around_doomed", "SafeMark", "writers_record"]
+__all__ = ["doomed_ranks", "with_late_notices", "plan_around_doomed", "SafeMark", "writers_record"]
 
 
 def plan_around_doomed() -> bool:
@@ -39,6 +39,15 @@ def doomed_ranks(flags: Iterable[Any]) -> Optional[frozenset[int]]:
     return doomed if doomed and len(doomed) < len(flags) else None
 
 
+def with_late_notices(agreed: Optional[frozenset[int]], flags: Sequence[Any]) -> Optional[frozenset[int]]:
+    """The round's doomed ranks plus those whose emergency notice came after its gather (``flags``: asked again
+    right before the save plans). Why: VMs of one job are often reclaimed a moment apart; giving every
+    replicated byte to a rank whose own notice came during the staging copy would load the bytes onto a VM that
+    is going too. Every rank doomed now: None, DCP's stock plan."""
+    late = agreed or frozenset()
+    return doomed_ranks(bool(f) or r in late for r, f in enumerate(flags))
+
+
 class SafeMark:
     """Marks the moment this rank's own checkpoint bytes are durable: wraps the DCP storage writer so that its
     ``write_data`` completing records the time and the bytes this rank wrote (``Storage.write_log``), and logs
@@ -50,6 +59,7 @@ class SafeMark:
         self.seconds: Optional[float] = None  # since the save started, when this rank's bytes were durable
         self.at: Optional[str] = None
         self.bytes = 0
+        self.planned = "all-ranks"  # "survivors" once this rank's DCP save got the notice-aware planner
         self._lock = threading.Lock()
 
     def wrap(self, writer: Any) -> Any:
@@ -87,15 +97,18 @@ class SafeMark:
 
     def info(self) -> dict[str, Any]:
         """What this rank reports to the commit (gathered with the write log)."""
-        return {"bytes": self.bytes, "seconds": self.seconds, "at": self.at, "doomed": self.doomed}
+        return {"bytes": self.bytes, "seconds": self.seconds, "at": self.at, "doomed": self.doomed,
+                "planned": self.planned}
 
 
 def writers_record(infos: list[Any], doomed: Optional[frozenset[int]]) -> dict[str, Any]:
     """The commit record's ``extra["writers"]``: bytes per rank (by rank), the doomed ranks and when each became
-    safe (seconds since its save started, and the wall-clock time)."""
+    safe (seconds since its save started, and the wall-clock time). ``plan`` is what the coordinator's (rank
+    0's) planner did: a framework adapter's own format never goes through it, whoever holds a notice."""
     infos = [i or {} for i in infos]
+    planned = infos[0].get("planned") if infos else None
     out: dict[str, Any] = {"bytes_per_rank": [int(i.get("bytes") or 0) for i in infos],
-                           "plan": "survivors" if doomed and plan_around_doomed() else "all-ranks"}
+                           "plan": "survivors" if doomed and planned == "survivors" else "all-ranks"}
     if doomed:
         out["doomed"] = sorted(doomed)
         out["safe_seconds"] = {str(r): infos[r].get("seconds") for r in sorted(doomed) if r < len(infos)}

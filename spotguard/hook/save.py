@@ -38,7 +38,7 @@ from .dist import (
     gather_writes_with,
     set_group_timeout,
 )
-from .doomed import SafeMark, plan_around_doomed, writers_record
+from .doomed import SafeMark, plan_around_doomed, with_late_notices, writers_record
 from .periodic import PERIODIC_SETTLED, stage_state_dict
 from .settings import EMERGENCY_LEAD, HANDED_OVER, HOLD_SLACK, PERIODIC_NOTICE_PREFIX, SAVE_MARGIN
 from .state import Snapshot, clone_buffers, pack
@@ -180,6 +180,8 @@ class SaveMixin:
                 return self._finish_ok(notice, step, uri, 0, t0, already=True)
             if status[0] == "error":
                 return self._fail(notice, step, f"prepare failed on rank 0: {status[1]}", t0, peers_ok=True)
+            stage = "doomed"
+            self._doomed = self._doomed_now(group)
             stage = "write"
             err = None
             self._storage.write_log.take(key)  # what an earlier attempt at this step wrote does not count
@@ -329,7 +331,25 @@ class SaveMixin:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.save(sd, storage_writer=self._dcp_storage_writer(key), process_group=self._group,
-                     planner=_planner(None, getattr(self, "_doomed", None)))
+                     planner=self._save_planner(None))
+
+    def _doomed_now(self, group: Any) -> "Optional[frozenset[int]]":
+        """Every rank, right before the write: when the round doomed some ranks only, ask again (a notice that
+        came after its gather dooms its rank too: ``with_late_notices``); otherwise the round's answer."""
+        agreed = getattr(self, "_doomed", None)
+        if not agreed or not self._dist:  # the same on every rank (from the round's gather); not a per-rank env
+            return agreed
+        got: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(got, self._doomed_here(), group=group)
+        return with_late_notices(agreed, got)
+
+    def _save_planner(self, cancel: Any) -> Any:
+        """``_planner`` for this save's doomed ranks; the commit record's ``plan`` says whether it was used."""
+        planner = _planner(cancel, getattr(self, "_doomed", None))
+        mark = getattr(self, "_safe", None)
+        if mark is not None and getattr(planner, "doomed", None):
+            mark.planned = "survivors"
+        return planner
 
     def _dcp_storage_writer(self, key: str) -> Any:
         """The storage's DCP writer for ``key``, marking this rank safe when its own bytes are durable."""
@@ -551,7 +571,7 @@ class SaveMixin:
             with warnings.catch_warnings():  # a single process: DCP's "assuming a single process" note
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
                 dcp.save(sd, storage_writer=self._dcp_storage_writer(key), process_group=group,
-                         planner=_planner(cancel, getattr(self, "_doomed", None)))
+                         planner=self._save_planner(cancel))
             if validate:  # written from live tensors: still the state of S at the end of the write?
                 why = self._watch.changed(getattr(self, "_live_mark", None))
                 self._live_moved = why

@@ -93,14 +93,20 @@ def writers_note(info: CheckpointInfo) -> str | None:
     doomed = w.get("doomed") if w is not None else None
     if not isinstance(doomed, list) or not doomed:
         return None
+    # read from storage (any writer, any version): wrong types give no note, a huge list a short one
     try:
-        per = [int(b) for b in w.get("bytes_per_rank", [])]
-        mine = sum(per[r] for r in doomed if 0 <= int(r) < len(per))
-        safe = [float(v) for v in (w.get("safe_seconds") or {}).values() if v is not None]
-    except (TypeError, ValueError):
+        ranks = sorted(r for r in {int(r) for r in doomed if isinstance(r, (int, str))} if 0 <= r < 1 << 20)
+        per = [int(b) for b in w.get("bytes_per_rank", [])] if isinstance(w.get("bytes_per_rank"), list) else []
+        mine = sum(per[r] for r in ranks if 0 <= r < len(per))
+        secs = w.get("safe_seconds")
+        safe = [float(v) for v in secs.values() if v is not None] if isinstance(secs, dict) else []
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if not ranks:
         return None
     when = f"safe {max(safe):.2f} s into the save" if safe else "safe time unknown"
-    return (f"notice on rank{'s' if len(doomed) > 1 else ''} {','.join(str(r) for r in doomed)}: wrote "
+    shown = ",".join(str(r) for r in ranks[:8]) + (f",… ({len(ranks)} ranks)" if len(ranks) > 8 else "")
+    return (f"notice on rank{'s' if len(ranks) > 1 else ''} {shown}: wrote "
             f"{human_size(mine)}, {when}; the others wrote {human_size(sum(per) - mine)}")
 
 

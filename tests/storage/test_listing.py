@@ -116,3 +116,22 @@ def test_control_characters_from_storage_are_escaped_in_the_table() -> None:
 
     assert _printable("flip\x1b]0;owned\x07 in shard") == "flip\\x1b]0;owned\\x07 in shard"
     assert _printable("plain reason, 42 bytes") == "plain reason, 42 bytes"
+
+
+@pytest.mark.parametrize("w", [
+    {"doomed": [1], "bytes_per_rank": [10, 20], "safe_seconds": [0.5]},  # a list, not the {rank: s} mapping
+    {"doomed": [1], "bytes_per_rank": {"a": 1}, "safe_seconds": {}},
+    {"doomed": [{"r": 1}], "bytes_per_rank": [1, 2]},
+    {"doomed": list(range(100_000)), "bytes_per_rank": [1] * 100_000, "safe_seconds": {"0": 0.1}},
+    {"doomed": ["1"], "bytes_per_rank": "12", "safe_seconds": {"1": "soon"}},
+    {"doomed": [10**200, -5, True], "bytes_per_rank": [1, 2]},
+])
+def test_hostile_writers_field_never_breaks_the_table(w: dict) -> None:
+    """``extra["writers"]`` is read from storage (any writer, any version): a wrong type or a huge list gives
+    no note or a short one, never an exception (the whole listing would fail) or a megabyte line."""
+    from types import SimpleNamespace
+
+    from spotguard.storage.listing import writers_note
+
+    note = writers_note(SimpleNamespace(record=SimpleNamespace(extra={"writers": w})))  # type: ignore[arg-type]
+    assert note is None or len(note) < 300, note

@@ -92,3 +92,28 @@ def test_hsdp_replicated_shards_go_to_the_replica_unique_shards_stay() -> None:
     assert ("w", (32, 0)) in got[3]
     both = survivors_only([dataclasses.replace(p) for p in plans], {1, 3})
     assert [len(p.items) for p in both] == [2, 2, 2, 2]
+
+
+def test_record_says_survivors_only_when_the_coordinator_planned_so() -> None:
+    """A framework adapter writes its own format (Lightning: rank 0 writes everything) without the DCP planner:
+    with rank 0 doomed the record must not claim that the survivors wrote the replicated state."""
+    from spotguard.hook.doomed import writers_record
+
+    doomed = frozenset({0})
+    adapter = [{"bytes": 900, "seconds": 2.0, "doomed": True}, {"bytes": 0, "doomed": False}]
+    assert writers_record(adapter, doomed)["plan"] == "all-ranks"
+    dcp = [{**adapter[0], "bytes": 1, "planned": "survivors"}, {"bytes": 899, "planned": "survivors"}]
+    assert writers_record(dcp, doomed)["plan"] == "survivors"
+
+
+def test_a_notice_after_the_rounds_gather_joins_the_doomed_before_the_plan() -> None:
+    """Two VMs preempted a moment apart: the round saw rank 1's notice only, rank 0's came during the staging
+    copy. Asked again just before DCP plans, rank 0 is doomed too (every rank now: DCP's stock plan, not all
+    the replicated bytes on a rank that is going as well); a rank the round saw doomed stays so."""
+    from spotguard.hook.doomed import with_late_notices
+
+    assert with_late_notices(frozenset({1}), [True, True]) is None
+    assert with_late_notices(frozenset({1}), [True, False, False]) == frozenset({0, 1})
+    assert with_late_notices(frozenset({1}), [False, False, False]) == frozenset({1})
+    assert with_late_notices(None, [False, True]) == frozenset({1})
+    assert with_late_notices(None, [False, False]) is None
