@@ -173,6 +173,7 @@ class AgreementMixin:
         if final:
             self._log.info(ev.NOTICE_AFTER_LAST_STEP, notice_id=notice.id, step=self._count)
             self._forget(ids)
+            self._doomed = None  # no save follows: a later (torchft) save must not plan with this set
             return None
         return notice, ids, action
 
@@ -226,7 +227,7 @@ class AgreementMixin:
         level = max(int(v[0]) for v in allv)
         deadline_ms = min(int(v[1]) for v in allv)
         step = max(int(v[2]) for v in allv)
-        self._doomed = doomed_ranks(len(v) > 5 and v[5] for v in allv)  # who writes replicated items (doomed.py)
+        doomed = doomed_ranks(len(v) > 5 and v[5] for v in allv)  # who writes replicated items (doomed.py)
         if deadline_ms < NO_DEADLINE_MS:  # every later bound (hold, copy, save) from the agreed earliest deadline
             t_end = min(t_end, _round_end(deadline_ms))
             with self._cv:
@@ -247,7 +248,7 @@ class AgreementMixin:
         action = self._action_for(level, step)
         self._log.info(ev.AGREED, notice_id=notice.id, step=step, flag=level, action=action, kind=notice.kind,
                        via="background", stands=[int(v[2]) for v in allv], **self._timing(notice),
-                       **({"doomed": sorted(self._doomed)} if self._doomed else {}))
+                       **({"doomed": sorted(doomed)} if doomed else {}))
         nothing, already = self._standing(step)
         if action == "exit" or ((nothing or already) and action == "emergency"):
             self._exit_from_background(notice, None, step)
@@ -262,6 +263,7 @@ class AgreementMixin:
         if action == "emergency":
             self._install_excepthook(notice, t_end)
         self._round_action = action
+        self._doomed = doomed  # only for this round's own save: a round that returns earlier leaves none behind
         try:
             result = self._save_staged(notice, reason, step, t_end, bg.group, hold=action == "emergency")
         except Exception as exc:  # noqa: BLE001 - contained: the round fails, training goes on (or exits 75)
