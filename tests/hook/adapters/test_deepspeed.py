@@ -1,0 +1,112 @@
+"""DeepSpeedEngine adapter end to end: real deepspeed, torchrun, 2 ranks, gloo, CPU (``DS_ACCELERATOR=cpu``).
+
+ZeRO-2: a notice from a real daemon (drill) while ``every=`` saves periodically;
+the emergency checkpoint's bytes are then damaged, so the resume must skip it
+(quarantine) and resume bitwise from the newest periodic one. ZeRO-3 with the
+optimizer offloaded to CPU: SIGTERM to rank 0, resume bitwise from the emergency
+checkpoint.
+
+DeepSpeed JIT-builds its shared-memory comm op at ``init_distributed`` (~2 min on
+2 busy cores): ``make deepspeed-tools`` builds it once into
+``.venv/torch-extensions``, and every job here uses that folder
+(``TORCH_EXTENSIONS_DIR``), so a job starts in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (make deepspeed-tools)")
+
+from spotguard.protocol import DrillCancel  # noqa: E402
+from spotguard.daemon.client import request_sync  # noqa: E402
+from spotguard.launch import DaemonProc  # noqa: E402
+from spotguard.storage import open_storage  # noqa: E402
+from spotguard.storage.commit import scan  # noqa: E402
+
+from .._daemons import drill, wait_subscribed  # noqa: E402
+from ._jobs import Job, committed, preempt_and_resume, reference_run, resume_and_compare  # noqa: E402
+
+SCRIPT = "deepspeed_train.py"
+STEPS = 30
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ds_env() -> Iterator[None]:
+    """CPU accelerator, and the comm op built once (make deepspeed-tools) instead of in every job."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DS_ACCELERATOR", "cpu")
+        if not os.environ.get("TORCH_EXTENSIONS_DIR"):
+            mp.setenv("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))
+        yield
+
+
+@pytest.fixture(scope="module")
+def zero2_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, str], Path]:
+    return reference_run(SCRIPT, tmp_path_factory.mktemp("ds2-ref"), STEPS, ("--zero", "2"))
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_zero2_daemon_notice_every_and_damaged_newest_resumes_bitwise(
+        zero2_reference: tuple[dict[int, str], Path], tmp_path: Path, daemon: DaemonProc) -> None:
+    store = tmp_path / "ckpt"
+    run = Job(SCRIPT, tmp_path / "preempted.log",
+              ["--zero", "2", "--steps", str(STEPS), "--step-time", "0.2", "--storage", str(store), "--every", "1"],
+              env={"SPOTGUARD_SOCKET": daemon.socket})
+    try:
+        wait_subscribed(daemon.socket, {0, 1}, run, timeout=120)
+        run.wait_for(lambda: any(str(e.get("notice_id")).startswith("periodic-")
+                                 for e in run.events("checkpoint_committed")), 120, "a periodic checkpoint committed")
+        notice_id = drill(daemon.socket, deadline_in=20.0)
+        assert run.wait(90) != 0
+    finally:
+        run.kill()
+    request_sync(daemon.socket, DrillCancel(id=notice_id))  # the restarted job must not get it replayed
+    agreed = {e["rank"]: e["step"] for e in run.events("agreed") if e.get("notice_id") == notice_id}
+    assert set(agreed) == {0, 1} and len(set(agreed.values())) == 1, (agreed, run.tail())
+    stop = agreed[0]
+    exits = {e["rank"]: e for e in run.events("exit")}
+    assert set(exits) == {0, 1} and all(e["code"] == 143 and e["committed"] and e["notice_id"] == notice_id
+                                        for e in exits.values()), exits
+    steps = committed(store)
+    assert stop in steps and len(steps) >= 2 and stop == steps[-1], steps
+    folder = store / f"step-{stop:08d}"
+    names = sorted(p.name for p in folder.iterdir())
+    for want in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                 "zero_pp_rank_1_mp_rank_00_optim_states.pt", "spotguard_rank0.pt", "spotguard_rank1.pt"):
+        assert want in names, names
+    record = json.loads((folder / "COMMIT.json").read_text())
+    assert record["world_size"] == 2 and record["reason"] == "emergency", record
+
+    # The emergency checkpoint is damaged after its commit: the resume quarantines it and takes the one before.
+    _flip_byte(folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    good = steps[-2]
+    resume_and_compare(SCRIPT, tmp_path, zero2_reference, STEPS, good, ("--zero", "2"))
+    infos = {i.step: i for i in scan(open_storage(str(store)))}
+    assert infos[stop].quarantine is not None, infos[stop]
+
+
+@pytest.fixture(scope="module")
+def zero3_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, str], Path]:
+    return reference_run(SCRIPT, tmp_path_factory.mktemp("ds3-ref"), STEPS, ("--zero", "3", "--offload"))
+
+
+def test_zero3_offload_sigterm_to_rank0_resumes_bitwise(zero3_reference: tuple[dict[int, str], Path],
+                                                        tmp_path: Path) -> None:
+    stop = preempt_and_resume(SCRIPT, tmp_path, zero3_reference, STEPS, 8, "term-rank0",
+                              marker="zero_pp_rank_1_mp_rank_00_model_states.pt",
+                              extra_args=("--zero", "3", "--offload"), step_time="0.1")
+    assert (tmp_path / "ckpt" / f"step-{stop:08d}" / "spotguard_rank1.pt").is_file()
