@@ -104,9 +104,16 @@ def zero3_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int,
     return reference_run(SCRIPT, tmp_path_factory.mktemp("ds3-ref"), STEPS, ("--zero", "3", "--offload"))
 
 
-def test_zero3_offload_sigterm_to_rank0_resumes_bitwise(zero3_reference: tuple[dict[int, str], Path],
-                                                        tmp_path: Path) -> None:
+def test_zero3_offload_sigterm_to_rank0_resumes_bitwise_and_one_rank_is_refused(
+        zero3_reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
     stop = preempt_and_resume(SCRIPT, tmp_path, zero3_reference, STEPS, 8, "term-rank0",
                               marker="zero_pp_rank_1_mp_rank_00_model_states.pt",
                               extra_args=("--zero", "3", "--offload"), step_time="0.1")
     assert (tmp_path / "ckpt" / f"step-{stop:08d}" / "spotguard_rank1.pt").is_file()
+    # Elastic: the same ZeRO-3 checkpoint on 1 rank is refused by name, before any state is loaded.
+    one = Job(SCRIPT, tmp_path / "one-rank.log", ["--zero", "3", "--offload", "--steps", str(STEPS),
+                                                  "--storage", str(tmp_path / "ckpt")], nproc=1)
+    assert one.wait(120) != 0
+    text = one.log.read_text(errors="replace")
+    assert "DeepSpeedWorldSizeChanged" in text and "written by 2 ranks, this job has 1" in text, one.tail()
+    assert not one.events("resumed"), one.tail()

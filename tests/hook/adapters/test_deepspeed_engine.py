@@ -1,0 +1,93 @@
+"""The DeepSpeed adapter's CheckpointEngine in one process: streaming to an object store, the trust rule."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (make deepspeed-tools)")
+
+import torch  # noqa: E402
+
+from spotguard.hook.adapters.deepspeed import SpotguardCheckpointEngine  # noqa: E402
+from spotguard.storage import open_storage  # noqa: E402
+from spotguard.storage.integrity import DamagedCheckpoint, digest_of  # noqa: E402
+
+
+
+def _mem_store_class() -> type:
+    """tests/storage's in-memory object store (not importable as a package from here: --import-mode=importlib)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_sg_test_objstore",
+                                                  Path(__file__).parents[2] / "storage" / "test_objstore.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.MemStore  # type: ignore[no-any-return]
+
+
+MemStore = _mem_store_class()
+
+KEY = "step-00000007"
+
+
+class _CountingStore(MemStore):  # type: ignore[misc, valid-type]
+    """MemStore that counts multipart uploads (a file larger than a part must go as one)."""
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)
+        self.multipart: list[str] = []
+
+    def _start_upload(self, name: str):  # type: ignore[no-untyped-def]
+        self.multipart.append(name)
+        return super()._start_upload(name)
+
+
+class Foreign:
+    """Not on any allowlist: a checkpoint naming it must not be unpickled."""
+
+
+def test_object_store_save_streams_parts_and_logs_the_checksum(tmp_path: Path) -> None:
+    store = _CountingStore(part_size=4096, concurrency=2)
+    root = tmp_path / "save" / "ds"
+    ce = SpotguardCheckpointEngine(store, KEY, str(root))
+    state = {"module": {"w": torch.arange(20_000, dtype=torch.float32)}, "global_steps": 7}
+    ce.save(state, str(root / "mp_rank_00_model_states.pt"))
+
+    name = f"root/{KEY}/mp_rank_00_model_states.pt"
+    data = store.objects[name]
+    assert store.multipart == [name] and not store.open_uploads  # streamed in parts, not one buffered PUT
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()], "nothing may be staged on local disk"
+    assert store.write_log.peek(KEY) == {"mp_rank_00_model_states.pt": digest_of(data)}
+    back = torch.load(io.BytesIO(data), weights_only=True)
+    assert back["global_steps"] == 7 and torch.equal(back["module"]["w"], state["module"]["w"])
+
+
+def test_local_save_is_checksummed_as_written(tmp_path: Path) -> None:
+    store = open_storage(str(tmp_path / "ckpt"))
+    root = tmp_path / "save" / "ds"
+    ce = SpotguardCheckpointEngine(store, KEY, str(root))
+    ce.save({"x": torch.ones(3)}, str(root / "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    path = tmp_path / "ckpt" / KEY / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    assert store.write_log.peek(KEY) == {path.name: digest_of(path.read_bytes())}
+    with pytest.raises(ValueError, match="outside"):
+        ce.save({}, str(tmp_path / "elsewhere.pt"))
+
+
+def test_load_allows_deepspeeds_types_and_refuses_any_other(tmp_path: Path) -> None:
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    ce = SpotguardCheckpointEngine(open_storage(str(tmp_path / "ckpt")), KEY, str(tmp_path))
+    ok = tmp_path / "ok.pt"
+    torch.save({"zero_stage": ZeroStageEnum.gradients, "loss_scaler": LossScaler(2.0), "t": torch.ones(2)}, ok)
+    got = ce.load(str(ok))
+    assert got["zero_stage"] == ZeroStageEnum.gradients and got["loss_scaler"].cur_scale == 2.0
+
+    bad = tmp_path / "bad.pt"
+    torch.save({"x": Foreign()}, bad)
+    with pytest.raises(DamagedCheckpoint, match="refused to load"):
+        ce.load(str(bad))
