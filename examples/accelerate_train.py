@@ -51,11 +51,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches a step (accelerator.accumulate); "
                    "--step-time is per micro-batch")
+    p.add_argument("--deepspeed", type=int, default=None, metavar="STAGE",
+                   help="train through Accelerate's DeepSpeedPlugin with this ZeRO stage (DS_ACCELERATOR=cpu)")
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.grad_accum)
-    rank = accelerator.process_index
+    plugin = None
+    if args.deepspeed is not None:
+        from accelerate import DeepSpeedPlugin
+
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        plugin = DeepSpeedPlugin(hf_ds_config={
+            "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": args.grad_accum,
+            "zero_optimization": {"stage": args.deepspeed}, "steps_per_print": 10**9})
+    accelerator = Accelerator(cpu=plugin is None, gradient_accumulation_steps=args.grad_accum,
+                              deepspeed_plugin=plugin)
+    # torch.distributed's rank: Accelerate 1.15 with a DeepSpeedPlugin on CPU reports process_index 0 on every rank
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else accelerator.process_index
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     net = torch.nn.Sequential(
         torch.nn.Linear(32, args.hidden), torch.nn.BatchNorm1d(args.hidden), torch.nn.ReLU(), torch.nn.Dropout(0.1),
@@ -88,13 +100,13 @@ def main(argv: list[str] | None = None) -> int:
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
-            if accelerator.is_main_process:
+            if rank == 0:
                 v = loss.item()
                 print(json.dumps({"step": step, "loss": v, "hex": v.hex()}), flush=True)
             if args.step_time > 0:
                 time.sleep(args.step_time)
 
-    if args.out and accelerator.is_main_process:
+    if args.out and rank == 0:
         torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optimizer": opt.state_dict(),
                     "steps": args.steps}, args.out)
     accelerator.wait_for_everyone()

@@ -200,6 +200,9 @@ class DeepSpeedHook(FrameworkHook):
                          every=every)
         self.engine = engine
         self._extra: dict[str, Any] = {}
+        self._outside: list[Any] = []  # follow_schedulers()
+        self._after_sched: Optional[tuple[int, dict[str, Any]]] = None  # (step, RNG at engine.step()) to act on
+        self._rng_at: Optional[dict[str, Any]] = None
         self._arm({})
         self._wrap_step()
         self._log.info("deepspeed_installed", zero_stage=int(engine.zero_optimization_stage()),
@@ -235,11 +238,43 @@ class DeepSpeedHook(FrameworkHook):
         def step(*args: Any, **kwargs: Any) -> Any:
             out = orig(*args, **kwargs)
             if not (hook._closed or hook._internal):
-                hook._framework_boundary(int(engine.global_steps))
+                if hook._outside:
+                    hook._after_sched = (int(engine.global_steps), capture_rng())
+                else:
+                    hook._framework_boundary(int(engine.global_steps))
             return out
 
         engine.step = step
         self._unwrap.append((engine, "step"))
+
+    def follow_schedulers(self, schedulers: list[Any]) -> None:
+        """Schedulers the loop steps itself after ``engine.step()`` (Accelerate's wrapper around a torch scheduler
+        DeepSpeed does not own): saved with every checkpoint, and the boundary moves to the end of the last one's
+        ``step()`` (else the checkpoint would hold them one step behind), with the RNG as at ``engine.step()``.
+        A step without a scheduler step: the next forward of the engine is the boundary."""
+        self._outside = list(schedulers)
+        for i, sched in enumerate(self._outside):
+            self.add_state(f"scheduler{i}", sched)
+        last, orig, hook = self._outside[-1], self._outside[-1].step, self
+
+        def sched_step(*args: Any, **kwargs: Any) -> Any:
+            out = orig(*args, **kwargs)
+            hook._pending_boundary()
+            return out
+
+        last.step = sched_step
+        self._unwrap.append((last, "step"))
+        self._handles.append(self.engine.register_forward_pre_hook(lambda *_: self._pending_boundary()))
+
+    def _pending_boundary(self) -> None:
+        pending, self._after_sched = self._after_sched, None
+        if pending is None or self._closed or self._internal:
+            return
+        self._rng_at = pending[1]
+        try:
+            self._framework_boundary(pending[0])
+        finally:
+            self._rng_at = None
 
     # ------------------------------------------------------------------ state <-> DeepSpeed
 
@@ -258,7 +293,7 @@ class DeepSpeedHook(FrameworkHook):
 
     def _write(self, key: str, snap: Any) -> None:
         """Every rank: DeepSpeed's own save, each file streamed to ``key``; then this rank's spotguard file."""
-        per = pack({"rng": capture_rng(), "state": {k: o.state_dict() for k, o in self._extra.items()},
+        per = pack({"rng": self._rng_at or capture_rng(), "state": {k: o.state_dict() for k, o in self._extra.items()},
                     "step": self._count, "world_size": self._world})
         tmp = staging_dir(f"deepspeed-{self._rank}")  # receives only DeepSpeed's recovery scripts (rank 0)
         try:

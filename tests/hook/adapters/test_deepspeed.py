@@ -31,7 +31,7 @@ from spotguard.storage import open_storage  # noqa: E402
 from spotguard.storage.commit import scan  # noqa: E402
 
 from .._daemons import drill, wait_subscribed  # noqa: E402
-from ._jobs import Job, committed, preempt_and_resume, reference_run, resume_and_compare  # noqa: E402
+from ._jobs import Job, committed, preempt_and_resume, read_log, reference_run, resume_and_compare  # noqa: E402
 
 SCRIPT = "deepspeed_train.py"
 STEPS = 30
@@ -117,3 +117,23 @@ def test_zero3_offload_sigterm_to_rank0_resumes_bitwise_and_one_rank_is_refused(
     text = one.log.read_text(errors="replace")
     assert "DeepSpeedWorldSizeChanged" in text and "written by 2 ranks, this job has 1" in text, one.tail()
     assert not one.events("resumed"), one.tail()
+
+
+ACC_SCRIPT, ACC_STEPS = "accelerate_train.py", 16
+
+
+@pytest.fixture(scope="module")
+def accelerate_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, str], Path]:
+    pytest.importorskip("accelerate")
+    return reference_run(ACC_SCRIPT, tmp_path_factory.mktemp("acc-ds-ref"), ACC_STEPS, ("--deepspeed", "2"))
+
+
+def test_accelerate_deepspeed_plugin_usr1_resumes_bitwise(accelerate_reference: tuple[dict[int, str], Path],
+                                                          tmp_path: Path) -> None:
+    """``install_preemption_hook(accelerator)`` with a DeepSpeedPlugin is the DeepSpeed adapter on the prepared
+    engine (the Accelerate adapter's optimizer hooks never fire there: DeepSpeed steps its own optimizer)."""
+    stop = preempt_and_resume(ACC_SCRIPT, tmp_path, accelerate_reference, ACC_STEPS, 5, "usr1-rank1",
+                              marker="zero_pp_rank_1_mp_rank_00_optim_states.pt", extra_args=("--deepspeed", "2"))
+    run = read_log(tmp_path / "preempted.log")
+    assert {e["rank"] for e in run.events("deepspeed_installed")} == {0, 1}, run.tail()
+    assert (tmp_path / "ckpt" / f"step-{stop:08d}" / "spotguard_rank1.pt").is_file()
