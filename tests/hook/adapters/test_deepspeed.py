@@ -137,3 +137,23 @@ def test_accelerate_deepspeed_plugin_usr1_resumes_bitwise(accelerate_reference: 
     run = read_log(tmp_path / "preempted.log")
     assert {e["rank"] for e in run.events("deepspeed_installed")} == {0, 1}, run.tail()
     assert (tmp_path / "ckpt" / f"step-{stop:08d}" / "spotguard_rank1.pt").is_file()
+
+
+HF_SCRIPT, HF_STEPS = "hf_trainer_train.py", 12
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, str], Path]:
+    pytest.importorskip("transformers")
+    return reference_run(HF_SCRIPT, tmp_path_factory.mktemp("hf-ds-ref"), HF_STEPS, ("--deepspeed", "2"))
+
+
+def test_hf_trainer_deepspeed_config_sigterm_to_rank1_resumes_bitwise(hf_reference: tuple[dict[int, str], Path],
+                                                                      tmp_path: Path) -> None:
+    """``TrainingArguments(deepspeed=...)``: the Trainer writes its checkpoint with the engine; every rank's ZeRO
+    partition file is part of the commit (each rank uploads its own), and the Trainer's resume loads them."""
+    stop = preempt_and_resume(HF_SCRIPT, tmp_path, hf_reference, HF_STEPS, 4, "term-rank1",
+                              marker="rng_state_1.pth", extra_args=("--deepspeed", "2"))
+    names = {p.relative_to(tmp_path / "ckpt" / f"step-{stop:08d}").as_posix()
+             for p in (tmp_path / "ckpt" / f"step-{stop:08d}").rglob("*.pt")}
+    assert {f"global_step{stop}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= names, names
