@@ -119,41 +119,33 @@ def test_zero3_offload_sigterm_to_rank0_resumes_bitwise_and_one_rank_is_refused(
     assert not one.events("resumed"), one.tail()
 
 
-ACC_SCRIPT, ACC_STEPS = "accelerate_train.py", 16
+def _plugin_job(package: str, script: str, steps: int, at: int, deliver: str, marker: str,
+                tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> Path:
+    """A framework's DeepSpeed path (``--deepspeed 2``): reference, preempted, resumed bitwise; the step folder."""
+    pytest.importorskip(package)
+    ref = reference_run(script, tmp_path_factory.mktemp(f"{package}-ds-ref"), steps, ("--deepspeed", "2"))
+    stop = preempt_and_resume(script, tmp_path, ref, steps, at, deliver, marker=marker,
+                              extra_args=("--deepspeed", "2"))
+    return tmp_path / "ckpt" / f"step-{stop:08d}"
 
 
-@pytest.fixture(scope="module")
-def accelerate_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, str], Path]:
-    pytest.importorskip("accelerate")
-    return reference_run(ACC_SCRIPT, tmp_path_factory.mktemp("acc-ds-ref"), ACC_STEPS, ("--deepspeed", "2"))
-
-
-def test_accelerate_deepspeed_plugin_usr1_resumes_bitwise(accelerate_reference: tuple[dict[int, str], Path],
+def test_accelerate_deepspeed_plugin_usr1_resumes_bitwise(tmp_path_factory: pytest.TempPathFactory,
                                                           tmp_path: Path) -> None:
     """``install_preemption_hook(accelerator)`` with a DeepSpeedPlugin is the DeepSpeed adapter on the prepared
     engine (the Accelerate adapter's optimizer hooks never fire there: DeepSpeed steps its own optimizer)."""
-    stop = preempt_and_resume(ACC_SCRIPT, tmp_path, accelerate_reference, ACC_STEPS, 5, "usr1-rank1",
-                              marker="zero_pp_rank_1_mp_rank_00_optim_states.pt", extra_args=("--deepspeed", "2"))
+    folder = _plugin_job("accelerate", "accelerate_train.py", 16, 5, "usr1-rank1",
+                         "zero_pp_rank_1_mp_rank_00_optim_states.pt", tmp_path_factory, tmp_path)
     run = read_log(tmp_path / "preempted.log")
     assert {e["rank"] for e in run.events("deepspeed_installed")} == {0, 1}, run.tail()
-    assert (tmp_path / "ckpt" / f"step-{stop:08d}" / "spotguard_rank1.pt").is_file()
+    assert (folder / "spotguard_rank1.pt").is_file()
 
 
-HF_SCRIPT, HF_STEPS = "hf_trainer_train.py", 12
-
-
-@pytest.fixture(scope="module")
-def hf_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, str], Path]:
-    pytest.importorskip("transformers")
-    return reference_run(HF_SCRIPT, tmp_path_factory.mktemp("hf-ds-ref"), HF_STEPS, ("--deepspeed", "2"))
-
-
-def test_hf_trainer_deepspeed_config_sigterm_to_rank1_resumes_bitwise(hf_reference: tuple[dict[int, str], Path],
+def test_hf_trainer_deepspeed_config_sigterm_to_rank1_resumes_bitwise(tmp_path_factory: pytest.TempPathFactory,
                                                                       tmp_path: Path) -> None:
     """``TrainingArguments(deepspeed=...)``: the Trainer writes its checkpoint with the engine; every rank's ZeRO
     partition file is part of the commit (each rank uploads its own), and the Trainer's resume loads them."""
-    stop = preempt_and_resume(HF_SCRIPT, tmp_path, hf_reference, HF_STEPS, 4, "term-rank1",
-                              marker="rng_state_1.pth", extra_args=("--deepspeed", "2"))
-    names = {p.relative_to(tmp_path / "ckpt" / f"step-{stop:08d}").as_posix()
-             for p in (tmp_path / "ckpt" / f"step-{stop:08d}").rglob("*.pt")}
-    assert {f"global_step{stop}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= names, names
+    folder = _plugin_job("transformers", "hf_trainer_train.py", 12, 4, "term-rank1", "rng_state_1.pth",
+                         tmp_path_factory, tmp_path)
+    step = int(folder.name.split("-")[1])
+    names = {p.relative_to(folder).as_posix() for p in folder.rglob("*.pt")}
+    assert {f"global_step{step}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= names, names
