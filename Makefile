@@ -191,6 +191,21 @@ $(FRAMEWORKS_STAMP): $(PY) requirements-frameworks.txt
 	$(PY) -c "import torch, sys; v = torch.__version__; print('frameworks-tools: torch', v); sys.exit(0 if v.startswith('2.13.0') else 1)"
 	touch $@
 
+# torchft replica-group engine (spotguard/hook/torchft.py): torchft-nightly with --no-deps so
+# torch is never replaced, its runtime requirements from requirements-torchft-deps.txt, and a
+# check that torch is still 2.13.0 and the lighthouse binary is there. Without it the torchft
+# tests skip (importorskip). Re-runs only when the pins change.
+TORCHFT_STAMP := $(VENV)/.torchft-tools
+.PHONY: torchft-tools
+torchft-tools: $(TORCHFT_STAMP)
+
+$(TORCHFT_STAMP): $(PY) requirements-torchft.txt requirements-torchft-deps.txt
+	$(PY) -m pip install -q -r requirements-torchft-deps.txt
+	$(PY) -m pip install -q --no-deps -r requirements-torchft.txt
+	$(PY) -c "import torch, torchft, sys; v = torch.__version__; print('torchft-tools: torch', v); sys.exit(0 if v.startswith('2.13.0') else 1)"
+	test -x $(VENV)/bin/torchft_lighthouse
+	touch $@
+
 # DeepSpeed (spotguard/hook/adapters/deepspeed.py): deepspeed with DS_BUILD_OPS=0 (nothing compiled at
 # install), torch pinned in the same resolve (requirements-deepspeed.txt) so it is never replaced. On CPU
 # (DS_ACCELERATOR=cpu) deepspeed.init_distributed JIT-builds its shared-memory comm op, ~2 min on 2 cores:
@@ -206,19 +221,4 @@ $(DEEPSPEED_STAMP): $(PY) requirements-deepspeed.txt
 	$(PY) -c "import torch, sys; v = torch.__version__; print('deepspeed-tools: torch', v); sys.exit(0 if v.startswith('2.13.0') else 1)"
 	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch-extensions $(PY) -c \
 	  "from deepspeed.accelerator import get_accelerator as g; b = g().create_op_builder('ShareMemCommBuilder'); b and b.load(verbose=False)"
-	touch $@
-
-# torchft replica-group engine (spotguard/hook/torchft.py): torchft-nightly with --no-deps so
-# torch is never replaced, its runtime requirements from requirements-torchft-deps.txt, and a
-# check that torch is still 2.13.0 and the lighthouse binary is there. Without it the torchft
-# tests skip (importorskip). Re-runs only when the pins change.
-TORCHFT_STAMP := $(VENV)/.torchft-tools
-.PHONY: torchft-tools
-torchft-tools: $(TORCHFT_STAMP)
-
-$(TORCHFT_STAMP): $(PY) requirements-torchft.txt requirements-torchft-deps.txt
-	$(PY) -m pip install -q -r requirements-torchft-deps.txt
-	$(PY) -m pip install -q --no-deps -r requirements-torchft.txt
-	$(PY) -c "import torch, torchft, sys; v = torch.__version__; print('torchft-tools: torch', v); sys.exit(0 if v.startswith('2.13.0') else 1)"
-	test -x $(VENV)/bin/torchft_lighthouse
 	touch $@
