@@ -40,7 +40,8 @@ quarantined and the previous one is used), loaded with
 ``engine.load_checkpoint`` through the same engine: its files load with
 ``torch.load(weights_only=True)`` and an allowlist of the few DeepSpeed types
 its optimizer state holds (``ZeroStageEnum``, ``LossScaler``, ...), never as
-arbitrary pickles. Another world size is refused (``DeepSpeedWorldSizeChanged``):
+arbitrary pickles. Refused at install: NVMe optimizer offload and ``checkpoint.load_universal``
+(``_refuse_unsupported``). Another world size is refused (``DeepSpeedWorldSizeChanged``):
 ZeRO's partitions are cut for the world size that wrote them, and DeepSpeed's
 own reshaping (universal checkpoints) needs its offline conversion.
 """
@@ -51,6 +52,7 @@ import io
 import os
 import shutil
 import tempfile
+import weakref
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -88,6 +90,63 @@ def _ds_safe_globals() -> list[Any]:
             continue
         out += [getattr(m, n) for n in names if hasattr(m, n)]
     return out
+
+
+_FOLLOWERS: "weakref.WeakKeyDictionary[Any, Callable[[Any], None]]" = weakref.WeakKeyDictionary()
+_FOLLOWED_CLASSES: dict[type, type] = {}
+
+
+def _followed_class(cls: type) -> type:
+    """``cls`` with a ``step()`` that tells the hook following the instance, if any.
+
+    A subclass swapped in as the instance's ``__class__`` rather than an instance attribute over ``step``: a torch
+    scheduler's ``state_dict()`` is its ``__dict__``, so an attribute there would end up in every checkpoint of
+    it (the user's own too) and could not be pickled."""
+    sub = _FOLLOWED_CLASSES.get(cls)
+    if sub is None:
+        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = cls.step(self, *args, **kwargs)  # type: ignore[attr-defined]
+            cb = _FOLLOWERS.get(self)
+            if cb is not None:
+                cb(self)
+            return out
+
+        sub = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__})
+        _FOLLOWED_CLASSES[cls] = sub
+    return sub
+
+
+class _Followed:
+    """A scheduler whose ``step()`` calls ``cb`` until ``remove()`` (kept with the hook's other handles)."""
+
+    def __init__(self, sched: Any, cb: Callable[[Any], None]) -> None:
+        self._sched, self._cls = sched, type(sched)
+        sched.__class__ = _followed_class(self._cls)
+        _FOLLOWERS[sched] = cb
+
+    def remove(self) -> None:
+        _FOLLOWERS.pop(self._sched, None)
+        self._sched.__class__ = self._cls
+
+
+def _refuse_unsupported(engine: Any) -> None:
+    """Configurations whose checkpoint spotguard's CheckpointEngine would not hold whole, or would not read safely."""
+    if _flag(engine, "zero_nvme_offload_optimizer"):
+        raise NotImplementedError(
+            "DeepSpeed optimizer offload to nvme is not supported by spotguard yet: save_checkpoint copies the swap "
+            "folder with shutil, outside the CheckpointEngine, so the committed checkpoint would lack the optimizer "
+            "state; offload the optimizer to cpu instead")
+    if _flag(engine, "load_universal_checkpoint"):
+        raise NotImplementedError(
+            "DeepSpeed's checkpoint.load_universal is set: engine.load_checkpoint would then read spotguard's "
+            "checkpoint as a universal one (another layout, loaded with torch.load(weights_only=False)); unset it "
+            "for the job spotguard resumes")
+
+
+def _flag(engine: Any, name: str) -> bool:
+    fn = getattr(engine, name, None)
+    return bool(fn()) if callable(fn) else False
 
 
 class _SummingFile(io.RawIOBase):
@@ -191,6 +250,7 @@ class DeepSpeedHook(FrameworkHook):
         if type(engine).__name__ == "PipelineEngine":
             raise NotImplementedError("DeepSpeed pipeline parallelism (PipelineEngine.train_batch) is not supported "
                                       "by spotguard yet; a DeepSpeedEngine with ZeRO stages 0-3 is")
+        _refuse_unsupported(engine)
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -200,7 +260,8 @@ class DeepSpeedHook(FrameworkHook):
                          every=every)
         self.engine = engine
         self._extra: dict[str, Any] = {}
-        self._outside: list[Any] = []  # follow_schedulers()
+        self._outside: list[Any] = []  # follow_schedulers(), add_state(<a torch scheduler>)
+        self._stepped: set[int] = set()  # those of _outside stepped since the last engine.step()
         self._after_sched: Optional[tuple[int, dict[str, Any]]] = None  # (step, RNG at engine.step()) to act on
         self._rng_at: Optional[dict[str, Any]] = None
         self._arm({})
@@ -221,6 +282,9 @@ class DeepSpeedHook(FrameworkHook):
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise TypeError(f"add_state({key!r}, ...) needs an object with state_dict() and load_state_dict()")
         self._extra[key] = obj
+        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and obj is not getattr(self.engine, "lr_scheduler",
+                                                                                         None):
+            self._follow(obj)  # the loop steps it after engine.step(): save it as it is after that step
 
     def resume(self) -> int:
         """``Hook.resume`` (newest committed, damaged ones skipped, loaded by ``engine.load_checkpoint``);
@@ -240,6 +304,7 @@ class DeepSpeedHook(FrameworkHook):
             if not (hook._closed or hook._internal):
                 if hook._outside:
                     hook._after_sched = (int(engine.global_steps), capture_rng())
+                    hook._stepped = set()
                 else:
                     hook._framework_boundary(int(engine.global_steps))
             return out
@@ -249,22 +314,26 @@ class DeepSpeedHook(FrameworkHook):
 
     def follow_schedulers(self, schedulers: list[Any]) -> None:
         """Schedulers the loop steps itself after ``engine.step()`` (Accelerate's wrapper around a torch scheduler
-        DeepSpeed does not own): saved with every checkpoint, and the boundary moves to the end of the last one's
-        ``step()`` (else the checkpoint would hold them one step behind), with the RNG as at ``engine.step()``.
-        A step without a scheduler step: the next forward of the engine is the boundary."""
-        self._outside = list(schedulers)
-        for i, sched in enumerate(self._outside):
-            self.add_state(f"scheduler{i}", sched)
-        last, orig, hook = self._outside[-1], self._outside[-1].step, self
+        DeepSpeed does not own; a torch scheduler given to ``add_state`` is followed by itself): saved with every
+        checkpoint, and the boundary moves to the end of the step() that steps the last of them (else the
+        checkpoint would hold them one step behind), with the RNG as at ``engine.step()``. A step without a
+        scheduler step: the next forward of the engine is the boundary."""
+        for i, sched in enumerate(schedulers):
+            self._extra[f"scheduler{i}"] = sched
+            self._follow(sched)
 
-        def sched_step(*args: Any, **kwargs: Any) -> Any:
-            out = orig(*args, **kwargs)
-            hook._pending_boundary()
-            return out
+    def _follow(self, sched: Any) -> None:
+        if any(s is sched for s in self._outside):
+            return
+        self._outside.append(sched)
+        self._handles.append(_Followed(sched, self._sched_stepped))
+        if len(self._outside) == 1:
+            self._handles.append(self.engine.register_forward_pre_hook(lambda *_: self._pending_boundary()))
 
-        last.step = sched_step
-        self._unwrap.append((last, "step"))
-        self._handles.append(self.engine.register_forward_pre_hook(lambda *_: self._pending_boundary()))
+    def _sched_stepped(self, sched: Any) -> None:
+        self._stepped.add(id(sched))
+        if len(self._stepped) >= len(self._outside):
+            self._pending_boundary()
 
     def _pending_boundary(self) -> None:
         pending, self._after_sched = self._after_sched, None
