@@ -13,6 +13,7 @@ import torch  # noqa: E402
 
 from spotguard.hook.adapters.deepspeed import SpotguardCheckpointEngine  # noqa: E402
 from spotguard.storage import open_storage  # noqa: E402
+from spotguard.storage.objstore import ObjectStoreError  # noqa: E402
 from spotguard.storage.integrity import DamagedCheckpoint, digest_of  # noqa: E402
 
 
@@ -64,6 +65,19 @@ def test_object_store_save_streams_parts_and_logs_the_checksum(tmp_path: Path) -
     assert store.write_log.peek(KEY) == {"mp_rank_00_model_states.pt": digest_of(data)}
     back = torch.load(io.BytesIO(data), weights_only=True)
     assert back["global_steps"] == 7 and torch.equal(back["module"]["w"], state["module"]["w"])
+
+
+def test_a_store_failing_mid_stream_leaves_nothing_and_raises(tmp_path: Path) -> None:
+    """Parts fail for good after the first: the upload is aborted, no object and no write-log entry remain (the
+    ranks' all-ok then fails and nothing is committed), and the store's error is what the save raises."""
+    store = _CountingStore(part_size=4096, concurrency=2)
+    root = tmp_path / "save" / "ds"
+    ce = SpotguardCheckpointEngine(store, KEY, str(root))
+    store.fail = 10**6
+    with pytest.raises(ObjectStoreError, match="injected"):  # the store's error, not torch.save's broken stream
+        ce.save({"w": torch.arange(20_000, dtype=torch.float32)}, str(root / "mp_rank_00_model_states.pt"))
+    assert store.multipart and not store.objects and not store.open_uploads
+    assert not store.write_log.peek(KEY) and not ce.written
 
 
 def test_local_save_is_checksummed_as_written(tmp_path: Path) -> None:
