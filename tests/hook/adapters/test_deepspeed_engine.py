@@ -70,7 +70,7 @@ def test_object_store_save_streams_parts_and_logs_the_checksum(tmp_path: Path) -
 def test_a_store_failing_mid_stream_leaves_nothing_and_raises(tmp_path: Path) -> None:
     """Parts fail for good after the first: the upload is aborted, no object and no write-log entry remain (the
     ranks' all-ok then fails and nothing is committed), and the store's error is what the save raises."""
-    store = _CountingStore(part_size=4096, concurrency=2)
+    store = _CountingStore(part_size=4096, concurrency=2, max_attempts=2)
     root = tmp_path / "save" / "ds"
     ce = SpotguardCheckpointEngine(store, KEY, str(root))
     store.fail = 10**6
