@@ -24,6 +24,7 @@ import os
 import random
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,6 +38,16 @@ def batch(seed: int, rank: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(16, 32, generator=g)
     y = x[:, :4].sum(dim=1, keepdim=True).tanh() + 0.1 * torch.randn(16, 1, generator=g)
     return x, y
+
+
+def _zero(stage: int, offload: bool) -> dict[str, Any]:
+    """ZeRO section: ZeRO-3 gathers the 16-bit weights at save (the checkpoint then holds them whole too)."""
+    zero: dict[str, Any] = {"stage": stage}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return zero
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                    "--step-time is per micro-batch")
     p.add_argument("--deepspeed", type=int, default=None, metavar="STAGE",
                    help="train through Accelerate's DeepSpeedPlugin with this ZeRO stage (DS_ACCELERATOR=cpu)")
+    p.add_argument("--offload", action="store_true", help="with --deepspeed: offload the optimizer to CPU")
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -63,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         plugin = DeepSpeedPlugin(hf_ds_config={
             "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": args.grad_accum,
-            "zero_optimization": {"stage": args.deepspeed}, "steps_per_print": 10**9})
+            "zero_optimization": _zero(args.deepspeed, args.offload), "zero_force_ds_cpu_optimizer": False,
+            "steps_per_print": 10**9})
     accelerator = Accelerator(cpu=plugin is None, gradient_accumulation_steps=args.grad_accum,
                               deepspeed_plugin=plugin)
     # torch.distributed's rank: Accelerate 1.15 with a DeepSpeedPlugin on CPU reports process_index 0 on every rank
@@ -106,9 +119,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.step_time > 0:
                 time.sleep(args.step_time)
 
-    if args.out and rank == 0:
-        torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optimizer": opt.state_dict(),
-                    "steps": args.steps}, args.out)
+    if args.out:
+        sd = accelerator.get_state_dict(model)  # ZeRO-3: gathered from every rank's partition (collective)
+        if rank == 0:
+            torch.save({"model": sd, "optimizer": opt.state_dict(), "steps": args.steps}, args.out)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return 0

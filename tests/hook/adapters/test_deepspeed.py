@@ -1,15 +1,18 @@
 """DeepSpeedEngine adapter end to end: real deepspeed, torchrun, 2 ranks, gloo, CPU (``DS_ACCELERATOR=cpu``).
 
-ZeRO-2: a notice from a real daemon (drill) while ``every=`` saves periodically;
-the emergency checkpoint's bytes are then damaged, so the resume must skip it
-(quarantine) and resume bitwise from the newest periodic one. ZeRO-3 with the
-optimizer offloaded to CPU: SIGTERM to rank 0, resume bitwise from the emergency
-checkpoint.
+The direct engine, ZeRO-2: a notice from a real daemon (drill) while ``every=``
+saves periodically; the emergency checkpoint's bytes are then damaged, so the
+resume must skip it (quarantine) and resume bitwise from the newest periodic one.
+ZeRO-3 with the optimizer offloaded to CPU runs through Accelerate's plugin
+(SIGUSR1 to rank 1); the HF Trainer's ``deepspeed=`` path runs ZeRO-2. Each
+test's uninterrupted reference runs beside its preempted job (``Reference``).
+Refusals (another world size, NVMe offload) are in test_deepspeed_inproc.py.
 
 DeepSpeed JIT-builds its shared-memory comm op at ``init_distributed`` (~2 min on
 2 busy cores): ``make deepspeed-tools`` builds it once into
 ``.venv/torch-extensions``, and every job here uses that folder
-(``TORCH_EXTENSIONS_DIR``), so a job starts in seconds.
+(``TORCH_EXTENSIONS_DIR``), so a job starts in seconds; the module checks it was
+never rebuilt (a rebuild would cost minutes per job).
 """
 
 from __future__ import annotations
@@ -31,12 +34,12 @@ from spotguard.storage import open_storage  # noqa: E402
 from spotguard.storage.commit import scan  # noqa: E402
 
 from .._daemons import drill, wait_subscribed  # noqa: E402
-from ._jobs import Job, committed, preempt_and_resume, read_log, reference_run, resume_and_compare  # noqa: E402
+from ._jobs import Job, Reference, committed, preempt_and_resume, read_log, resume_and_compare  # noqa: E402
 
 SCRIPT = "deepspeed_train.py"
 STEPS = 30
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,12 +49,15 @@ def ds_env() -> Iterator[None]:
         mp.setenv("DS_ACCELERATOR", "cpu")
         if not os.environ.get("TORCH_EXTENSIONS_DIR"):
             mp.setenv("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))
+        built = _comm_op_builds()
         yield
+        assert _comm_op_builds() == built, "a job rebuilt DeepSpeed's comm op (make deepspeed-tools builds it once)"
 
 
-@pytest.fixture(scope="module")
-def zero2_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, str], Path]:
-    return reference_run(SCRIPT, tmp_path_factory.mktemp("ds2-ref"), STEPS, ("--zero", "2"))
+def _comm_op_builds() -> dict[str, tuple[int, int]]:
+    """The prebuilt comm op's shared objects: (mtime, size) each."""
+    root = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    return {str(p): (p.stat().st_mtime_ns, p.stat().st_size) for p in root.rglob("*.so")}
 
 
 def _flip_byte(path: Path) -> None:
@@ -60,8 +66,15 @@ def _flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_zero2_daemon_notice_every_and_damaged_newest_resumes_bitwise(
-        zero2_reference: tuple[dict[int, str], Path], tmp_path: Path, daemon: DaemonProc) -> None:
+def test_zero2_daemon_notice_every_and_damaged_newest_resumes_bitwise(tmp_path: Path, daemon: DaemonProc) -> None:
+    ref = Reference(SCRIPT, tmp_path, STEPS, ("--zero", "2"))  # beside the preempted job
+    try:
+        _zero2_drill(ref, tmp_path, daemon)
+    finally:
+        ref.run.kill()
+
+
+def _zero2_drill(ref: Reference, tmp_path: Path, daemon: DaemonProc) -> None:
     store = tmp_path / "ckpt"
     run = Job(SCRIPT, tmp_path / "preempted.log",
               ["--zero", "2", "--steps", str(STEPS), "--step-time", "0.2", "--storage", str(store), "--every", "1"],
@@ -94,57 +107,45 @@ def test_zero2_daemon_notice_every_and_damaged_newest_resumes_bitwise(
     # The emergency checkpoint is damaged after its commit: the resume quarantines it and takes the one before.
     _flip_byte(folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     good = steps[-2]
-    resume_and_compare(SCRIPT, tmp_path, zero2_reference, STEPS, good, ("--zero", "2"))
+    resume_and_compare(SCRIPT, tmp_path, ref, STEPS, good, ("--zero", "2"))
     infos = {i.step: i for i in scan(open_storage(str(store)))}
     assert infos[stop].quarantine is not None, infos[stop]
 
 
-@pytest.fixture(scope="module")
-def zero3_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, str], Path]:
-    return reference_run(SCRIPT, tmp_path_factory.mktemp("ds3-ref"), STEPS, ("--zero", "3", "--offload"))
-
-
-def test_zero3_offload_sigterm_to_rank0_resumes_bitwise_and_one_rank_is_refused(
-        zero3_reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
-    stop = preempt_and_resume(SCRIPT, tmp_path, zero3_reference, STEPS, 8, "term-rank0",
-                              marker="zero_pp_rank_1_mp_rank_00_model_states.pt",
-                              extra_args=("--zero", "3", "--offload"), step_time="0.1")
-    assert (tmp_path / "ckpt" / f"step-{stop:08d}" / "spotguard_rank1.pt").is_file()
-    # Elastic: the same ZeRO-3 checkpoint on 1 rank is refused by name, before any state is loaded.
-    one = Job(SCRIPT, tmp_path / "one-rank.log", ["--zero", "3", "--offload", "--steps", str(STEPS),
-                                                  "--storage", str(tmp_path / "ckpt")], nproc=1)
-    assert one.wait(120) != 0
-    text = one.log.read_text(errors="replace")
-    assert "DeepSpeedWorldSizeChanged" in text and "written by 2 ranks, this job has 1" in text, one.tail()
-    assert not one.events("resumed"), one.tail()
-
-
-def _plugin_job(package: str, script: str, steps: int, at: int, deliver: str, marker: str,
-                tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> Path:
-    """A framework's DeepSpeed path (``--deepspeed 2``): reference, preempted, resumed bitwise; the step folder."""
+def _plugin_job(package: str, script: str, steps: int, at: int, deliver: str, marker: str, stage: str,
+                tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, *extra: str) -> Path:
+    """A framework's DeepSpeed path (``--deepspeed STAGE``): reference, preempted, resumed bitwise; the step folder."""
     pytest.importorskip(package)
-    ref = reference_run(script, tmp_path_factory.mktemp(f"{package}-ds-ref"), steps, ("--deepspeed", "2"))
-    stop = preempt_and_resume(script, tmp_path, ref, steps, at, deliver, marker=marker,
-                              extra_args=("--deepspeed", "2"))
+    args = ("--deepspeed", stage, *extra)
+    ref = Reference(script, tmp_path_factory.mktemp(f"{package}-ds-ref"), steps, args)  # beside the preempted job
+    try:
+        stop = preempt_and_resume(script, tmp_path, ref, steps, at, deliver, marker=marker, extra_args=args)
+    finally:
+        ref.run.kill()
     return tmp_path / "ckpt" / f"step-{stop:08d}"
 
 
-def test_accelerate_deepspeed_plugin_usr1_resumes_bitwise(tmp_path_factory: pytest.TempPathFactory,
-                                                          tmp_path: Path) -> None:
-    """``install_preemption_hook(accelerator)`` with a DeepSpeedPlugin is the DeepSpeed adapter on the prepared
-    engine (the Accelerate adapter's optimizer hooks never fire there: DeepSpeed steps its own optimizer)."""
-    folder = _plugin_job("accelerate", "accelerate_train.py", 16, 5, "usr1-rank1",
-                         "zero_pp_rank_1_mp_rank_00_optim_states.pt", tmp_path_factory, tmp_path)
+def test_accelerate_zero3_offload_gathered_usr1_resumes_bitwise(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """ZeRO-3, optimizer offloaded to CPU, ``stage3_gather_16bit_weights_on_model_save`` (the save gathers the
+    weights too), through Accelerate's DeepSpeedPlugin: ``install_preemption_hook(accelerator)`` is the DeepSpeed
+    adapter on the prepared engine (the Accelerate adapter's optimizer hooks never fire there: DeepSpeed steps its
+    own optimizer). (Its refusal on another world size: test_deepspeed_inproc.py.)"""
+    folder = _plugin_job("accelerate", "accelerate_train.py", 10, 4, "usr1-rank1",
+                         "zero_pp_rank_1_mp_rank_00_model_states.pt", "3", tmp_path_factory, tmp_path, "--offload")
     run = read_log(tmp_path / "preempted.log")
     assert {e["rank"] for e in run.events("deepspeed_installed")} == {0, 1}, run.tail()
-    assert (folder / "spotguard_rank1.pt").is_file()
+    assert {e["zero_stage"] for e in run.events("deepspeed_installed")} == {3}, run.tail()
+    names = {p.name for p in folder.iterdir()}
+    assert {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} | {"spotguard_rank1.pt"} <= names, names
+    assert json.loads((folder / "COMMIT.json").read_text())["world_size"] == 2
 
 
 def test_hf_trainer_deepspeed_config_sigterm_to_rank1_resumes_bitwise(tmp_path_factory: pytest.TempPathFactory,
                                                                       tmp_path: Path) -> None:
     """``TrainingArguments(deepspeed=...)``: the Trainer writes its checkpoint with the engine; every rank's ZeRO
     partition file is part of the commit (each rank uploads its own), and the Trainer's resume loads them."""
-    folder = _plugin_job("transformers", "hf_trainer_train.py", 12, 4, "term-rank1", "rng_state_1.pth",
+    folder = _plugin_job("transformers", "hf_trainer_train.py", 12, 4, "term-rank1", "rng_state_1.pth", "2",
                          tmp_path_factory, tmp_path)
     step = int(folder.name.split("-")[1])
     names = {p.relative_to(folder).as_posix() for p in folder.rglob("*.pt")}
