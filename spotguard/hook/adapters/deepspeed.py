@@ -289,9 +289,24 @@ class DeepSpeedHook(FrameworkHook):
     def resume(self) -> int:
         """``Hook.resume`` (newest committed, damaged ones skipped, loaded by ``engine.load_checkpoint``);
         returns the engine's step (``global_steps``), 0 if none."""
+        self._warn_unsaved_loader()
         step = Hook.resume(self)
         self._last_boundary = step
         return step
+
+    def _warn_unsaved_loader(self) -> None:
+        """``deepspeed.initialize(training_data=...)``: its ``DeepSpeedDataLoader`` has no ``state_dict`` and a plain
+        ``DistributedSampler``, so nothing saves its position; without any ``add_state`` object that could, a
+        resume starts its epoch over (not exact), and the user learns it here rather than from the losses."""
+        loader = getattr(self.engine, "training_dataloader", None)
+        if loader is None or self._extra or callable(getattr(loader, "state_dict", None)):
+            return
+        self._log.warning("deepspeed_data_position_not_saved", loader=type(loader).__name__,
+                          why="the engine's DeepSpeedDataLoader (deepspeed.initialize(training_data=...)) keeps its "
+                              "position nowhere a checkpoint can save: a resume starts its epoch over",
+                          fix="a loader with state_dict/load_state_dict, or the sampler of your own DataLoader "
+                              "(spotguard.data.ElasticDistributedSampler; sampler.attach(loader) if it has "
+                              "workers), given to hook.add_state(...) before resume()")
 
     # ------------------------------------------------------------------ the boundary
 

@@ -87,6 +87,25 @@ def test_a_checkpoint_of_two_ranks_is_refused_on_one_before_anything_loads(engin
     assert all(torch.equal(a, b) for a, b in zip(weights, engine.module.parameters()))
 
 
+
+def test_deepspeeds_own_loader_without_a_saved_position_is_warned_at_resume(
+        engine: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``deepspeed.initialize(training_data=...)`` gives a ``DeepSpeedDataLoader`` whose position nothing saves
+    (no ``state_dict``, a plain ``DistributedSampler``): a resume would start its epoch over, silently not exact.
+    Said at ``resume()`` when no ``add_state`` object could carry it."""
+    monkeypatch.setenv("SPOTGUARD_SOCKET", str(tmp_path / "no.sock"))
+    loader = engine.deepspeed_io(torch.utils.data.TensorDataset(torch.ones(8, 4)))
+    monkeypatch.setattr(engine, "training_dataloader", loader)
+    hook = install_preemption_hook(engine, storage=str(tmp_path / "ckpt"))
+    warned: list[tuple[str, dict[str, Any]]] = []
+    warn = hook._log.warning
+    monkeypatch.setattr(hook._log, "warning", lambda event, **kw: (warned.append((event, kw)), warn(event, **kw)))
+    try:
+        hook.resume()
+    finally:
+        hook.close()
+    assert [kw for event, kw in warned if event == "deepspeed_data_position_not_saved"], warned
+
 def test_a_scheduler_the_loop_steps_given_to_add_state_is_saved_after_its_step(engine: Any, tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A torch scheduler DeepSpeed does not own, stepped by the loop after ``engine.step()`` and handed to
