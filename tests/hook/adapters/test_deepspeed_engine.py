@@ -92,14 +92,19 @@ def test_local_save_is_checksummed_as_written(tmp_path: Path) -> None:
 
 
 def test_load_allows_deepspeeds_types_and_refuses_any_other(tmp_path: Path) -> None:
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
     ce = SpotguardCheckpointEngine(open_storage(str(tmp_path / "ckpt")), KEY, str(tmp_path))
     ok = tmp_path / "ok.pt"
-    torch.save({"zero_stage": ZeroStageEnum.gradients, "loss_scaler": LossScaler(2.0), "t": torch.ones(2)}, ok)
+    # fp16's scaler (fp16 does not run on CPU: its checkpoint type is checked here), with its torch.dtype
+    dyn = DynamicLossScaler(init_scale=2.0**16, scale_window=1000, min_scale=1, delayed_shift=2,
+                            consecutive_hysteresis=False, raise_error_at_min_scale=True, dtype=torch.float16)
+    torch.save({"zero_stage": ZeroStageEnum.gradients, "loss_scaler": LossScaler(2.0), "dyn": dyn,
+                "t": torch.ones(2)}, ok)
     got = ce.load(str(ok))
     assert got["zero_stage"] == ZeroStageEnum.gradients and got["loss_scaler"].cur_scale == 2.0
+    assert vars(got["dyn"]) == vars(dyn)
 
     bad = tmp_path / "bad.pt"
     torch.save({"x": Foreign()}, bad)
