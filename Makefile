@@ -19,10 +19,10 @@ $(STAMP): $(PY) pyproject.toml requirements-dev.txt
 
 setup: $(STAMP)
 
-test: $(STAMP) deploy-tools storage-tools frameworks-tools torchft-tools browser-tools
+test: $(STAMP) deploy-tools storage-tools frameworks-tools torchft-tools deepspeed-tools browser-tools
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-test-fast: $(STAMP) deploy-tools storage-tools frameworks-tools torchft-tools
+test-fast: $(STAMP) deploy-tools storage-tools frameworks-tools torchft-tools deepspeed-tools
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
 
 # Debian's chromium for the one test that renders `spotguard report --html` in a real headless browser
@@ -224,4 +224,21 @@ $(TORCHFT_STAMP): $(PY) requirements-torchft.txt requirements-torchft-deps.txt
 	$(PY) -m pip install -q --no-deps -r requirements-torchft.txt
 	$(PY) -c "import torch, torchft, sys; v = torch.__version__; print('torchft-tools: torch', v); sys.exit(0 if v.startswith('2.13.0') else 1)"
 	test -x $(VENV)/bin/torchft_lighthouse
+	touch $@
+
+# DeepSpeed (spotguard/hook/adapters/deepspeed.py): deepspeed with DS_BUILD_OPS=0 (nothing compiled at
+# install), torch pinned in the same resolve (requirements-deepspeed.txt) so it is never replaced. On CPU
+# (DS_ACCELERATOR=cpu) deepspeed.init_distributed JIT-builds its shared-memory comm op, ~2 min on 2 cores:
+# built once here into $(VENV)/torch-extensions, the TORCH_EXTENSIONS_DIR tests/hook/adapters/test_deepspeed.py
+# gives its jobs (a job then starts in seconds). Re-runs only when the pins change. Without it the DeepSpeed
+# tests skip (importorskip).
+DEEPSPEED_STAMP := $(VENV)/.deepspeed-tools
+.PHONY: deepspeed-tools
+deepspeed-tools: $(DEEPSPEED_STAMP)
+
+$(DEEPSPEED_STAMP): $(PY) requirements-deepspeed.txt
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -r requirements-deepspeed.txt
+	$(PY) -c "import torch, sys; v = torch.__version__; print('deepspeed-tools: torch', v); sys.exit(0 if v.startswith('2.13.0') else 1)"
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch-extensions $(PY) -c \
+	  "from deepspeed.accelerator import get_accelerator as g; b = g().create_op_builder('ShareMemCommBuilder'); b and b.load(verbose=False)"
 	touch $@

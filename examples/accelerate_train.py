@@ -24,6 +24,7 @@ import os
 import random
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,6 +40,16 @@ def batch(seed: int, rank: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
+def _zero(stage: int, offload: bool) -> dict[str, Any]:
+    """ZeRO section: ZeRO-3 gathers the 16-bit weights at save (the checkpoint then holds them whole too)."""
+    zero: dict[str, Any] = {"stage": stage}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return zero
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)
@@ -51,11 +62,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches a step (accelerator.accumulate); "
                    "--step-time is per micro-batch")
+    p.add_argument("--deepspeed", type=int, default=None, metavar="STAGE",
+                   help="train through Accelerate's DeepSpeedPlugin with this ZeRO stage (DS_ACCELERATOR=cpu)")
+    p.add_argument("--offload", action="store_true", help="with --deepspeed: offload the optimizer to CPU")
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.grad_accum)
-    rank = accelerator.process_index
+    plugin = None
+    if args.deepspeed is not None:
+        from accelerate import DeepSpeedPlugin
+
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        plugin = DeepSpeedPlugin(hf_ds_config={
+            "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": args.grad_accum,
+            "zero_optimization": _zero(args.deepspeed, args.offload), "zero_force_ds_cpu_optimizer": False,
+            "steps_per_print": 10**9})
+    accelerator = Accelerator(cpu=plugin is None, gradient_accumulation_steps=args.grad_accum,
+                              deepspeed_plugin=plugin)
+    # torch.distributed's rank: Accelerate 1.15 with a DeepSpeedPlugin on CPU reports process_index 0 on every rank
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else accelerator.process_index
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     net = torch.nn.Sequential(
         torch.nn.Linear(32, args.hidden), torch.nn.BatchNorm1d(args.hidden), torch.nn.ReLU(), torch.nn.Dropout(0.1),
@@ -88,15 +113,16 @@ def main(argv: list[str] | None = None) -> int:
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
-            if accelerator.is_main_process:
+            if rank == 0:
                 v = loss.item()
                 print(json.dumps({"step": step, "loss": v, "hex": v.hex()}), flush=True)
             if args.step_time > 0:
                 time.sleep(args.step_time)
 
-    if args.out and accelerator.is_main_process:
-        torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optimizer": opt.state_dict(),
-                    "steps": args.steps}, args.out)
+    if args.out:
+        sd = accelerator.get_state_dict(model)  # ZeRO-3: gathered from every rank's partition (collective)
+        if rank == 0:
+            torch.save({"model": sd, "optimizer": opt.state_dict(), "steps": args.steps}, args.out)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return 0

@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-dir", default=None, help="the Trainer's own output_dir (default: a temp folder)")
     p.add_argument("--jit", action="store_true", help="also set enable_jit_checkpoint (spotguard switches it off)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--deepspeed", type=int, default=None, metavar="STAGE", help="TrainingArguments(deepspeed=...) "
+                   "with this ZeRO stage")
     p.add_argument("--save-only-model", action="store_true",
                    help="TrainingArguments(save_only_model=True): the Trainer's own saves hold the weights only")
     p.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps (--step-time is per "
@@ -109,13 +111,18 @@ def main(argv: list[str] | None = None) -> int:
         evalset = Tokens(2 * 4 * args.eval_batches, 16, cfg.vocab_size, args.seed + 1)
         evaluation = {"eval_strategy": "steps", "eval_steps": args.eval_every, "per_device_eval_batch_size": 4}
 
+    ds: dict[str, Any] = {}
+    if args.deepspeed is not None:  # the Trainer's deepspeed= config (ZeRO on CPU: DS_ACCELERATOR=cpu)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        ds = {"deepspeed": {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                            "zero_optimization": {"stage": args.deepspeed}, "steps_per_print": 10**9}}
     targs = TrainingArguments(
         output_dir=args.output_dir or tempfile.mkdtemp(prefix="hf-out-"),
         per_device_train_batch_size=4, gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=5e-3,
         lr_scheduler_type="linear", warmup_steps=3, weight_decay=0.01,
         logging_strategy="no", save_strategy="no", report_to=[], disable_tqdm=True,
         seed=args.seed, use_cpu=True, ddp_backend="gloo", ddp_find_unused_parameters=False, dataloader_num_workers=0,
-        enable_jit_checkpoint=args.jit, save_only_model=args.save_only_model, **evaluation,
+        enable_jit_checkpoint=args.jit, save_only_model=args.save_only_model, **evaluation, **ds,
     )
     trainer = LoggingTrainer(model=model, args=targs, train_dataset=train, eval_dataset=evalset)
     trainer.step_time = args.step_time

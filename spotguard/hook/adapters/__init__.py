@@ -1,6 +1,6 @@
 """Framework adapters, found by the *name* of the trainer's type (or a base class).
 
-Why by name: importing Lightning, transformers, accelerate or Ray just to run an
+Why by name: importing Lightning, transformers, accelerate, Ray or DeepSpeed just to run an
 ``isinstance`` check would cost seconds and pull frameworks the user does not
 use. An adapter module is imported only once its type name matched.
 
@@ -45,6 +45,8 @@ _REGISTRY: list[Adapter] = [
     Adapter(("ray.train.torch.torch_trainer.TorchTrainer", "ray.train.v2.torch.torch_trainer.TorchTrainer"),
             "Ray Train (install the hook inside train_loop_per_worker with a dict)",
             "spotguard.hook.adapters.ray:install"),
+    Adapter(("deepspeed.runtime.engine.DeepSpeedEngine",), "DeepSpeed DeepSpeedEngine (ZeRO 0-3)",
+            "spotguard.hook.adapters.deepspeed:install"),
 ]
 
 

@@ -231,6 +231,21 @@ class AccelerateHook(FrameworkHook):
 
 
 def install(accelerator: Any, storage: Any = None, *, socket: str | None = None, every: Any = None,
-            keep: int | None = None, exit_code: int = 143, on_notice: Any = None) -> AccelerateHook:
+            keep: int | None = None, exit_code: int = 143, on_notice: Any = None) -> FrameworkHook:
+    engine = getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "engine", None)
+    if engine is not None:
+        # DeepSpeedPlugin: the engine owns the optimizer step (no torch optimizer hook would ever fire) and its
+        # checkpoint: the DeepSpeed adapter, at the engine's step that accelerator.backward() calls at each sync
+        from .deepspeed import DeepSpeedHook  # noqa: PLC0415 - imports deepspeed
+
+        hook = DeepSpeedHook(engine, storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice,
+                             every=every)
+        # a torch scheduler DeepSpeed does not own stays Accelerate's, stepped by the loop after backward()
+        outside = [s for s in getattr(accelerator, "_schedulers", [])
+                   if getattr(s, "scheduler", s) is not getattr(engine, "lr_scheduler", None)
+                   and type(s).__name__ != "DeepSpeedSchedulerWrapper"]
+        if outside:
+            hook.follow_schedulers(outside)
+        return hook
     return AccelerateHook(accelerator, storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice,
                           every=every)

@@ -76,6 +76,9 @@ from ._files import upload_dir
 __all__ = ["HFTrainerHook", "install"]
 
 _RANK_FILE = re.compile(r"^rng_state_(\d+)\.pth$")
+# deepspeed=: engine.save_checkpoint writes global_stepN/<bf16_>zero_pp_rank_<r>_mp_rank_00_{optim,model}_states.pt
+# on rank r only (its own output_dir on its own disk)
+_ZERO_FILE = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|model)_states\.pt$")
 
 
 @dataclass
@@ -335,8 +338,8 @@ class HFTrainerHook(FrameworkHook):
             raise FileNotFoundError(f"the Trainer did not write {folder}")
         rank = self._rank
 
-        def mine(rel: str) -> bool:
-            m = _RANK_FILE.match(rel)
+        def mine(rel: str) -> bool:  # each rank its RNG file and (DeepSpeed ZeRO) its partition files
+            m = _RANK_FILE.match(rel) or _ZERO_FILE.search(rel)
             return int(m.group(1)) == rank if m else rank == 0
 
         upload_dir(self._storage, folder, key, select=mine)

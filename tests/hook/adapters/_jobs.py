@@ -19,7 +19,7 @@ from spotguard.storage.commit import scan
 
 from .._torchrun import REPO, TORCHRUN, TorchRun, first_difference, job_tmpdir, load_out
 
-__all__ = ["Job", "read_log", "preempt_in_accumulation", "ACCUM_STEPS", "ACCUM_ARGS", "losses", "committed", "assert_agreed_exit", "assert_same_losses", "first_difference", "load_out"]
+__all__ = ["Job", "Reference", "read_log", "preempt_in_accumulation", "resume_and_compare", "ACCUM_STEPS", "ACCUM_ARGS", "losses", "committed", "assert_agreed_exit", "assert_same_losses", "first_difference", "load_out"]
 
 HUB_OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONWARNINGS": "ignore"}
@@ -91,7 +91,8 @@ def json_lines(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def preempt_and_resume(script: str, tmp: Path, reference: tuple[dict[int, str], Path], steps: int, at: int,
+def preempt_and_resume(script: str, tmp: Path, reference: "tuple[dict[int, str], Path] | Reference", steps: int,
+                       at: int,
                        deliver: str, *, marker: str, resume_args: tuple[str, ...] = (),
                        extra_args: tuple[str, ...] = (), step_time: str = "0.05",
                        env: Optional[dict[str, str]] = None) -> int:
@@ -124,16 +125,25 @@ def preempt_and_resume(script: str, tmp: Path, reference: tuple[dict[int, str], 
     assert committed(store) == [stop]
     assert (store / f"step-{stop:08d}" / marker).is_file(), sorted(p.name for p in (store / f"step-{stop:08d}").iterdir())
 
+    resume_and_compare(script, tmp, reference, steps, stop, (*extra_args, *resume_args))
+    return stop
+
+
+def resume_and_compare(script: str, tmp: Path, reference: "tuple[dict[int, str], Path] | Reference", steps: int,
+                       start: int,
+                       args: tuple[str, ...] = ()) -> None:
+    """Run ``script`` on ``tmp/ckpt`` to the end: both ranks resume at ``start``, and the losses of steps
+    start..steps-1 and the final weights equal the uninterrupted run's bitwise."""
+    if isinstance(reference, Reference):
+        reference = reference.result()
     resumed = Job(script, tmp / "resumed.log",
-                  ["--steps", str(steps), "--storage", str(store), "--out", str(tmp / "resumed.pt"), *extra_args,
-                   *resume_args])
+                  ["--steps", str(steps), "--storage", str(tmp / "ckpt"), "--out", str(tmp / "resumed.pt"), *args])
     assert resumed.wait(120) == 0, resumed.tail()
-    assert {e["rank"]: e["step"] for e in resumed.events("resumed")} == {0: stop, 1: stop}, resumed.tail()
+    assert {e["rank"]: e["step"] for e in resumed.events("resumed")} == {0: start, 1: start}, resumed.tail()
     ref, ref_out = reference
-    assert_same_losses(ref, losses(resumed), stop, steps)
+    assert_same_losses(ref, losses(resumed), start, steps)
     diff = first_difference(load_out(ref_out)["model"], load_out(tmp / "resumed.pt")["model"])
     assert diff is None, f"final weights differ at {diff}"
-    return stop
 
 
 # Issue 23: 8 micro-batches a step (12 an epoch a rank in both examples' data), 0.75 s each, a 4 s notice
@@ -154,8 +164,25 @@ def preempt_in_accumulation(script: str, tmp: Path, reference: tuple[dict[int, s
 
 
 def reference_run(script: str, d: Path, steps: int, extra_args: tuple[str, ...] = ()) -> tuple[dict[int, str], Path]:
-    run = Job(script, d / "ref.log", ["--steps", str(steps), "--no-hook", "--out", str(d / "ref.pt"), *extra_args])
-    assert run.wait(120) == 0, run.tail()
-    ref = losses(run)
-    assert sorted(ref) == list(range(steps)), run.tail()
-    return ref, d / "ref.pt"
+    return Reference(script, d, steps, extra_args).result()
+
+
+class Reference:
+    """The uninterrupted run, started now and read when the resume is compared: started beside the preempted
+    job (which mostly sleeps between its steps), it costs no wall time of its own."""
+
+    def __init__(self, script: str, d: Path, steps: int, extra_args: tuple[str, ...] = ()) -> None:
+        self.steps, self.out = steps, d / "ref.pt"
+        self.run = Job(script, d / "ref.log", ["--steps", str(steps), "--no-hook", "--out", str(self.out), *extra_args])
+        self._result: Optional[tuple[dict[int, str], Path]] = None
+
+    def result(self) -> tuple[dict[int, str], Path]:
+        if self._result is None:
+            try:
+                assert self.run.wait(120) == 0, self.run.tail()
+            finally:
+                self.run.kill()
+            ref = losses(self.run)
+            assert sorted(ref) == list(range(self.steps)), self.run.tail()
+            self._result = (ref, self.out)
+        return self._result

@@ -1,0 +1,448 @@
+"""DeepSpeed ``DeepSpeedEngine`` adapter (ZeRO stages 0-3, with or without optimizer offload).
+
+Install after ``deepspeed.initialize(...)``, on every rank::
+
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=net, config=cfg)
+    hook = install_preemption_hook(engine, storage="s3://bucket/run")
+    start = hook.resume()          # engine.load_checkpoint(<newest committed>) -> engine.global_steps, 0 if none
+
+The user's loop (``loss = engine(x)``, ``engine.backward(loss)``, ``engine.step()``)
+stays as it is. Why the engine's ``step()`` is the boundary: DeepSpeed owns the
+optimizer step (ZeRO's partitioned update, the all-gather of the updated
+parameters, the scheduler) and its step counter, ``engine.global_steps``,
+which advances only at a gradient-accumulation boundary. So after every
+``engine.step()`` that advanced ``global_steps`` the hook collects the agreement
+launched at the previous one and launches the next (``FrameworkHook._framework_boundary``);
+an agreed notice is written right there: model, ZeRO-partitioned optimizer and
+scheduler are exactly those of step S, and the RNG, the stateful objects given
+to ``hook.add_state`` and the engine's counters are those of the end of S.
+
+Gradient accumulation: a notice is acted on at the next accumulation
+boundary, never between micro-batches. Why: ZeRO keeps the partly reduced
+gradients of the micro-batches since S in its own buffers (``ipg`` buckets,
+``averaged_gradients``), which ``save_checkpoint`` does not write, and
+DeepSpeed has no public way to put them back: at the boundary is the only
+point where its checkpoint is exact. The deadline estimate counts a whole
+accumulation as one iteration.
+
+How the bytes go: ``engine.save_checkpoint`` runs with a spotguard
+``CheckpointEngine`` (DeepSpeed's pluggable writer) for the duration of the save.
+Each file DeepSpeed ``torch.save``s (``mp_rank_00_model_states.pt`` on rank 0,
+every rank's ``*zero_pp_rank_<r>_*`` files) is streamed into ``<storage>/step-N/``
+- an object store's multipart upload, or the local folder - with its checksum
+taken as it goes, so nothing is staged whole on local disk and the commit record
+names exactly what the ranks wrote. Each rank adds ``spotguard_rank<r>.pt`` (RNG,
+``add_state`` objects). Rank 0 commits as for every checkpoint (same
+protocol, checksums, quarantine, lineage).
+
+Resume: the newest committed checkpoint that verifies (a damaged one is
+quarantined and the previous one is used), loaded with
+``engine.load_checkpoint`` through the same engine: its files load with
+``torch.load(weights_only=True)`` and an allowlist of the few DeepSpeed types
+its optimizer state holds (``ZeroStageEnum``, ``LossScaler``, ...), never as
+arbitrary pickles. Refused at install: NVMe optimizer offload and ``checkpoint.load_universal``
+(``_refuse_unsupported``). Another world size is refused (``DeepSpeedWorldSizeChanged``):
+ZeRO's partitions are cut for the world size that wrote them, and DeepSpeed's
+own reshaping (universal checkpoints) needs its offline conversion.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import tempfile
+import weakref
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+from ...storage import Storage
+from ...storage.base import join_key
+from ...storage.commit import checkpoint_info
+from ...storage.integrity import Checksummer, DamagedCheckpoint
+from ...storage.safeload import SAFE_GLOBALS
+from ...storage.verify import verified_folder
+from ..core import Hook
+from ..state import capture_rng, pack, restore_rng, unpack
+from ._base import FrameworkHook
+from ._files import staging_dir
+
+__all__ = ["DeepSpeedHook", "DeepSpeedWorldSizeChanged", "SpotguardCheckpointEngine", "install"]
+
+_TAG = "ds"  # DeepSpeed's tag folder inside the throw-away save_dir: file names are taken relative to it
+
+
+class DeepSpeedWorldSizeChanged(RuntimeError):
+    """A ZeRO checkpoint written by another number of ranks: its partitions do not fit this job."""
+
+
+def _ds_safe_globals() -> list[Any]:
+    """DeepSpeed types its checkpoint files hold besides tensors and containers (checked on 0.19.8)."""
+    out: list[Any] = list(SAFE_GLOBALS)
+    for mod, names in (("deepspeed.runtime.zero.config", ("ZeroStageEnum",)),
+                       ("deepspeed.utils.tensor_fragment", ("fragment_address",)),
+                       ("deepspeed.runtime.fp16.loss_scaler", ("LossScaler", "DynamicLossScaler"))):
+        try:
+            m = __import__(mod, fromlist=list(names))
+        except ImportError:
+            continue
+        out += [getattr(m, n) for n in names if hasattr(m, n)]
+    return out
+
+
+_FOLLOWERS: "weakref.WeakKeyDictionary[Any, Callable[[Any], None]]" = weakref.WeakKeyDictionary()
+_FOLLOWED_CLASSES: dict[type, type] = {}
+
+
+def _followed_class(cls: type) -> type:
+    """``cls`` with a ``step()`` that tells the hook following the instance, if any.
+
+    A subclass swapped in as the instance's ``__class__`` rather than an instance attribute over ``step``: a torch
+    scheduler's ``state_dict()`` is its ``__dict__``, so an attribute there would end up in every checkpoint of
+    it (the user's own too) and could not be pickled."""
+    sub = _FOLLOWED_CLASSES.get(cls)
+    if sub is None:
+        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = cls.step(self, *args, **kwargs)  # type: ignore[attr-defined]
+            cb = _FOLLOWERS.get(self)
+            if cb is not None:
+                cb(self)
+            return out
+
+        sub = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__})
+        _FOLLOWED_CLASSES[cls] = sub
+    return sub
+
+
+class _Followed:
+    """A scheduler whose ``step()`` calls ``cb`` until ``remove()`` (kept with the hook's other handles)."""
+
+    def __init__(self, sched: Any, cb: Callable[[Any], None]) -> None:
+        self._sched, self._cls = sched, type(sched)
+        sched.__class__ = _followed_class(self._cls)
+        _FOLLOWERS[sched] = cb
+
+    def remove(self) -> None:
+        _FOLLOWERS.pop(self._sched, None)
+        self._sched.__class__ = self._cls
+
+
+def _refuse_unsupported(engine: Any) -> None:
+    """Configurations whose checkpoint spotguard's CheckpointEngine would not hold whole, or would not read safely."""
+    if _flag(engine, "zero_nvme_offload_optimizer"):
+        raise NotImplementedError(
+            "DeepSpeed optimizer offload to nvme is not supported by spotguard yet: save_checkpoint copies the swap "
+            "folder with shutil, outside the CheckpointEngine, so the committed checkpoint would lack the optimizer "
+            "state; offload the optimizer to cpu instead")
+    if _flag(engine, "load_universal_checkpoint"):
+        raise NotImplementedError(
+            "DeepSpeed's checkpoint.load_universal is set: engine.load_checkpoint would then read spotguard's "
+            "checkpoint as a universal one (another layout, loaded with torch.load(weights_only=False)); unset it "
+            "for the job spotguard resumes")
+
+
+def _flag(engine: Any, name: str) -> bool:
+    fn = getattr(engine, name, None)
+    return bool(fn()) if callable(fn) else False
+
+
+class _SummingFile(io.RawIOBase):
+    """A local file written in order, its spotguard checksum taken from the same bytes."""
+
+    def __init__(self, f: Any) -> None:
+        super().__init__()
+        self._f = f
+        self.summer = Checksummer()
+        self._pos = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        self._f.write(mv)
+        self.summer.update(mv)
+        self._pos += len(mv)
+        return len(mv)
+
+    def tell(self) -> int:
+        return self._pos
+
+
+class SpotguardCheckpointEngine(CheckpointEngine):
+    """DeepSpeed's file writer/reader, pointed at one spotguard checkpoint folder.
+
+    ``save(state, path)``: ``path`` lies under ``<save_dir>/<tag>/``; its relative
+    name becomes ``<key>/<name>`` in the storage, streamed (object store:
+    ``open_upload``; local store: the file itself) and noted in the write log.
+    ``load(path)``: ``torch.load(weights_only=True)`` with DeepSpeed's few types
+    allowed; anything else is a ``DamagedCheckpoint``.
+    """
+
+    def __init__(self, storage: Storage, key: str, root: str) -> None:
+        super().__init__(None)
+        self.name = "SpotguardCheckpointEngine"
+        self._storage = storage
+        self._key = key
+        self._root = os.path.abspath(root)
+        self.written: list[str] = []
+
+    def create(self, info: Any) -> None:
+        return None
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        os.makedirs(path, exist_ok=True)  # the throw-away save_dir only (DeepSpeed copies zero_to_fp32.py there)
+
+    def _rel(self, path: str) -> str:
+        rel = os.path.relpath(os.path.abspath(path), self._root)
+        if rel.startswith(".."):
+            raise ValueError(f"DeepSpeed wrote {path} outside its checkpoint folder {self._root}")
+        return rel.replace(os.sep, "/")
+
+    def save(self, state_dict: Any, path: str) -> None:
+        key = join_key(self._key, self._rel(path))
+        local = self._storage.local_path(key)
+        if local is not None:
+            local.parent.mkdir(parents=True, exist_ok=True)
+            with open(local, "wb") as f:
+                out = _SummingFile(f)
+                torch.save(state_dict, out)
+            self._storage.write_log.note(key, out.summer.digest())
+        else:
+            stream = self._storage.open_upload(key)  # type: ignore[attr-defined] - every object store has it
+            try:
+                torch.save(state_dict, stream)
+                stream.close()  # the write log notes it
+            except BaseException as exc:
+                err = getattr(stream, "error", None)
+                stream.abort()
+                if err is not None and err is not exc:
+                    raise err from exc
+                raise
+        self.written.append(key)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        try:
+            with open(path, "rb") as f, torch.serialization.safe_globals(_ds_safe_globals()):
+                return torch.load(f, map_location=map_location, weights_only=True)
+        except FileNotFoundError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a forbidden global or garbage: never run it, skip the checkpoint
+            msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise DamagedCheckpoint(path, f"refused to load: {type(exc).__name__}: {msg}") from None
+
+    def commit(self, info: Any) -> bool:
+        return True  # spotguard's commit record, written by rank 0 after every rank's bytes are durable
+
+
+class DeepSpeedHook(FrameworkHook):
+    framework = "deepspeed"
+
+    # The loop is the user's: the plain hook's resume applies (FrameworkHook forbids it).
+    range = Hook.range
+
+    def __init__(self, engine: Any, storage: str | Storage | None = None, *, socket: str | None = None,
+                 keep: int | None = None, exit_code: int = 143, on_notice: Optional[Callable[..., Any]] = None,
+                 every: Optional[float] = None) -> None:
+        if type(engine).__name__ == "PipelineEngine":
+            raise NotImplementedError("DeepSpeed pipeline parallelism (PipelineEngine.train_batch) is not supported "
+                                      "by spotguard yet; a DeepSpeedEngine with ZeRO stages 0-3 is")
+        _refuse_unsupported(engine)
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("install_preemption_hook(engine) goes after deepspeed.initialize(...), which sets up "
+                               "torch.distributed")
+        super().__init__(storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice, arm=False,
+                         every=every)
+        self.engine = engine
+        self._extra: dict[str, Any] = {}
+        self._outside: list[Any] = []  # follow_schedulers(), add_state(<a torch scheduler>)
+        self._stepped: set[int] = set()  # those of _outside stepped since the last engine.step()
+        self._after_sched: Optional[tuple[int, dict[str, Any]]] = None  # (step, RNG at engine.step()) to act on
+        self._rng_at: Optional[dict[str, Any]] = None
+        self._arm({})
+        self._wrap_step()
+        self._log.info("deepspeed_installed", zero_stage=int(engine.zero_optimization_stage()),
+                       offload_optimizer=bool(engine.zero_offload_optimizer()) if hasattr(
+                           engine, "zero_offload_optimizer") else None,
+                       gradient_accumulation_steps=int(engine.gradient_accumulation_steps()),
+                       acts_at="the engine's accumulation boundary (engine.step() advancing global_steps)",
+                       elastic="refused: a ZeRO checkpoint resumes only on the world size that wrote it "
+                               f"({self._world})")
+
+    # ------------------------------------------------------------------ public
+
+    def add_state(self, key: str, obj: Any) -> None:
+        """Save and restore ``obj`` (``state_dict``/``load_state_dict``: a loader, a sampler) with every
+        checkpoint, per rank, as it is at the step's end. Call before ``resume()`` on every rank."""
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"add_state({key!r}, ...) needs an object with state_dict() and load_state_dict()")
+        self._extra[key] = obj
+        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and obj is not getattr(self.engine, "lr_scheduler",
+                                                                                         None):
+            self._follow(obj)  # the loop steps it after engine.step(): save it as it is after that step
+
+    def resume(self) -> int:
+        """``Hook.resume`` (newest committed, damaged ones skipped, loaded by ``engine.load_checkpoint``);
+        returns the engine's step (``global_steps``), 0 if none."""
+        self._warn_unsaved_loader()
+        step = Hook.resume(self)
+        self._last_boundary = step
+        return step
+
+    def _warn_unsaved_loader(self) -> None:
+        """``deepspeed.initialize(training_data=...)``: its ``DeepSpeedDataLoader`` has no ``state_dict`` and a plain
+        ``DistributedSampler``, so nothing saves its position; without any ``add_state`` object that could, a
+        resume starts its epoch over (not exact), and the user learns it here rather than from the losses."""
+        loader = getattr(self.engine, "training_dataloader", None)
+        if loader is None or self._extra or callable(getattr(loader, "state_dict", None)):
+            return
+        self._log.warning("deepspeed_data_position_not_saved", loader=type(loader).__name__,
+                          why="the engine's DeepSpeedDataLoader (deepspeed.initialize(training_data=...)) keeps its "
+                              "position nowhere a checkpoint can save: a resume starts its epoch over",
+                          fix="a loader with state_dict/load_state_dict, or the sampler of your own DataLoader "
+                              "(spotguard.data.ElasticDistributedSampler; sampler.attach(loader) if it has "
+                              "workers), given to hook.add_state(...) before resume()")
+
+    # ------------------------------------------------------------------ the boundary
+
+    def _wrap_step(self) -> None:
+        """``engine.step()`` then the boundary, when it advanced ``global_steps`` (micro-batches: nothing)."""
+        engine, orig, hook = self.engine, self.engine.step, self
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            out = orig(*args, **kwargs)
+            if not (hook._closed or hook._internal):
+                if hook._outside:
+                    hook._after_sched = (int(engine.global_steps), capture_rng())
+                    hook._stepped = set()
+                else:
+                    hook._framework_boundary(int(engine.global_steps))
+            return out
+
+        engine.step = step
+        self._unwrap.append((engine, "step"))
+
+    def follow_schedulers(self, schedulers: list[Any]) -> None:
+        """Schedulers the loop steps itself after ``engine.step()`` (Accelerate's wrapper around a torch scheduler
+        DeepSpeed does not own; a torch scheduler given to ``add_state`` is followed by itself): saved with every
+        checkpoint, and the boundary moves to the end of the step() that steps the last of them (else the
+        checkpoint would hold them one step behind), with the RNG as at ``engine.step()``. A step without a
+        scheduler step: the next forward of the engine is the boundary."""
+        for i, sched in enumerate(schedulers):
+            self._extra[f"scheduler{i}"] = sched
+            self._follow(sched)
+
+    def _follow(self, sched: Any) -> None:
+        if any(s is sched for s in self._outside):
+            return
+        self._outside.append(sched)
+        self._handles.append(_Followed(sched, self._sched_stepped))
+        if len(self._outside) == 1:
+            self._handles.append(self.engine.register_forward_pre_hook(lambda *_: self._pending_boundary()))
+
+    def _sched_stepped(self, sched: Any) -> None:
+        self._stepped.add(id(sched))
+        if len(self._stepped) >= len(self._outside):
+            self._pending_boundary()
+
+    def _pending_boundary(self) -> None:
+        pending, self._after_sched = self._after_sched, None
+        if pending is None or self._closed or self._internal:
+            return
+        self._rng_at = pending[1]
+        try:
+            self._framework_boundary(pending[0])
+        finally:
+            self._rng_at = None
+
+    # ------------------------------------------------------------------ state <-> DeepSpeed
+
+    def _swapped(self, ce: SpotguardCheckpointEngine) -> Any:
+        engine = self.engine
+
+        class _Swap:
+            def __enter__(self) -> None:
+                self.old = engine.checkpoint_engine
+                engine.checkpoint_engine = ce
+
+            def __exit__(self, *exc: Any) -> None:
+                engine.checkpoint_engine = self.old
+
+        return _Swap()
+
+    def _write(self, key: str, snap: Any) -> None:
+        """Every rank: DeepSpeed's own save, each file streamed to ``key``; then this rank's spotguard file."""
+        per = pack({"rng": self._rng_at or capture_rng(), "state": {k: o.state_dict() for k, o in self._extra.items()},
+                    "step": self._count, "world_size": self._world})
+        tmp = staging_dir(f"deepspeed-{self._rank}")  # receives only DeepSpeed's recovery scripts (rank 0)
+        try:
+            ce = SpotguardCheckpointEngine(self._storage, key, os.path.join(tmp, _TAG))
+            with self._swapped(ce):
+                self.engine.save_checkpoint(str(tmp), tag=_TAG, save_latest=False)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self._storage.write_bytes(join_key(key, f"spotguard_rank{self._rank}.pt"), per)
+
+    def _check_world(self, dirkey: str) -> None:
+        info = checkpoint_info(self._storage, dirkey)
+        saved = info.record.world_size if info.record is not None else None
+        if saved is not None and saved != self._world:
+            raise DeepSpeedWorldSizeChanged(
+                f"{self._storage.uri}/{dirkey} was written by {saved} ranks, this job has {self._world}: a DeepSpeed "
+                "ZeRO checkpoint's optimizer partitions fit only the world size that wrote them, and spotguard does "
+                "not reshape them (DeepSpeed's universal checkpoint conversion, ds_to_universal.py, is offline). "
+                f"Resume with {saved} ranks, or convert the checkpoint yourself")
+
+    def _load(self, dirkey: str, digests: Any = None) -> Optional[DamagedCheckpoint]:
+        """Every rank: verify (or download verified), agree, then ``engine.load_checkpoint``; damage is returned."""
+        self._check_world(dirkey)
+        damage: Optional[DamagedCheckpoint] = None
+        folder = None
+        try:
+            folder = verified_folder(self._storage, dirkey, self._log)
+            per = unpack((folder / f"spotguard_rank{self._rank}.pt").read_bytes(),
+                         f"{self._storage.uri}/{dirkey}/spotguard_rank{self._rank}.pt")
+        except FileNotFoundError as exc:
+            damage = DamagedCheckpoint(f"{self._storage.uri}/{dirkey}", f"missing: {exc}")
+        except DamagedCheckpoint as exc:
+            damage = exc
+        if not self._all_ok(damage is None):
+            return damage or DamagedCheckpoint(f"{self._storage.uri}/{dirkey}", "another rank found it damaged")
+        assert folder is not None
+        # DeepSpeed reads <load_dir>/<tag>/...: the committed folder is the tag, its parent the load_dir
+        stage = staging_dir(f"deepspeed-load-{self._rank}")
+        try:
+            os.symlink(folder, stage / _TAG)
+            ce = SpotguardCheckpointEngine(self._storage, dirkey, str(stage / _TAG))
+            with self._swapped(ce):
+                path, _client = self.engine.load_checkpoint(str(stage), tag=_TAG, load_optimizer_states=True,
+                                                            load_lr_scheduler_states=True)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint in {self._storage.uri}/{dirkey}")
+        self._restore_rank(per)
+        return None
+
+    def _restore_rank(self, per: Mapping[str, Any]) -> None:
+        """This rank's objects and RNG, as at the end of the saved step (the RNG last: nothing may draw after it)."""
+        states = per.get("state", {})
+        for key, obj in self._extra.items():
+            if key in states:
+                obj.load_state_dict(states[key])
+            else:
+                self._log.warning("stateful object not in the checkpoint", key=key)
+        engine = self.engine
+        engine.micro_steps = int(engine.global_steps) * int(engine.gradient_accumulation_steps())
+        restore_rng(per.get("rng", {}))
+
+
+def install(engine: Any, storage: Any = None, *, socket: str | None = None, every: Any = None,
+            keep: int | None = None, exit_code: int = 143, on_notice: Any = None) -> DeepSpeedHook:
+    return DeepSpeedHook(engine, storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice,
+                         every=every)

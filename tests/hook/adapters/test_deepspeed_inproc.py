@@ -1,0 +1,146 @@
+"""The DeepSpeed adapter on a real one-rank ``DeepSpeedEngine`` in this process (gloo, CPU): install-time refusals.
+
+One engine for the module (``deepspeed.initialize`` takes seconds; the comm op is the
+prebuilt one in ``TORCH_EXTENSIONS_DIR``, never rebuilt here).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (make deepspeed-tools)")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from spotguard import install_preemption_hook  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A ZeRO-2 engine on one rank (the process group is this module's; destroyed at its end)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DS_ACCELERATOR", "cpu")
+        if not os.environ.get("TORCH_EXTENSIONS_DIR"):
+            mp.setenv("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))
+        for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+            mp.setenv(k, v)
+        import deepspeed
+
+        store = dist.FileStore(str(tmp_path_factory.mktemp("ds-inproc") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            deepspeed.init_distributed(dist_backend="gloo")
+            net = torch.nn.Linear(4, 1)
+            cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+                   "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9,
+                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+            eng, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+            yield eng
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("setting", ["zero_nvme_offload_optimizer", "load_universal_checkpoint"])
+def test_nvme_offload_and_universal_load_are_refused_at_install(engine: Any, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                setting: str) -> None:
+    """NVMe offload: DeepSpeed copies its swap folder with shutil into the (throw-away) save dir, outside the
+    CheckpointEngine, so the commit would lack the optimizer state. ``checkpoint.load_universal``: DeepSpeed's
+    load then expects the universal layout and reads it with ``torch.load(weights_only=False)``."""
+    monkeypatch.setattr(engine, setting, lambda: True)
+    with pytest.raises(NotImplementedError, match="nvme" if "nvme" in setting else "load_universal"):
+        install_preemption_hook(engine, storage=str(tmp_path / "ckpt"))
+
+
+def test_a_checkpoint_of_two_ranks_is_refused_on_one_before_anything_loads(engine: Any, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Elastic: a checkpoint committed by 2 ranks (its record says so; the files' contents do not matter, nothing
+    may be read) is refused on this 1-rank job by name, and the engine keeps its state."""
+    from spotguard.hook.adapters.deepspeed import DeepSpeedWorldSizeChanged
+    from spotguard.storage import open_storage
+    from spotguard.storage.commit import CommitRecord, commit, prepare_attempt
+
+    monkeypatch.setenv("SPOTGUARD_SOCKET", str(tmp_path / "no.sock"))
+    store = open_storage(str(tmp_path / "ckpt"))
+    key = prepare_attempt(store, 5)
+    for name in ("mp_rank_00_model_states.pt", "spotguard_rank0.pt", "spotguard_rank1.pt"):
+        store.write_bytes(f"{key}/{name}", b"not loaded")
+    commit(store, 5, CommitRecord(step=5, world_size=2, reason="emergency"))
+    before, weights = int(engine.global_steps), [p.detach().clone() for p in engine.module.parameters()]
+    hook = install_preemption_hook(engine, storage=str(tmp_path / "ckpt"))
+    try:
+        with pytest.raises(DeepSpeedWorldSizeChanged, match="written by 2 ranks, this job has 1"):
+            hook.resume()
+    finally:
+        hook.close()
+    assert int(engine.global_steps) == before
+    assert all(torch.equal(a, b) for a, b in zip(weights, engine.module.parameters()))
+
+
+
+def test_deepspeeds_own_loader_without_a_saved_position_is_warned_at_resume(
+        engine: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``deepspeed.initialize(training_data=...)`` gives a ``DeepSpeedDataLoader`` whose position nothing saves
+    (no ``state_dict``, a plain ``DistributedSampler``): a resume would start its epoch over, silently not exact.
+    Said at ``resume()`` when no ``add_state`` object could carry it."""
+    monkeypatch.setenv("SPOTGUARD_SOCKET", str(tmp_path / "no.sock"))
+    loader = engine.deepspeed_io(torch.utils.data.TensorDataset(torch.ones(8, 4)))
+    monkeypatch.setattr(engine, "training_dataloader", loader)
+    hook = install_preemption_hook(engine, storage=str(tmp_path / "ckpt"))
+    warned: list[tuple[str, dict[str, Any]]] = []
+    warn = hook._log.warning
+    monkeypatch.setattr(hook._log, "warning", lambda event, **kw: (warned.append((event, kw)), warn(event, **kw)))
+    try:
+        hook.resume()
+    finally:
+        hook.close()
+    assert [kw for event, kw in warned if event == "deepspeed_data_position_not_saved"], warned
+
+def test_a_scheduler_the_loop_steps_given_to_add_state_is_saved_after_its_step(engine: Any, tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch scheduler DeepSpeed does not own, stepped by the loop after ``engine.step()`` and handed to
+    ``add_state``: the checkpoint of step N must hold it stepped N times (before: N-1, taken inside
+    ``engine.step()``, so the resumed run used the previous step's learning rate). Following it must not put
+    anything into its ``state_dict()`` (the user's own checkpoints of it)."""
+    from datetime import timedelta
+
+    from spotguard import Preempted
+    from spotguard.hook.state import unpack
+    from spotguard.notice import Notice
+    from spotguard.timefmt import utcnow
+
+    monkeypatch.setenv("SPOTGUARD_SOCKET", str(tmp_path / "no.sock"))
+    # as on the torch optimizer a user gives deepspeed.initialize(optimizer=...): ZeRO's wrapper steps with its lr
+    sched = torch.optim.lr_scheduler.StepLR(engine.optimizer.optimizer, step_size=1, gamma=0.5)
+    first = int(engine.global_steps)  # the module's engine: the scheduler's steps count from here
+    hook = install_preemption_hook(engine, storage=str(tmp_path / "ckpt"))
+    try:
+        hook.add_state("sched", sched)
+        start = hook.resume()
+        torch.save(sched.state_dict(), io.BytesIO())  # the user's own checkpoint of it still pickles
+        with pytest.raises(Preempted) as exc:
+            for step in range(start, start + 6):
+                if step == start + 2:
+                    hook.notify(Notice(id="n-sched", source="drill", kind="preemption",
+                                       deadline=utcnow() + timedelta(seconds=30)))
+                loss = engine(torch.ones(2, 4)).pow(2).mean()
+                engine.backward(loss)
+                engine.step()
+                sched.step()
+    finally:
+        hook.close()
+    assert exc.value.committed, exc.value
+    stop = exc.value.step
+    assert stop is not None
+    per = unpack((tmp_path / "ckpt" / f"step-{stop:08d}" / "spotguard_rank0.pt").read_bytes(), "rank0")
+    assert per["state"]["sched"]["last_epoch"] == stop - first, (per["state"]["sched"], stop, first)
