@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional
 
 from ..history.record import Event
+from ..storage.listing import writers_phrase
 from ..timefmt import parse_rfc3339
 
 __all__ = ["Attempt", "Preemption", "Checkpoint", "Figures", "compute", "counterfactual", "money"]
@@ -44,6 +45,7 @@ class Preemption:
     committed: Optional[float] = None
     time_to_safe: Optional[float] = None
     bytes: int = 0
+    writers: Optional[str] = None  # who wrote what, when the save was planned around the doomed ranks
 
 
 @dataclass
@@ -260,6 +262,7 @@ def compute(events: Iterable[Event], *, stored: Optional[list[tuple[int, Any]]] 
             if isinstance(nid, str) and e.kind == "checkpoint_committed":
                 p = notices.setdefault(nid, Preemption(notice_id=nid, attempt=i))
                 p.committed, p.bytes = e.time, ck.bytes
+                p.writers = writers_phrase(e.fields.get("writers"))
                 since = _num(e.fields.get("seconds_since_notice"))
                 p.time_to_safe = since
     for i, a in enumerate(attempts):

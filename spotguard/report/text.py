@@ -69,6 +69,8 @@ def render_text(fig: Figures, uri: str) -> str:
         for p in fig.preemptions:
             lines.append(f"    {p.notice_id}: {p.source}/{p.kind} on {', '.join(p.nodes) or '?'}, step {p.step}, "
                          f"safe in {duration(p.time_to_safe)}")
+            if p.writers:
+                lines.append(f"      {p.writers}")
     if fig.skipped:
         lines += ["", f"  Skipped {len(fig.skipped)} damaged or foreign history entries:"]
         lines += [f"    {k}: {why}" for k, why in fig.skipped[:20]]

@@ -89,7 +89,13 @@ def writers(info: CheckpointInfo) -> dict[str, Any] | None:
 def writers_note(info: CheckpointInfo) -> str | None:
     """One phrase for the table when the save was planned around doomed ranks: which, what they wrote, and how
     soon after the save began their bytes were durable (the survivors wrote the replicated state)."""
-    w = writers(info)
+    return writers_phrase(writers(info))
+
+
+def writers_phrase(w: Any) -> str | None:
+    """``writers_note`` of a ``writers`` value from anywhere (a commit record, a history entry): data, never
+    trusted — wrong types give None."""
+    w = w if isinstance(w, dict) else None
     doomed = w.get("doomed") if w is not None else None
     if not isinstance(doomed, list) or not doomed:
         return None

@@ -105,3 +105,22 @@ def test_cli_names_a_bad_uri_in_one_line() -> None:
     out = subprocess.run([sys.executable, "-m", "spotguard", "report", "foo://x"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "unsupported storage URI" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("writers, shown", [
+    ({"doomed": [1], "bytes_per_rank": [1_000_000_000, 28_000], "safe_seconds": {"1": 0.25}, "plan": "survivors"},
+     "notice on rank 1: wrote 27.3 KiB, safe 0.25 s into the save; the others wrote 953.7 MiB"),
+    ({"doomed": "1", "bytes_per_rank": {"x": 1}}, None),  # read from storage: wrong types say nothing
+    ([1, 2], None),
+])
+def test_a_preemption_says_who_wrote_what_when_the_save_was_planned_around_the_doomed(
+        writers: Any, shown: Any) -> None:
+    events = chain()
+    i = next(k for k, e in enumerate(events) if e.kind == "checkpoint_committed")
+    events[i].fields["writers"] = writers
+    fig = compute(events)
+    assert fig.preemptions[0].writers == shown
+    from spotguard.report.text import render_text  # noqa: PLC0415
+
+    text = render_text(fig, "x")
+    assert (shown in text) if shown else ("notice on rank" not in text)
