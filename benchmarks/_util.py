@@ -15,10 +15,11 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-__all__ = ["busy", "cpu_seconds", "free_port", "print_result", "run_torchrun", "main"]
+__all__ = ["busy", "cpu_seconds", "free_port", "json_lines", "log_time", "print_result", "run_torchrun", "main"]
 
 RESULT_PREFIX = "BENCH_RESULT "
 REPO = Path(__file__).resolve().parents[1]
@@ -44,6 +45,28 @@ def busy(seconds: float) -> None:
         time.sleep(seconds - 0.002)
     while time.perf_counter() < end:
         pass
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    """The JSON objects in a job's output, one per line, each read from its line's first ``{`` (the hook's lines,
+    whatever the launcher put before them); other lines are skipped."""
+    out = []
+    for raw in text.splitlines():
+        i = raw.find("{")
+        if i < 0:
+            continue
+        try:
+            obj = json.loads(raw[i:])
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out
+
+
+def log_time(event: dict[str, Any]) -> float:
+    """A log line's ``timestamp`` (RFC 3339, UTC) as seconds since the epoch."""
+    return datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
 
 
 def print_result(result: dict[str, Any]) -> None:

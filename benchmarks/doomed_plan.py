@@ -40,6 +40,8 @@ from typing import Any, Optional
 if __package__ in (None, ""):  # run as a script by torchrun: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._util import json_lines, log_time
+
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 LAYERS = 8
@@ -73,25 +75,6 @@ def _worker(mib: int, store: str) -> None:
     hook.close()
 
 
-def _lines(text: str) -> list[dict[str, Any]]:
-    out = []
-    for raw in text.splitlines():
-        i = raw.find("{")
-        if i < 0:
-            continue
-        try:
-            obj = json.loads(raw[i:])
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict):
-            out.append(obj)
-    return out
-
-
-def _ts(e: dict[str, Any]) -> float:
-    return datetime.fromisoformat(str(e["timestamp"]).replace("Z", "+00:00")).timestamp()
-
-
 def trial(mib: int, survivors: bool, work: Path) -> dict[str, Any]:
     """One job: notice to rank 1 after 3 iterations; the row of timings read from its log."""
     store = Path(tempfile.mkdtemp(prefix="store-", dir=work))
@@ -109,7 +92,7 @@ def trial(mib: int, survivors: bool, work: Path) -> dict[str, Any]:
     try:
         pid = None
         while time.monotonic() - t0 < 120:
-            ev = _lines(log.read_text(errors="replace"))
+            ev = json_lines(log.read_text(errors="replace"))
             inst = [e for e in ev if e.get("event") == "hook_installed" and e.get("rank") == 1]
             if inst and sum(1 for e in ev if e.get("iter")) >= 6:
                 pid = int(inst[0]["pid"])
@@ -126,16 +109,16 @@ def trial(mib: int, survivors: bool, work: Path) -> dict[str, Any]:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    ev = [e for e in _lines(log.read_text(errors="replace")) if e.get("component") == "hook"]
+    ev = [e for e in json_lines(log.read_text(errors="replace")) if e.get("component") == "hook"]
     seen = [e for e in ev if e.get("event") == "notice_seen" and e.get("rank") == 1]
     safe = [e for e in ev if e.get("event") == "checkpoint_safe" and e.get("rank") == 1]
     done = [e for e in ev if e.get("event") == "checkpoint_committed"]
     if not (seen and safe and len(done) == 2):
         row["error"] = f"seen {len(seen)} safe {len(safe)} committed {len(done)}"
         return row
-    t = _ts(seen[0])
+    t = log_time(seen[0])
     writers = done[0].get("writers") or {}
-    row.update(b_safe=round(_ts(safe[0]) - t, 4), b_safe_in_save=safe[0].get("seconds"), commit=round(max(_ts(e) for e in done) - t, 4),
+    row.update(b_safe=round(log_time(safe[0]) - t, 4), b_safe_in_save=safe[0].get("seconds"), commit=round(max(log_time(e) for e in done) - t, 4),
                b_bytes=(writers.get("bytes_per_rank") or [0, 0])[1], a_bytes=(writers.get("bytes_per_rank") or [0])[0],
                record_plan=writers.get("plan"), step=done[0].get("step"), rc=proc.returncode)
     return row

@@ -70,14 +70,13 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
 if __package__ in (None, ""):  # run as a script by torchrun: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._util import busy
+from benchmarks._util import busy, json_lines, log_time
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -311,24 +310,6 @@ def _overhead_worker() -> None:
 
 # ----------------------------------------------------------------------------------------- driver
 
-def _json_lines(text: str) -> list[dict[str, Any]]:
-    """The JSON log lines in the job's output (structlog writes each line in one call: none run together)."""
-    out = []
-    for raw in text.splitlines():
-        if raw.startswith("{"):
-            try:
-                obj = json.loads(raw)
-            except ValueError:
-                continue
-            if isinstance(obj, dict):
-                out.append(obj)
-    return out
-
-
-def _ts(event: dict[str, Any]) -> float:
-    return datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
-
-
 def _torchrun(mode: str, env: dict[str, str], timeout: float) -> tuple[int, str]:
     """One 2-rank job of this file's ``--worker mode`` (``SG_TTS_SINGLE=1``: one plain process); (exit code
     or -1 on timeout, its output). Its own session, killed whole on a timeout or when the benchmark stops."""
@@ -397,7 +378,7 @@ def _trial(sock: str, work: Path, mib: float, period: float, phase: float,
             micros.append((float(d["micro_start"]), int(d["step"]), int(d["micro"])))
         else:
             info.update(d)
-    hook = [e for e in _json_lines(text) if e.get("component") == "hook"]
+    hook = [e for e in json_lines(text) if e.get("component") == "hook"]
     nid = info.get("notice_id")
     if nid:
         _cancel(sock, nid)
@@ -417,7 +398,7 @@ def _trial(sock: str, work: Path, mib: float, period: float, phase: float,
         out["late"] = True  # never safe
         out["tail"] = text[-3000:]
         return out
-    t_seen, t_commit = min(map(_ts, seen)), max(map(_ts, committed))
+    t_seen, t_commit = min(map(log_time, seen)), max(map(log_time, committed))
     out["notice_to_committed_s"] = round(t_commit - t_seen, 4)
     out["sent_to_committed_s"] = round(t_commit - info["t_sent"], 4)
     out["late"] = out["sent_to_committed_s"] > DEADLINE_S  # committed after the VM would be gone
@@ -425,7 +406,7 @@ def _trial(sock: str, work: Path, mib: float, period: float, phase: float,
     if at:  # the micro-batch (of the optimizer step after ``step_at_notice`` completed ones) running at the notice
         out["step_at_notice"], out["micro_at_notice"] = at[-1][1], at[-1][2]
     if exits:
-        out["notice_to_exit_s"] = round(max(map(_ts, exits)) - t_seen, 4)
+        out["notice_to_exit_s"] = round(max(map(log_time, exits)) - t_seen, 4)
         out["exit_codes"] = sorted(int(e["code"]) for e in exits)
     out["committed_step"] = int(committed[0]["step"])
     out["seconds_left_at_commit"] = min(float(e.get("seconds_left", float("nan"))) for e in committed)
