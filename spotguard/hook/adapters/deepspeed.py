@@ -48,12 +48,12 @@ own reshaping (universal checkpoints) needs its offline conversion.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
-import tempfile
 import weakref
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
@@ -362,18 +362,14 @@ class DeepSpeedHook(FrameworkHook):
 
     # ------------------------------------------------------------------ state <-> DeepSpeed
 
-    def _swapped(self, ce: SpotguardCheckpointEngine) -> Any:
-        engine = self.engine
-
-        class _Swap:
-            def __enter__(self) -> None:
-                self.old = engine.checkpoint_engine
-                engine.checkpoint_engine = ce
-
-            def __exit__(self, *exc: Any) -> None:
-                engine.checkpoint_engine = self.old
-
-        return _Swap()
+    @contextlib.contextmanager
+    def _swapped(self, ce: SpotguardCheckpointEngine) -> Iterator[None]:
+        """The engine's checkpoint writer is ``ce`` only inside (a user's own ``save_checkpoint`` is untouched)."""
+        old, self.engine.checkpoint_engine = self.engine.checkpoint_engine, ce
+        try:
+            yield
+        finally:
+            self.engine.checkpoint_engine = old
 
     def _write(self, key: str, snap: Any) -> None:
         """Every rank: DeepSpeed's own save, each file streamed to ``key``; then this rank's spotguard file."""
