@@ -216,7 +216,6 @@ class HistoryWriter:
         without it the report would count the whole span since the last event as downtime."""
         if self._exited or self._hold_until > time.monotonic() or not self.wants("alive"):
             return
-        self._exited = True  # once: close() then the process end write one exit
         try:
             step = self._step_of() if self._step_of is not None else None
             now = time.time()

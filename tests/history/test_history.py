@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -200,3 +201,30 @@ def test_a_long_run_of_periodic_checkpoints_never_crowds_out_the_preemption(tmp_
     kinds = [e.kind for e in read_history(store).events]
     assert kinds[-3:] == ["agreed", "checkpoint_committed", "exit"]
     assert kinds.count("periodic_committed") <= 30 and len(kinds) <= 41 and w.dropped > 0
+
+
+def test_alive_is_rewritten_with_the_step_and_the_process_end_still_writes_its_exit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quiet process's ``alive`` entry follows its step (not only its first value), and writing it never counts
+    as the attempt's end: ``close()`` still records ``exit`` (``process_end``)."""
+    monkeypatch.setenv("SPOTGUARD_HISTORY_ALIVE", "0.05")
+    store = open_storage(str(tmp_path))
+    step = [1]
+    w = HistoryWriter(store, rank=0, step_of=lambda: step[0])
+    w.record("hook_installed", {"world_size": 1})
+    assert w.flush(5.0)
+
+    def alive_step() -> Any:
+        got = [e for e in read_history(store).events if e.kind == "alive"]
+        return got[0].fields.get("step") if got else None
+
+    deadline = time.monotonic() + 10
+    while alive_step() != 1 and time.monotonic() < deadline:
+        time.sleep(0.02)  # polling the store the writer thread writes to: nothing to await
+    step[0] = 2
+    while alive_step() != 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert alive_step() == 2, "the alive entry was written once and never again"
+    w.close()
+    exits = [e for e in read_history(store).events if e.kind == "exit"]
+    assert [e.fields.get("reason") for e in exits] == ["process_end"] and exits[0].fields.get("step") == 2
