@@ -181,11 +181,10 @@ class SaveMixin:
             if status[0] == "error":
                 return self._fail(notice, step, f"prepare failed on rank 0: {status[1]}", t0, peers_ok=True)
             stage = "doomed"
-            self._doomed = self._doomed_now(group)
+            doomed = self._doomed = self._doomed_now(group)
             stage = "write"
             err = None
             self._storage.write_log.take(key)  # what an earlier attempt at this step wrote does not count
-            doomed = getattr(self, "_doomed", None)
             self._safe = SafeMark(self._storage, key, t0, bool(doomed and self._rank in doomed), self._log,
                                   {"notice_id": notice.id, "step": step})
             try:
