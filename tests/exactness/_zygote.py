@@ -13,6 +13,12 @@ What differs from a fresh process: the hash seed (``PYTHONHASHSEED``) is the ser
 of a test session, and torch's import-time environment is the server's (``OMP_NUM_THREADS=1``, as the oracle
 sets for every run). ``make exactness`` runs under real ``torchrun``.
 
+``_zygote.py MODULE...`` also imports those modules first (the oracle keeps one server per framework a pattern
+script imports: ``lightning.pytorch``, ``transformers``, ~3-4 CPU-seconds each, so that their import is not paid
+by every run). What such an import reads from the environment the child reads again from its own
+(``_AS_IF_IMPORTED_HERE``): lightning's ``rank_zero_only.rank`` and the variable it sets; ``transformers``'s
+own reads (``HF_HUB_OFFLINE``, ``TRANSFORMERS_NO_ADVISORY_WARNINGS``) are set before it as its pattern does.
+
 Protocol (JSON lines): stdin ``{"id", "argv", "env", "cwd", "log"}``; stdout ``{"id", "pid"}`` once forked,
 ``{"pid", "status"}`` when a child ends (``status``: the exit code, or -N for signal N). EOF on stdin: the
 server kills what it started and leaves.
@@ -33,6 +39,31 @@ import torch.distributed.checkpoint  # noqa: F401
 import torch.utils.data  # noqa: F401
 
 
+def _lightning_env() -> None:
+    """What ``import lightning`` derives from the environment, derived from the child's (a fresh import would)."""
+    from lightning.fabric.utilities import rank_zero  # noqa: PLC0415
+
+    rank_zero.rank_zero_only.rank = rank_zero._get_rank() or 0
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # lightning/fabric/__init__.py sets it at import
+
+
+_AS_IF_IMPORTED_HERE = {"lightning.pytorch": _lightning_env}
+_PRELOADED: list[str] = []
+
+
+def _preload(modules: list[str]) -> None:
+    """Import the framework modules every run of this server imports (``transformers``: its pattern's
+    environment first, as ``patterns/hf_trainer.py`` sets it before the import)."""
+    import importlib  # noqa: PLC0415
+
+    for name in modules:
+        if name == "transformers":
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+        importlib.import_module(name)
+        _PRELOADED.append(name)
+
+
 def _child(req: dict) -> None:  # never returns
     code = 1
     try:
@@ -47,6 +78,9 @@ def _child(req: dict) -> None:  # never returns
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
+        for name in _PRELOADED:
+            if name in _AS_IF_IMPORTED_HERE:
+                _AS_IF_IMPORTED_HERE[name]()
         import io  # noqa: PLC0415
         import runpy  # noqa: PLC0415
 
@@ -88,6 +122,7 @@ def _child(req: dict) -> None:  # never returns
 
 
 def main() -> None:
+    _preload(sys.argv[1:])
     inp = sys.stdin.buffer
     out = sys.stdout
     kids: set[int] = set()

@@ -216,13 +216,13 @@ def json_lines(text: str) -> list[dict[str, Any]]:
 class _Zygote:
     """The client of ``_zygote.py`` (started on first use, one per oracle process, shared by its threads)."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: tuple[str, ...] = ()) -> None:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._pids: dict[int, int] = {}            # request id -> pid
         self._status: dict[int, int] = {}          # pid -> exit status
         self._next = 0
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "_zygote.py")], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "_zygote.py"), *preload], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, cwd=str(REPO),
                                      env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
         threading.Thread(target=self._read, name="exo-zygote", daemon=True).start()
@@ -249,8 +249,9 @@ class _Zygote:
             self.proc.stdin.write((json.dumps({"id": rid, "argv": argv, "env": env, "cwd": cwd,
                                                "log": str(log)}) + "\n").encode())
             self.proc.stdin.flush()
-            if not self._cond.wait_for(lambda: rid in self._pids or -1 in self._status, 60):
-                raise RuntimeError("the zygote did not fork within 60 s")
+            # its first fork waits for its imports (torch, a framework: ~30 s on 2 loaded cores)
+            if not self._cond.wait_for(lambda: rid in self._pids or -1 in self._status, 180):
+                raise RuntimeError("the zygote did not fork within 180 s")
             if rid not in self._pids:
                 raise RuntimeError("the zygote died")
             return _Forked(self, self._pids.pop(rid))
@@ -275,16 +276,21 @@ class _Forked:
         return self.returncode
 
 
-_ZYGOTE: Optional[_Zygote] = None
+_ZYGOTES: dict[tuple[str, ...], _Zygote] = {}
 _ZYGOTE_LOCK = threading.Lock()
+# the framework a pattern script imports: its runs fork from a server that imported it too (~3-4 CPU-s a run)
+PRELOAD: dict[str, tuple[str, ...]] = {"lightning_loop.py": ("lightning.pytorch",),
+                                       "hf_trainer.py": ("transformers", "transformers.trainer")}
 
 
-def _zygote() -> _Zygote:
-    global _ZYGOTE
+def _zygote(script: str = "") -> _Zygote:
+    """The fork server for runs of ``script`` (one per set of preloaded frameworks)."""
+    preload = PRELOAD.get(script, ())
     with _ZYGOTE_LOCK:
-        if _ZYGOTE is None or _ZYGOTE.proc.poll() is not None:
-            _ZYGOTE = _Zygote()
-        return _ZYGOTE
+        z = _ZYGOTES.get(preload)
+        if z is None or z.proc.poll() is not None:
+            z = _ZYGOTES[preload] = _Zygote(preload)
+        return z
 
 
 def launch(p: Pattern, folder: Path, tag: str, storage: Path, env: dict[str, str], timeout: float) -> Run:
@@ -314,8 +320,8 @@ def launch(p: Pattern, folder: Path, tag: str, storage: Path, env: dict[str, str
     procs: list[Any] = []
     with open(log, "wb") as f:
         for cmd, extra in cmds:
-            if LAUNCHER == "zygote":  # its children append to the log
-                procs.append(_zygote().start(cmd[1:], {**full_env, **extra}, str(folder), log))  # argv: no python
+            if LAUNCHER == "zygote":  # its children append to the log; argv: no python
+                procs.append(_zygote(p.script).start(cmd[1:], {**full_env, **extra}, str(folder), log))
                 continue
             procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**full_env, **extra},
                                           cwd=str(folder), start_new_session=True))

@@ -3,9 +3,11 @@ at the phases where the any-moment path can go wrong. Each case must end ``exact
 ``wrong`` (a committed checkpoint that differs from the uninterrupted run at its step, a resumed run that
 ends elsewhere, a hang, a crash, or 143 "nothing lost" with trained work uncommitted) fails, naming the items.
 
-The runs of the selected cases go in parallel (``EXO_JOBS``, default 3: the runs sleep through their phases) on the first test; one reference run
-per pattern. Every process is forked from a server that imported torch once (``EXO_LAUNCHER=zygote``,
-``_zygote.py``: the imports were most of the runs' CPU; ``EXO_LAUNCHER=direct`` starts each afresh).
+The runs of the selected cases go in parallel (``EXO_JOBS``, default 3: the runs sleep through their phases) on the
+first test; one reference run per pattern, the cases of a pattern started as soon as its reference is in. Every
+process is forked from a server that imported torch once (``EXO_LAUNCHER=zygote``, ``_zygote.py``: the imports
+were most of the runs' CPU; the Lightning and transformers patterns' from one that imported that framework too;
+``EXO_LAUNCHER=direct`` starts each afresh).
 ``make exactness`` is the long version (random moments, >= 200 notices, real torchrun).
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -120,20 +122,22 @@ def _selected(request: pytest.FixtureRequest) -> list[str]:
 
 
 def _run_all(cases: list[str], work: Path) -> None:
-    """References of the patterns these cases need, then the cases, ``EXO_JOBS`` at a time."""
+    """References of the patterns these cases need (``EXO_REF_JOBS`` at a time, default 1: with no phase sleeps
+    they run flat out), in the cases' order; each case starts once its pattern's reference is in (``EXO_JOBS`` at a
+    time), beside the references still running (its runs sleep through their phases)."""
     jobs = int(os.environ.get("EXO_JOBS", "3"))
-    names = sorted({CASES[c][0] for c in cases})
-    with ThreadPoolExecutor(jobs) as pool:
+    names = list(dict.fromkeys(CASES[c][0] for c in cases))
+    with ThreadPoolExecutor(int(os.environ.get("EXO_REF_JOBS", "1"))) as ref_pool, ThreadPoolExecutor(jobs) as pool:
         def ref(n: str) -> Any:
             try:
                 return reference(PATTERNS[n], work / n / "ref")
             except Exception as exc:  # reported by each case of that pattern
                 return exc
 
-        refs: dict[str, Reference | Exception] = dict(zip(names, pool.map(ref, names)))
+        refs: dict[str, Future[Reference | Exception]] = {n: ref_pool.submit(ref, n) for n in names}
 
         def one(c: str) -> Trial | Exception:
-            r = refs[CASES[c][0]]
+            r = refs[CASES[c][0]].result()  # the cases go in order, as the references: the one in flight
             if isinstance(r, Exception):
                 return r
             return run_trial(r, CASES[c][1], work / c, seed=sum(map(ord, c)), kind=_kind(c))
