@@ -9,14 +9,15 @@ digest the worker recorded after that step's post-step work, the RNG right after
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-import subprocess
+import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -25,23 +26,47 @@ pytest.importorskip("torchft")
 
 from spotguard.storage import open_storage  # noqa: E402
 from spotguard.storage.commit import newest_committed  # noqa: E402
+from tests.exactness.oracle import _Zygote  # noqa: E402
 
 WORKER = Path(__file__).with_name("_fallback_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+_SERVER: list[_Zygote] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fork_server() -> Iterator[None]:
+    """The workers are forked from one server that imported torch (tests/exactness/_zygote.py: what each worker
+    then runs is as ``python WORKER`` in its own session; ~2.5 CPU-seconds of imports a run less)."""
+    yield
+    for z in _SERVER:  # EOF: the server kills what it started and leaves
+        assert z.proc.stdin is not None
+        z.proc.stdin.close()
+        z.proc.wait(30)
+    _SERVER.clear()
+
+
 def _run(tmp: Path, mode: str, **env: str) -> tuple[int, float, list[dict[str, Any]]]:
     e = dict(os.environ, PYTHONPATH=str(ROOT), SPOTGUARD_LOG_FORMAT="json", **env)
+    if not _SERVER:
+        _SERVER.append(_Zygote())
+    log = tmp / f"worker-{mode}.log"
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(WORKER), mode, str(tmp)], env=e, capture_output=True, text=True,
-                          timeout=120)
+    proc = _SERVER[0].start([str(WORKER), mode, str(tmp)], e, str(tmp), log)
+    try:
+        proc.wait(120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # a worker's leftovers (or a hung one) go with it
     took = time.monotonic() - t0
     lines = []
-    for line in (proc.stdout + proc.stderr).splitlines():
+    for line in log.read_text(errors="replace").splitlines():
         try:
             lines.append(json.loads(line))
         except ValueError:
             pass
+    assert proc.returncode is not None
     return proc.returncode, took, lines
 
 
