@@ -151,12 +151,17 @@ ACCUM_STEPS = 6
 ACCUM_ARGS = ("--grad-accum", "8")
 
 
-def preempt_in_accumulation(script: str, tmp: Path, reference: tuple[dict[int, str], Path], marker: str) -> None:
+def preempt_in_accumulation(script: str, tmp: Path, marker: str) -> None:
     """A notice (SIGUSR1 to rank 1, 4 s deadline) at the first micro-batch of step 2: acting at the step's end
     would commit ~5 s later, late (exit 75). Acted on at the next micro-batch, the checkpoint of step 2 commits in
-    time (143, no ``checkpoint_late``) and the resume replays step 2 from its first micro-batch, bitwise."""
-    stop = preempt_and_resume(script, tmp, reference, ACCUM_STEPS, 2, "usr1-rank1", marker=marker,
-                              extra_args=ACCUM_ARGS, step_time="0.75", env={"SPOTGUARD_SIGNAL_GRACE": "4"})
+    time (143, no ``checkpoint_late``) and the resume replays step 2 from its first micro-batch, bitwise. The
+    uninterrupted run goes beside the preempted job (it sleeps 6 s a step before the notice)."""
+    reference = Reference(script, tmp, ACCUM_STEPS, ACCUM_ARGS)  # ref.log, ref.pt
+    try:
+        stop = preempt_and_resume(script, tmp, reference, ACCUM_STEPS, 2, "usr1-rank1", marker=marker,
+                                  extra_args=ACCUM_ARGS, step_time="0.75", env={"SPOTGUARD_SIGNAL_GRACE": "4"})
+    finally:
+        reference.run.kill()
     assert stop == 2
     run = read_log(tmp / "preempted.log")
     assert not run.events("checkpoint_late"), run.tail()

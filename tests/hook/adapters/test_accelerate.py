@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("accelerate")
 
-from ._jobs import ACCUM_ARGS, ACCUM_STEPS, preempt_and_resume, preempt_in_accumulation, reference_run
+from ._jobs import preempt_and_resume, preempt_in_accumulation, reference_run
 
 STEPS = 30
 SCRIPT = "accelerate_train.py"
@@ -33,13 +33,7 @@ def test_sigterm_to_torchrun_reaches_both_ranks(reference: tuple[dict[int, str],
     preempt_and_resume(SCRIPT, tmp_path, reference, STEPS, 19, "term-torchrun", marker="random_states_0.pkl")
 
 
-@pytest.fixture(scope="module")
-def accum_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, str], Path]:
-    return reference_run(SCRIPT, tmp_path_factory.mktemp("acc-accum-ref"), ACCUM_STEPS, ACCUM_ARGS)
-
-
-def test_notice_during_accumulation_commits_at_the_next_micro_batch(accum_reference: tuple[dict[int, str], Path],
-                                                                     tmp_path: Path) -> None:
+def test_notice_during_accumulation_commits_at_the_next_micro_batch(tmp_path: Path) -> None:
     """Issue 23: ``accelerator.accumulate``; the next micro-batch's forward saves step 2 (RNG, BatchNorm statistics
     and ``accelerator.step`` as at the step); the old next-real-step path committed 11 s after the notice."""
-    preempt_in_accumulation(SCRIPT, tmp_path, accum_reference, "random_states_1.pkl")
+    preempt_in_accumulation(SCRIPT, tmp_path, "random_states_1.pkl")

@@ -45,12 +45,9 @@ def _micro(run: TorchRun) -> dict[tuple[int, int, int], str]:
 def _preempt_and_resume(tmp_path: Path, daemon: DaemonProc, args: list[str], reference_args: list[str],
                         fired: Callable[[TorchRun], bool], deadline: float) -> TorchRun:
     """Reference run, preempted run (drill once ``fired``), checks of the commit of step S, resumed run compared
-    micro-batch by micro-batch with the reference; returns the preempted run."""
+    micro-batch by micro-batch with the reference; returns the preempted run. The reference (no sleeps) runs
+    beside the preempted job, which sleeps through its micro-batches: it costs no wall time of its own."""
     ref = Job(SCRIPT, tmp_path / "ref.log", [*ARGS, *reference_args, "--no-hook", "--out", str(tmp_path / "ref.pt")])
-    assert ref.wait(180) == 0, ref.tail()
-    reference = _micro(ref)
-    assert len(reference) == STEPS * ACCUM, ref.tail()
-
     store = tmp_path / "ckpt"
     run = Job(SCRIPT, tmp_path / "preempted.log", [*ARGS, *args, "--storage", str(store)],
               env={"SPOTGUARD_SOCKET": daemon.socket})
@@ -59,9 +56,13 @@ def _preempt_and_resume(tmp_path: Path, daemon: DaemonProc, args: list[str], ref
         run.wait_for(lambda: fired(run), 120, "the moment of the notice")
         notice_id = drill(daemon.socket, deadline_in=deadline)
         run.wait(60)
+        assert ref.wait(180) == 0, ref.tail()
     finally:
         run.kill()
+        ref.kill()
     request_sync(daemon.socket, DrillCancel(id=notice_id))  # the restarted job must not get it replayed
+    reference = _micro(ref)
+    assert len(reference) == STEPS * ACCUM, ref.tail()
 
     seen = _micro(run)
     assert max(k[0] for k in seen) == S, "an optimizer step ran after the notice"
