@@ -68,27 +68,37 @@ def resume_to_end(tmp: Path, store: Path, name: str, expect_step: int, reference
     assert diff is None, f"resumed run differs from the uninterrupted one at {diff}"
 
 
-@pytest.mark.parametrize(
-    "seed,rank,sig,grace",
-    [(11, 1, signal.SIGUSR1, None), (12, 0, signal.SIGTERM, None), (13, 1, signal.SIGTERM, 15)],
-    ids=["usr1-to-rank1-only", "term-to-rank0-only", "term-to-rank1-only"],
-)
-def test_preemption_at_random_step_resumes_bitwise(reference: Path, tmp_path: Path, seed: int, rank: int,
-                                                   sig: int, grace: int | None) -> None:
-    """``grace``: ``SPOTGUARD_SIGNAL_GRACE`` (GKE 15 s, torchrun 30 s), the deadline a SIGTERM gets; checked in
-    this job (it had one of its own in test_daemon_rollout)."""
-    at = random.Random(seed).randint(2, STEPS - 10)
+# (seed, rank, signal, SPOTGUARD_SIGNAL_GRACE): the notice to one rank only, three ways
+PREEMPTIONS = [(11, 1, signal.SIGUSR1, None), (12, 0, signal.SIGTERM, None), (13, 1, signal.SIGTERM, 15)]
+
+
+def test_preemptions_at_random_steps_chained_each_resume_exact(reference: Path, tmp_path: Path) -> None:
+    """SIGUSR1 to rank 1 only, SIGTERM to rank 0 only, SIGTERM to rank 1 only: one after another on one store,
+    each job resuming where the last one committed (both ranks at that step) and preempted a few steps later; the
+    last resume runs to the end, bitwise the uninterrupted run (a resume off at any link would show there). One
+    torchrun job a case instead of two (a preempted job and a resume to the end each). ``grace``:
+    ``SPOTGUARD_SIGNAL_GRACE`` (GKE 15 s, torchrun 30 s), the deadline a SIGTERM gets; checked in this job (it had
+    one of its own in test_daemon_rollout)."""
     store = tmp_path / "ckpt"
-    run = preempt(tmp_path, store, "preempted", at, rank, sig,
-                  env={"SPOTGUARD_SIGNAL_GRACE": str(grace)} if grace else None)
-    assert run.wait() != 0  # torchrun itself exits 1 once a worker failed
-    stop = assert_agreed_exit(run)
-    if grace:
-        seen = [e for e in run.events("notice_seen") if e["via"] == "signal"]
-        assert seen and all(grace - 5 < e["seconds_left"] <= grace for e in seen), seen
-    assert at < stop <= STEPS
-    assert committed(store) == [stop]
-    resume_to_end(tmp_path, store, "resumed", stop, reference)
+    stops: list[int] = []
+    for k, (seed, rank, sig, grace) in enumerate(PREEMPTIONS):
+        start = stops[-1] if stops else 0
+        at = start + random.Random(seed).randint(2, 6)
+        run = preempt(tmp_path, store, f"preempted-{k}", at, rank, sig,
+                      env={"SPOTGUARD_SIGNAL_GRACE": str(grace)} if grace else None)
+        assert run.wait() != 0  # torchrun itself exits 1 once a worker failed
+        if stops:
+            resumed = {e["rank"]: e["step"] for e in run.events("resumed")}
+            assert resumed == {0: start, 1: start}, resumed
+            assert run.steps()[0] == start
+        stop = assert_agreed_exit(run)
+        if grace:
+            seen = [e for e in run.events("notice_seen") if e["via"] == "signal"]
+            assert seen and all(grace - 5 < e["seconds_left"] <= grace for e in seen), seen
+        assert at < stop <= STEPS
+        stops.append(stop)
+        assert committed(store) == stops
+    resume_to_end(tmp_path, store, "resumed", stops[-1], reference)
 
 
 def test_sigterm_to_torchrun_without_daemon(reference: Path, tmp_path: Path) -> None:
