@@ -80,6 +80,10 @@ CHECKPOINT_LATE = "checkpoint_late"
 DRILL_VERDICT = "drill_verdict"
 #: a doomed rank's own bytes are durable (the survivors write the replicated ones); it waits for the commit
 CHECKPOINT_SAFE = "checkpoint_safe"
+#: a doomed rank's unique shards reached a survivor's memory (acknowledged); the survivor uploads them
+CHECKPOINT_EVACUATED = "checkpoint_evacuated"
+#: a survivor received a doomed rank's shards (receive and upload seconds)
+EVACUATION_RECEIVED = "checkpoint_evacuation_received"
 CHECKPOINT_COMMITTED = "checkpoint_committed"
 CHECKPOINT_FAILED = "checkpoint_failed"
 CHECKPOINT_SKIPPED = "checkpoint_skipped"
@@ -98,6 +102,8 @@ TIMELINE: tuple[str, ...] = (
     CHECKPOINT_STAGED,
     CHECKPOINT_FALLBACK,
     CHECKPOINT_SAFE,
+    CHECKPOINT_EVACUATED,
+    EVACUATION_RECEIVED,
     CHECKPOINT_COMMITTED,
     CHECKPOINT_LATE,
     DEADLINE_AT_RISK,
