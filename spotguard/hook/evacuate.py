@@ -271,11 +271,26 @@ class Evacuation:
         self._send_ack(total, src)
         received = time.monotonic() - t0
         for name, buf in got:  # the storage notes each file's checksum in my write log, as for my own
-            self.storage.write_bytes(join_key(self.key, name), buf)  # type: ignore[arg-type] - any buffer
+            self._upload(join_key(self.key, name), buf)
         self.received[src] = total
         self.log.info(ev.EVACUATION_RECEIVED, from_rank=src, bytes=total,
                       receive_seconds=round(received, 4), upload_seconds=round(time.monotonic() - t0 - received, 4),
                       **self.fields)
+
+    def _upload(self, key: str, buf: bytearray) -> None:
+        """One received file to storage: an object store's parallel part upload where there is one (a shard
+        may be far bigger than one PUT should carry), else the store's atomic whole-file write."""
+        opener = getattr(self.storage, "open_upload", None)
+        if opener is None:
+            self.storage.write_bytes(key, buf)
+            return
+        stream = opener(key)
+        try:
+            stream.write(memoryview(buf))
+            stream.close()
+        except BaseException:
+            stream.abort()
+            raise
 
     def _send_ack(self, total: int, src: int) -> None:
         dist.send(_int(total), group=self.group, group_dst=src, tag=TAG)
