@@ -70,11 +70,17 @@ def chunk_bytes() -> int:
 
 
 def pair_ranks(world: int, doomed: "frozenset[int]") -> dict[int, int]:
-    """doomed rank -> the surviving rank that receives its files (round robin over the survivors, in order)."""
+    """doomed rank -> the surviving rank that receives its files: spread evenly over the survivors in rank
+    order (a doomed node's 8 ranks go to survivors far apart in rank order — mostly different nodes when ranks
+    are numbered node by node — rather than to the first 8 survivors, one node), wrapping round when there are
+    more doomed ranks than survivors. Rank order only: no node identity is known (see the issue's note)."""
     survivors = [r for r in range(world) if r not in doomed]
     if not survivors:
         return {}
-    return {d: survivors[i % len(survivors)] for i, d in enumerate(sorted(doomed))}
+    d = sorted(doomed)
+    if len(d) <= len(survivors):
+        return {r: survivors[(i * len(survivors)) // len(d)] for i, r in enumerate(d)}
+    return {r: survivors[i % len(survivors)] for i, r in enumerate(d)}
 
 
 def unique_bytes(plan: SavePlan) -> int:

@@ -22,6 +22,10 @@ is known, ``notice_id``. Fields per event:
 - ``checkpoint_started``: notice_id, step, uri, reason
 - ``checkpoint_staged`` (background save only): notice_id, step, bytes, seconds (notice round -> tensors
   copied; the training thread is released here), small_state_from ("pre-hook" | "background")
+- ``checkpoint_safe`` (a doomed rank, survivors without a notice): notice_id, step, bytes, seconds, at,
+  waits_for; evacuated: evacuated_to, evacuated_bytes (``evacuate.py``)
+- ``checkpoint_evacuated`` (doomed): notice_id, step, to_rank, bytes, files, seconds, decision;
+  ``checkpoint_evacuation_received`` (its survivor): from_rank, bytes, receive_seconds, upload_seconds
 - ``checkpoint_committed``: notice_id, step, uri, bytes, seconds, seconds_left
 - ``checkpoint_failed``: notice_id, step, error, seconds
 - ``checkpoint_late`` (warning, after ``checkpoint_committed``): notice_id, step, seconds_past, source, why, fix —

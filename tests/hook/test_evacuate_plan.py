@@ -10,10 +10,12 @@ import pytest
 from spotguard.hook.evacuate import DEFAULT_RATE, Evacuation, evacuate_mode, pair_ranks
 
 
-def test_pairs_go_round_robin_over_the_survivors_only() -> None:
+def test_pairs_spread_over_the_survivors_only() -> None:
     assert pair_ranks(4, frozenset({1, 3})) == {1: 0, 3: 2}
     assert pair_ranks(4, frozenset({0, 1, 2})) == {0: 3, 1: 3, 2: 3}
     assert pair_ranks(2, frozenset({0, 1})) == {}  # every rank doomed: nobody to receive (today's path)
+    # 4 nodes of 4 ranks, node 1 doomed: its ranks go to survivors spread over three nodes, not all to node 0
+    assert pair_ranks(16, frozenset({4, 5, 6, 7})) == {4: 0, 5: 3, 6: 10, 7: 13}
 
 
 def _role(rate: float | None, left: float) -> Evacuation:
