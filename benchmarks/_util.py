@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-__all__ = ["busy", "cpu_seconds", "free_port", "json_lines", "log_time", "print_result", "run_torchrun", "main"]
+__all__ = ["busy", "cpu_seconds", "free_port", "wait_port", "json_lines", "log_time", "print_result", "run_torchrun", "main"]
 
 RESULT_PREFIX = "BENCH_RESULT "
 REPO = Path(__file__).resolve().parents[1]
@@ -30,6 +30,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_port(port: int, tries: int = 100) -> None:
+    """Until a server the benchmark started accepts on ``port`` (at most ``tries`` × ~0.1 s)."""
+    for _ in range(tries):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.1)  # a child server's port: nothing to await but a connection
 
 
 def cpu_seconds() -> float:

@@ -72,7 +72,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
-from benchmarks._util import cpu_seconds, free_port
+from benchmarks._util import cpu_seconds, free_port, wait_port
 
 GiB = 1024 ** 3
 REPO = Path(__file__).resolve().parents[1]
@@ -449,12 +449,7 @@ def run(sizes: list[float] | None = None) -> dict[str, Any]:
                              "--ack-port", str(ack_port), "--gbit", str(link)], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     try:
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.1)
+        wait_port(port)
         env = dict(os.environ, AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
                    AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
                    AWS_REQUEST_CHECKSUM_CALCULATION="when_required",  # same for every method

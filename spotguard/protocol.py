@@ -176,6 +176,8 @@ class CheckpointDone(Message):
     rank_bytes: int = 0  # what this rank wrote (notice-aware planning: a doomed rank writes only its own state)
     doomed: bool = False  # this rank held the notice; the replicated state was written by the others
     safe_seconds: float = 0.0  # a doomed rank: seconds from the save's start until its own bytes were durable
+    evacuated_bytes: int = 0  # a doomed rank: its unique shards a survivor received and wrote for it
+    evacuated_to: int = -1  # ... that survivor's rank (-1: none)
 
 
 @dataclass

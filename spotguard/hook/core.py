@@ -240,6 +240,8 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         self._seen: set[str] = set()
         self._committed_ids: set[str] = set()
         self._doomed: Optional[frozenset[int]] = None  # ranks with a notice, from the last agreement (doomed.py)
+        self._evac: Any = None  # this save's evacuation role (evacuate.py), while it runs
+        self._write_rate: Optional[float] = None  # bytes/s of this rank's last big write (evacuate.py predicts with it)
 
         self._test_delay = _env_float("SPOTGUARD_TEST_SAVE_DELAY")
         delay_rank = os.environ.get("SPOTGUARD_TEST_SAVE_DELAY_RANK")

@@ -60,6 +60,7 @@ class SafeMark:
         self.at: Optional[str] = None
         self.bytes = 0
         self.planned = "all-ranks"  # "survivors" once this rank's DCP save got the notice-aware planner
+        self.evac: Any = None  # this save's ``evacuate.Evacuation`` role, when it has one
         self._lock = threading.Lock()
 
     def wrap(self, writer: Any) -> Any:
@@ -90,15 +91,18 @@ class SafeMark:
             self.seconds = round(time.monotonic() - self.t0, 4)
             self.at = to_rfc3339(utcnow())
             self.bytes = sum(d.size for d in self.storage.write_log.peek(self.key).values())
-        if self.doomed:
+        if self.doomed:  # evacuated: ``bytes`` is ~0 and the survivor holds ``evacuated_bytes``
             self.log.info(ev.CHECKPOINT_SAFE, bytes=self.bytes, seconds=self.seconds, at=self.at,
                           waits_for="the commit or the deadline (leaving earlier would restart the survivors)",
-                          **self.fields)
+                          **self._evac_info(), **self.fields)
+
+    def _evac_info(self) -> dict[str, Any]:
+        return self.evac.info() if self.evac is not None else {}
 
     def info(self) -> dict[str, Any]:
         """What this rank reports to the commit (gathered with the write log)."""
         return {"bytes": self.bytes, "seconds": self.seconds, "at": self.at, "doomed": self.doomed,
-                "planned": self.planned}
+                "planned": self.planned, **self._evac_info()}
 
 
 def writers_record(infos: list[Any], doomed: Optional[frozenset[int]]) -> dict[str, Any]:
@@ -113,4 +117,8 @@ def writers_record(infos: list[Any], doomed: Optional[frozenset[int]]) -> dict[s
         out["doomed"] = sorted(doomed)
         out["safe_seconds"] = {str(r): infos[r].get("seconds") for r in sorted(doomed) if r < len(infos)}
         out["safe_at"] = {str(r): infos[r].get("at") for r in sorted(doomed) if r < len(infos)}
+        evacuated = {str(r): {"to": infos[r]["evacuated_to"], "bytes": int(infos[r].get("evacuated_bytes") or 0)}
+                     for r in sorted(doomed) if r < len(infos) and infos[r].get("evacuated_to") is not None}
+        if evacuated:  # a doomed rank's unique shards, written by the survivor ``to`` (included in its bytes)
+            out["evacuated"] = evacuated
     return out

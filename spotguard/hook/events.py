@@ -22,6 +22,10 @@ is known, ``notice_id``. Fields per event:
 - ``checkpoint_started``: notice_id, step, uri, reason
 - ``checkpoint_staged`` (background save only): notice_id, step, bytes, seconds (notice round -> tensors
   copied; the training thread is released here), small_state_from ("pre-hook" | "background")
+- ``checkpoint_safe`` (a doomed rank, survivors without a notice): notice_id, step, bytes, seconds, at,
+  waits_for; evacuated: evacuated_to, evacuated_bytes (``evacuate.py``)
+- ``checkpoint_evacuated`` (doomed): notice_id, step, to_rank, bytes, files, seconds, decision;
+  ``checkpoint_evacuation_received`` (its survivor): from_rank, bytes, receive_seconds, upload_seconds
 - ``checkpoint_committed``: notice_id, step, uri, bytes, seconds, seconds_left
 - ``checkpoint_failed``: notice_id, step, error, seconds
 - ``checkpoint_late`` (warning, after ``checkpoint_committed``): notice_id, step, seconds_past, source, why, fix —
@@ -80,6 +84,10 @@ CHECKPOINT_LATE = "checkpoint_late"
 DRILL_VERDICT = "drill_verdict"
 #: a doomed rank's own bytes are durable (the survivors write the replicated ones); it waits for the commit
 CHECKPOINT_SAFE = "checkpoint_safe"
+#: a doomed rank's unique shards reached a survivor's memory (acknowledged); the survivor uploads them
+CHECKPOINT_EVACUATED = "checkpoint_evacuated"
+#: a survivor received a doomed rank's shards (receive and upload seconds)
+EVACUATION_RECEIVED = "checkpoint_evacuation_received"
 CHECKPOINT_COMMITTED = "checkpoint_committed"
 CHECKPOINT_FAILED = "checkpoint_failed"
 CHECKPOINT_SKIPPED = "checkpoint_skipped"
@@ -98,6 +106,8 @@ TIMELINE: tuple[str, ...] = (
     CHECKPOINT_STAGED,
     CHECKPOINT_FALLBACK,
     CHECKPOINT_SAFE,
+    CHECKPOINT_EVACUATED,
+    EVACUATION_RECEIVED,
     CHECKPOINT_COMMITTED,
     CHECKPOINT_LATE,
     DEADLINE_AT_RISK,

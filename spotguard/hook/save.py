@@ -173,8 +173,8 @@ class SaveMixin:
             stage = "prepare"
             # Retries and uploads never run past the notice deadline, less a margin for teardown/exit.
             left = notice.seconds_left()
-            scope.enter_context(self._storage.deadline_at(
-                time.monotonic() + left - min(SAVE_MARGIN, max(0.0, left) / 2)))
+            t_store = time.monotonic() + left - min(SAVE_MARGIN, max(0.0, left) / 2)
+            scope.enter_context(self._storage.deadline_at(t_store))
             status = self._bcast0(self._prepare_status(step) if self._rank == 0 else None, group)
             if status[0] == "already":
                 return self._finish_ok(notice, step, uri, 0, t0, already=True)
@@ -187,12 +187,15 @@ class SaveMixin:
             self._storage.write_log.take(key)  # what an earlier attempt at this step wrote does not count
             self._safe = SafeMark(self._storage, key, t0, bool(doomed and self._rank in doomed), self._log,
                                   {"notice_id": notice.id, "step": step})
+            self._safe.evac = self._evac = self._evacuation(group, doomed, key, t_store, notice, step)
+            t_write = time.monotonic()
             try:
                 if write is not None:
                     write(key)
                 else:
                     self._write(key, snap)
                 self._safe.mark()  # a writer that was not wrapped (an adapter's own format): durable now
+                self._note_write_rate(self._safe.bytes, time.monotonic() - t_write)
                 if self._test_delay:
                     time.sleep(self._test_delay)  # test-only: widen the window for a SIGKILL during the save
             except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException!) on every rank
@@ -232,6 +235,7 @@ class SaveMixin:
             return self._fail(notice, step, f"{stage}: {type(exc).__name__}: {exc}", t0, peers_ok=False)
         finally:
             self._notice_saving = None
+            self._evac = None
             scope.close()
 
     def _prepare_status(self, step: int, storage: Optional[Storage] = None) -> tuple[str, Any]:
@@ -296,7 +300,9 @@ class SaveMixin:
         self._report(CheckpointDone(id=notice.id, step=step, uri=uri, bytes=nbytes, seconds=secs,
                                     late=past > 0, seconds_past=round(max(0.0, past), 3),
                                     rank_bytes=int(own.get("bytes") or 0), doomed=bool(own.get("doomed")),
-                                    safe_seconds=float(own.get("seconds") or 0.0)))
+                                    safe_seconds=float(own.get("seconds") or 0.0),
+                                    evacuated_bytes=int(own.get("evacuated_bytes") or 0),
+                                    evacuated_to=int(own.get("evacuated_to", -1))))
         self._after_commit(notice, step, uri)
         return _Result(committed=True, uri=uri, bytes=nbytes, seconds=secs, late_seconds=max(0.0, past))
 
@@ -342,6 +348,26 @@ class SaveMixin:
         dist.all_gather_object(got, self._doomed_here(), group=group)
         return with_late_notices(agreed, got)
 
+    def _evacuation(self, group: Any, doomed: "Optional[frozenset[int]]", key: str, t_store: float,
+                    notice: Notice, step: int) -> Any:
+        """This rank's role in evacuating the doomed ranks' unique shards to survivors (``evacuate.py``), or
+        None: a single process, no rank or every rank doomed (today's path), or ``SPOTGUARD_EVACUATE=never``."""
+        if not doomed or not self._dist:
+            return None
+        from .evacuate import Evacuation, evacuate_mode  # noqa: PLC0415
+
+        if evacuate_mode() == "never":
+            return None
+        return Evacuation.for_save(group, doomed, self._storage, key, t_store, getattr(self, "_write_rate", None),
+                                   self._log, {"notice_id": notice.id, "step": step})
+
+    def _note_write_rate(self, nbytes: int, seconds: float) -> None:
+        """This rank's measured write throughput (bytes/s), from a write big enough to tell: what a later
+        doomed save predicts its direct write with (``evacuate.Evacuation.decide``)."""
+        evac = getattr(self, "_evac", None)
+        if nbytes >= 1 << 20 and seconds > 0 and not (evac is not None and evac.sent):
+            self._write_rate = nbytes / seconds
+
     def _save_planner(self, cancel: Any) -> Any:
         """``_planner`` for this save's doomed ranks; the commit record's ``plan`` says whether it was used."""
         planner = _planner(cancel, getattr(self, "_doomed", None))
@@ -353,6 +379,9 @@ class SaveMixin:
     def _dcp_storage_writer(self, key: str) -> Any:
         """The storage's DCP writer for ``key``, marking this rank safe when its own bytes are durable."""
         writer = self._storage.dcp_writer(key)
+        evac = getattr(self, "_evac", None)
+        if evac is not None and evac.key == key:  # a doomed rank evacuates, its survivor also receives
+            writer = evac.wrap(writer)
         mark = getattr(self, "_safe", None)
         return mark.wrap(writer) if mark is not None and mark.key == key else writer
 

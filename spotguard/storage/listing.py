@@ -106,14 +106,20 @@ def writers_phrase(w: Any) -> str | None:
         mine = sum(per[r] for r in ranks if 0 <= r < len(per))
         secs = w.get("safe_seconds")
         safe = [float(v) for v in secs.values() if v is not None] if isinstance(secs, dict) else []
-    except (TypeError, ValueError, OverflowError):
+        evac = w.get("evacuated")
+        moved = [(int(e["bytes"]), int(e["to"])) for e in evac.values() if isinstance(e, dict)] \
+            if isinstance(evac, dict) else []
+    except (TypeError, ValueError, OverflowError, KeyError):
         return None
     if not ranks:
         return None
     when = f"safe {max(safe):.2f} s into the save" if safe else "safe time unknown"
     shown = ",".join(str(r) for r in ranks[:8]) + (f",… ({len(ranks)} ranks)" if len(ranks) > 8 else "")
+    to = sorted({t for _, t in moved})
+    sent = (f" (evacuated {human_size(sum(b for b, _ in moved))} to rank{'s' if len(to) > 1 else ''} "
+            f"{','.join(str(t) for t in to[:8])})") if moved else ""
     return (f"notice on rank{'s' if len(ranks) > 1 else ''} {shown}: wrote "
-            f"{human_size(mine)}, {when}; the others wrote {human_size(sum(per) - mine)}")
+            f"{human_size(mine)}, {when}{sent}; the others wrote {human_size(sum(per) - mine)}")
 
 
 def _state(info: CheckpointInfo, chosen: str | None, checks: dict[str, str | None] | None = None) -> str:

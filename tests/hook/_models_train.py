@@ -105,6 +105,7 @@ def main() -> int:
     p.add_argument("--storage", required=True)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--notify-at", type=int, default=4)
+    p.add_argument("--notify-rank", type=int, default=-1, help="hand the notice to this rank only (-1: every rank)")
     args = p.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -128,9 +129,10 @@ def main() -> int:
     start = hook.resume()
     for i in range(start, args.steps):
         if args.phase == "pre" and i == args.notify_at:
-            now = utcnow()
-            hook.notify(Notice(id="drill-models", source="drill", kind="preemption",
-                               deadline=now + timedelta(seconds=30), received_at=now))
+            if args.notify_rank in (-1, rank):
+                now = utcnow()
+                hook.notify(Notice(id="drill-models", source="drill", kind="preemption",
+                                   deadline=now + timedelta(seconds=30), received_at=now))
             time.sleep(0.5)  # the ranks agree off the training thread in ms: a deterministic stop step
         out(step=i, hex=step(batch(i, args.variant)).item().hex(), **extra(state))
     dist.destroy_process_group()

@@ -28,6 +28,9 @@ from .test_torchrun import STEPS, assert_agreed_exit, committed, preempt, resume
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
+MODELS = Path(__file__).resolve().parent / "_models_train.py"  # its fsdp2 variant, with its own reference loop
+MODEL_STEPS = 10
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -76,18 +79,66 @@ def test_notice_to_one_rank_the_doomed_rank_writes_only_its_own_state(reference:
     resume_to_end(tmp_path, store, "resumed", stop, reference)
 
 
+def items_by_file(store: Path, step: int) -> dict[str, int]:
+    """``.distcp`` file -> how many DCP items (shards, blobs) it holds."""
+    folder = store / step_dir(step)
+    md = load_dcp_metadata((folder / ".metadata").read_bytes(), str(folder))
+    out: dict[str, int] = {}
+    for info in md.storage_data.values():
+        out[info.relative_path] = out.get(info.relative_path, 0) + 1
+    return out
+
+
+def test_fsdp2_doomed_rank_evacuates_its_shards_to_the_survivor(tmp_path: Path) -> None:
+    """FSDP2 (its shards are unique), a notice to rank 1 only, ``SPOTGUARD_EVACUATE=always``: rank 1 streams
+    its data file to rank 0's memory and is safe on rank 0's acknowledgement having written nothing to storage;
+    rank 0 uploads it under rank 1's own file name (DCP's metadata unchanged); the commit names who wrote what,
+    the CLI shows it and the resume is bitwise against the job's own uninterrupted reference loop."""
+    store = tmp_path / "ckpt"
+    args = ["--variant", "fsdp2", "--storage", str(store), "--steps", str(MODEL_STEPS)]
+    pre = TorchRun(tmp_path / "pre.log", [*args, "--phase", "pre", "--notify-at", "4", "--notify-rank", "1"],
+                   script=MODELS, env={"SPOTGUARD_EVACUATE": "always"})
+    assert pre.wait(180) != 0, pre.tail()
+    [stop] = committed(store)
+    writers = record(store, stop).extra["writers"]
+    shard = (store / step_dir(stop) / "__1_0.distcp").stat().st_size
+    assert writers["doomed"] == [1] and writers["bytes_per_rank"][1] == 0, writers  # nothing to storage itself
+    assert writers["evacuated"] == {"1": {"to": 0, "bytes": shard}}, writers
+    files = items_by_file(store, stop)
+    assert set(files) == {"__0_0.distcp", "__1_0.distcp"} and files["__1_0.distcp"] > 1, files  # its shards
+    assert writers["bytes_per_rank"][0] > shard + (store / step_dir(stop) / "__0_0.distcp").stat().st_size
+    [safe] = pre.events("checkpoint_safe")
+    assert (safe["rank"], safe["bytes"], safe["evacuated_to"], safe["evacuated_bytes"]) == (1, 0, 0, shard), safe
+    [got] = pre.events("checkpoint_evacuation_received", 0)
+    assert got["from_rank"] == 1 and got["bytes"] == shard
+    commit_line = pre.events("checkpoint_committed", 1)[0]
+    assert safe["timestamp"] <= commit_line["timestamp"]  # it stayed until the commit
+    shown = subprocess.run([sys.executable, "-m", "spotguard", "checkpoints", str(store)], capture_output=True,
+                           text=True, timeout=60)
+    [row] = [ln for ln in shown.stdout.splitlines() if ln.split()[:1] == [str(stop)]]
+    assert "notice on rank 1: wrote 0 B" in row and "(evacuated " in row and "to rank 0)" in row, row
+    ref = {e["ref"]: e["hex"] for e in pre.lines() if "ref" in e}
+    res = TorchRun(tmp_path / "res.log", [*args, "--phase", "resume"], script=MODELS)
+    assert res.wait(180) == 0, res.tail()
+    assert {e["rank"]: e["step"] for e in res.events("resumed")} == {0: stop, 1: stop}, res.tail()
+    losses = {e["step"]: e["hex"] for e in res.lines() if "hex" in e and "step" in e and "ref" not in e}
+    assert sorted(losses) == list(range(stop, MODEL_STEPS)) and losses == {k: ref[k] for k in losses}
+
+
 def test_survivor_lost_before_commit_keeps_previous_newest(reference: Path, tmp_path: Path) -> None:
     """The survivor (rank 0, writing every replicated byte) dies after the doomed rank is safe and before the
     commit: nothing is committed for that step, the previous checkpoint stays newest, the doomed rank waited
     (it left only once its peer was gone), and the resume from the previous one is bitwise. This run acts at
-    step boundaries (``SPOTGUARD_BACKGROUND_AGREEMENT=0``): the plan there is notice-aware too."""
+    step boundaries (``SPOTGUARD_BACKGROUND_AGREEMENT=0``): the plan there is notice-aware too. The doomed rank
+    evacuates (``SPOTGUARD_EVACUATE=always``): its file is only in the survivor's hands — received, acknowledged
+    and uploaded — when the survivor dies, so the receiver's loss is what is tested."""
     store = tmp_path / "ckpt"
     first = preempt(tmp_path, store, "first", 4, 1, signal.SIGUSR1)
     assert first.wait() == 1, first.tail()
     prev = assert_agreed_exit(first)
     run = TorchRun(tmp_path / "lost.log", ["--steps", str(STEPS), "--step-time", "0.05", "--storage", str(store)],
                    env={"SPOTGUARD_TEST_SAVE_DELAY": "30", "SPOTGUARD_TEST_SAVE_DELAY_RANK": "0",
-                        "SPOTGUARD_BACKGROUND_AGREEMENT": "0"})
+                        "SPOTGUARD_BACKGROUND_AGREEMENT": "0", "SPOTGUARD_EVACUATE": "always"})
     try:
         run.wait_step(prev + 3)
         run.signal_rank(1, signal.SIGUSR1)
@@ -109,6 +160,9 @@ def test_survivor_lost_before_commit_keeps_previous_newest(reference: Path, tmp_
     assert {e["rank"]: e.get("via") for e in run.events("agreed")} == {0: None, 1: None}  # the boundary path
     by_item = files_by_item(store, step)
     assert {k for k, f in by_item.items() if f.startswith("__1_")} == {rank_key(1)}, by_item
+    [safe] = run.events("checkpoint_safe", 1)
+    assert safe["evacuated_to"] == 0 and safe["bytes"] == 0, safe  # safe by the receiver's acknowledgement
+    assert run.events("checkpoint_evacuation_received", 0)[0]["bytes"] == safe["evacuated_bytes"]
     exits = run.events("exit", 1)
     assert exits and exits[0]["committed"] is False, run.tail()
     assert run.events("checkpoint_safe", 1)[0]["timestamp"] <= exits[0]["timestamp"]

@@ -125,6 +125,9 @@ def test_control_characters_from_storage_are_escaped_in_the_table() -> None:
     {"doomed": list(range(100_000)), "bytes_per_rank": [1] * 100_000, "safe_seconds": {"0": 0.1}},
     {"doomed": ["1"], "bytes_per_rank": "12", "safe_seconds": {"1": "soon"}},
     {"doomed": [10**200, -5, True], "bytes_per_rank": [1, 2]},
+    {"doomed": [1], "bytes_per_rank": [1, 2], "evacuated": {"1": {"to": "x", "bytes": 3}}},
+    {"doomed": [1], "bytes_per_rank": [1, 2], "evacuated": {"1": [0, 3]}, "safe_seconds": {"1": 0.1}},
+    {"doomed": [1], "bytes_per_rank": [1, 2], "evacuated": {str(r): {"to": r, "bytes": 1} for r in range(10_000)}},
 ])
 def test_hostile_writers_field_never_breaks_the_table(w: dict) -> None:
     """``extra["writers"]`` is read from storage (any writer, any version): a wrong type or a huge list gives

@@ -1,0 +1,302 @@
+"""Evacuation of a doomed rank's unique shards to a survivor's host memory (issue 26, part 2).
+
+Why: with FSDP a doomed node's shards exist nowhere else, and its path to
+object storage may be too slow to upload them before its deadline, while its
+link to a peer is fast and the survivors have no deadline of their own. So the
+doomed rank's DCP storage writer, instead of uploading its data file, serialises
+it into host memory (the same bytes, item by item, under the same file name
+DCP's plan gave it) and streams the file in bounded chunks over the save's gloo
+group to one surviving rank. The survivor acknowledges receipt (the doomed rank
+is *safe* then), then uploads the file under the same object name beside its
+own, through its storage's ordinary write path: the checksum lands in the
+survivor's write log exactly as the doomed rank's would have, and DCP's
+metadata (built from the doomed rank's own write results) is unchanged. The
+commit is written only once every byte is in storage, as always: a survivor
+lost before it fails the save's collectives (bounded by the deadline), so
+nothing partial is committed.
+
+Decided on the doomed rank (``SPOTGUARD_EVACUATE``: ``auto`` — the default —
+evacuates when its unique bytes at the measured write rate would take more than
+half of the time left; ``always``; ``never``) and told to its survivor in the
+first message, so both always agree. With no rank or every rank doomed nothing
+here runs (today's path).
+
+Wire (point to point on the save's group, tag ``TAG``): doomed -> survivor an
+int64 header (-1: failed, 0: writes itself, n: n bytes of JSON follow), the
+JSON ``{"files": [[name, size], ...]}``, then each file in chunks of at most
+``chunk_bytes()``; survivor -> doomed an int64 ack (bytes received).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import SerializationFormat, _StorageWriterTransforms, _write_item
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.futures import Future
+
+from ..storage.base import join_key
+from ..storage.staging import minimal_storage
+from . import events as ev
+
+__all__ = ["Evacuation", "evacuate_mode", "pair_ranks", "unique_bytes"]
+
+TAG = 0x5E7A  # P2P tag of every evacuation message (never matches another sender's)
+SUFFIX = ".distcp"
+DEFAULT_RATE = 100 * 2**20  # bytes/s assumed for a rank that has not measured its own write yet
+SHARE = 0.5  # ``auto`` evacuates when the direct write is predicted to need more than this share of the time left
+
+
+def evacuate_mode() -> str:
+    """``$SPOTGUARD_EVACUATE``: auto (default), always or never (anything else: auto)."""
+    mode = os.environ.get("SPOTGUARD_EVACUATE", "auto").strip().lower()
+    return mode if mode in ("auto", "always", "never") else "auto"
+
+
+def chunk_bytes() -> int:
+    """Bytes per message on the wire (``$SPOTGUARD_EVACUATE_CHUNK_MB``, default 16): bounded, never a whole
+    shard at once."""
+    try:
+        return max(1 << 16, int(float(os.environ.get("SPOTGUARD_EVACUATE_CHUNK_MB", "16")) * 2**20))
+    except ValueError:
+        return 16 * 2**20
+
+
+def pair_ranks(world: int, doomed: "frozenset[int]") -> dict[int, int]:
+    """doomed rank -> the surviving rank that receives its files: spread evenly over the survivors in rank
+    order (a doomed node's 8 ranks go to survivors far apart in rank order — mostly different nodes when ranks
+    are numbered node by node — rather than to the first 8 survivors, one node), wrapping round when there are
+    more doomed ranks than survivors. Rank order only: no node identity is known (see the issue's note)."""
+    survivors = [r for r in range(world) if r not in doomed]
+    if not survivors:
+        return {}
+    d = sorted(doomed)
+    if len(d) <= len(survivors):
+        return {r: survivors[(i * len(survivors)) // len(d)] for i, r in enumerate(d)}
+    return {r: survivors[i % len(survivors)] for i, r in enumerate(d)}
+
+
+def unique_bytes(plan: SavePlan) -> int:
+    """The tensor bytes this rank's (final) DCP plan gives it to write: after the survivors plan, what exists
+    nowhere else."""
+    total = 0
+    for item in plan.items:
+        td = getattr(item, "tensor_data", None)
+        if td is None:
+            continue
+        n = 1
+        for s in td.chunk.sizes:
+            n *= int(s)
+        total += n * torch.empty((), dtype=td.properties.dtype).element_size()
+    return total
+
+
+def _int(v: int) -> torch.Tensor:
+    return torch.tensor([v], dtype=torch.int64)
+
+
+def _serialise(plan: SavePlan, planner: SavePlanner) -> tuple[list[Any], dict[str, memoryview]]:
+    """This rank's DCP data file in host memory: the write results and {file name: bytes}, written item by
+    item as the storage writers do (``torch.save`` per item, byte items first)."""
+    prefix = getattr(plan.storage_data, "prefix", None)
+    if not isinstance(prefix, str):
+        raise RuntimeError("evacuation needs the storage prefix DCP's global plan gives each rank")
+    name = f"{prefix}0{SUFFIX}"
+    buf = io.BytesIO()
+    transforms = _StorageWriterTransforms(None)
+    results = []
+    items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO] + \
+        [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+    for item in items:
+        data = planner.resolve_data(item)
+        if isinstance(data, torch.Tensor):
+            data = minimal_storage(data.detach().cpu())
+        results.append(_write_item(transforms, buf, data, item, name, SerializationFormat.TORCH_SAVE))
+    return results, {name: buf.getbuffer()}  # the buffer itself (writable, no copy)
+
+
+class Evacuation:
+    """One save's evacuation role for this rank: a doomed sender, a receiving survivor, or nothing."""
+
+    def __init__(self, group: Any, rank: int, world: int, doomed: "frozenset[int]", storage: Any, key: str,
+                 t_end: float, rate: Optional[float], log: Any, fields: dict[str, Any]) -> None:
+        self.group, self.rank, self.storage, self.key = group, rank, storage, key
+        self.t_end, self.rate, self.log, self.fields = t_end, rate, log, fields
+        pairs = pair_ranks(world, doomed)
+        self.to: Optional[int] = pairs.get(rank)  # doomed: who receives my files
+        self.sources = [d for d, s in sorted(pairs.items()) if s == rank]  # survivor: whose files I receive
+        self.sent = 0  # doomed: bytes acknowledged by ``to``
+        self.received: dict[int, int] = {}  # survivor: bytes received (and uploaded) per source rank
+        self.decision = ""  # doomed: "evacuate", "direct" (and why in ``why``)
+        self.why = ""
+
+    @classmethod
+    def for_save(cls, group: Any, doomed: "Optional[frozenset[int]]", storage: Any, key: str, t_end: float,
+                 rate: Optional[float], log: Any, fields: dict[str, Any]) -> "Optional[Evacuation]":
+        """This rank's role, or None (single process, no rank or every rank doomed, or no role here)."""
+        if group is None or not doomed or not dist.is_initialized():
+            return None
+        world = dist.get_world_size(group)
+        if len(doomed) >= world:
+            return None
+        me = cls(group, dist.get_rank(group), world, doomed, storage, key, t_end, rate, log, fields)
+        return me if me.to is not None or me.sources else None
+
+    # ------------------------------------------------------------------ both
+
+    def wrap(self, writer: Any) -> Any:
+        """``writer`` whose ``write_data`` evacuates (doomed) or also receives and uploads (survivor)."""
+        orig = writer.write_data
+        writer.write_data = self._sender(orig) if self.to is not None else self._receiver(orig)
+        return writer
+
+    def info(self) -> dict[str, Any]:
+        """What this rank reports to the commit record's writers."""
+        if self.to is not None and self.sent:
+            return {"evacuated_to": self.to, "evacuated_bytes": self.sent}
+        if self.received:
+            return {"received": {str(r): n for r, n in self.received.items()}}
+        return {}
+
+    def _send(self, t: torch.Tensor) -> None:
+        dist.send(t, group=self.group, group_dst=self.to, tag=TAG)
+
+    def _recv(self, t: torch.Tensor, src: int) -> None:
+        dist.recv(t, group=self.group, group_src=src, tag=TAG)
+
+    # ------------------------------------------------------------------ doomed
+
+    def decide(self, nbytes: int) -> bool:
+        """Evacuate ``nbytes`` (this rank's unique bytes)? ``always``/``never``, or ``auto``: the direct write at
+        the measured rate would take more than ``SHARE`` of the time left to the deadline."""
+        mode = evacuate_mode()
+        left = self.t_end - time.monotonic()
+        rate = self.rate or DEFAULT_RATE
+        predicted = nbytes / rate
+        go = mode == "always" or (mode == "auto" and predicted > SHARE * left)
+        self.decision = "evacuate" if go else "direct"
+        self.why = (f"{mode}: {nbytes} bytes at {rate / 2**20:.0f} MiB/s "
+                    f"({'measured' if self.rate else 'assumed'}) ~ {predicted:.2f} s, {left:.2f} s left")
+        return go
+
+    def _sender(self, orig: Callable[[SavePlan, SavePlanner], Any]) -> Callable[[SavePlan, SavePlanner], Any]:
+        def write_data(plan: SavePlan, planner: SavePlanner) -> Any:
+            nbytes = unique_bytes(plan)
+            if not self.decide(nbytes):
+                self._send(_int(0))  # the survivor stops waiting: I write myself
+                return orig(plan, planner)
+            try:
+                results, files = _serialise(plan, planner)
+            except BaseException:
+                self._send(_int(-1))
+                raise
+            self._evacuate(files)
+            fut: Future[list[Any]] = Future()
+            fut.set_result(results)
+            return fut
+        return write_data
+
+    def _evacuate(self, files: dict[str, memoryview]) -> None:
+        """Stream ``files`` to ``self.to`` in bounded chunks; return once it acknowledged every byte."""
+        t0 = time.monotonic()
+        head = json.dumps({"files": [[n, len(b)] for n, b in files.items()]}).encode()
+        self._send(_int(len(head)))
+        self._send(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+        step = chunk_bytes()
+        total = 0
+        for data in files.values():
+            mv = memoryview(data)
+            for off in range(0, len(mv), step):
+                piece = mv[off:off + step]
+                self._send(torch.frombuffer(piece, dtype=torch.uint8))
+            total += len(mv)
+        ack = _int(0)
+        self._recv(ack, self.to)  # type: ignore[arg-type]
+        if int(ack[0]) != total:
+            raise RuntimeError(f"evacuation to rank {self.to}: it acknowledged {int(ack[0])} of {total} bytes")
+        self.sent = total
+        self.log.info(ev.CHECKPOINT_EVACUATED, to_rank=self.to, bytes=total, files=len(files),
+                      seconds=round(time.monotonic() - t0, 4), decision=self.why, **self.fields)
+
+    # ------------------------------------------------------------------ survivor
+
+    def _receiver(self, orig: Callable[[SavePlan, SavePlanner], Any]) -> Callable[[SavePlan, SavePlanner], Any]:
+        def write_data(plan: SavePlan, planner: SavePlanner) -> Any:
+            errors: list[BaseException] = []
+
+            def run() -> None:
+                try:
+                    for src in self.sources:
+                        self._receive(src)
+                except BaseException as exc:  # noqa: BLE001 - raised on the save's thread below
+                    errors.append(exc)
+
+            t = threading.Thread(target=run, name="spotguard-evac-recv", daemon=True)
+            t.start()
+            try:
+                fut = orig(plan, planner)
+                fut.wait()
+            finally:
+                t.join()  # bounded: every recv has the group's timeout (the notice's deadline)
+            if errors:
+                raise errors[0]
+            return fut
+        return write_data
+
+    def _receive(self, src: int) -> None:
+        """Take one doomed rank's files into host memory, acknowledge them, then upload them beside my own."""
+        head = _int(0)
+        self._recv(head, src)
+        n = int(head[0])
+        if n == 0:
+            return  # it writes its own files
+        if n < 0:
+            raise RuntimeError(f"rank {src} could not serialise its shards for evacuation")
+        raw = torch.empty(n, dtype=torch.uint8)
+        self._recv(raw, src)
+        listing = json.loads(bytes(raw.numpy()).decode())["files"]
+        step = chunk_bytes()
+        t0 = time.monotonic()
+        got: list[tuple[str, bytearray]] = []
+        for name, size in listing:
+            if not isinstance(name, str) or "/" in name or not name.endswith(SUFFIX):
+                raise RuntimeError(f"rank {src} sent an unexpected file name {name!r}")
+            buf = bytearray(int(size))
+            view = torch.frombuffer(buf, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+            for off in range(0, int(size), step):
+                self._recv(view[off:off + step], src)
+            got.append((name, buf))
+        total = sum(len(b) for _, b in got)
+        self._send_ack(total, src)
+        received = time.monotonic() - t0
+        for name, buf in got:  # the storage notes each file's checksum in my write log, as for my own
+            self._upload(join_key(self.key, name), buf)
+        self.received[src] = total
+        self.log.info(ev.EVACUATION_RECEIVED, from_rank=src, bytes=total,
+                      receive_seconds=round(received, 4), upload_seconds=round(time.monotonic() - t0 - received, 4),
+                      **self.fields)
+
+    def _upload(self, key: str, buf: bytearray) -> None:
+        """One received file to storage: an object store's parallel part upload where there is one (a shard
+        may be far bigger than one PUT should carry), else the store's atomic whole-file write."""
+        opener = getattr(self.storage, "open_upload", None)
+        if opener is None:
+            self.storage.write_bytes(key, buf)
+            return
+        stream = opener(key)
+        try:
+            stream.write(memoryview(buf))
+            stream.close()
+        except BaseException:
+            stream.abort()
+            raise
+
+    def _send_ack(self, total: int, src: int) -> None:
+        dist.send(_int(total), group=self.group, group_dst=src, tag=TAG)

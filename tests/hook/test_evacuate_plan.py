@@ -1,0 +1,46 @@
+"""Who receives a doomed rank's shards and when a doomed rank evacuates (``spotguard/hook/evacuate.py``):
+pure functions, no process group (the wire itself is tested with real ``torchrun`` in ``test_doomed.py``)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from spotguard.hook.evacuate import DEFAULT_RATE, Evacuation, evacuate_mode, pair_ranks
+
+
+def test_pairs_spread_over_the_survivors_only() -> None:
+    assert pair_ranks(4, frozenset({1, 3})) == {1: 0, 3: 2}
+    assert pair_ranks(4, frozenset({0, 1, 2})) == {0: 3, 1: 3, 2: 3}
+    assert pair_ranks(2, frozenset({0, 1})) == {}  # every rank doomed: nobody to receive (today's path)
+    # 4 nodes of 4 ranks, node 1 doomed: its ranks go to survivors spread over three nodes, not all to node 0
+    assert pair_ranks(16, frozenset({4, 5, 6, 7})) == {4: 0, 5: 3, 6: 10, 7: 13}
+
+
+def _role(rate: float | None, left: float) -> Evacuation:
+    return Evacuation(None, 1, 2, frozenset({1}), None, "step-1", time.monotonic() + left, rate, None, {})
+
+
+@pytest.mark.parametrize("mode,nbytes,rate,left,go", [
+    ("auto", 100 << 20, 10 << 20, 15.0, True),  # 10 s at the measured rate > half of 15 s
+    ("auto", 100 << 20, 10 << 20, 25.0, False),  # 10 s < half of 25 s: writes itself
+    ("auto", 1 << 30, None, 30.0, False),  # unmeasured: DEFAULT_RATE (100 MiB/s) ~ 10 s < 15 s
+    ("auto", 2 << 30, None, 30.0, True),  # ~20 s > 15 s
+    ("always", 1, 10 << 20, 30.0, True),
+    ("never", 1 << 40, 1.0, 1.0, False),
+])
+def test_auto_evacuates_when_the_direct_write_would_take_over_half_the_time_left(
+        monkeypatch: pytest.MonkeyPatch, mode: str, nbytes: int, rate: float | None, left: float, go: bool) -> None:
+    monkeypatch.setenv("SPOTGUARD_EVACUATE", mode)
+    role = _role(rate, left)
+    assert role.to == 0 and role.sources == []
+    assert role.decide(nbytes) is go, role.why
+    assert ("assumed" in role.why) == (rate is None) and DEFAULT_RATE == 100 << 20
+
+
+def test_mode_knob_defaults_to_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SPOTGUARD_EVACUATE", raising=False)
+    assert evacuate_mode() == "auto"
+    monkeypatch.setenv("SPOTGUARD_EVACUATE", "bogus")
+    assert evacuate_mode() == "auto"
