@@ -195,3 +195,67 @@ def test_a_fallback_next_to_periodic_checkpoints_writes_the_last_committed_step(
     rec = _recorded(tmp_path)
     step, dig, rng = _resumed(tmp_path)
     assert step == 5 and dig == rec[5]["digest"] and rng == rec[5]["rng"]
+
+
+def _start(tmp: Path, name: str, mode: str, **env: str) -> subprocess.Popen[str]:
+    (tmp / name).mkdir()
+    e = dict(os.environ, PYTHONPATH=str(ROOT), SPOTGUARD_LOG_FORMAT="json", CKPT=str(tmp / "ckpt"), **env)
+    return subprocess.Popen([sys.executable, str(WORKER), mode, str(tmp / name)], env=e, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.PIPE, text=True)
+
+
+def _until_ready(proc: subprocess.Popen[str]) -> list[str]:
+    """Its output up to the line saying it waits at the notice step (all groups then take it together)."""
+    seen = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        seen.append(line)
+        if '"worker_ready"' in line:
+            return seen
+    raise AssertionError("worker ended before its notice step: " + "".join(seen[-5:]))
+
+
+def _finish(proc: subprocess.Popen[str], before: list[str]) -> tuple[int, list[dict[str, Any]]]:
+    out, _ = proc.communicate(timeout=120)
+    lines = []
+    for line in before + out.splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            pass
+    return proc.returncode, lines
+
+
+@pytest.mark.parametrize("writer_fails", [True, False])
+def test_a_whole_job_leave_whose_writer_fails_is_written_by_the_next_group(tmp_path: Path, writer_fails: bool) -> None:
+    # three groups noticed at once (a whole-job leave at step 5): the group of replica rank 0 writes. Its storage
+    # fails (FAIL_WRITE) -> before, the other groups had already exited "143, the state lives on" with nothing in
+    # storage; now they wait for the writer's commit, and rank 1 writes the same step itself at deadline - lead
+    # (rank 2 waits for that commit). When the writer commits, nobody else writes.
+    env = {"GROUPS": "3" if writer_fails else "2", "DEADLINE": "5", "NOTICE_AT": "5"}
+    procs = [_start(tmp_path, f"g{r}", "allleave", REPLICA_RANK=str(r),
+                    **env, **({"FAIL_WRITE": "1"} if r == 0 and writer_fails else {}))
+             for r in range(int(env["GROUPS"]))]
+    before = [_until_ready(p) for p in procs]
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    results = [_finish(p, b) for p, b in zip(procs, before)]
+    (c0, l0), (c1, l1) = results[:2]
+    info = newest_committed(open_storage(str(tmp_path / "ckpt")))
+    assert info is not None and info.step == 6, [l[-4:] for _, l in results]  # the notice came before step 6
+    if writer_fails:
+        assert c0 == 75 and _events(l0, "checkpoint_failed")
+        assert c1 == 143, l1[-5:]
+        assert _events(l1, "replica_failover") and _events(l1, "checkpoint_committed")
+        c2, l2 = results[2]
+        assert c2 == 143 and _events(l2, "replica_written_by_peer") and not _events(l2, "checkpoint_started"), l2[-5:]
+        mine = tmp_path / "g1"
+    else:
+        assert c0 == 143 and _events(l0, "checkpoint_committed")
+        assert c1 == 143 and _events(l1, "replica_written_by_peer") and not _events(l1, "checkpoint_started"), l1[-5:]
+        mine = tmp_path / "g0"
+    rec = _recorded(mine)
+    step, dig, rng = _resumed(tmp_path)
+    assert step == 6 and dig == rec[6]["digest"] and rng == rec[6]["rng"]
