@@ -19,8 +19,10 @@ notice means:
   (``lighthouse_args`` picks the timeouts, docs/torchft.md the numbers).
 * If every participating group leaves in the same step (the whole job is
   reclaimed), the group of replica rank 0 writes the usual emergency
-  checkpoint to storage (state is replicated: one copy is enough) and all exit;
-  ``resume()`` loads it on restart, as without torchft.
+  checkpoint to storage (state is replicated: one copy is enough); the others
+  wait for its commit and rank 1 writes the step itself if none comes by
+  ``deadline - lead`` (``failover.py``); ``resume()`` loads it on restart, as
+  without torchft.
 
 * **Deadline fallback.** A noticed group that has not left by ``deadline - lead``
   (``fallback_lead``: 40 % of the notice, 1-20 s; the last group cannot commit
@@ -52,10 +54,11 @@ from ..hook.state import PER_RANK, Snapshot
 from ..history.writer import tap as history_tap
 from ..logs import get_logger
 from ..notice import Notice
+from .failover import BY_PEER, FAILOVER, UNCONFIRMED, await_commit, committed_at, takeover_at
 
 __all__ = ["ReplicaGuard", "GuardedOptimizer", "lighthouse_args", "vote_device", "fallback_lead", "LEAVING", "LEFT",
            "PEER_LEAVING", "STEP", "FALLBACK", "FALLBACK_MISSED", "HEAL_STATE",
-           "NOT_VOTING"]
+           "NOT_VOTING", "FAILOVER", "BY_PEER", "UNCONFIRMED"]
 
 # timeline events (structlog ``event``), in addition to the hook's
 LEAVING = "replica_leaving"  # notice_id: this group will leave at the next committed step
@@ -171,6 +174,7 @@ class ReplicaGuard:
         # a whole-job leave decided at step S, written once the loop's post-step work of S (scheduler, EMA) is
         # over: at the first training forward after the step, at iteration_start() or at close()
         self._pending: Optional[tuple[Notice, Optional[int], Optional[Snapshot]]] = None
+        self._replica_rank = 0  # in a whole-job leave: this group's rank in the last quorum (0 writes)
         # the loop calls iteration_start() (GuardedOptimizer.zero_grad, or a loop driving vote()/after_step()
         # that follows docs/torchft.md); one that never did would hit its next start_quorum() on the shut-down
         # manager with nothing written, so it gets the write at the step instead (before its scheduler step)
@@ -379,32 +383,25 @@ class ReplicaGuard:
         raise Preempted(self._exit_code, notice_id=notice.id, step=step, committed=False)
 
     def _all_leave(self, notice: Notice, step: int) -> None:
-        """Every participating group leaves: replica rank 0 writes the emergency checkpoint, all exit.
+        """Every participating group leaves: replica rank 0 writes the emergency checkpoint, the others wait
+        for its commit (rank 1 writes the step itself if none comes by ``deadline - lead``: ``failover.py``).
 
         Not inside ``step()``: the user's ``scheduler.step()`` (and any post-step update) comes after it
-        in the loop, and a checkpoint written here resumed one scheduler step behind. The writer takes the
-        loaders and RNG now (as the hook does at a step) and writes at the first training forward after the
-        step (``_on_forward``), at ``iteration_start()`` or at ``close()``."""
+        in the loop, and a checkpoint written here resumed one scheduler step behind. Every group takes the
+        loaders and RNG now (as the hook does at a step); the writer writes, the others wait, at the first
+        training forward after the step (``_on_forward``), at ``iteration_start()`` or at ``close()``."""
         rank = self.manager.participating_rank()
         self._log.info(ALL_LEAVING, step=step, notice_id=notice.id, replica_rank=rank)
         self.manager.shutdown(wait=False)
-        if rank == 0:
-            snap = Snapshot.take(self.hook._objs.loaders)
-            if not self._starts_seen:
-                self._log.warning("replica_write_at_step", step=step,
-                                  why="this loop never called guard.iteration_start(): the checkpoint is written "
-                                      "now, before the loop's post-step work (scheduler.step()) of this step",
-                                  fix="use guard.optimizer(opt), or call guard.iteration_start() before each "
-                                      "manager.start_quorum()")
-                self._done.set()
-                self.hook.emergency_exit(notice, step, snap)
-            self._pending = (notice, step, snap)
-            return
-        self._done.set()
-        self._over.set()
-        self.hook._flush_intake()
-        self.hook.close()
-        raise Preempted(self._exit_code, notice_id=notice.id, step=step, committed=False)
+        self._replica_rank = rank
+        self._pending = (notice, step, Snapshot.take(self.hook._objs.loaders))
+        if not self._starts_seen:
+            self._log.warning("replica_write_at_step", step=step,
+                              why="this loop never called guard.iteration_start(): the checkpoint is written "
+                                  "now, before the loop's post-step work (scheduler.step()) of this step",
+                              fix="use guard.optimizer(opt), or call guard.iteration_start() before each "
+                                  "manager.start_quorum()")
+            self._write_pending()
 
     def iteration_start(self) -> None:
         """The start of an iteration, for a loop driving ``vote()``/``after_step()`` itself: call it before the
@@ -426,7 +423,35 @@ class ReplicaGuard:
             notice, step, snap = pending
             if step is None:  # a deferred deadline fallback: the last committed step, read now
                 step, snap = self.manager.current_step(), self._snap_of_last_step()
+            elif self._replica_rank > 0:
+                self._await_writer(notice, step)  # returns only when this group must write the step itself
             self.hook.emergency_exit(notice, step, snap)
+
+    def _await_writer(self, notice: Notice, step: int) -> None:
+        """A whole-job leave's non-writer: leave once the writer group's commit of ``step`` is in storage;
+        without it by the takeover time, rank 1 returns (it writes the step: the failover), others exit 75."""
+        rank = self._replica_rank
+        total = max(0.0, (notice.deadline - notice.received_at).total_seconds())
+        until = takeover_at(rank, notice.seconds_left(), fallback_lead(total))
+        assert until is not None
+        t0 = time.monotonic()
+        seen = await_commit(self.hook._storage, step, until, group=self.hook._group, look=self.hook._rank == 0)
+        waited = round(time.monotonic() - t0, 3)
+        if seen:
+            self._log.info(BY_PEER, notice_id=notice.id, step=step, waited=waited, replica_rank=rank)
+            self.hook._flush_intake()
+            self.hook.close()
+            raise Preempted(self._exit_code, notice_id=notice.id, step=step, committed=True)
+        why = ("no commit of this step from the writer group (replica rank 0) by deadline - lead: its save failed, "
+               "its VM is gone, or it is still uploading")
+        if rank == 1:
+            self._log.warning(FAILOVER, notice_id=notice.id, step=step, waited=waited, why=why,
+                              seconds_left=round(notice.seconds_left(), 3))
+            return
+        self._log.error(UNCONFIRMED, notice_id=notice.id, step=step, waited=waited, replica_rank=rank,
+                        why=why + ", nor from replica rank 1 by the deadline",
+                        fix="the newest committed checkpoint stands; periodic checkpoints (every=) bound the loss")
+        self.hook._hard_exit(notice, EXIT_SAVE_FAILED, step, committed=False, nothing=False, by="replica-unconfirmed")
 
     def _on_forward(self, module: Any, args: Any) -> None:
         """A training forward (the core hook's anchor rule: not a forward under no_grad in eval mode, which a
@@ -506,8 +531,13 @@ class ReplicaGuard:
         with self._lock:
             if self._over.is_set():
                 return
-            self._pending = None
+            pending, self._pending = self._pending, None
             self._done.set()
+        if pending is not None and pending[1] is not None and self._replica_rank > 0 \
+                and committed_at(self.hook._storage, pending[1]):  # a non-writer whose loop never came back:
+            self._log.info(BY_PEER, notice_id=notice.id, step=pending[1], replica_rank=self._replica_rank)  # done
+            self.hook._hard_exit(notice, self._exit_code, pending[1], committed=True, nothing=False,
+                                 by="replica-peer-commit")
         self._log.error(FALLBACK_MISSED, notice_id=notice.id, step=step, why=why + " before the deadline",
                         fix="the newest committed checkpoint stands; periodic checkpoints bound what is lost")
         self.hook._hard_exit(notice, EXIT_SAVE_FAILED, step, committed=False, nothing=False, by="replica-deadline")
