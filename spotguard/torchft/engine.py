@@ -33,6 +33,7 @@ notice means:
   loop's next training forward when the loop is still in the post-step work of
   that step. A write that has not started by the deadline ends the process with
   75 and an error naming why (never an unbounded wait, never a silent loss).
+  A group of several processes writes with all its ranks (``group_fallback.py``).
 
 A replacement group started later heals from a survivor through torchft's
 checkpoint transport (``Manager(load_state_dict=..., state_dict=...)``).
@@ -54,7 +55,8 @@ from ..hook.state import PER_RANK, Snapshot
 from ..history.writer import tap as history_tap
 from ..logs import get_logger
 from ..notice import Notice
-from .failover import BY_PEER, FAILOVER, UNCONFIRMED, await_commit, committed_at, takeover_at
+from .group_fallback import GroupFallback
+from .failover import BY_PEER, FAILOVER, UNCONFIRMED, await_writer, committed_at  # noqa: F401 - re-exported
 
 __all__ = ["ReplicaGuard", "GuardedOptimizer", "lighthouse_args", "vote_device", "fallback_lead", "LEAVING", "LEFT",
            "PEER_LEAVING", "STEP", "FALLBACK", "FALLBACK_MISSED", "HEAL_STATE",
@@ -200,6 +202,8 @@ class ReplicaGuard:
         self._log = history_tap(get_logger("spotguard.torchft", component="hook", rank=self.hook._rank),
                                 getattr(self.hook, "_history", None))  # leaves/heals in the history
         self._register_heal_state()
+        # a group of several processes: every rank writes its part of a deadline fallback together
+        self._group_fb = GroupFallback(self) if self.hook._group is not None else None
         self._fwd_handles = [m.register_forward_pre_hook(self._on_forward) for m in self.hook._objs.models.values()]
         self._gate_handles = [o.register_step_pre_hook(self._gate) for o in self.hook._objs.optimizers.values()]
 
@@ -424,34 +428,9 @@ class ReplicaGuard:
             if step is None:  # a deferred deadline fallback: the last committed step, read now
                 step, snap = self.manager.current_step(), self._snap_of_last_step()
             elif self._replica_rank > 0:
-                self._await_writer(notice, step)  # returns only when this group must write the step itself
+                total = max(0.0, (notice.deadline - notice.received_at).total_seconds())
+                await_writer(self, notice, step, fallback_lead(total))  # returns only when this group must write
             self.hook.emergency_exit(notice, step, snap)
-
-    def _await_writer(self, notice: Notice, step: int) -> None:
-        """A whole-job leave's non-writer: leave once the writer group's commit of ``step`` is in storage;
-        without it by the takeover time, rank 1 returns (it writes the step: the failover), others exit 75."""
-        rank = self._replica_rank
-        total = max(0.0, (notice.deadline - notice.received_at).total_seconds())
-        until = takeover_at(rank, notice.seconds_left(), fallback_lead(total))
-        assert until is not None
-        t0 = time.monotonic()
-        seen = await_commit(self.hook._storage, step, until, group=self.hook._group, look=self.hook._rank == 0)
-        waited = round(time.monotonic() - t0, 3)
-        if seen:
-            self._log.info(BY_PEER, notice_id=notice.id, step=step, waited=waited, replica_rank=rank)
-            self.hook._flush_intake()
-            self.hook.close()
-            raise Preempted(self._exit_code, notice_id=notice.id, step=step, committed=True)
-        why = ("no commit of this step from the writer group (replica rank 0) by deadline - lead: its save failed, "
-               "its VM is gone, or it is still uploading")
-        if rank == 1:
-            self._log.warning(FAILOVER, notice_id=notice.id, step=step, waited=waited, why=why,
-                              seconds_left=round(notice.seconds_left(), 3))
-            return
-        self._log.error(UNCONFIRMED, notice_id=notice.id, step=step, waited=waited, replica_rank=rank,
-                        why=why + ", nor from replica rank 1 by the deadline",
-                        fix="the newest committed checkpoint stands; periodic checkpoints (every=) bound the loss")
-        self.hook._hard_exit(notice, EXIT_SAVE_FAILED, step, committed=False, nothing=False, by="replica-unconfirmed")
 
     def _on_forward(self, module: Any, args: Any) -> None:
         """A training forward (the core hook's anchor rule: not a forward under no_grad in eval mode, which a
@@ -476,7 +455,7 @@ class ReplicaGuard:
             if not self._fallback_on:
                 self._phase = "stepping"
                 return
-        self._halt.wait()
+        self._halt.wait()  # set only when a group fallback is called off (GroupFallback.run)
 
     def _snap_of_last_step(self) -> Optional[Snapshot]:
         """Loaders and RNG as right after the last optimizer step (the hook takes them at its post-hook)."""
@@ -507,7 +486,8 @@ class ReplicaGuard:
                 self._done.set()
             elif single and self._pending is None:
                 self._pending = (notice, None, None)  # the loop's next training forward writes it
-        where = "watchdog" if direct else "next-training-forward" if single else "none"
+        group_fb = not single and self._group_fb is not None and self._group_fb.available
+        where = "watchdog" if direct else "next-training-forward" if single else "group-trigger" if group_fb else "none"
         self._log.warning(FALLBACK, notice_id=notice.id, step=step, seconds_left=round(notice.seconds_left(), 3),
                           where=where, why="this group has not left by deadline - lead (no committed step since the "
                                            "notice: the other groups left, the quorum or the lighthouse stalls)")
@@ -522,8 +502,16 @@ class ReplicaGuard:
             result = self.hook._save(notice, "emergency", self._snap_of_last_step())
             self.hook._exit_from_background(notice, result, step)
             return
+        if group_fb:
+            assert self._group_fb is not None
+            try:
+                self._group_fb.trigger(notice)  # every rank's listener writes its part (group_fallback.py)
+            except Exception as exc:  # noqa: BLE001 - the bounded exit below still stands
+                self._log.error(FALLBACK_MISSED, notice_id=notice.id, why=f"group trigger failed: {exc!r}")
         if not single:
-            why = "a replica group of several processes cannot write from one rank's watchdog"
+            why = ("the group's ranks could not write together (one in post-step work, steps differ, or no "
+                   "torchrun store)" if group_fb else "a replica group of several processes without torchrun's "
+                                                     "store cannot write from one rank's watchdog")
         else:
             why = "the loop did not reach its next training forward (post-step work of the last committed step)"
         if self._over.wait(max(0.0, notice.seconds_left() - 0.5)):

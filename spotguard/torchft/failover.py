@@ -19,15 +19,20 @@ failover starts only at ``deadline - lead`` (the same lead as the deadline fallb
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from ..hook.core import EXIT_SAVE_FAILED, Preempted
+from ..notice import Notice
 from ..storage.base import join_key
 from ..storage.commit import checkpoint_info, step_dir
 from ..storage.record import COMMIT_NAME
 
-__all__ = ["committed_at", "await_commit", "FAILOVER", "BY_PEER", "UNCONFIRMED"]
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import ReplicaGuard
+
+__all__ = ["committed_at", "await_commit", "await_writer", "takeover_at", "FAILOVER", "BY_PEER", "UNCONFIRMED"]
 
 FAILOVER = "replica_failover"  # step, waited, why: the writer group's commit did not come: this group writes
 BY_PEER = "replica_written_by_peer"  # step, waited: another group committed the step: this one leaves
@@ -80,3 +85,30 @@ def takeover_at(rank: int, seconds_left: float, lead: float) -> Optional[float]:
     if rank == 1:
         return now + max(0.0, seconds_left - lead)
     return now + max(0.0, seconds_left - 0.5)
+
+
+def await_writer(guard: "ReplicaGuard", notice: Notice, step: int, lead: float) -> None:
+    """A whole-job leave's non-writer, at its next training forward: leave (``Preempted``, committed) once the
+    writer group's commit of ``step`` is in storage; without it by the takeover time, rank 1 returns (it writes
+    the step itself: the failover), higher ranks exit 75."""
+    rank, hook = guard._replica_rank, guard.hook
+    until = takeover_at(rank, notice.seconds_left(), lead)
+    assert until is not None
+    t0 = time.monotonic()
+    seen = await_commit(hook._storage, step, until, group=hook._group, look=hook._rank == 0)
+    waited = round(time.monotonic() - t0, 3)
+    if seen:
+        guard._log.info(BY_PEER, notice_id=notice.id, step=step, waited=waited, replica_rank=rank)
+        hook._flush_intake()
+        hook.close()
+        raise Preempted(guard._exit_code, notice_id=notice.id, step=step, committed=True)
+    why = ("no commit of this step from the writer group (replica rank 0) by deadline - lead: its save failed, "
+           "its VM is gone, or it is still uploading")
+    if rank == 1:
+        guard._log.warning(FAILOVER, notice_id=notice.id, step=step, waited=waited, why=why,
+                           seconds_left=round(notice.seconds_left(), 3))
+        return
+    guard._log.error(UNCONFIRMED, notice_id=notice.id, step=step, waited=waited, replica_rank=rank,
+                     why=why + ", nor from replica rank 1 by the deadline",
+                     fix="the newest committed checkpoint stands; periodic checkpoints (every=) bound the loss")
+    hook._hard_exit(notice, EXIT_SAVE_FAILED, step, committed=False, nothing=False, by="replica-unconfirmed")

@@ -21,6 +21,9 @@ fallback tests. Modes (argv[1]):
   (gradients None) the loop waits until the fallback's save is over or touched the parameters (DCP's fake
   ``step()`` on a stateless optimizer would bump their version under the training thread's autograd graph).
 
+Under ``torchrun`` (``WORLD_SIZE`` > 1) the processes are one replica group of several (gloo, the same data on
+every rank); ``NOTICE_RANK`` then names the one rank that gets the notice (the node that is reclaimed).
+
 Per committed step it appends to ``digests.jsonl`` a digest of model/optimizer/scheduler state after the loop's
 post-step work, and the torch RNG state right after the optimizer step. Exit codes are the hook's; 3 = the loop
 ran out of time without leaving (the old behaviour: nothing written, the VM dies).
@@ -134,6 +137,11 @@ def main() -> None:
     from spotguard.logs import configure_logging  # noqa: PLC0415
 
     configure_logging("json", "info", stream=sys.stdout)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    noticed = os.environ.get("NOTICE_RANK", os.environ.get("RANK", "0")) == os.environ.get("RANK", "0")
     mode, workdir = sys.argv[1], sys.argv[2]
     deadline_s = float(os.environ.get("DEADLINE", "4"))
     eval_s = float(os.environ.get("EVAL", "0"))
@@ -177,7 +185,8 @@ def main() -> None:
             print(json.dumps({"event": "worker_ready"}), flush=True)
             sys.stdin.readline()
         if i == notice_at and mode != "posteval":
-            notify(guard, deadline_s)
+            if noticed:
+                notify(guard, deadline_s)
             if mode in ("stall", "sgdstall", "sigterm"):
                 mgr.stalled = True
             slow[0] = mode == "slowstep"

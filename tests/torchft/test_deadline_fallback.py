@@ -36,13 +36,18 @@ def _run(tmp: Path, mode: str, **env: str) -> tuple[int, float, list[dict[str, A
     proc = subprocess.run([sys.executable, str(WORKER), mode, str(tmp)], env=e, capture_output=True, text=True,
                           timeout=120)
     took = time.monotonic() - t0
+    return proc.returncode, took, _parse((proc.stdout + proc.stderr).splitlines())
+
+
+def _parse(out: list[str]) -> list[dict[str, Any]]:
+    """The JSON lines of a worker's output (torchrun's own lines and tracebacks are not JSON)."""
     lines = []
-    for line in (proc.stdout + proc.stderr).splitlines():
+    for line in out:
         try:
             lines.append(json.loads(line))
         except ValueError:
             pass
-    return proc.returncode, took, lines
+    return lines
 
 
 def _events(lines: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
@@ -217,13 +222,7 @@ def _until_ready(proc: subprocess.Popen[str]) -> list[str]:
 
 def _finish(proc: subprocess.Popen[str], before: list[str]) -> tuple[int, list[dict[str, Any]]]:
     out, _ = proc.communicate(timeout=120)
-    lines = []
-    for line in before + out.splitlines():
-        try:
-            lines.append(json.loads(line))
-        except ValueError:
-            pass
-    return proc.returncode, lines
+    return proc.returncode, _parse(before + out.splitlines())
 
 
 def test_a_whole_job_leave_whose_writer_fails_is_written_by_the_next_group(tmp_path: Path) -> None:
@@ -249,3 +248,26 @@ def test_a_whole_job_leave_whose_writer_fails_is_written_by_the_next_group(tmp_p
     rec = _recorded(tmp_path / "g1")
     step, dig, rng = _resumed(tmp_path)
     assert step == 6 and dig == rec[6]["digest"] and rng == rec[6]["rng"]
+
+
+def test_a_group_of_two_processes_whose_steps_stop_committing_writes_the_step_together(tmp_path: Path) -> None:
+    # one replica group of two processes (torchrun, gloo), the notice on rank 1 only, commits stalled after it:
+    # before, rank 1's watchdog could not write the group's shards alone (75 at the deadline) and rank 0 trained
+    # on until the VM died ("never left"). Now rank 1's watchdog wakes both ranks (torchrun's store) and they
+    # write step 5 together on a gloo group of their own; both leave 143 committed
+    e = dict(os.environ, PYTHONPATH=str(ROOT), SPOTGUARD_LOG_FORMAT="json", NOTICE_RANK="1", DEADLINE="6",
+             NOTICE_AT="5")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(WORKER), "stall", str(tmp_path)], env=e, capture_output=True, text=True, timeout=180)
+    lines = _parse((proc.stdout + proc.stderr).splitlines())
+    fb = [ev for ev in _events(lines, "replica_fallback") if ev.get("where") == "group"]
+    assert {ev["rank"] for ev in fb} == {0, 1}, (proc.returncode, lines[-6:])
+    exits = _events(lines, "exit")
+    assert {ev["rank"] for ev in exits} == {0, 1}
+    assert all(ev["code"] == 143 and ev["committed"] for ev in exits), exits
+    info = newest_committed(open_storage(str(tmp_path / "ckpt")))
+    assert info is not None and info.step == 5 and info.record is not None
+    assert info.record.world_size == 2 and info.record.reason == "emergency"
+    rec = _recorded(tmp_path)  # both ranks hold one state (same data and seed); loaded here on one process
+    step, dig, rng = _resumed(tmp_path)
+    assert step == 5 and dig == rec[5]["digest"] and rng == rec[5]["rng"]
