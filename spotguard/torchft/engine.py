@@ -177,6 +177,7 @@ class ReplicaGuard:
         # over: at the first training forward after the step, at iteration_start() or at close()
         self._pending: Optional[tuple[Notice, Optional[int], Optional[Snapshot]]] = None
         self._replica_rank = 0  # in a whole-job leave: this group's rank in the last quorum (0 writes)
+        self._heard_from_group = False  # this rank learnt of its group's notice from another rank (logged once)
         # the loop calls iteration_start() (GuardedOptimizer.zero_grad, or a loop driving vote()/after_step()
         # that follows docs/torchft.md); one that never did would hit its next start_quorum() on the shut-down
         # manager with nothing written, so it gets the write at the step instead (before its scheduler step)
@@ -324,8 +325,9 @@ class ReplicaGuard:
 
         torchft reduces across groups rank by rank, so every rank of a group must
         vote alike, although only the ranks on the noticed node got the notice.
-        Ranks without it stand in a notice with a fixed id (untested here: the
-        tests run one process per group).
+        Ranks without it stand in a notice with a fixed id and the group's nearest
+        deadline (carried in the same all-reduce: a whole-job leave's wait for the
+        writer and its failover must not run on a made-up deadline).
         """
         notice = self._notice
         group = self.hook._group
@@ -333,18 +335,23 @@ class ReplicaGuard:
             return notice
         import torch.distributed as dist  # noqa: PLC0415
 
-        t = torch.tensor([1 if notice is not None else 0], dtype=torch.int64)
+        far = 2 ** 62  # no notice here: no deadline (MAX of minus the deadline in ms = the nearest one)
+        t = torch.tensor([1 if notice is not None else 0,
+                          -int(notice.deadline.timestamp() * 1000) if notice is not None else -far],
+                         dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         if int(t[0]) and notice is None:
-            from datetime import timedelta  # noqa: PLC0415
+            from datetime import datetime, timezone  # noqa: PLC0415
 
             from ..timefmt import utcnow  # noqa: PLC0415
-            from ..hook.core import SIGNAL_GRACE  # noqa: PLC0415
 
-            now = utcnow()
             notice = Notice(id=f"replica-leave-{self.manager.current_step()}", source="signal",
-                            kind="termination", deadline=now + timedelta(seconds=SIGNAL_GRACE), received_at=now,
-                            detail="another rank of this replica group got the notice")
+                            kind="termination", deadline=datetime.fromtimestamp(-int(t[1]) / 1000, tz=timezone.utc),
+                            received_at=utcnow(), detail="another rank of this replica group got the notice")
+            if not self._heard_from_group:
+                self._heard_from_group = True
+                self._log.info(LEAVING, notice_id=notice.id, step=self.manager.current_step(), via="group",
+                               seconds_left=round(notice.seconds_left(), 3))
         return notice
 
     def after_step(self, committed: bool) -> None:

@@ -262,6 +262,9 @@ def test_a_group_of_two_processes_whose_steps_stop_committing_writes_the_step_to
     lines = _parse((proc.stdout + proc.stderr).splitlines())
     fb = [ev for ev in _events(lines, "replica_fallback") if ev.get("where") == "group"]
     assert {ev["rank"] for ev in fb} == {0, 1}, (proc.returncode, lines[-6:])
+    # rank 0 heard of the notice through the group's vote, with rank 1's deadline (not a made-up 30 s grace)
+    (heard,) = [ev for ev in _events(lines, "replica_leaving") if ev["rank"] == 0]
+    assert heard["via"] == "group" and heard["seconds_left"] <= 6
     exits = _events(lines, "exit")
     assert {ev["rank"] for ev in exits} == {0, 1}
     assert all(ev["code"] == 143 and ev["committed"] for ev in exits), exits
