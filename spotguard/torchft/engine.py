@@ -19,8 +19,10 @@ notice means:
   (``lighthouse_args`` picks the timeouts, docs/torchft.md the numbers).
 * If every participating group leaves in the same step (the whole job is
   reclaimed), the group of replica rank 0 writes the usual emergency
-  checkpoint to storage (state is replicated: one copy is enough) and all exit;
-  ``resume()`` loads it on restart, as without torchft.
+  checkpoint to storage (state is replicated: one copy is enough); the others
+  wait for its commit and rank 1 writes the step itself if none comes by
+  ``deadline - lead`` (``failover.py``); ``resume()`` loads it on restart, as
+  without torchft.
 
 * **Deadline fallback.** A noticed group that has not left by ``deadline - lead``
   (``fallback_lead``: 40 % of the notice, 1-20 s; the last group cannot commit
@@ -31,6 +33,7 @@ notice means:
   loop's next training forward when the loop is still in the post-step work of
   that step. A write that has not started by the deadline ends the process with
   75 and an error naming why (never an unbounded wait, never a silent loss).
+  A group of several processes writes with all its ranks (``group_fallback.py``).
 
 A replacement group started later heals from a survivor through torchft's
 checkpoint transport (``Manager(load_state_dict=..., state_dict=...)``).
@@ -52,10 +55,12 @@ from ..hook.state import PER_RANK, Snapshot
 from ..history.writer import tap as history_tap
 from ..logs import get_logger
 from ..notice import Notice
+from .group_fallback import GroupFallback
+from .failover import BY_PEER, FAILOVER, UNCONFIRMED, await_writer, committed_at  # noqa: F401 - re-exported
 
 __all__ = ["ReplicaGuard", "GuardedOptimizer", "lighthouse_args", "vote_device", "fallback_lead", "LEAVING", "LEFT",
            "PEER_LEAVING", "STEP", "FALLBACK", "FALLBACK_MISSED", "HEAL_STATE",
-           "NOT_VOTING"]
+           "NOT_VOTING", "FAILOVER", "BY_PEER", "UNCONFIRMED"]
 
 # timeline events (structlog ``event``), in addition to the hook's
 LEAVING = "replica_leaving"  # notice_id: this group will leave at the next committed step
@@ -171,6 +176,8 @@ class ReplicaGuard:
         # a whole-job leave decided at step S, written once the loop's post-step work of S (scheduler, EMA) is
         # over: at the first training forward after the step, at iteration_start() or at close()
         self._pending: Optional[tuple[Notice, Optional[int], Optional[Snapshot]]] = None
+        self._replica_rank = 0  # in a whole-job leave: this group's rank in the last quorum (0 writes)
+        self._heard_from_group = False  # this rank learnt of its group's notice from another rank (logged once)
         # the loop calls iteration_start() (GuardedOptimizer.zero_grad, or a loop driving vote()/after_step()
         # that follows docs/torchft.md); one that never did would hit its next start_quorum() on the shut-down
         # manager with nothing written, so it gets the write at the step instead (before its scheduler step)
@@ -196,6 +203,8 @@ class ReplicaGuard:
         self._log = history_tap(get_logger("spotguard.torchft", component="hook", rank=self.hook._rank),
                                 getattr(self.hook, "_history", None))  # leaves/heals in the history
         self._register_heal_state()
+        # a group of several processes: every rank writes its part of a deadline fallback together
+        self._group_fb = GroupFallback(self) if self.hook._group is not None else None
         self._fwd_handles = [m.register_forward_pre_hook(self._on_forward) for m in self.hook._objs.models.values()]
         self._gate_handles = [o.register_step_pre_hook(self._gate) for o in self.hook._objs.optimizers.values()]
 
@@ -316,8 +325,9 @@ class ReplicaGuard:
 
         torchft reduces across groups rank by rank, so every rank of a group must
         vote alike, although only the ranks on the noticed node got the notice.
-        Ranks without it stand in a notice with a fixed id (untested here: the
-        tests run one process per group).
+        Ranks without it stand in a notice with a fixed id and the group's nearest
+        deadline (carried in the same all-reduce: a whole-job leave's wait for the
+        writer and its failover must not run on a made-up deadline).
         """
         notice = self._notice
         group = self.hook._group
@@ -325,18 +335,23 @@ class ReplicaGuard:
             return notice
         import torch.distributed as dist  # noqa: PLC0415
 
-        t = torch.tensor([1 if notice is not None else 0], dtype=torch.int64)
+        far = 2 ** 62  # no notice here: no deadline (MAX of minus the deadline in ms = the nearest one)
+        t = torch.tensor([1 if notice is not None else 0,
+                          -int(notice.deadline.timestamp() * 1000) if notice is not None else -far],
+                         dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         if int(t[0]) and notice is None:
-            from datetime import timedelta  # noqa: PLC0415
+            from datetime import datetime, timezone  # noqa: PLC0415
 
             from ..timefmt import utcnow  # noqa: PLC0415
-            from ..hook.core import SIGNAL_GRACE  # noqa: PLC0415
 
-            now = utcnow()
             notice = Notice(id=f"replica-leave-{self.manager.current_step()}", source="signal",
-                            kind="termination", deadline=now + timedelta(seconds=SIGNAL_GRACE), received_at=now,
-                            detail="another rank of this replica group got the notice")
+                            kind="termination", deadline=datetime.fromtimestamp(-int(t[1]) / 1000, tz=timezone.utc),
+                            received_at=utcnow(), detail="another rank of this replica group got the notice")
+            if not self._heard_from_group:
+                self._heard_from_group = True
+                self._log.info(LEAVING, notice_id=notice.id, step=self.manager.current_step(), via="group",
+                               seconds_left=round(notice.seconds_left(), 3))
         return notice
 
     def after_step(self, committed: bool) -> None:
@@ -379,32 +394,25 @@ class ReplicaGuard:
         raise Preempted(self._exit_code, notice_id=notice.id, step=step, committed=False)
 
     def _all_leave(self, notice: Notice, step: int) -> None:
-        """Every participating group leaves: replica rank 0 writes the emergency checkpoint, all exit.
+        """Every participating group leaves: replica rank 0 writes the emergency checkpoint, the others wait
+        for its commit (rank 1 writes the step itself if none comes by ``deadline - lead``: ``failover.py``).
 
         Not inside ``step()``: the user's ``scheduler.step()`` (and any post-step update) comes after it
-        in the loop, and a checkpoint written here resumed one scheduler step behind. The writer takes the
-        loaders and RNG now (as the hook does at a step) and writes at the first training forward after the
-        step (``_on_forward``), at ``iteration_start()`` or at ``close()``."""
+        in the loop, and a checkpoint written here resumed one scheduler step behind. Every group takes the
+        loaders and RNG now (as the hook does at a step); the writer writes, the others wait, at the first
+        training forward after the step (``_on_forward``), at ``iteration_start()`` or at ``close()``."""
         rank = self.manager.participating_rank()
         self._log.info(ALL_LEAVING, step=step, notice_id=notice.id, replica_rank=rank)
         self.manager.shutdown(wait=False)
-        if rank == 0:
-            snap = Snapshot.take(self.hook._objs.loaders)
-            if not self._starts_seen:
-                self._log.warning("replica_write_at_step", step=step,
-                                  why="this loop never called guard.iteration_start(): the checkpoint is written "
-                                      "now, before the loop's post-step work (scheduler.step()) of this step",
-                                  fix="use guard.optimizer(opt), or call guard.iteration_start() before each "
-                                      "manager.start_quorum()")
-                self._done.set()
-                self.hook.emergency_exit(notice, step, snap)
-            self._pending = (notice, step, snap)
-            return
-        self._done.set()
-        self._over.set()
-        self.hook._flush_intake()
-        self.hook.close()
-        raise Preempted(self._exit_code, notice_id=notice.id, step=step, committed=False)
+        self._replica_rank = rank
+        self._pending = (notice, step, Snapshot.take(self.hook._objs.loaders))
+        if not self._starts_seen:
+            self._log.warning("replica_write_at_step", step=step,
+                              why="this loop never called guard.iteration_start(): the checkpoint is written "
+                                  "now, before the loop's post-step work (scheduler.step()) of this step",
+                              fix="use guard.optimizer(opt), or call guard.iteration_start() before each "
+                                  "manager.start_quorum()")
+            self._write_pending()
 
     def iteration_start(self) -> None:
         """The start of an iteration, for a loop driving ``vote()``/``after_step()`` itself: call it before the
@@ -426,6 +434,9 @@ class ReplicaGuard:
             notice, step, snap = pending
             if step is None:  # a deferred deadline fallback: the last committed step, read now
                 step, snap = self.manager.current_step(), self._snap_of_last_step()
+            elif self._replica_rank > 0:
+                total = max(0.0, (notice.deadline - notice.received_at).total_seconds())
+                await_writer(self, notice, step, fallback_lead(total))  # returns only when this group must write
             self.hook.emergency_exit(notice, step, snap)
 
     def _on_forward(self, module: Any, args: Any) -> None:
@@ -451,7 +462,7 @@ class ReplicaGuard:
             if not self._fallback_on:
                 self._phase = "stepping"
                 return
-        self._halt.wait()
+        self._halt.wait()  # set only when a group fallback is called off (GroupFallback.run)
 
     def _snap_of_last_step(self) -> Optional[Snapshot]:
         """Loaders and RNG as right after the last optimizer step (the hook takes them at its post-hook)."""
@@ -482,7 +493,8 @@ class ReplicaGuard:
                 self._done.set()
             elif single and self._pending is None:
                 self._pending = (notice, None, None)  # the loop's next training forward writes it
-        where = "watchdog" if direct else "next-training-forward" if single else "none"
+        group_fb = not single and self._group_fb is not None and self._group_fb.available
+        where = "watchdog" if direct else "next-training-forward" if single else "group-trigger" if group_fb else "none"
         self._log.warning(FALLBACK, notice_id=notice.id, step=step, seconds_left=round(notice.seconds_left(), 3),
                           where=where, why="this group has not left by deadline - lead (no committed step since the "
                                            "notice: the other groups left, the quorum or the lighthouse stalls)")
@@ -497,8 +509,16 @@ class ReplicaGuard:
             result = self.hook._save(notice, "emergency", self._snap_of_last_step())
             self.hook._exit_from_background(notice, result, step)
             return
+        if group_fb:
+            assert self._group_fb is not None
+            try:
+                self._group_fb.trigger(notice)  # every rank's listener writes its part (group_fallback.py)
+            except Exception as exc:  # noqa: BLE001 - the bounded exit below still stands
+                self._log.error(FALLBACK_MISSED, notice_id=notice.id, why=f"group trigger failed: {exc!r}")
         if not single:
-            why = "a replica group of several processes cannot write from one rank's watchdog"
+            why = ("the group's ranks could not write together (one in post-step work, steps differ, or no "
+                   "torchrun store)" if group_fb else "a replica group of several processes without torchrun's "
+                                                     "store cannot write from one rank's watchdog")
         else:
             why = "the loop did not reach its next training forward (post-step work of the last committed step)"
         if self._over.wait(max(0.0, notice.seconds_left() - 0.5)):
@@ -506,8 +526,13 @@ class ReplicaGuard:
         with self._lock:
             if self._over.is_set():
                 return
-            self._pending = None
+            pending, self._pending = self._pending, None
             self._done.set()
+        if pending is not None and pending[1] is not None and self._replica_rank > 0 \
+                and committed_at(self.hook._storage, pending[1]):  # a non-writer whose loop never came back:
+            self._log.info(BY_PEER, notice_id=notice.id, step=pending[1], replica_rank=self._replica_rank)  # done
+            self.hook._hard_exit(notice, self._exit_code, pending[1], committed=True, nothing=False,
+                                 by="replica-peer-commit")
         self._log.error(FALLBACK_MISSED, notice_id=notice.id, step=step, why=why + " before the deadline",
                         fix="the newest committed checkpoint stands; periodic checkpoints bound what is lost")
         self.hook._hard_exit(notice, EXIT_SAVE_FAILED, step, committed=False, nothing=False, by="replica-deadline")

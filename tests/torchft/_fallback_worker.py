@@ -6,7 +6,9 @@ fallback tests. Modes (argv[1]):
 - ``posteval``: right after the last step that commits, the loop runs an evaluation (eval mode, no_grad) of
   ``EVAL`` seconds; the notice comes at its start; later steps never commit.
 - ``allleave``: the single group leaves (the whole job): the write is deferred to the next training forward,
-  and the loop runs the same long evaluation first.
+  and the loop runs the same long evaluation first. With ``GROUPS=n`` it is one of n groups that all leave at the
+  same step (the others' votes mirror this one's), ``REPLICA_RANK`` its rank in the quorum (0 writes), ``CKPT``
+  the storage the groups share.
 - ``slowstep``: the notice comes right before a step that commits, and that optimizer step is still running when
   the fallback fires (a slow optimizer, or work between ``opt.step()`` and ``after_step()``): the fallback is
   deferred, then the group leaves normally (``Preempted``); the process lingers past the deadline (cleanup).
@@ -18,6 +20,9 @@ fallback tests. Modes (argv[1]):
 - ``sgdstall``: ``stall`` with plain SGD (an optimizer without state): between each forward and its backward
   (gradients None) the loop waits until the fallback's save is over or touched the parameters (DCP's fake
   ``step()`` on a stateless optimizer would bump their version under the training thread's autograd graph).
+
+Under ``torchrun`` (``WORLD_SIZE`` > 1) the processes are one replica group of several (gloo, the same data on
+every rank); ``NOTICE_RANK`` then names the one rank that gets the notice (the node that is reclaimed).
 
 Per committed step it appends to ``digests.jsonl`` a digest of model/optimizer/scheduler state after the loop's
 post-step work, and the torch RNG state right after the optimizer step. Exit codes are the hook's; 3 = the loop
@@ -55,6 +60,7 @@ class Manager:
         self.stalled = False
         self.after_count: Any = None  # commitrace: called inside should_commit once the step is counted
         self.voters = 2  # another group takes part (its vote: not leaving) unless "allleave"
+        self.mirror = False  # the other groups vote as this one (GROUPS)
 
     def current_step(self) -> int:
         return self.step
@@ -63,10 +69,12 @@ class Manager:
         return self.voters
 
     def participating_rank(self) -> int:
-        return 0
+        return int(os.environ.get("REPLICA_RANK", "0"))
 
     def allreduce(self, t: Any, reduce_op: Any = None) -> _Work:
-        if self.voters == 2:
+        if self.mirror:
+            t *= self.voters  # GROUPS=n: n groups noticed at the same step, each voting as this one
+        elif self.voters == 2:
             t[1] += 1  # the other group: participating, not leaving
         return _Work()
 
@@ -129,16 +137,23 @@ def main() -> None:
     from spotguard.logs import configure_logging  # noqa: PLC0415
 
     configure_logging("json", "info", stream=sys.stdout)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    noticed = os.environ.get("NOTICE_RANK", os.environ.get("RANK", "0")) == os.environ.get("RANK", "0")
     mode, workdir = sys.argv[1], sys.argv[2]
     deadline_s = float(os.environ.get("DEADLINE", "4"))
     eval_s = float(os.environ.get("EVAL", "0"))
     notice_at = int(os.environ.get("NOTICE_AT", "5"))
-    model, opt, sched, mgr, guard = build(os.path.join(workdir, "ckpt"), os.path.join(workdir, "none.sock"),
+    model, opt, sched, mgr, guard = build(os.environ.get("CKPT") or os.path.join(workdir, "ckpt"),
+                                          os.path.join(workdir, "none.sock"),
                                           sgd=mode == "sgdstall",
                                           **({"every": float(os.environ["EVERY"]), "keep": 2}
                                              if os.environ.get("EVERY") else {}))
     if mode == "allleave":
-        mgr.voters = 1
+        mgr.voters = int(os.environ.get("GROUPS", "1"))
+        mgr.mirror = mgr.voters > 1
     if os.environ.get("FAIL_WRITE"):  # the storage fails under the emergency write (a full disk, a lost bucket)
         def fail(key: str, snap: Any) -> None:
             raise OSError(28, "No space left on device")
@@ -166,8 +181,12 @@ def main() -> None:
             while p0._version == v0 and guard.hook._exit_request is None and time.monotonic() < t_wait:
                 time.sleep(0.01)
         loss.backward()
+        if i == notice_at and mode == "allleave" and mgr.mirror:  # the groups take their notice together
+            print(json.dumps({"event": "worker_ready"}), flush=True)
+            sys.stdin.readline()
         if i == notice_at and mode != "posteval":
-            notify(guard, deadline_s)
+            if noticed:
+                notify(guard, deadline_s)
             if mode in ("stall", "sgdstall", "sigterm"):
                 mgr.stalled = True
             slow[0] = mode == "slowstep"

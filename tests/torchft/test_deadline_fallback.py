@@ -60,14 +60,19 @@ def _run(tmp: Path, mode: str, **env: str) -> tuple[int, float, list[dict[str, A
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # a worker's leftovers (or a hung one) go with it
     took = time.monotonic() - t0
+    assert proc.returncode is not None
+    return proc.returncode, took, _parse(log.read_text(errors="replace").splitlines())
+
+
+def _parse(out: list[str]) -> list[dict[str, Any]]:
+    """The JSON lines of a worker's output (torchrun's own lines and tracebacks are not JSON)."""
     lines = []
-    for line in log.read_text(errors="replace").splitlines():
+    for line in out:
         try:
             lines.append(json.loads(line))
         except ValueError:
             pass
-    assert proc.returncode is not None
-    return proc.returncode, took, lines
+    return lines
 
 
 def _events(lines: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
@@ -218,5 +223,79 @@ def test_a_fallback_next_to_periodic_checkpoints_writes_the_last_committed_step(
     info = newest_committed(open_storage(str(tmp_path / "ckpt")))
     assert info is not None and info.step == 5 and info.record.reason == "emergency"
     rec = _recorded(tmp_path)
+    step, dig, rng = _resumed(tmp_path)
+    assert step == 5 and dig == rec[5]["digest"] and rng == rec[5]["rng"]
+
+
+def _start(tmp: Path, name: str, mode: str, **env: str) -> subprocess.Popen[str]:
+    (tmp / name).mkdir()
+    e = dict(os.environ, PYTHONPATH=str(ROOT), SPOTGUARD_LOG_FORMAT="json", CKPT=str(tmp / "ckpt"), **env)
+    return subprocess.Popen([sys.executable, str(WORKER), mode, str(tmp / name)], env=e, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.PIPE, text=True)
+
+
+def _until_ready(proc: subprocess.Popen[str]) -> list[str]:
+    """Its output up to the line saying it waits at the notice step (all groups then take it together)."""
+    seen = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        seen.append(line)
+        if '"worker_ready"' in line:
+            return seen
+    raise AssertionError("worker ended before its notice step: " + "".join(seen[-5:]))
+
+
+def _finish(proc: subprocess.Popen[str], before: list[str]) -> tuple[int, list[dict[str, Any]]]:
+    out, _ = proc.communicate(timeout=120)
+    return proc.returncode, _parse(before + out.splitlines())
+
+
+def test_a_whole_job_leave_whose_writer_fails_is_written_by_the_next_group(tmp_path: Path) -> None:
+    # three groups noticed at once (a whole-job leave at step 6): the group of replica rank 0 writes. Its storage
+    # fails (FAIL_WRITE) -> before, the other groups had already exited "143, the state lives on" with nothing in
+    # storage; now they wait for the writer's commit, rank 1 writes the same step itself at deadline - lead and
+    # rank 2 waits for that commit. (The writer that commits, the others leaving on seeing it:
+    # tests/torchft/test_replicas.py's whole-job leave.)
+    env = {"GROUPS": "3", "DEADLINE": "5", "NOTICE_AT": "5"}
+    procs = [_start(tmp_path, f"g{r}", "allleave", REPLICA_RANK=str(r), **env, **({"FAIL_WRITE": "1"} if r == 0 else {}))
+             for r in range(3)]
+    before = [_until_ready(p) for p in procs]
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    (c0, l0), (c1, l1), (c2, l2) = [_finish(p, b) for p, b in zip(procs, before)]
+    info = newest_committed(open_storage(str(tmp_path / "ckpt")))
+    assert info is not None and info.step == 6, (l0[-3:], l1[-3:])  # the notice came before step 6
+    assert c0 == 75 and _events(l0, "checkpoint_failed")
+    assert c1 == 143 and _events(l1, "replica_failover") and _events(l1, "checkpoint_committed"), l1[-5:]
+    assert c2 == 143 and _events(l2, "replica_written_by_peer") and not _events(l2, "checkpoint_started"), l2[-5:]
+    rec = _recorded(tmp_path / "g1")
+    step, dig, rng = _resumed(tmp_path)
+    assert step == 6 and dig == rec[6]["digest"] and rng == rec[6]["rng"]
+
+
+def test_a_group_of_two_processes_whose_steps_stop_committing_writes_the_step_together(tmp_path: Path) -> None:
+    # one replica group of two processes (torchrun, gloo), the notice on rank 1 only, commits stalled after it:
+    # before, rank 1's watchdog could not write the group's shards alone (75 at the deadline) and rank 0 trained
+    # on until the VM died ("never left"). Now rank 1's watchdog wakes both ranks (torchrun's store) and they
+    # write step 5 together on a gloo group of their own; both leave 143 committed
+    e = dict(os.environ, PYTHONPATH=str(ROOT), SPOTGUARD_LOG_FORMAT="json", NOTICE_RANK="1", DEADLINE="6",
+             NOTICE_AT="5")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(WORKER), "stall", str(tmp_path)], env=e, capture_output=True, text=True, timeout=180)
+    lines = _parse((proc.stdout + proc.stderr).splitlines())
+    fb = [ev for ev in _events(lines, "replica_fallback") if ev.get("where") == "group"]
+    assert {ev["rank"] for ev in fb} == {0, 1}, (proc.returncode, lines[-6:])
+    # rank 0 heard of the notice through the group's vote, with rank 1's deadline (not a made-up 30 s grace)
+    (heard,) = [ev for ev in _events(lines, "replica_leaving") if ev["rank"] == 0]
+    assert heard["via"] == "group" and heard["seconds_left"] <= 6
+    exits = _events(lines, "exit")
+    assert {ev["rank"] for ev in exits} == {0, 1}
+    assert all(ev["code"] == 143 and ev["committed"] for ev in exits), exits
+    info = newest_committed(open_storage(str(tmp_path / "ckpt")))
+    assert info is not None and info.step == 5 and info.record is not None
+    assert info.record.world_size == 2 and info.record.reason == "emergency"
+    rec = _recorded(tmp_path)  # both ranks hold one state (same data and seed); loaded here on one process
     step, dig, rng = _resumed(tmp_path)
     assert step == 5 and dig == rec[5]["digest"] and rng == rec[5]["rng"]

@@ -99,6 +99,12 @@ def test_every_group_noticed_falls_back_to_the_emergency_checkpoint_and_resumes_
         writer = max(exits.values(), key=lambda e: e["step"])  # the last group standing wrote it
         assert info.step == writer["step"]
         assert info.record is not None and info.record.reason == "emergency"
+        # a group that did not write left only once the writer's commit was in storage (it would have written
+        # the step itself had none come: tests/torchft/test_deadline_fallback.py)
+        for g in (g0, g1):
+            ranks = [e["replica_rank"] for e in g.seen if e.get("event") == "replica_all_leaving"]
+            if ranks and ranks[0] > 0:
+                assert any(e.get("event") == "replica_written_by_peer" for e in g.seen), g.name
 
         # restart the whole job: both groups resume from storage, exactly where it stopped
         for name in ("g0", "g1"):
