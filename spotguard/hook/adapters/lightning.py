@@ -374,13 +374,11 @@ class LightningHook(FrameworkHook):
 
 def install(trainer: Any, storage: Any = None, *, socket: str | None = None, every: Any = None,
             keep: int | None = None, exit_code: int = 143, on_notice: Any = None) -> LightningHook:
+    cls = LightningHook
     if any(c.__name__ == "DeepSpeedStrategy" for c in type(getattr(trainer, "strategy", None)).__mro__):
-        # its save_checkpoint writes a folder with one ZeRO partition file per rank; this adapter commits rank 0's
-        # file only, so a commit would miss the other ranks' partitions: refuse now rather than at the resume
-        raise NotImplementedError(
-            "spotguard does not support Lightning's DeepSpeedStrategy yet (its checkpoint is one folder of per-rank "
-            "ZeRO partitions); use strategy='ddp'/'fsdp', or DeepSpeed directly: install_preemption_hook(engine) "
-            "after deepspeed.initialize (docs/frameworks.md \"DeepSpeed\")")
-    return LightningHook(trainer, storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice,
-                         every=every)
+        # every rank writes its ZeRO partition through DeepSpeed's engine: its own save path
+        from .lightning_deepspeed import LightningDeepSpeedHook  # noqa: PLC0415 - imports deepspeed
+
+        cls = LightningDeepSpeedHook
+    return cls(trainer, storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice, every=every)
 

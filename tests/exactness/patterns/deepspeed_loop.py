@@ -8,7 +8,7 @@ takes each rank's partition (``ds_tensor``). ``EXO_ACCUM=N``: N micro-batches a 
 micro-batch's ``engine.step()`` that does not end the accumulation; the hook acts at the boundary only).
 
 The digest holds the module's parameters, the ZeRO optimizer's partition (its fp32 master weights and the base
-optimizer's state, read from the optimizer's own ``state_dict()``: a pure read), DeepSpeed's scheduler, the
+optimizer's state, read from the optimizer's own ``state_dict()``: a pure read; ZeRO-3: see ``optimizer()``), DeepSpeed's scheduler, the
 engine's counters, the data position and the RNG.
 """
 
@@ -69,14 +69,26 @@ data = Batches(rank)
 
 
 def params() -> dict[str, torch.Tensor]:
-    """The module's parameters as this rank holds them (ZeRO-3: its partition, the module's are placeholders)."""
-    return {n: getattr(p, "ds_tensor", p) for n, p in engine.module.named_parameters()}
+    """The module's parameters as this rank holds them. ZeRO-3: its partition (the module's are placeholders)
+    without the padding that rounds the last partition up: padding is never training state (after a resume
+    DeepSpeed leaves it as it finds it), only the real elements are."""
+    out: dict[str, torch.Tensor] = {}
+    for n, p in engine.module.named_parameters():
+        part = getattr(p, "ds_tensor", None)
+        if part is None:
+            out[n] = p
+            continue
+        real = max(0, min(part.numel(), int(p.ds_numel) - rank * int(part.ds_numel)))
+        out[n] = part.narrow(0, 0, real)
+    return out
 
 
 def optimizer() -> dict[str, object]:
-    """The ZeRO optimizer's partition: fp32 master weights and the base optimizer's state (step, moments)."""
+    """The ZeRO optimizer's partition: fp32 master weights and the base optimizer's state (step, moments).
+    ZeRO-3's flat fp32 group holds the padding too: its real elements are the model partition above (fp32
+    training copies them into it after every step), so there only the base optimizer's state is taken."""
     sd = engine.optimizer.state_dict()
-    keep = ("single_partition_of_fp32_groups", "fp32_flat_groups", "optimizer_state_dict", "base_optimizer_state")
+    keep = ("single_partition_of_fp32_groups", "optimizer_state_dict", "base_optimizer_state")
     return {k: sd[k] for k in keep if k in sd}
 
 

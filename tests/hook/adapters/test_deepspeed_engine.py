@@ -110,16 +110,3 @@ def test_load_allows_deepspeeds_types_and_refuses_any_other(tmp_path: Path) -> N
     torch.save({"x": Foreign()}, bad)
     with pytest.raises(DamagedCheckpoint, match="refused to load"):
         ce.load(str(bad))
-
-
-def test_lightning_deepspeed_strategy_is_refused_at_install(tmp_path: Path) -> None:
-    """Its checkpoint is a folder of per-rank ZeRO partitions the Lightning adapter would not all commit."""
-    pl = pytest.importorskip("lightning.pytorch")
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    from spotguard import install_preemption_hook
-
-    trainer = pl.Trainer(strategy=DeepSpeedStrategy(stage=2), accelerator="cpu", devices=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False)
-    with pytest.raises(NotImplementedError, match="DeepSpeedStrategy"):
-        install_preemption_hook(trainer, storage=str(tmp_path / "ckpt"))
