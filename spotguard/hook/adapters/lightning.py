@@ -374,11 +374,10 @@ class LightningHook(FrameworkHook):
 
 def install(trainer: Any, storage: Any = None, *, socket: str | None = None, every: Any = None,
             keep: int | None = None, exit_code: int = 143, on_notice: Any = None) -> LightningHook:
-    cls = LightningHook
+    """The Lightning adapter for a Trainer whose strategy is not DeepSpeed's (``install_preemption_hook`` goes
+    through ``lightning_deepspeed.install``, which picks)."""
     if any(c.__name__ == "DeepSpeedStrategy" for c in type(getattr(trainer, "strategy", None)).__mro__):
-        # every rank writes its ZeRO partition through DeepSpeed's engine: its own save path
-        from .lightning_deepspeed import LightningDeepSpeedHook  # noqa: PLC0415 - imports deepspeed
-
-        cls = LightningDeepSpeedHook
-    return cls(trainer, storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice, every=every)
-
+        raise TypeError("a Trainer with DeepSpeedStrategy: use install_preemption_hook(trainer) (its checkpoint is "
+                        "written by spotguard.hook.adapters.lightning_deepspeed)")
+    return LightningHook(trainer, storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice,
+                         every=every)

@@ -27,15 +27,17 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ...storage.base import join_key
-from ...storage.commit import checkpoint_info
 from ...storage.verify import cache_root
-from .deepspeed import DeepSpeedWorldSizeChanged, SpotguardCheckpointEngine
 from .lightning import CKPT_NAME, LightningHook
+from .lightning import install as install_lightning
 
-__all__ = ["LightningDeepSpeedHook"]
+if TYPE_CHECKING:
+    from .deepspeed import SpotguardCheckpointEngine
+
+__all__ = ["LightningDeepSpeedHook", "install"]
 
 _TAG = "checkpoint"  # Lightning's tag for engine.save_checkpoint
 
@@ -57,17 +59,16 @@ class LightningDeepSpeedHook(LightningHook):
             self._check_world(self._latest[3])
 
     def _check_world(self, dirkey: str) -> None:
-        info = checkpoint_info(self._storage, dirkey)
-        saved = info.record.world_size if info.record is not None else None
+        from .deepspeed import check_world  # noqa: PLC0415 - imports deepspeed
+
         world = int(getattr(self.trainer, "world_size", 0) or 0)
-        if saved is not None and world and saved != world:
-            raise DeepSpeedWorldSizeChanged(
-                f"{self._storage.uri}/{dirkey} was written by {saved} ranks, this Trainer has {world}: a DeepSpeed "
-                "ZeRO checkpoint's optimizer partitions fit only the world size that wrote them. Resume with "
-                f"{saved} ranks")
+        if world:
+            check_world(self._storage, dirkey, world)
 
     def _wrap_load(self) -> None:
         """``strategy.load_checkpoint`` reads through spotguard's engine (``weights_only=True`` + allowlist)."""
+        from .deepspeed import SpotguardCheckpointEngine  # noqa: PLC0415 - imports deepspeed
+
         strategy, hook = self.trainer.strategy, self
         orig = strategy.load_checkpoint
 
@@ -80,7 +81,7 @@ class LightningDeepSpeedHook(LightningHook):
         self._unwrap.append((strategy, "load_checkpoint"))
 
     @contextlib.contextmanager
-    def _swapped(self, ce: SpotguardCheckpointEngine) -> Iterator[None]:
+    def _swapped(self, ce: "SpotguardCheckpointEngine") -> Iterator[None]:
         engine = self.trainer.strategy.deepspeed_engine
         old, engine.checkpoint_engine = engine.checkpoint_engine, ce
         try:
@@ -89,6 +90,9 @@ class LightningDeepSpeedHook(LightningHook):
             engine.checkpoint_engine = old
 
     # ------------------------------------------------------------- accumulation: the step boundary only
+
+    def _remember_step(self, step: int, final: bool) -> None:
+        self._micro_since, self._at_step = 0, None  # nothing to rewind to: no snapshot per step
 
     def _microbatch(self) -> None:
         self._micro_since += 1  # no agreement between micro-batches (ZeRO's gradient buffers are not saved)
@@ -103,6 +107,8 @@ class LightningDeepSpeedHook(LightningHook):
         ``<key>/lightning.ckpt/``. Lightning broadcasts rank 0's path to every rank, so the throw-away folder
         DeepSpeed is pointed at (it receives only ``latest`` and the recovery scripts, from rank 0) is named the
         same on every rank; each removes its host's copy after Lightning's closing barrier."""
+        from .deepspeed import SpotguardCheckpointEngine  # noqa: PLC0415 - imports deepspeed
+
         stage = cache_root() / "staging" / f"lightning-deepspeed-{key.replace('/', '_')}"
         target = stage / CKPT_NAME
         ce = SpotguardCheckpointEngine(self._storage, join_key(key, CKPT_NAME), str(target))
@@ -115,3 +121,14 @@ class LightningDeepSpeedHook(LightningHook):
             shutil.rmtree(stage, ignore_errors=True)
         if self._rank == 0:
             self._storage.write_bytes(join_key(key, CKPT_NAME, "latest"), _TAG.encode())
+
+
+def install(trainer: Any, storage: Any = None, *, socket: str | None = None, every: Any = None,
+            keep: int | None = None, exit_code: int = 143, on_notice: Any = None) -> LightningHook:
+    """``install_preemption_hook(trainer)`` for any Lightning Trainer: this hook under ``DeepSpeedStrategy``
+    (deepspeed imported only then), else the Lightning adapter's."""
+    if not any(c.__name__ == "DeepSpeedStrategy" for c in type(getattr(trainer, "strategy", None)).__mro__):
+        return install_lightning(trainer, storage, socket=socket, every=every, keep=keep, exit_code=exit_code,
+                                 on_notice=on_notice)
+    return LightningDeepSpeedHook(trainer, storage, socket=socket, keep=keep, exit_code=exit_code,
+                                  on_notice=on_notice, every=every)
