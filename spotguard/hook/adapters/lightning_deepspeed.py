@@ -75,7 +75,10 @@ class LightningDeepSpeedHook(LightningHook):
         def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
             ce = SpotguardCheckpointEngine(hook._storage, "", str(checkpoint_path))
             with hook._swapped(ce):
-                return orig(checkpoint_path, *args, **kwargs)
+                out = orig(checkpoint_path, *args, **kwargs)
+            hook._log.info("deepspeed_checkpoint_loaded", path=str(checkpoint_path),
+                           reader="spotguard CheckpointEngine (torch.load weights_only=True + DeepSpeed allowlist)")
+            return out
 
         strategy.load_checkpoint = load_checkpoint
         self._unwrap.append((strategy, "load_checkpoint"))

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (make deepspeed-tools)")
 pytest.importorskip("lightning.pytorch")
 
-from ._jobs import Job, Reference, committed, resume_and_compare  # noqa: E402
+from ._jobs import Job, Reference, committed, read_log, resume_and_compare  # noqa: E402
 from .test_deepspeed import ds_env  # noqa: E402,F401 - the CPU accelerator and the prebuilt comm op
 
 SCRIPT = "../tests/hook/adapters/lightning_ds_train.py"  # Job runs examples/<script>
@@ -53,6 +53,9 @@ def test_zero2_every_then_usr1_to_rank1_streams_every_partition_and_resumes_bitw
                 *(f"lightning.ckpt/checkpoint/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))}
         assert want <= set(record["files"]) and want <= set(record["checksums"]), record["files"]
         resume_and_compare(SCRIPT, tmp_path, ref, STEPS, stop, ARGS)
+        loaded = read_log(tmp_path / "resumed.log").events("deepspeed_checkpoint_loaded")
+        assert {e["rank"] for e in loaded} == {0, 1} and all(e["path"].endswith(f"step-{stop:08d}/lightning.ckpt")
+                                                             for e in loaded), loaded  # through spotguard's reader
     finally:
         run.kill()
         ref.run.kill()
