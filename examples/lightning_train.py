@@ -95,7 +95,9 @@ class Net(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, deepspeed_strategy: Any = None) -> int:
+    """``deepspeed_strategy``: the ``DeepSpeedStrategy`` class ``--deepspeed`` builds (default Lightning's own,
+    which Lightning runs on CUDA only; the tests pass a CPU subclass: tests/hook/adapters/lightning_ds_train.py)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batches-per-epoch", type=int, default=12)
@@ -106,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-hook", action="store_true", help="uninterrupted reference run without spotguard")
     p.add_argument("--explicit-ckpt-path", action="store_true", help="pass ckpt_path=hook.latest() to fit")
     p.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches (micro-batches a step)")
+    p.add_argument("--deepspeed", type=int, default=None, metavar="STAGE", help="DeepSpeedStrategy(stage=STAGE)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--eval-every", type=int, default=6, help="validate every N training batches (with --eval-batches)")
@@ -125,9 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     validation: dict[str, Any] = {"limit_val_batches": 0}
     if args.eval_batches > 0:  # a notice during validation is acted on at once (docs/frameworks.md)
         validation = {"limit_val_batches": args.eval_batches, "val_check_interval": args.eval_every}
+    strategy: Any = "ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "auto"
+    if args.deepspeed is not None:
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        strategy = (deepspeed_strategy or DeepSpeedStrategy)(stage=args.deepspeed, process_group_backend="gloo")
     trainer = pl.Trainer(
         accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), num_nodes=1,
-        strategy="ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "auto",
+        strategy=strategy,
         max_steps=args.steps, max_epochs=-1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         use_distributed_sampler=False, accumulate_grad_batches=args.accumulate, **validation,

@@ -86,6 +86,11 @@ class Pattern:
     open_bug: str = ""
 
 
+# DeepSpeed on CPU, its comm op prebuilt once by `make deepspeed-tools` (never rebuilt per run)
+_DS_ENV: tuple[tuple[str, str], ...] = (
+    ("DS_ACCELERATOR", "cpu"),
+    ("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path(sys.prefix) / "torch-extensions")))
+
 PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("ddp", "ddp.py", what="DDP 2 ranks, dropout, AdamW, StepLR, eval every 4th iteration",
             phases=("load", "fwd", "bwd", "prestep", "step", "after", "eval")),
@@ -166,6 +171,13 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
                      "hook logs optimizer_step_skipped with that fix at the first skip"),
     Pattern("byol", "byol.py", what="DDP + a BYOL/DINO teacher in the dict soft-updated with lerp_ after the step, "
             "max-norm written in place, two param groups, clip_grad_norm_, LambdaLR warm-up"),
+    # issue 29: DeepSpeed's engine (the hook acts after the engine.step() advancing global_steps)
+    Pattern("deepspeed_zero2", "deepspeed_loop.py", env=_DS_ENV, what="DeepSpeed ZeRO-2 on 2 ranks: "
+            "install_preemption_hook(engine), engine.backward/step, dropout, AdamW + WarmupDecayLR, add_state data",
+            phases=("load", "fwd", "bwd", "prestep", "after")),
+    Pattern("deepspeed_zero3", "deepspeed_loop.py", env=(*_DS_ENV, ("EXO_ZERO", "3")), what="the deepspeed_zero2 "
+            "pattern under ZeRO-3 (parameters partitioned: digested as each rank's partition)",
+            phases=("load", "fwd", "bwd", "prestep", "after")),
     Pattern("moco", "moco.py", what="DDP + a MoCo-style momentum encoder updated in place inside the model's "
             "forward, a queue buffer enqueued in the forward"),
 )}

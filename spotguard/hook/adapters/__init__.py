@@ -37,7 +37,8 @@ class Adapter:
 
 _REGISTRY: list[Adapter] = [
     Adapter(("lightning.pytorch.trainer.trainer.Trainer", "pytorch_lightning.trainer.trainer.Trainer"),
-            "Lightning Trainer (lightning.pytorch or pytorch_lightning)", "spotguard.hook.adapters.lightning:install"),
+            "Lightning Trainer (lightning.pytorch or pytorch_lightning)",
+            "spotguard.hook.adapters.lightning_deepspeed:install"),  # it picks: DeepSpeedStrategy or not
     Adapter(("transformers.trainer.Trainer",), "Hugging Face transformers.Trainer",
             "spotguard.hook.adapters.hf:install"),
     Adapter(("accelerate.accelerator.Accelerator",), "accelerate.Accelerator",

@@ -69,13 +69,25 @@ from ..state import capture_rng, pack, restore_rng, unpack
 from ._base import FrameworkHook
 from ._files import staging_dir
 
-__all__ = ["DeepSpeedHook", "DeepSpeedWorldSizeChanged", "SpotguardCheckpointEngine", "install"]
+__all__ = ["DeepSpeedHook", "DeepSpeedWorldSizeChanged", "SpotguardCheckpointEngine", "check_world", "install"]
 
 _TAG = "ds"  # DeepSpeed's tag folder inside the throw-away save_dir: file names are taken relative to it
 
 
 class DeepSpeedWorldSizeChanged(RuntimeError):
     """A ZeRO checkpoint written by another number of ranks: its partitions do not fit this job."""
+
+
+def check_world(storage: Storage, dirkey: str, world: int) -> None:
+    """``DeepSpeedWorldSizeChanged`` unless the committed ``dirkey`` was written by ``world`` ranks."""
+    info = checkpoint_info(storage, dirkey)
+    saved = info.record.world_size if info.record is not None else None
+    if saved is not None and saved != world:
+        raise DeepSpeedWorldSizeChanged(
+            f"{storage.uri}/{dirkey} was written by {saved} ranks, this job has {world}: a DeepSpeed "
+            "ZeRO checkpoint's optimizer partitions fit only the world size that wrote them, and spotguard does "
+            "not reshape them (DeepSpeed's universal checkpoint conversion, ds_to_universal.py, is offline). "
+            f"Resume with {saved} ranks, or convert the checkpoint yourself")
 
 
 def _ds_safe_globals() -> list[Any]:
@@ -385,14 +397,7 @@ class DeepSpeedHook(FrameworkHook):
         self._storage.write_bytes(join_key(key, f"spotguard_rank{self._rank}.pt"), per)
 
     def _check_world(self, dirkey: str) -> None:
-        info = checkpoint_info(self._storage, dirkey)
-        saved = info.record.world_size if info.record is not None else None
-        if saved is not None and saved != self._world:
-            raise DeepSpeedWorldSizeChanged(
-                f"{self._storage.uri}/{dirkey} was written by {saved} ranks, this job has {self._world}: a DeepSpeed "
-                "ZeRO checkpoint's optimizer partitions fit only the world size that wrote them, and spotguard does "
-                "not reshape them (DeepSpeed's universal checkpoint conversion, ds_to_universal.py, is offline). "
-                f"Resume with {saved} ranks, or convert the checkpoint yourself")
+        check_world(self._storage, dirkey, self._world)
 
     def _load(self, dirkey: str, digests: Any = None) -> Optional[DamagedCheckpoint]:
         """Every rank: verify (or download verified), agree, then ``engine.load_checkpoint``; damage is returned."""

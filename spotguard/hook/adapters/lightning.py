@@ -374,13 +374,10 @@ class LightningHook(FrameworkHook):
 
 def install(trainer: Any, storage: Any = None, *, socket: str | None = None, every: Any = None,
             keep: int | None = None, exit_code: int = 143, on_notice: Any = None) -> LightningHook:
+    """The Lightning adapter for a Trainer whose strategy is not DeepSpeed's (``install_preemption_hook`` goes
+    through ``lightning_deepspeed.install``, which picks)."""
     if any(c.__name__ == "DeepSpeedStrategy" for c in type(getattr(trainer, "strategy", None)).__mro__):
-        # its save_checkpoint writes a folder with one ZeRO partition file per rank; this adapter commits rank 0's
-        # file only, so a commit would miss the other ranks' partitions: refuse now rather than at the resume
-        raise NotImplementedError(
-            "spotguard does not support Lightning's DeepSpeedStrategy yet (its checkpoint is one folder of per-rank "
-            "ZeRO partitions); use strategy='ddp'/'fsdp', or DeepSpeed directly: install_preemption_hook(engine) "
-            "after deepspeed.initialize (docs/frameworks.md \"DeepSpeed\")")
+        raise TypeError("a Trainer with DeepSpeedStrategy: use install_preemption_hook(trainer) (its checkpoint is "
+                        "written by spotguard.hook.adapters.lightning_deepspeed)")
     return LightningHook(trainer, storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice,
                          every=every)
-

@@ -112,14 +112,22 @@ def test_load_allows_deepspeeds_types_and_refuses_any_other(tmp_path: Path) -> N
         ce.load(str(bad))
 
 
-def test_lightning_deepspeed_strategy_is_refused_at_install(tmp_path: Path) -> None:
-    """Its checkpoint is a folder of per-rank ZeRO partitions the Lightning adapter would not all commit."""
+def test_lightning_deepspeed_strategy_gets_the_deepspeed_writer_and_plain_lightning_is_refused(tmp_path: Path) -> None:
+    """A Trainer with ``DeepSpeedStrategy``: the Lightning adapter with DeepSpeed's writer (every rank's ZeRO
+    partition streamed; end to end in test_lightning_deepspeed.py); the plain Lightning adapter refuses it."""
     pl = pytest.importorskip("lightning.pytorch")
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     from spotguard import install_preemption_hook
+    from spotguard.hook.adapters.lightning import install as plain_install
+    from spotguard.hook.adapters.lightning_deepspeed import LightningDeepSpeedHook
 
     trainer = pl.Trainer(strategy=DeepSpeedStrategy(stage=2), accelerator="cpu", devices=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False)
-    with pytest.raises(NotImplementedError, match="DeepSpeedStrategy"):
-        install_preemption_hook(trainer, storage=str(tmp_path / "ckpt"))
+    with pytest.raises(TypeError, match="DeepSpeedStrategy"):
+        plain_install(trainer, storage=str(tmp_path / "ckpt"))
+    hook = install_preemption_hook(trainer, storage=str(tmp_path / "ckpt"))
+    try:
+        assert type(hook) is LightningDeepSpeedHook
+    finally:
+        hook.close()

@@ -1,0 +1,137 @@
+"""Lightning's ``DeepSpeedStrategy``: the Lightning adapter, with the checkpoint written by DeepSpeed's own writer.
+
+``install_preemption_hook(trainer)`` with ``strategy=DeepSpeedStrategy(...)`` (or ``"deepspeed_stage_2"``...)
+returns this hook. Everything Lightning-side is the Lightning adapter's (callback, boundaries, signals, RNG,
+automatic resume, ``every=``); what differs is the checkpoint: under DeepSpeed ``trainer.save_checkpoint(path)``
+makes *every* rank call ``engine.save_checkpoint(path, client_state=<Lightning's dict>, tag="checkpoint")``,
+which writes a folder: ``checkpoint/mp_rank_00_model_states.pt`` (rank 0: weights, Lightning's dict) and one
+``checkpoint/zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per rank (its ZeRO partition).
+
+How the bytes go: as in the DeepSpeed engine adapter, spotguard's ``CheckpointEngine`` is swapped in for the
+save only, so each rank streams its own files into ``<storage>/step-N/lightning.ckpt/`` (multipart upload for an
+object store, never staged whole on local disk), checksummed as they go and named in the commit record; rank 0
+adds DeepSpeed's ``latest`` (``checkpoint``), which ``engine.load_checkpoint`` reads to find the tag. Lightning's
+own resume (``trainer.ckpt_path = <step-N>/lightning.ckpt``, a folder) loads it through the same engine: every
+file with ``torch.load(weights_only=True)`` and the DeepSpeed allowlist.
+
+Limits: gradient accumulation acts at the step boundary only (ZeRO's partly reduced gradients are not in a
+checkpoint: the engine adapter's rule); another world size at resume is refused before anything loads
+(``DeepSpeedWorldSizeChanged``).
+
+Lightning 2.6 itself runs ``DeepSpeedStrategy`` only on CUDA (``setup_environment`` refuses another accelerator,
+``setup_distributed`` wants device indices, ``deepspeed.initialize`` gets ``device_rank=None`` on CPU); the
+tests run it on CPU through a test-only subclass (``tests/hook/adapters/lightning_ds_train.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from typing import TYPE_CHECKING, Any, Iterator
+
+from ...storage.base import join_key
+from ...storage.verify import cache_root
+from .lightning import CKPT_NAME, LightningHook
+from .lightning import install as install_lightning
+
+if TYPE_CHECKING:
+    from .deepspeed import SpotguardCheckpointEngine
+
+__all__ = ["LightningDeepSpeedHook", "install"]
+
+_TAG = "checkpoint"  # Lightning's tag for engine.save_checkpoint
+
+
+class LightningDeepSpeedHook(LightningHook):
+    framework = "lightning-deepspeed"
+
+    def _arm(self, state: Any = None) -> None:
+        first = not self._armed
+        super()._arm(state)
+        if first:  # the core exists now (its _unwrap list); Lightning loads the checkpoint after setup
+            self._wrap_load()
+
+    # ------------------------------------------------------------- resume
+
+    def _arrange_resume(self) -> None:
+        super()._arrange_resume()
+        if self._auto_ckpt is not None and self._latest is not None:
+            self._check_world(self._latest[3])
+
+    def _check_world(self, dirkey: str) -> None:
+        from .deepspeed import check_world  # noqa: PLC0415 - imports deepspeed
+
+        world = int(getattr(self.trainer, "world_size", 0) or 0)
+        if world:
+            check_world(self._storage, dirkey, world)
+
+    def _wrap_load(self) -> None:
+        """``strategy.load_checkpoint`` reads through spotguard's engine (``weights_only=True`` + allowlist)."""
+        from .deepspeed import SpotguardCheckpointEngine  # noqa: PLC0415 - imports deepspeed
+
+        strategy, hook = self.trainer.strategy, self
+        orig = strategy.load_checkpoint
+
+        def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+            ce = SpotguardCheckpointEngine(hook._storage, "", str(checkpoint_path))
+            with hook._swapped(ce):
+                out = orig(checkpoint_path, *args, **kwargs)
+            hook._log.info("deepspeed_checkpoint_loaded", path=str(checkpoint_path),
+                           reader="spotguard CheckpointEngine (torch.load weights_only=True + DeepSpeed allowlist)")
+            return out
+
+        strategy.load_checkpoint = load_checkpoint
+        self._unwrap.append((strategy, "load_checkpoint"))
+
+    @contextlib.contextmanager
+    def _swapped(self, ce: "SpotguardCheckpointEngine") -> Iterator[None]:
+        engine = self.trainer.strategy.deepspeed_engine
+        old, engine.checkpoint_engine = engine.checkpoint_engine, ce
+        try:
+            yield
+        finally:
+            engine.checkpoint_engine = old
+
+    # ------------------------------------------------------------- accumulation: the step boundary only
+
+    def _remember_step(self, step: int, final: bool) -> None:
+        self._micro_since, self._at_step = 0, None  # nothing to rewind to: no snapshot per step
+
+    def _microbatch(self) -> None:
+        self._micro_since += 1  # no agreement between micro-batches (ZeRO's gradient buffers are not saved)
+
+    def _may_act_now(self) -> bool:
+        return self._micro_since == 0
+
+    # ------------------------------------------------------------- writing
+
+    def _write(self, key: str, snap: Any) -> None:
+        """Every rank: ``trainer.save_checkpoint`` with spotguard's engine swapped in, each file streamed to
+        ``<key>/lightning.ckpt/``. Lightning broadcasts rank 0's path to every rank, so the throw-away folder
+        DeepSpeed is pointed at (it receives only ``latest`` and the recovery scripts, from rank 0) is named the
+        same on every rank; each removes its host's copy after Lightning's closing barrier."""
+        from .deepspeed import SpotguardCheckpointEngine  # noqa: PLC0415 - imports deepspeed
+
+        stage = cache_root() / "staging" / f"lightning-deepspeed-{key.replace('/', '_')}"
+        target = stage / CKPT_NAME
+        ce = SpotguardCheckpointEngine(self._storage, join_key(key, CKPT_NAME), str(target))
+        self._saving = True
+        try:
+            with self._swapped(ce):
+                self.trainer.save_checkpoint(str(target))
+        finally:
+            self._saving = False
+            shutil.rmtree(stage, ignore_errors=True)
+        if self._rank == 0:
+            self._storage.write_bytes(join_key(key, CKPT_NAME, "latest"), _TAG.encode())
+
+
+def install(trainer: Any, storage: Any = None, *, socket: str | None = None, every: Any = None,
+            keep: int | None = None, exit_code: int = 143, on_notice: Any = None) -> LightningHook:
+    """``install_preemption_hook(trainer)`` for any Lightning Trainer: this hook under ``DeepSpeedStrategy``
+    (deepspeed imported only then), else the Lightning adapter's."""
+    if not any(c.__name__ == "DeepSpeedStrategy" for c in type(getattr(trainer, "strategy", None)).__mro__):
+        return install_lightning(trainer, storage, socket=socket, every=every, keep=keep, exit_code=exit_code,
+                                 on_notice=on_notice)
+    return LightningDeepSpeedHook(trainer, storage, socket=socket, keep=keep, exit_code=exit_code,
+                                  on_notice=on_notice, every=every)
