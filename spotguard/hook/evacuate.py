@@ -233,8 +233,7 @@ class Evacuation:
 
             def run() -> None:
                 try:
-                    for src in self.sources:
-                        self._receive(src)
+                    self.receive_all()
                 except BaseException as exc:  # noqa: BLE001 - raised on the save's thread below
                     errors.append(exc)
 
@@ -250,13 +249,32 @@ class Evacuation:
             return fut
         return write_data
 
-    def _receive(self, src: int) -> None:
-        """Take one doomed rank's files into host memory, acknowledge them, then upload them beside my own."""
+    def receive_all(self) -> None:
+        """Take every source's files into host memory, acknowledging each on receipt, and only then upload them
+        beside my own. Why this order: a source is *safe* at my acknowledgement, and storage is the slow path
+        its deadline cannot afford — a second source (two doomed ranks per survivor, or more doomed ranks than
+        survivors) must not wait for the upload of the first one's files. The price: every source's files are
+        in my host memory at once (the sum of their unique shards) until uploaded."""
+        held = [(src, *self._receive(src)) for src in self.sources]
+        for src, got, received in held:
+            t0 = time.monotonic()
+            for name, buf in got:  # the storage notes each file's checksum in my write log, as for my own
+                self._upload(join_key(self.key, name), buf)
+            total = sum(len(b) for _, b in got)
+            if got:  # (a source that writes its own files is not in ``received``)
+                self.received[src] = total
+                self.log.info(ev.EVACUATION_RECEIVED, from_rank=src, bytes=total, receive_seconds=round(received, 4),
+                              upload_seconds=round(time.monotonic() - t0, 4), **self.fields)
+            got.clear()  # each file leaves my memory once it is in storage
+
+    def _receive(self, src: int) -> tuple[list[tuple[str, bytearray]], float]:
+        """One doomed rank's files in host memory, acknowledged: ([(name, bytes)], seconds to receive them);
+        ([], 0.0) when it writes its own files."""
         head = _int(0)
         self._recv(head, src)
         n = int(head[0])
         if n == 0:
-            return  # it writes its own files
+            return [], 0.0  # it writes its own files
         if n < 0:
             raise RuntimeError(f"rank {src} could not serialise its shards for evacuation")
         raw = torch.empty(n, dtype=torch.uint8)
@@ -273,15 +291,8 @@ class Evacuation:
             for off in range(0, int(size), step):
                 self._recv(view[off:off + step], src)
             got.append((name, buf))
-        total = sum(len(b) for _, b in got)
-        self._send_ack(total, src)
-        received = time.monotonic() - t0
-        for name, buf in got:  # the storage notes each file's checksum in my write log, as for my own
-            self._upload(join_key(self.key, name), buf)
-        self.received[src] = total
-        self.log.info(ev.EVACUATION_RECEIVED, from_rank=src, bytes=total,
-                      receive_seconds=round(received, 4), upload_seconds=round(time.monotonic() - t0 - received, 4),
-                      **self.fields)
+        self._send_ack(sum(len(b) for _, b in got), src)
+        return got, time.monotonic() - t0
 
     def _upload(self, key: str, buf: bytearray) -> None:
         """One received file to storage: an object store's parallel part upload where there is one (a shard
