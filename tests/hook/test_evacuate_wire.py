@@ -76,22 +76,15 @@ def _groups() -> list[Any]:
     return pgs
 
 
-def test_two_doomed_ranks_to_one_survivor_both_safe_before_its_slow_upload(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ranks 1 and 2 are doomed, rank 0 receives both (``pair_ranks``). Each is *safe* at the survivor's
-    acknowledgement — rank 2 must not wait for the upload of rank 1's file (storage is the slow path the
-    evacuation avoids; its deadline would pass). Then both files land under their names with their checksums
-    in the survivor's write log."""
-    monkeypatch.setenv("SPOTGUARD_EVACUATE_CHUNK_MB", "0.0625")  # several chunks per file
+def _run(store: LocalStorage, release: Optional[threading.Event],
+         files: dict[int, dict[str, bytes]]) -> tuple[dict[int, _Wire], list[BaseException]]:
+    """Ranks 1 and 2 evacuate ``files`` to rank 0 (``pair_ranks``); returns the roles and what was raised
+    (``release`` is set once both senders were acknowledged)."""
     pgs = _groups()
-    acked = {1: threading.Event(), 2: threading.Event()}
-    release = threading.Event()
-    store = _SlowStore(tmp_path / "store", release)
-    files = {r: {f"__{r}_0.distcp": bytes((r * 7 + i) % 251 for i in range(200_000 + r))} for r in DOOMED}
-    log = _Log()
+    acked = {r: threading.Event() for r in DOOMED}
     roles: dict[int, _Wire] = {}
     for r in range(WORLD):
-        roles[r] = _Wire(None, r, WORLD, DOOMED, store, "step-5", time.monotonic() + 30, None, log, {})
+        roles[r] = _Wire(None, r, WORLD, DOOMED, store, "step-5", time.monotonic() + 30, None, _Log(), {})
         roles[r].pg = pgs[r]
     assert roles[1].to == roles[2].to == 0 and roles[0].sources == [1, 2]
     errors: list[BaseException] = []
@@ -100,15 +93,15 @@ def test_two_doomed_ranks_to_one_survivor_both_safe_before_its_slow_upload(tmp_p
         try:
             roles[r]._evacuate({n: memoryview(bytearray(b)) for n, b in files[r].items()})
             acked[r].set()
-            if all(e.is_set() for e in acked.values()):
+            if release is not None and all(e.is_set() for e in acked.values()):
                 release.set()
-        except BaseException as exc:  # noqa: BLE001 - asserted below
+        except BaseException as exc:  # noqa: BLE001 - asserted by the caller
             errors.append(exc)
 
     def survivor() -> None:
         try:
             roles[0].receive_all()
-        except BaseException as exc:  # noqa: BLE001 - asserted below
+        except BaseException as exc:  # noqa: BLE001 - asserted by the caller
             errors.append(exc)
 
     threads = [threading.Thread(target=sender, args=(r,)) for r in sorted(DOOMED)] + [threading.Thread(target=survivor)]
@@ -116,6 +109,25 @@ def test_two_doomed_ranks_to_one_survivor_both_safe_before_its_slow_upload(tmp_p
         t.start()
     for t in threads:
         t.join(3 * TIMEOUT)
+    assert not any(t.is_alive() for t in threads), "a rank hung past the group's timeout"
+    return roles, errors
+
+
+def _files() -> dict[int, dict[str, bytes]]:
+    return {r: {f"__{r}_0.distcp": bytes((r * 7 + i) % 251 for i in range(200_000 + r))} for r in DOOMED}
+
+
+def test_two_doomed_ranks_to_one_survivor_both_safe_before_its_slow_upload(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks 1 and 2 are doomed, rank 0 receives both (``pair_ranks``). Each is *safe* at the survivor's
+    acknowledgement — rank 2 must not wait for the upload of rank 1's file (storage is the slow path the
+    evacuation avoids; its deadline would pass). Then both files land under their names with their checksums
+    in the survivor's write log."""
+    monkeypatch.setenv("SPOTGUARD_EVACUATE_CHUNK_MB", "0.0625")  # several chunks per file
+    release = threading.Event()
+    store = _SlowStore(tmp_path / "store", release)
+    files = _files()
+    roles, errors = _run(store, release, files)
     assert not errors, errors
     assert roles[0].received == {1: 200_001, 2: 200_002}
     assert (roles[1].sent, roles[2].sent) == (200_001, 200_002)
@@ -126,3 +138,19 @@ def test_two_doomed_ranks_to_one_survivor_both_safe_before_its_slow_upload(tmp_p
         assert logged[name] == digest_of(data)
     assert roles[1].info() == {"evacuated_to": 0, "evacuated_bytes": 200_001}
     assert roles[0].info() == {"received": {"1": 200_001, "2": 200_002}}
+
+
+class _FailingStore(LocalStorage):
+    def write_bytes(self, key: str, data: bytes) -> None:
+        raise OSError(f"store down: {key}")
+
+
+def test_store_failing_for_the_survivor_fails_its_write_after_the_senders_were_safe(tmp_path: Path) -> None:
+    """The survivor's store fails while it uploads an evacuated file: its ``write_data`` raises (the save's
+    durable barrier then fails on every rank: nothing is committed), nothing is noted in its write log, and
+    no rank hangs — the doomed ranks were already acknowledged."""
+    store = _FailingStore(tmp_path / "store")
+    roles, errors = _run(store, None, _files())
+    assert len(errors) == 1 and isinstance(errors[0], OSError), errors
+    assert (roles[1].sent, roles[2].sent) == (200_001, 200_002)
+    assert roles[0].received == {} and store.write_log.peek("step-5") == {}
