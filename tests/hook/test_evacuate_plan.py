@@ -44,3 +44,24 @@ def test_mode_knob_defaults_to_auto(monkeypatch: pytest.MonkeyPatch) -> None:
     assert evacuate_mode() == "auto"
     monkeypatch.setenv("SPOTGUARD_EVACUATE", "bogus")
     assert evacuate_mode() == "auto"
+
+
+def test_never_on_one_rank_still_tells_its_survivor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SPOTGUARD_EVACUATE`` is read per process: a doomed rank with ``never`` beside a survivor without it
+    must still send its survivor the "I write myself" header (its role exists; ``decide`` says direct), or the
+    survivor waits on it until the group's timeout and the whole save fails."""
+    from spotguard.hook import evacuate
+    from spotguard.hook.save import SaveMixin
+    from spotguard.notice import Notice
+    from spotguard.timefmt import utcnow
+
+    asked: list[frozenset[int]] = []
+    monkeypatch.setattr(evacuate.Evacuation, "for_save",
+                        classmethod(lambda cls, group, doomed, *a, **k: asked.append(doomed) or "role"))
+    monkeypatch.setenv("SPOTGUARD_EVACUATE", "never")
+    me = SaveMixin()
+    me._dist, me._storage, me._log, me._write_rate = True, None, None, None  # type: ignore[attr-defined]
+    n = Notice(id="n", source="drill", kind="preemption", deadline=utcnow(), received_at=utcnow())
+    assert me._evacuation(object(), frozenset({1}), "step-1", 0.0, n, 1) == "role"
+    assert asked == [frozenset({1})]
+    assert _role(None, 30.0).decide(1 << 40) is False  # and the doomed rank then writes itself
