@@ -23,8 +23,15 @@ here runs (today's path).
 
 Wire (point to point on the save's group, tag ``TAG``): doomed -> survivor an
 int64 header (-1: failed, 0: writes itself, n: n bytes of JSON follow), the
-JSON ``{"files": [[name, size], ...]}``, then each file in chunks of at most
-``chunk_bytes()``; survivor -> doomed an int64 ack (bytes received).
+JSON ``{"files": [[name, size], ...]}``; survivor -> doomed an int64 grant (1:
+send, 0: no room in my memory budget — the doomed rank then uploads its
+serialised file itself); if granted each file in chunks of at most
+``chunk_bytes()``, and survivor -> doomed an int64 ack (bytes received).
+
+Memory: the survivor holds every granted file whole in host memory until it is
+uploaded; it grants only within ``memory_budget()`` (``SPOTGUARD_EVACUATE_MAX_MB``,
+default half of MemAvailable when the save starts), so evacuation never gets the
+survivor — holding everyone's bytes — killed for memory.
 """
 
 from __future__ import annotations
@@ -67,6 +74,25 @@ def chunk_bytes() -> int:
         return max(1 << 16, int(float(os.environ.get("SPOTGUARD_EVACUATE_CHUNK_MB", "16")) * 2**20))
     except ValueError:
         return 16 * 2**20
+
+
+def memory_budget() -> Optional[int]:
+    """Bytes a survivor may hold for doomed ranks: ``$SPOTGUARD_EVACUATE_MAX_MB``, else half of MemAvailable
+    (Linux), else None (no limit known)."""
+    raw = os.environ.get("SPOTGUARD_EVACUATE_MAX_MB", "").strip()
+    if raw:
+        try:
+            return max(0, int(float(raw) * 2**20))
+        except ValueError:
+            pass
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 2
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def pair_ranks(world: int, doomed: "frozenset[int]") -> dict[int, int]:
@@ -134,6 +160,7 @@ class Evacuation:
         self.sources = [d for d, s in sorted(pairs.items()) if s == rank]  # survivor: whose files I receive
         self.sent = 0  # doomed: bytes acknowledged by ``to``
         self.received: dict[int, int] = {}  # survivor: bytes received (and uploaded) per source rank
+        self.budget = memory_budget() if self.sources else None  # survivor: bytes it may still hold
         self.decision = ""  # doomed: "evacuate", "direct" (and why in ``why``)
         self.why = ""
 
@@ -197,18 +224,32 @@ class Evacuation:
             except BaseException:
                 self._send(_int(-1))
                 raise
-            self._evacuate(files)
+            self._hand_over(files)
             fut: Future[list[Any]] = Future()
             fut.set_result(results)
             return fut
         return write_data
 
-    def _evacuate(self, files: dict[str, memoryview]) -> None:
-        """Stream ``files`` to ``self.to`` in bounded chunks; return once it acknowledged every byte."""
+    def _hand_over(self, files: dict[str, memoryview]) -> None:
+        """``files`` (serialised) to ``self.to``, or — when it has no room for them — to storage myself."""
+        if self._evacuate(files):
+            return
+        for name, data in files.items():  # my write log notes each checksum, as the storage writer would
+            self._upload(join_key(self.key, name), data)
+
+    def _evacuate(self, files: dict[str, memoryview]) -> bool:
+        """Stream ``files`` to ``self.to`` in bounded chunks; True once it acknowledged every byte, False when it
+        declined them (no room in its memory budget)."""
         t0 = time.monotonic()
         head = json.dumps({"files": [[n, len(b)] for n, b in files.items()]}).encode()
         self._send(_int(len(head)))
         self._send(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+        grant = _int(0)
+        self._recv(grant, self.to)  # type: ignore[arg-type]
+        if int(grant[0]) != 1:
+            self.decision = "direct"
+            self.why = f"rank {self.to} has no room in its memory budget; {self.why}"
+            return False
         step = chunk_bytes()
         total = 0
         for data in files.values():
@@ -224,6 +265,7 @@ class Evacuation:
         self.sent = total
         self.log.info(ev.CHECKPOINT_EVACUATED, to_rank=self.to, bytes=total, files=len(files),
                       seconds=round(time.monotonic() - t0, 4), decision=self.why, **self.fields)
+        return True
 
     # ------------------------------------------------------------------ survivor
 
@@ -280,12 +322,21 @@ class Evacuation:
         raw = torch.empty(n, dtype=torch.uint8)
         self._recv(raw, src)
         listing = json.loads(bytes(raw.numpy()).decode())["files"]
+        for name, _size in listing:
+            if not isinstance(name, str) or "/" in name or not name.endswith(SUFFIX):
+                raise RuntimeError(f"rank {src} sent an unexpected file name {name!r}")
+        want = sum(int(size) for _, size in listing)
+        fits = self.budget is None or want <= self.budget
+        self._send_ack(1 if fits else 0, src)  # the grant
+        if not fits:
+            self.log.info(ev.EVACUATION_DECLINED, from_rank=src, bytes=want, budget=self.budget, **self.fields)
+            return [], 0.0
+        if self.budget is not None:
+            self.budget -= want
         step = chunk_bytes()
         t0 = time.monotonic()
         got: list[tuple[str, bytearray]] = []
         for name, size in listing:
-            if not isinstance(name, str) or "/" in name or not name.endswith(SUFFIX):
-                raise RuntimeError(f"rank {src} sent an unexpected file name {name!r}")
             buf = bytearray(int(size))
             view = torch.frombuffer(buf, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
             for off in range(0, int(size), step):
@@ -294,7 +345,7 @@ class Evacuation:
         self._send_ack(sum(len(b) for _, b in got), src)
         return got, time.monotonic() - t0
 
-    def _upload(self, key: str, buf: bytearray) -> None:
+    def _upload(self, key: str, buf: "bytearray | memoryview") -> None:
         """One received file to storage: an object store's parallel part upload where there is one (a shard
         may be far bigger than one PUT should carry), else the store's atomic whole-file write."""
         opener = getattr(self.storage, "open_upload", None)

@@ -91,7 +91,7 @@ def _run(store: LocalStorage, release: Optional[threading.Event],
 
     def sender(r: int) -> None:
         try:
-            roles[r]._evacuate({n: memoryview(bytearray(b)) for n, b in files[r].items()})
+            roles[r]._hand_over({n: memoryview(bytearray(b)) for n, b in files[r].items()})
             acked[r].set()
             if release is not None and all(e.is_set() for e in acked.values()):
                 release.set()
@@ -154,3 +154,21 @@ def test_store_failing_for_the_survivor_fails_its_write_after_the_senders_were_s
     assert len(errors) == 1 and isinstance(errors[0], OSError), errors
     assert (roles[1].sent, roles[2].sent) == (200_001, 200_002)
     assert roles[0].received == {} and store.write_log.peek("step-5") == {}
+
+
+def test_survivor_grants_only_what_fits_its_memory_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The survivor holds evacuated files whole in host memory until uploaded: it grants a doomed rank's request
+    only within its budget (``SPOTGUARD_EVACUATE_MAX_MB``; default half of MemAvailable), else that rank uploads
+    its already serialised file itself — same name, same bytes, its own write log — rather than the survivor
+    being killed for memory with everyone's bytes."""
+    monkeypatch.setenv("SPOTGUARD_EVACUATE_MAX_MB", str(300_000 / 2**20))  # room for one of the two files
+    store = LocalStorage(tmp_path / "store")
+    files = _files()
+    roles, errors = _run(store, None, files)
+    assert not errors, errors
+    assert roles[0].received == {1: 200_001} and (roles[1].sent, roles[2].sent) == (200_001, 0)
+    assert roles[2].decision == "direct" and "memory" in roles[2].why, roles[2].why
+    logged = store.write_log.peek("step-5")
+    for r in DOOMED:
+        [(name, data)] = files[r].items()
+        assert (tmp_path / "store" / "step-5" / name).read_bytes() == data and logged[name] == digest_of(data)
