@@ -22,7 +22,7 @@ first message, so both always agree. With no rank or every rank doomed nothing
 here runs (today's path).
 
 Wire (point to point on the save's group, tag ``TAG``): doomed -> survivor an
-int64 header (-1: failed, 0: writes itself, n: n bytes of JSON follow), the
+int64 header (0: writes itself — also when it could not serialise —, n: n bytes of JSON follow), the
 JSON ``{"files": [[name, size], ...]}``; survivor -> doomed an int64 grant (1:
 send, 0: no room in my memory budget — the doomed rank then uploads its
 serialised file itself); if granted each file in chunks of at most
@@ -221,9 +221,10 @@ class Evacuation:
                 return orig(plan, planner)
             try:
                 results, files = _serialise(plan, planner)
-            except BaseException:
-                self._send(_int(-1))
-                raise
+            except Exception as exc:  # noqa: BLE001 - MemoryError for a big shard, a writer without DCP's prefix
+                self.decision, self.why = "direct", f"cannot serialise ({type(exc).__name__}: {exc}); {self.why}"
+                self._send(_int(0))  # the survivor stops waiting: I write myself, as without evacuation
+                return orig(plan, planner)
             self._hand_over(files)
             fut: Future[list[Any]] = Future()
             fut.set_result(results)

@@ -172,3 +172,38 @@ def test_survivor_grants_only_what_fits_its_memory_budget(tmp_path: Path, monkey
     for r in DOOMED:
         [(name, data)] = files[r].items()
         assert (tmp_path / "store" / "step-5" / name).read_bytes() == data and logged[name] == digest_of(data)
+
+
+def test_a_doomed_rank_that_cannot_serialise_writes_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serialising into host memory fails on the doomed rank (here: a plan without DCP's storage prefix; in
+    practice MemoryError for a big shard): it tells its survivor "I write myself" and writes through its storage
+    writer, rather than failing the whole save on every rank."""
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    monkeypatch.setenv("SPOTGUARD_EVACUATE", "always")
+    pgs = _groups()
+    store = LocalStorage(tmp_path / "store")
+    roles = {r: _Wire(None, r, WORLD, DOOMED, store, "step-5", time.monotonic() + 30, None, _Log(), {})
+             for r in range(WORLD)}
+    wrote: list[int] = []
+    errors: list[BaseException] = []
+    for r in range(WORLD):
+        roles[r].pg = pgs[r]
+
+    def doomed(r: int) -> None:
+        try:
+            write = roles[r]._sender(lambda plan, planner: wrote.append(r) or "own write")
+            assert write(SavePlan(items=[], storage_data=None), None) == "own write"
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=doomed, args=(r,)) for r in sorted(DOOMED)]
+    for t in threads:
+        t.start()
+    try:
+        roles[0].receive_all()
+    finally:
+        for t in threads:
+            t.join(3 * TIMEOUT)
+    assert not errors, errors
+    assert sorted(wrote) == [1, 2] and roles[0].received == {}
