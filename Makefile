@@ -106,7 +106,9 @@ bench-time-to-safe-frameworks: $(STAMP)
 
 # Notice to one node only (issue 26): node B's time to safe and the commit, DCP's stock plan vs the
 # notice-aware one alternating in one run, DDP 64 MiB and 1 GiB, 10 trials each; ~15 min on 2 shared cores.
-# DOOMED_ARGS e.g. "--cells 64 --trials 3 --label quick".
+# DOOMED_ARGS e.g. "--cells 64 --trials 3 --label quick"; the FSDP2 evacuation arm (B uploads its shards vs
+# hands them to A's memory, storage = benchmarks/s3sink.py --gbit 0.1): "--fsdp2 0.1 --grace 30 --cells 256
+# --trials 5" (~8 min).
 .PHONY: bench-doomed-plan
 bench-doomed-plan: $(STAMP)
 	$(PY) -m benchmarks.doomed_plan $(DOOMED_ARGS)

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.futures import Future
 
 from ..storage.base import join_key
+from ..storage.dcp_object import _no_crc32
 from ..storage.staging import minimal_storage
 from . import events as ev
 
@@ -58,6 +59,7 @@ __all__ = ["Evacuation", "evacuate_mode", "pair_ranks", "unique_bytes"]
 TAG = 0x5E7A  # P2P tag of every evacuation message (never matches another sender's)
 SUFFIX = ".distcp"
 DEFAULT_RATE = 100 * 2**20  # bytes/s assumed for a rank that has not measured its own write yet
+ITEM_SLACK = 64 << 10  # torch.save's framing per item (zip headers, pickle), generously
 SHARE = 0.5  # ``auto`` evacuates when the direct write is predicted to need more than this share of the time left
 
 
@@ -135,16 +137,20 @@ def _serialise(plan: SavePlan, planner: SavePlanner) -> tuple[list[Any], dict[st
     if not isinstance(prefix, str):
         raise RuntimeError("evacuation needs the storage prefix DCP's global plan gives each rank")
     name = f"{prefix}0{SUFFIX}"
-    buf = io.BytesIO()
+    # Sized up front (the tensors' bytes plus torch.save's per-item framing): a growing buffer re-copies
+    # everything written so far at each doubling — 0.4 s instead of 0.15 s for 128 MiB here.
+    buf = io.BytesIO(bytearray(unique_bytes(plan) + len(plan.items) * ITEM_SLACK))
     transforms = _StorageWriterTransforms(None)
     results = []
     items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO] + \
         [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
-    for item in items:
-        data = planner.resolve_data(item)
-        if isinstance(data, torch.Tensor):
-            data = minimal_storage(data.detach().cpu())
-        results.append(_write_item(transforms, buf, data, item, name, SerializationFormat.TORCH_SAVE))
+    with _no_crc32():  # as the object-store writer: the commit record's CRC32C blocks cover every byte
+        for item in items:
+            data = planner.resolve_data(item)
+            if isinstance(data, torch.Tensor):
+                data = minimal_storage(data.detach().cpu())
+            results.append(_write_item(transforms, buf, data, item, name, SerializationFormat.TORCH_SAVE))
+    buf.truncate(buf.tell())
     return results, {name: buf.getbuffer()}  # the buffer itself (writable, no copy)
 
 
