@@ -22,9 +22,16 @@ first message, so both always agree. With no rank or every rank doomed nothing
 here runs (today's path).
 
 Wire (point to point on the save's group, tag ``TAG``): doomed -> survivor an
-int64 header (-1: failed, 0: writes itself, n: n bytes of JSON follow), the
-JSON ``{"files": [[name, size], ...]}``, then each file in chunks of at most
-``chunk_bytes()``; survivor -> doomed an int64 ack (bytes received).
+int64 header (0: writes itself — also when it could not serialise —, n: n bytes of JSON follow), the
+JSON ``{"files": [[name, size], ...]}``; survivor -> doomed an int64 grant (1:
+send, 0: no room in my memory budget — the doomed rank then uploads its
+serialised file itself); if granted each file in chunks of at most
+``chunk_bytes()``, and survivor -> doomed an int64 ack (bytes received).
+
+Memory: the survivor holds every granted file whole in host memory until it is
+uploaded; it grants only within ``memory_budget()`` (``SPOTGUARD_EVACUATE_MAX_MB``,
+default half of MemAvailable when the save starts), so evacuation never gets the
+survivor — holding everyone's bytes — killed for memory.
 """
 
 from __future__ import annotations
@@ -71,6 +78,25 @@ def chunk_bytes() -> int:
         return 16 * 2**20
 
 
+def memory_budget() -> Optional[int]:
+    """Bytes a survivor may hold for doomed ranks: ``$SPOTGUARD_EVACUATE_MAX_MB``, else half of MemAvailable
+    (Linux), else None (no limit known)."""
+    raw = os.environ.get("SPOTGUARD_EVACUATE_MAX_MB", "").strip()
+    if raw:
+        try:
+            return max(0, int(float(raw) * 2**20))
+        except ValueError:
+            pass
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 2
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def pair_ranks(world: int, doomed: "frozenset[int]") -> dict[int, int]:
     """doomed rank -> the surviving rank that receives its files: spread evenly over the survivors in rank
     order (a doomed node's 8 ranks go to survivors far apart in rank order — mostly different nodes when ranks
@@ -113,7 +139,13 @@ def _serialise(plan: SavePlan, planner: SavePlanner) -> tuple[list[Any], dict[st
     name = f"{prefix}0{SUFFIX}"
     # Sized up front (the tensors' bytes plus torch.save's per-item framing): a growing buffer re-copies
     # everything written so far at each doubling — 0.4 s instead of 0.15 s for 128 MiB here.
-    buf = io.BytesIO(bytearray(unique_bytes(plan) + len(plan.items) * ITEM_SLACK))
+    # Extended by a write at its end, not ``BytesIO(bytearray(n))``: that copies the initial buffer, 2x the
+    # shard in host memory for a moment on a node that is short of time and may be short of memory.
+    buf, size = io.BytesIO(), unique_bytes(plan) + len(plan.items) * ITEM_SLACK
+    if size:
+        buf.seek(size - 1)
+        buf.write(b"\0")
+        buf.seek(0)
     transforms = _StorageWriterTransforms(None)
     results = []
     items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO] + \
@@ -140,6 +172,7 @@ class Evacuation:
         self.sources = [d for d, s in sorted(pairs.items()) if s == rank]  # survivor: whose files I receive
         self.sent = 0  # doomed: bytes acknowledged by ``to``
         self.received: dict[int, int] = {}  # survivor: bytes received (and uploaded) per source rank
+        self.budget = memory_budget() if self.sources else None  # survivor: bytes it may still hold
         self.decision = ""  # doomed: "evacuate", "direct" (and why in ``why``)
         self.why = ""
 
@@ -200,21 +233,36 @@ class Evacuation:
                 return orig(plan, planner)
             try:
                 results, files = _serialise(plan, planner)
-            except BaseException:
-                self._send(_int(-1))
-                raise
-            self._evacuate(files)
+            except Exception as exc:  # noqa: BLE001 - MemoryError for a big shard, a writer without DCP's prefix
+                self.decision, self.why = "direct", f"cannot serialise ({type(exc).__name__}: {exc}); {self.why}"
+                self._send(_int(0))  # the survivor stops waiting: I write myself, as without evacuation
+                return orig(plan, planner)
+            self._hand_over(files)
             fut: Future[list[Any]] = Future()
             fut.set_result(results)
             return fut
         return write_data
 
-    def _evacuate(self, files: dict[str, memoryview]) -> None:
-        """Stream ``files`` to ``self.to`` in bounded chunks; return once it acknowledged every byte."""
+    def _hand_over(self, files: dict[str, memoryview]) -> None:
+        """``files`` (serialised) to ``self.to``, or — when it has no room for them — to storage myself."""
+        if self._evacuate(files):
+            return
+        for name, data in files.items():  # my write log notes each checksum, as the storage writer would
+            self._upload(join_key(self.key, name), data)
+
+    def _evacuate(self, files: dict[str, memoryview]) -> bool:
+        """Stream ``files`` to ``self.to`` in bounded chunks; True once it acknowledged every byte, False when it
+        declined them (no room in its memory budget)."""
         t0 = time.monotonic()
         head = json.dumps({"files": [[n, len(b)] for n, b in files.items()]}).encode()
         self._send(_int(len(head)))
         self._send(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+        grant = _int(0)
+        self._recv(grant, self.to)  # type: ignore[arg-type]
+        if int(grant[0]) != 1:
+            self.decision = "direct"
+            self.why = f"rank {self.to} has no room in its memory budget; {self.why}"
+            return False
         step = chunk_bytes()
         total = 0
         for data in files.values():
@@ -230,6 +278,7 @@ class Evacuation:
         self.sent = total
         self.log.info(ev.CHECKPOINT_EVACUATED, to_rank=self.to, bytes=total, files=len(files),
                       seconds=round(time.monotonic() - t0, 4), decision=self.why, **self.fields)
+        return True
 
     # ------------------------------------------------------------------ survivor
 
@@ -239,8 +288,7 @@ class Evacuation:
 
             def run() -> None:
                 try:
-                    for src in self.sources:
-                        self._receive(src)
+                    self.receive_all()
                 except BaseException as exc:  # noqa: BLE001 - raised on the save's thread below
                     errors.append(exc)
 
@@ -256,40 +304,61 @@ class Evacuation:
             return fut
         return write_data
 
-    def _receive(self, src: int) -> None:
-        """Take one doomed rank's files into host memory, acknowledge them, then upload them beside my own."""
+    def receive_all(self) -> None:
+        """Take every source's files into host memory, acknowledging each on receipt, and only then upload them
+        beside my own. Why this order: a source is *safe* at my acknowledgement, and storage is the slow path
+        its deadline cannot afford — a second source (two doomed ranks per survivor, or more doomed ranks than
+        survivors) must not wait for the upload of the first one's files. The price: every source's files are
+        in my host memory at once (the sum of their unique shards) until uploaded."""
+        held = [(src, *self._receive(src)) for src in self.sources]
+        for src, got, received in held:
+            t0 = time.monotonic()
+            for name, buf in got:  # the storage notes each file's checksum in my write log, as for my own
+                self._upload(join_key(self.key, name), buf)
+            total = sum(len(b) for _, b in got)
+            if got:  # (a source that writes its own files is not in ``received``)
+                self.received[src] = total
+                self.log.info(ev.EVACUATION_RECEIVED, from_rank=src, bytes=total, receive_seconds=round(received, 4),
+                              upload_seconds=round(time.monotonic() - t0, 4), **self.fields)
+            got.clear()  # each file leaves my memory once it is in storage
+
+    def _receive(self, src: int) -> tuple[list[tuple[str, bytearray]], float]:
+        """One doomed rank's files in host memory, acknowledged: ([(name, bytes)], seconds to receive them);
+        ([], 0.0) when it writes its own files."""
         head = _int(0)
         self._recv(head, src)
         n = int(head[0])
         if n == 0:
-            return  # it writes its own files
+            return [], 0.0  # it writes its own files
         if n < 0:
             raise RuntimeError(f"rank {src} could not serialise its shards for evacuation")
         raw = torch.empty(n, dtype=torch.uint8)
         self._recv(raw, src)
         listing = json.loads(bytes(raw.numpy()).decode())["files"]
+        for name, _size in listing:
+            if not isinstance(name, str) or "/" in name or not name.endswith(SUFFIX):
+                raise RuntimeError(f"rank {src} sent an unexpected file name {name!r}")
+        want = sum(int(size) for _, size in listing)
+        fits = self.budget is None or want <= self.budget
+        self._send_ack(1 if fits else 0, src)  # the grant
+        if not fits:
+            self.log.info(ev.EVACUATION_DECLINED, from_rank=src, bytes=want, budget=self.budget, **self.fields)
+            return [], 0.0
+        if self.budget is not None:
+            self.budget -= want
         step = chunk_bytes()
         t0 = time.monotonic()
         got: list[tuple[str, bytearray]] = []
         for name, size in listing:
-            if not isinstance(name, str) or "/" in name or not name.endswith(SUFFIX):
-                raise RuntimeError(f"rank {src} sent an unexpected file name {name!r}")
             buf = bytearray(int(size))
             view = torch.frombuffer(buf, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
             for off in range(0, int(size), step):
                 self._recv(view[off:off + step], src)
             got.append((name, buf))
-        total = sum(len(b) for _, b in got)
-        self._send_ack(total, src)
-        received = time.monotonic() - t0
-        for name, buf in got:  # the storage notes each file's checksum in my write log, as for my own
-            self._upload(join_key(self.key, name), buf)
-        self.received[src] = total
-        self.log.info(ev.EVACUATION_RECEIVED, from_rank=src, bytes=total,
-                      receive_seconds=round(received, 4), upload_seconds=round(time.monotonic() - t0 - received, 4),
-                      **self.fields)
+        self._send_ack(sum(len(b) for _, b in got), src)
+        return got, time.monotonic() - t0
 
-    def _upload(self, key: str, buf: bytearray) -> None:
+    def _upload(self, key: str, buf: "bytearray | memoryview") -> None:
         """One received file to storage: an object store's parallel part upload where there is one (a shard
         may be far bigger than one PUT should carry), else the store's atomic whole-file write."""
         opener = getattr(self.storage, "open_upload", None)

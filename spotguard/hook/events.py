@@ -25,7 +25,8 @@ is known, ``notice_id``. Fields per event:
 - ``checkpoint_safe`` (a doomed rank, survivors without a notice): notice_id, step, bytes, seconds, at,
   waits_for; evacuated: evacuated_to, evacuated_bytes (``evacuate.py``)
 - ``checkpoint_evacuated`` (doomed): notice_id, step, to_rank, bytes, files, seconds, decision;
-  ``checkpoint_evacuation_received`` (its survivor): from_rank, bytes, receive_seconds, upload_seconds
+  ``checkpoint_evacuation_received`` (its survivor): from_rank, bytes, receive_seconds, upload_seconds;
+  ``checkpoint_evacuation_declined`` (its survivor, no room in ``SPOTGUARD_EVACUATE_MAX_MB``): from_rank, bytes, budget
 - ``checkpoint_committed``: notice_id, step, uri, bytes, seconds, seconds_left
 - ``checkpoint_failed``: notice_id, step, error, seconds
 - ``checkpoint_late`` (warning, after ``checkpoint_committed``): notice_id, step, seconds_past, source, why, fix —
@@ -88,6 +89,8 @@ CHECKPOINT_SAFE = "checkpoint_safe"
 CHECKPOINT_EVACUATED = "checkpoint_evacuated"
 #: a survivor received a doomed rank's shards (receive and upload seconds)
 EVACUATION_RECEIVED = "checkpoint_evacuation_received"
+#: a survivor had no room in its memory budget for a doomed rank's shards: that rank uploads them itself
+EVACUATION_DECLINED = "checkpoint_evacuation_declined"
 CHECKPOINT_COMMITTED = "checkpoint_committed"
 CHECKPOINT_FAILED = "checkpoint_failed"
 CHECKPOINT_SKIPPED = "checkpoint_skipped"
@@ -108,6 +111,7 @@ TIMELINE: tuple[str, ...] = (
     CHECKPOINT_SAFE,
     CHECKPOINT_EVACUATED,
     EVACUATION_RECEIVED,
+    EVACUATION_DECLINED,
     CHECKPOINT_COMMITTED,
     CHECKPOINT_LATE,
     DEADLINE_AT_RISK,

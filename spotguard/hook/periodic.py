@@ -289,6 +289,9 @@ class PeriodicSaver:
             if not self._all_ok(err is None and not job.cancelled.is_set()):
                 job.error = err or ("cancelled" if job.cancelled.is_set() else "another rank failed to write its shards")
                 return
+            # this rank's measured write rate: what a later doomed save's ``SPOTGUARD_EVACUATE=auto`` predicts with
+            h._note_write_rate(sum(d.size for d in storage.write_log.peek(key).values()),
+                               time.monotonic() - job.write_started)
             stage = "gather"  # the record names exactly what the ranks report writing
             written = gather_writes(self.group, storage.write_log.take(key))
             stage = "commit"

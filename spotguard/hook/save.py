@@ -351,13 +351,13 @@ class SaveMixin:
     def _evacuation(self, group: Any, doomed: "Optional[frozenset[int]]", key: str, t_store: float,
                     notice: Notice, step: int) -> Any:
         """This rank's role in evacuating the doomed ranks' unique shards to survivors (``evacuate.py``), or
-        None: a single process, no rank or every rank doomed (today's path), or ``SPOTGUARD_EVACUATE=never``."""
+        None: a single process, no rank or every rank doomed (today's path). ``SPOTGUARD_EVACUATE=never`` still
+        has a role: the knob is read per process, and a survivor whose env differs waits for its doomed rank's
+        first message (``never``: "I write myself", 8 bytes) — without it the survivor timed out the save."""
         if not doomed or not self._dist:
             return None
-        from .evacuate import Evacuation, evacuate_mode  # noqa: PLC0415
+        from .evacuate import Evacuation  # noqa: PLC0415
 
-        if evacuate_mode() == "never":
-            return None
         return Evacuation.for_save(group, doomed, self._storage, key, t_store, getattr(self, "_write_rate", None),
                                    self._log, {"notice_id": notice.id, "step": step})
 

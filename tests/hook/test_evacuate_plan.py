@@ -44,3 +44,53 @@ def test_mode_knob_defaults_to_auto(monkeypatch: pytest.MonkeyPatch) -> None:
     assert evacuate_mode() == "auto"
     monkeypatch.setenv("SPOTGUARD_EVACUATE", "bogus")
     assert evacuate_mode() == "auto"
+
+
+def test_never_on_one_rank_still_tells_its_survivor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SPOTGUARD_EVACUATE`` is read per process: a doomed rank with ``never`` beside a survivor without it
+    must still send its survivor the "I write myself" header (its role exists; ``decide`` says direct), or the
+    survivor waits on it until the group's timeout and the whole save fails."""
+    from spotguard.hook import evacuate
+    from spotguard.hook.save import SaveMixin
+    from spotguard.notice import Notice
+    from spotguard.timefmt import utcnow
+
+    asked: list[frozenset[int]] = []
+    monkeypatch.setattr(evacuate.Evacuation, "for_save",
+                        classmethod(lambda cls, group, doomed, *a, **k: asked.append(doomed) or "role"))
+    monkeypatch.setenv("SPOTGUARD_EVACUATE", "never")
+    me = SaveMixin()
+    me._dist, me._storage, me._log, me._write_rate = True, None, None, None  # type: ignore[attr-defined]
+    n = Notice(id="n", source="drill", kind="preemption", deadline=utcnow(), received_at=utcnow())
+    assert me._evacuation(object(), frozenset({1}), "step-1", 0.0, n, 1) == "role"
+    assert asked == [frozenset({1})]
+    assert _role(None, 30.0).decide(1 << 40) is False  # and the doomed rank then writes itself
+
+
+def test_the_serialised_file_is_held_once_in_host_memory() -> None:
+    """A doomed rank serialises its shards into host memory: one copy of the file at the peak (tracemalloc
+    sees Python's buffers, not the tensors), not the 2x of an initial buffer copied into ``BytesIO``; and the
+    file is exactly what was written (no slack left at its end)."""
+    import dataclasses
+    import tracemalloc
+
+    import torch
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import _StoragePrefix
+
+    from spotguard.hook.evacuate import _serialise
+
+    planner = DefaultSavePlanner()
+    planner.set_up_planner({"w": torch.ones(2 << 20), "b": torch.arange(5)}, is_coordinator=True)
+    plan = dataclasses.replace(planner.create_local_plan(), storage_data=_StoragePrefix("__1_"))
+    tracemalloc.start()
+    try:
+        results, files = _serialise(plan, planner)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    [(name, data)] = files.items()
+    assert name == "__1_0.distcp" and len(results) == 2
+    end = max(r.storage_data.offset + r.storage_data.length for r in results)
+    assert len(data) == end > 8 << 20
+    assert peak < 1.25 * len(data), (peak, len(data))
