@@ -28,6 +28,7 @@ import json
 import os
 import threading
 import time
+import uuid
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -62,7 +63,13 @@ class GroupFallback:
 
         self.guard = guard
         self.group = dist.new_group(backend="gloo")  # collective: every rank builds its guard at the same point
-        self.key = f"spotguard/replica-fallback/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        # a key of this install's own (rank 0's uuid, sent to all): torchrun's store outlives an attempt (the
+        # agent shares its rendezvous store), and TORCHELASTIC_RESTART_COUNT is each agent's own count (kept
+        # on a membership change): a key named by it could be one a previous attempt set, and would wake a
+        # restarted group at once on a stale notice, or differ between the ranks of one group
+        name = [uuid.uuid4().hex if dist.get_rank(self.group) == 0 else None]
+        dist.broadcast_object_list(name, src=dist.get_global_rank(self.group, 0), group=self.group)
+        self.key = f"spotguard/replica-fallback/{name[0]}"
         try:
             self.store = _store()
         except Exception as exc:  # noqa: BLE001 - no store: the bounded exit 75 stands (docs/torchft.md, 7)
