@@ -434,9 +434,9 @@ class ReplicaGuard:
             notice, step, snap = pending
             if step is None:  # a deferred deadline fallback: the last committed step, read now
                 self.hook.emergency_exit(notice, self.manager.current_step(), self._snap_of_last_step())
-            if self._replica_rank > 0:
-                total = max(0.0, (notice.deadline - notice.received_at).total_seconds())
-                await_writer(self, notice, step, fallback_lead(total))  # returns only when this group must write
+            lead = fallback_lead(max(0.0, (notice.deadline - notice.received_at).total_seconds()))
+            if self._replica_rank > 0 or notice.seconds_left() <= lead:  # a late writer: the failover may write
+                await_writer(self, notice, step, lead)  # returns only when this group must write
             write_step(self, notice, step, snap)  # leaves committed if another group committed the step meanwhile
 
     def _on_forward(self, module: Any, args: Any) -> None:

@@ -136,21 +136,25 @@ def takeover_at(rank: int, seconds_left: float, lead: float) -> Optional[float]:
 def await_writer(guard: "ReplicaGuard", notice: Notice, step: int, lead: float) -> None:
     """A whole-job leave's non-writer, at its next training forward: leave (``Preempted``, committed) once the
     writer group's commit of ``step`` is in storage; without it by the takeover time, rank 1 returns (it writes
-    the step itself: the failover) unless the writer still fills its folder, higher ranks exit 75."""
+    the step itself: the failover) unless the writer still fills its folder, higher ranks exit 75. The writer
+    (rank 0) when it starts after ``deadline - lead``: returns (it writes) unless the failover fills the folder."""
     rank, hook = guard._replica_rank, guard.hook
-    until = takeover_at(rank, notice.seconds_left(), lead)
+    # the writer itself comes here only when its write starts after deadline - lead (its loop's post-step work
+    # ran long): the failover may be writing; it looks at the folder for _QUIET seconds first
+    until = takeover_at(rank, notice.seconds_left(), lead) if rank > 0 else time.monotonic() + _QUIET
     assert until is not None
     look = hook._rank == 0
-    watch = FolderWatch(hook._storage, step) if rank == 1 and look else None
+    watch = FolderWatch(hook._storage, step) if rank <= 1 and look else None
     t0 = time.monotonic()
     seen = await_commit(hook._storage, step, until, group=hook._group, look=look, watch=watch)
     why = ("no commit of this step from the writer group (replica rank 0) by deadline - lead: its save failed, "
            "its VM is gone, or it is still uploading")
-    if not seen and rank == 1 and _agree(watch is not None and watch.busy(), hook._group):
+    if not seen and rank <= 1 and _agree(watch is not None and watch.busy(), hook._group):
+        other = "writer group's" if rank else "failover's (replica rank 1)"
         guard._log.warning(DEFERRED, notice_id=notice.id, step=step, seconds_left=round(notice.seconds_left(), 3),
-                           why="the writer group's step folder still changes at deadline - lead: it is writing "
+                           why=f"the {other} step folder still changes after deadline - lead: it is writing "
                                "(a second save of the same step would clear its files); waiting for its commit")
-        why = "the writer group was still writing at deadline - lead and did not commit by the deadline"
+        why = f"the {other} save was still writing after deadline - lead and did not commit by the deadline"
         seen = await_commit(hook._storage, step, time.monotonic() + max(0.0, notice.seconds_left() - 0.5),
                             group=hook._group, look=look)
         rank = 2  # no failover any more: a commit, or the bounded 75
@@ -160,6 +164,8 @@ def await_writer(guard: "ReplicaGuard", notice: Notice, step: int, lead: float) 
         hook._flush_intake()
         hook.close()
         raise Preempted(guard._exit_code, notice_id=notice.id, step=step, committed=True)
+    if rank == 0:
+        return  # a late writer whose folder is quiet: the failover did not start (or died): it writes
     if rank == 1:
         guard._log.warning(FAILOVER, notice_id=notice.id, step=step, waited=waited, why=why,
                            seconds_left=round(notice.seconds_left(), 3))

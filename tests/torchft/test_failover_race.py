@@ -53,9 +53,9 @@ def _group(tmp: Path, name: str, rank: int, monkeypatch: pytest.MonkeyPatch) -> 
     return guard
 
 
-def _writer_commits(tmp: Path, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
-    """The writer group (replica rank 0, another lineage) writes and commits ``STEP``."""
-    guard = _group(tmp, "g0", 0, monkeypatch)
+def _writer_commits(tmp: Path, monkeypatch: pytest.MonkeyPatch, seconds: float, name: str = "g0") -> None:
+    """The other group (another lineage) writes and commits ``STEP`` (an early write: no look at the folder)."""
+    guard = _group(tmp, name, 0, monkeypatch)
     with pytest.raises(Preempted) as left:
         guard.hook.emergency_exit(_notice(seconds), STEP, None)
     assert left.value.code == 143 and left.value.committed
@@ -86,18 +86,26 @@ def test_a_failover_whose_writer_commits_at_the_takeover_time_leaves_committed(t
     assert info is not None and info.step == STEP
 
 
-def test_a_failover_does_not_clear_the_folder_of_a_writer_still_writing(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    g1 = _group(tmp_path, "g1", 1, monkeypatch)
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_second_save_does_not_clear_the_folder_of_a_save_still_writing(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         rank: int) -> None:
+    # rank 1: the failover at deadline - lead while the writer still writes; rank 0: the writer whose loop came
+    # back after deadline - lead (a long evaluation) while the failover writes
+    g1 = _group(tmp_path, "g1", rank, monkeypatch)
     storage = open_storage(str(tmp_path / "ckpt"))
     saves: list[float] = []
     own_save = g1.hook._save
     g1.hook._save = lambda *a, **k: (saves.append(time.monotonic()), own_save(*a, **k))[1]
     notice = _notice(4.0)  # lead 1.6 s: takeover 2.4 s from now, the deadline's margin at 3.5 s
     takeover = time.monotonic() + 4.0 - 1.6
+    if rank == 0:  # the same 4 s notice, received 2.5 s ago: past its takeover time
+        notice = Notice(id=notice.id, source=notice.source, kind=notice.kind, received_at=utcnow() - timedelta(
+            seconds=2.5), deadline=utcnow() + timedelta(seconds=1.5))
+        takeover = time.monotonic()
     writing = threading.Event()
 
-    def slow_writer() -> None:  # fills its step folder past the takeover time, then commits (lineage of its own)
+    def slow_writer() -> None:  # the other group fills the step folder past the takeover time, then commits
         part = step_dir(STEP) + "/__0_0.distcp"
         data = b""
         while time.monotonic() < takeover + 0.6:
@@ -105,7 +113,7 @@ def test_a_failover_does_not_clear_the_folder_of_a_writer_still_writing(tmp_path
             storage.write_bytes(part, data)
             writing.set()
             time.sleep(0.1)
-        _writer_commits(tmp_path, monkeypatch, 10)
+        _writer_commits(tmp_path, monkeypatch, 10, "g2")
 
     t = threading.Thread(target=slow_writer)
     t.start()
@@ -114,7 +122,7 @@ def test_a_failover_does_not_clear_the_folder_of_a_writer_still_writing(tmp_path
         left = _leave(g1, notice)
     finally:
         t.join(10)
-    assert not saves, "the failover wrote while the writer was still writing"  # before: it did, at the takeover
+    assert not saves, "a second save of the step while the first was still writing"  # before: at the takeover
     assert (left.code, left.committed) == (143, True)
     info = newest_committed(storage)
     assert info is not None and info.step == STEP
