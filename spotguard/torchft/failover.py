@@ -26,6 +26,7 @@ after their save and leave committed when the step is there (``write_step``).
 from __future__ import annotations
 
 import time
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
 import torch
@@ -33,6 +34,7 @@ import torch
 from ..hook.core import EXIT_SAVE_FAILED, Preempted
 from ..hook.save import _Result
 from ..notice import Notice
+from ..timefmt import parse_rfc3339
 from ..storage.base import join_key
 from ..storage.commit import checkpoint_info, step_dir
 from ..storage.record import COMMIT_NAME
@@ -49,6 +51,7 @@ UNCONFIRMED = "replica_leave_unconfirmed"  # step, waited, why, fix: no commit s
 DEFERRED = "replica_failover_deferred"  # step: the writer's folder still changes at the takeover time: no write
 
 _POLL_FIRST, _POLL_MAX = 0.1, 0.5  # seconds between two looks at the storage (backing off)
+_SKEW = timedelta(seconds=30)  # VMs' clocks may differ this much (a commit's created_at against our notice)
 _QUIET = 2 * _POLL_MAX  # the writer's folder unchanged this long (two looks at least): it is not writing
 
 
@@ -84,18 +87,36 @@ def _agree(flag: bool, group: Any) -> bool:
     return bool(t[0])
 
 
-def committed_at(storage: Any, step: int) -> bool:
+def committed_at(storage: Any, step: int, since: Optional[datetime] = None, lineage: Optional[str] = None) -> bool:
     """``step``'s folder holds a commit record that checks out (a cheap existence check first: the writer's
-    folder fills while we look, and the full check lists it)."""
+    folder fills while we look, and the full check lists it) and, given ``since``, is this leave's: an emergency
+    record written after ``since`` (less ``_SKEW`` for the VMs' clocks) or of this run's ``lineage`` (groups that
+    resumed share it). Not any commit of the step: another run that used the same storage and reached the same
+    step (never resumed from) committed state that is not this job's."""
     key = step_dir(step)
     try:
-        return bool(storage.exists(join_key(key, COMMIT_NAME)) and checkpoint_info(storage, key).committed)
+        if not storage.exists(join_key(key, COMMIT_NAME)):
+            return False
+        info = checkpoint_info(storage, key)
+        if not info.committed or since is None:
+            return bool(info.committed)
+        rec = info.record
+        if rec is None:
+            return False
+        if lineage is not None and rec.extra.get("lineage") == lineage:
+            return True
+        return rec.reason == "emergency" and parse_rfc3339(rec.created_at) >= since - _SKEW
     except Exception:  # noqa: BLE001 - a storage that fails here may work for the writer; look again
         return False
 
 
+def _ours(guard: "ReplicaGuard", notice: Notice) -> dict[str, Any]:
+    """``committed_at``'s test of a commit made by this whole-job leave (another group's, or this one's)."""
+    return {"since": notice.received_at, "lineage": guard.hook._lineage}
+
+
 def await_commit(storage: Any, step: int, until: float, *, group: Any = None, look: bool = True,
-                 watch: Optional[FolderWatch] = None) -> bool:
+                 watch: Optional[FolderWatch] = None, ours: Optional[dict[str, Any]] = None) -> bool:
     """Wait until ``step`` is committed in ``storage`` (True) or ``time.monotonic()`` passes ``until`` (False).
 
     ``group``: the replica group's own process group when it has several processes: every round is a MAX
@@ -104,7 +125,7 @@ def await_commit(storage: Any, step: int, until: float, *, group: Any = None, lo
     """
     pause = _POLL_FIRST
     while True:
-        seen = look and committed_at(storage, step)
+        seen = look and committed_at(storage, step, **(ours or {}))
         if watch is not None and look and not seen:
             watch.look()
         due = time.monotonic() >= until
@@ -146,7 +167,8 @@ def await_writer(guard: "ReplicaGuard", notice: Notice, step: int, lead: float) 
     look = hook._rank == 0
     watch = FolderWatch(hook._storage, step) if rank <= 1 and look else None
     t0 = time.monotonic()
-    seen = await_commit(hook._storage, step, until, group=hook._group, look=look, watch=watch)
+    seen = await_commit(hook._storage, step, until, group=hook._group, look=look, watch=watch,
+                        ours=_ours(guard, notice))
     why = ("no commit of this step from the writer group (replica rank 0) by deadline - lead: its save failed, "
            "its VM is gone, or it is still uploading")
     if not seen and rank <= 1 and _agree(watch is not None and watch.busy(), hook._group):
@@ -156,7 +178,7 @@ def await_writer(guard: "ReplicaGuard", notice: Notice, step: int, lead: float) 
                                "(a second save of the same step would clear its files); waiting for its commit")
         why = f"the {other} save was still writing after deadline - lead and did not commit by the deadline"
         seen = await_commit(hook._storage, step, time.monotonic() + max(0.0, notice.seconds_left() - 0.5),
-                            group=hook._group, look=look)
+                            group=hook._group, look=look, ours=_ours(guard, notice))
         rank = 2  # no failover any more: a commit, or the bounded 75
     waited = round(time.monotonic() - t0, 3)
     if seen:
@@ -176,9 +198,9 @@ def await_writer(guard: "ReplicaGuard", notice: Notice, step: int, lead: float) 
     hook._hard_exit(notice, EXIT_SAVE_FAILED, step, committed=False, nothing=False, by="replica-unconfirmed")
 
 
-def _peer_committed(guard: "ReplicaGuard", step: int, group: Any = None) -> bool:
+def _peer_committed(guard: "ReplicaGuard", notice: Notice, step: int, group: Any = None) -> bool:
     hook = guard.hook
-    return _agree(hook._rank == 0 and committed_at(hook._storage, step), group)
+    return _agree(hook._rank == 0 and committed_at(hook._storage, step, **_ours(guard, notice)), group)
 
 
 def write_step(guard: "ReplicaGuard", notice: Notice, step: int, snap: Any) -> NoReturn:
@@ -191,13 +213,13 @@ def write_step(guard: "ReplicaGuard", notice: Notice, step: int, snap: Any) -> N
     hook = guard.hook
     hook._count = step
     hook._internal = True
-    if _peer_committed(guard, step, hook._group):
+    if _peer_committed(guard, notice, step, hook._group):
         result = _Result(committed=True, uri=f"{hook._storage.uri}/{step_dir(step)}")
     else:
         result = hook._save(notice, "emergency", snap)
         # after a failed collective the group cannot agree: only a single process looks on its own
         if not result.committed and (result.peers_ok or hook._group is None) \
-                and _peer_committed(guard, step, hook._group):
+                and _peer_committed(guard, notice, step, hook._group):
             result = _Result(committed=True, uri=f"{hook._storage.uri}/{step_dir(step)}", seconds=result.seconds)
         else:
             hook._exit(notice, result)

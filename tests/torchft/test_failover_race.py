@@ -149,3 +149,22 @@ def test_a_group_that_cannot_read_the_storage_never_claims_the_step(tmp_path: Pa
     monkeypatch.setattr(g.hook, "_hard_exit", hard_exit)
     left = _leave(g, _notice(2.0))
     assert (left.code, left.committed) == (75, False)
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_a_commit_of_the_step_by_an_earlier_run_is_not_taken_for_this_leave(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch,
+                                                                           rank: int) -> None:
+    # the storage holds step 6 committed an hour ago by another run (same prefix, never resumed from): neither a
+    # waiting group (rank 2) nor the writer (rank 0, whose save refuses the folder) may leave 143 on it
+    import spotguard.storage.record as record  # noqa: PLC0415
+
+    an_hour_ago = utcnow() - timedelta(hours=1)
+    monkeypatch.setattr(record, "utcnow", lambda: an_hour_ago)
+    _writer_commits(tmp_path, monkeypatch, 10, "old-run")
+    monkeypatch.undo()
+    g = _group(tmp_path, f"g{rank}", rank, monkeypatch)
+    monkeypatch.setattr(g.hook, "_hard_exit", lambda notice, code, *a, **k: (_ for _ in ()).throw(
+        Preempted(code, notice_id=notice.id, step=STEP, committed=False)))
+    left = _leave(g, _notice(2.0))
+    assert (left.code, left.committed) == (75, False)  # before: 143 committed (rank 2: "written by peer")
