@@ -528,9 +528,10 @@ class ReplicaGuard:
                 return
             pending, self._pending = self._pending, None
             self._done.set()
+        # a non-writer whose loop never came back: done if this leave's commit is in storage
         if pending is not None and pending[1] is not None and self._replica_rank > 0 \
-                and committed_at(self.hook._storage, pending[1], notice.received_at, self.hook._lineage):  # a non-writer whose loop never came back:
-            self._log.info(BY_PEER, notice_id=notice.id, step=pending[1], replica_rank=self._replica_rank)  # done
+                and committed_at(self.hook._storage, pending[1], notice.received_at, self.hook._lineage):
+            self._log.info(BY_PEER, notice_id=notice.id, step=pending[1], replica_rank=self._replica_rank)
             self.hook._hard_exit(notice, self._exit_code, pending[1], committed=True, nothing=False,
                                  by="replica-peer-commit")
         self._log.error(FALLBACK_MISSED, notice_id=notice.id, step=step, why=why + " before the deadline",

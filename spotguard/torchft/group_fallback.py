@@ -90,9 +90,9 @@ class GroupFallback:
         """A noticed rank's watchdog at ``deadline - lead``: wake every rank's listener (this one's too)."""
         # a client of its own: the listener's blocking wait holds its client's lock (a set through it waited
         # for that wait's timeout)
-        (_store() or self.store).set(self.key, json.dumps({"id": notice.id, "source": notice.source, "kind": notice.kind,
-                                             "deadline": notice.deadline.isoformat(),
-                                             "received_at": notice.received_at.isoformat()}))
+        (_store() or self.store).set(self.key, json.dumps({
+            "id": notice.id, "source": notice.source, "kind": notice.kind, "deadline": notice.deadline.isoformat(),
+            "received_at": notice.received_at.isoformat()}))
 
     def _listen(self) -> None:
         g = self.guard
