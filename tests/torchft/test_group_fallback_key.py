@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from spotguard.notice import Notice
 from spotguard.timefmt import utcnow
+from spotguard.torchft import group_fallback
 from spotguard.torchft.group_fallback import GroupFallback
 
 
@@ -56,6 +57,13 @@ def test_a_key_left_by_a_previous_attempt_does_not_wake_a_restarted_group(monkey
         new.trigger(_notice("n-new"))
         assert woke.wait(10)
         assert ran == ["n-new"]  # before: "n-old" (woken at once by the key the previous attempt left)
+        monkeypatch.setattr(group_fallback, "_WAIT", timedelta(seconds=0.2))  # its store wait: shorter here
+        idle = GroupFallback(guard)  # type: ignore[arg-type]  # no notice: its listener ends with the guard
+        fbs.append(idle)
+        guard._done.set()
+        assert idle._thread is not None
+        idle._thread.join(10)  # one store wait at most
+        assert not idle._thread.is_alive()
     finally:
         guard._done.set()
         for fb in fbs:
