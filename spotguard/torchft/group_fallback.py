@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from ..hook.dist import set_group_timeout
 from ..hook.save import _BG
 from ..notice import Notice
 
@@ -115,6 +116,12 @@ class GroupFallback:
                 g._log.error("replica_fallback_missed", why=f"group fallback failed: {type(exc).__name__}: {exc}")
             return
 
+    def _release(self) -> None:
+        """Call the hold off: an optimizer step held meanwhile goes on (no single-process hold in such a group)."""
+        with self.guard._lock:
+            self.guard._fallback_on = False
+        self.guard._halt.set()
+
     def run(self, notice: Notice) -> None:
         """Every rank, on its listener thread: hold, agree, write the last committed step together, leave."""
         import torch.distributed as dist  # noqa: PLC0415
@@ -126,11 +133,16 @@ class GroupFallback:
                 g._fallback_on = True  # from here every optimizer step of this process is held
         step = hook._count
         t = torch.tensor([0 if ready else 1, step, -step], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        # bounded by the deadline: a rank whose listener never comes (no store client) must not keep this one
+        # held (its training thread waits at the optimizer step) past the deadline
+        set_group_timeout(self.group, notice.seconds_left() - 0.5)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        except BaseException:
+            self._release()  # a peer gone during the agreement: this rank's held steps must not stay held
+            raise
         if int(t[0]) or int(t[1]) != -int(t[2]):
-            with g._lock:
-                g._fallback_on = False
-            g._halt.set()  # an optimizer step held meanwhile goes on (no single-process hold in such a group)
+            self._release()
             g._log.warning("replica_group_fallback_cancelled", notice_id=notice.id, step=step, ready=ready,
                            why="a rank of this group is in the post-step work of its last step (its state may "
                                "move) or the ranks' steps differ: the bounded exit at the deadline stands")

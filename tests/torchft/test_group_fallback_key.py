@@ -70,3 +70,30 @@ def test_a_key_left_by_a_previous_attempt_does_not_wake_a_restarted_group(monkey
             if fb._thread is not None:
                 fb._thread.join(10)
         dist.destroy_process_group()
+
+
+def test_a_failed_agreement_releases_the_optimizer_it_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the side group's all-reduce fails (a peer's VM went during the agreement): this rank had already held its
+    # optimizer steps (_fallback_on); before, they stayed held for good (the training thread waits on _halt)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    guard = SimpleNamespace(_log=SimpleNamespace(warning=print, error=print), _done=threading.Event(),
+                            _lock=threading.Lock(), _phase="iter", _over=threading.Event(), _halt=threading.Event(),
+                            _fallback_on=False,
+                            hook=SimpleNamespace(_closed=False, _exiting=False, _count=5))
+    fb = GroupFallback(guard)  # type: ignore[arg-type]
+    try:
+        def peer_gone(*a: Any, **k: Any) -> None:
+            raise RuntimeError("Connection closed by peer")
+
+        monkeypatch.setattr(dist, "all_reduce", peer_gone)
+        with pytest.raises(RuntimeError):
+            fb.run(_notice("n-1"))
+        assert not guard._fallback_on and guard._halt.is_set()
+    finally:
+        guard._done.set()
+        if fb._thread is not None:
+            fb._thread.join(10)
+        dist.destroy_process_group()
