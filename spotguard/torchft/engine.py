@@ -56,7 +56,7 @@ from ..history.writer import tap as history_tap
 from ..logs import get_logger
 from ..notice import Notice
 from .group_fallback import GroupFallback
-from .failover import BY_PEER, FAILOVER, UNCONFIRMED, await_writer, committed_at  # noqa: F401 - re-exported
+from .failover import BY_PEER, FAILOVER, UNCONFIRMED, await_writer, committed_at, write_step  # noqa: F401
 
 __all__ = ["ReplicaGuard", "GuardedOptimizer", "lighthouse_args", "vote_device", "fallback_lead", "LEAVING", "LEFT",
            "PEER_LEAVING", "STEP", "FALLBACK", "FALLBACK_MISSED", "HEAL_STATE",
@@ -433,11 +433,11 @@ class ReplicaGuard:
         if pending is not None:
             notice, step, snap = pending
             if step is None:  # a deferred deadline fallback: the last committed step, read now
-                step, snap = self.manager.current_step(), self._snap_of_last_step()
-            elif self._replica_rank > 0:
-                total = max(0.0, (notice.deadline - notice.received_at).total_seconds())
-                await_writer(self, notice, step, fallback_lead(total))  # returns only when this group must write
-            self.hook.emergency_exit(notice, step, snap)
+                self.hook.emergency_exit(notice, self.manager.current_step(), self._snap_of_last_step())
+            lead = fallback_lead(max(0.0, (notice.deadline - notice.received_at).total_seconds()))
+            if self._replica_rank > 0 or notice.seconds_left() <= lead:  # a late writer: the failover may write
+                await_writer(self, notice, step, lead)  # returns only when this group must write
+            write_step(self, notice, step, snap)  # leaves committed if another group committed the step meanwhile
 
     def _on_forward(self, module: Any, args: Any) -> None:
         """A training forward (the core hook's anchor rule: not a forward under no_grad in eval mode, which a
@@ -528,9 +528,10 @@ class ReplicaGuard:
                 return
             pending, self._pending = self._pending, None
             self._done.set()
+        # a non-writer whose loop never came back: done if this leave's commit is in storage
         if pending is not None and pending[1] is not None and self._replica_rank > 0 \
-                and committed_at(self.hook._storage, pending[1]):  # a non-writer whose loop never came back:
-            self._log.info(BY_PEER, notice_id=notice.id, step=pending[1], replica_rank=self._replica_rank)  # done
+                and committed_at(self.hook._storage, pending[1], notice.received_at, self.hook._lineage):
+            self._log.info(BY_PEER, notice_id=notice.id, step=pending[1], replica_rank=self._replica_rank)
             self.hook._hard_exit(notice, self._exit_code, pending[1], committed=True, nothing=False,
                                  by="replica-peer-commit")
         self._log.error(FALLBACK_MISSED, notice_id=notice.id, step=step, why=why + " before the deadline",

@@ -28,11 +28,13 @@ import json
 import os
 import threading
 import time
+import uuid
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from ..hook.dist import set_group_timeout
 from ..hook.save import _BG
 from ..notice import Notice
 
@@ -62,7 +64,13 @@ class GroupFallback:
 
         self.guard = guard
         self.group = dist.new_group(backend="gloo")  # collective: every rank builds its guard at the same point
-        self.key = f"spotguard/replica-fallback/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        # a key of this install's own (rank 0's uuid, sent to all): torchrun's store outlives an attempt (the
+        # agent shares its rendezvous store), and TORCHELASTIC_RESTART_COUNT is each agent's own count (kept
+        # on a membership change): a key named by it could be one a previous attempt set, and would wake a
+        # restarted group at once on a stale notice, or differ between the ranks of one group
+        name = [uuid.uuid4().hex if dist.get_rank(self.group) == 0 else None]
+        dist.broadcast_object_list(name, src=dist.get_global_rank(self.group, 0), group=self.group)
+        self.key = f"spotguard/replica-fallback/{name[0]}"
         try:
             self.store = _store()
         except Exception as exc:  # noqa: BLE001 - no store: the bounded exit 75 stands (docs/torchft.md, 7)
@@ -83,9 +91,9 @@ class GroupFallback:
         """A noticed rank's watchdog at ``deadline - lead``: wake every rank's listener (this one's too)."""
         # a client of its own: the listener's blocking wait holds its client's lock (a set through it waited
         # for that wait's timeout)
-        (_store() or self.store).set(self.key, json.dumps({"id": notice.id, "source": notice.source, "kind": notice.kind,
-                                             "deadline": notice.deadline.isoformat(),
-                                             "received_at": notice.received_at.isoformat()}))
+        (_store() or self.store).set(self.key, json.dumps({
+            "id": notice.id, "source": notice.source, "kind": notice.kind, "deadline": notice.deadline.isoformat(),
+            "received_at": notice.received_at.isoformat()}))
 
     def _listen(self) -> None:
         g = self.guard
@@ -108,6 +116,12 @@ class GroupFallback:
                 g._log.error("replica_fallback_missed", why=f"group fallback failed: {type(exc).__name__}: {exc}")
             return
 
+    def _release(self) -> None:
+        """Call the hold off: an optimizer step held meanwhile goes on (no single-process hold in such a group)."""
+        with self.guard._lock:
+            self.guard._fallback_on = False
+        self.guard._halt.set()
+
     def run(self, notice: Notice) -> None:
         """Every rank, on its listener thread: hold, agree, write the last committed step together, leave."""
         import torch.distributed as dist  # noqa: PLC0415
@@ -119,11 +133,16 @@ class GroupFallback:
                 g._fallback_on = True  # from here every optimizer step of this process is held
         step = hook._count
         t = torch.tensor([0 if ready else 1, step, -step], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        # bounded by the deadline: a rank whose listener never comes (no store client) must not keep this one
+        # held (its training thread waits at the optimizer step) past the deadline
+        set_group_timeout(self.group, notice.seconds_left() - 0.5)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        except BaseException:
+            self._release()  # a peer gone during the agreement: this rank's held steps must not stay held
+            raise
         if int(t[0]) or int(t[1]) != -int(t[2]):
-            with g._lock:
-                g._fallback_on = False
-            g._halt.set()  # an optimizer step held meanwhile goes on (no single-process hold in such a group)
+            self._release()
             g._log.warning("replica_group_fallback_cancelled", notice_id=notice.id, step=step, ready=ready,
                            why="a rank of this group is in the post-step work of its last step (its state may "
                                "move) or the ranks' steps differ: the bounded exit at the deadline stands")
