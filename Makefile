@@ -111,6 +111,14 @@ bench-time-to-safe-frameworks: $(STAMP)
 bench-doomed-plan: $(STAMP)
 	$(PY) -m benchmarks.doomed_plan $(DOOMED_ARGS)
 
+# DeepSpeed time to safe (issue 29, benchmarks/deepspeed_time_to_safe.py, docs/performance.md): ZeRO-2 and ZeRO-3,
+# 2 ranks on CPU, 64 MiB and 1 GiB, spotguard's hook vs engine.save_checkpoint to a local folder + an upload, both
+# to benchmarks/s3sink.py, one job per trial pair; ~40 min on 2 shared cores. Not part of `make bench` (also:
+# BENCH_ARGS=deepspeed_time_to_safe). DS_TTS_ARGS e.g. "--label after", "--cells 2:64:1.5:10", "--quick".
+.PHONY: bench-deepspeed
+bench-deepspeed: $(STAMP) deepspeed-tools
+	$(PY) -m benchmarks.deepspeed_time_to_safe $(DS_TTS_ARGS)
+
 # GPU proof kit (benchmarks/gpu_check.py, docs/performance.md "GPU"): one JSON summary, ~8 minutes on
 # one GPU; prints SKIP and exits 0 where no CUDA device exists. GPU_PY: the machine's own python3 (it
 # holds the CUDA torch); the wheels from `make gpu-wheels` are installed first when .whl/ exists and

@@ -139,14 +139,46 @@ def _local(t: Any) -> Any:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def calibrate(iteration: Any, distributed: bool) -> float:
+    """The real part of an iteration: ``WARMUP`` of them with no busy time, the median of all but the first,
+    the slowest rank's (so every rank sleeps alike)."""
+    import torch
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(WARMUP):
+        t0 = time.perf_counter()
+        iteration(0.0)
+        times.append(time.perf_counter() - t0)
+    real = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)
+    if distributed:
+        dist.all_reduce(real, op=dist.ReduceOp.MAX)
+    return float(real[0])
+
+
+def drill_at(sock: str, delay: float, info: dict[str, Any], done: list[int]) -> None:
+    """Rank 0: ``delay`` s from now (a phase of the iteration starting now), a thread sends the ``preemption``
+    drill through the daemon and emits ``info`` with the iterations completed then, when and the notice id."""
+    from spotguard.daemon.client import request_sync
+    from spotguard.protocol import Drill, DrillOk
+
+    def send(t_iter: float) -> None:
+        time.sleep(max(0.0, t_iter + delay - time.time()))
+        info["completed_at_send"] = done[0]
+        info["t_sent"] = time.time()
+        reply = request_sync(sock, Drill(kind="preemption", deadline_in=DEADLINE_S), timeout=10.0)
+        info["notice_id"] = reply.id if isinstance(reply, DrillOk) else None
+        _emit(TRIAL_PREFIX, info)
+
+    threading.Thread(target=send, args=(time.time(),), daemon=True).start()
+
+
 def _trial_worker() -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from spotguard import install_preemption_hook
-    from spotguard.daemon.client import request_sync
-    from spotguard.protocol import Drill, DrillOk
 
     state_mib = float(os.environ["SG_TTS_STATE_MIB"])
     period = float(os.environ["SG_TTS_ITER_S"])
@@ -208,15 +240,8 @@ def _trial_worker() -> None:
         sched.step()
         done[0] += 1
 
-    times = []
-    for _ in range(WARMUP):
-        t0 = time.perf_counter()
-        iteration(0.0)
-        times.append(time.perf_counter() - t0)
-    real = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)
-    if not single:
-        dist.all_reduce(real, op=dist.ReduceOp.MAX)
-    sleep_s = max(0.0, period - float(real[0]))
+    real = calibrate(iteration, not single)
+    sleep_s = max(0.0, period - real)
     if rank == 0:
         _wait_subscribed(sock, world)
     if not single:
@@ -224,18 +249,9 @@ def _trial_worker() -> None:
     state_bytes = sum(_local(t).numel() * _local(t).element_size() for p in net.parameters()
                       for t in (p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]))
     if rank == 0:
-        info: dict[str, Any] = {"real_part_s": round(float(real[0]), 4), "sleep_s": round(sleep_s, 4),
+        info: dict[str, Any] = {"real_part_s": round(real, 4), "sleep_s": round(sleep_s, 4),
                                 "state_bytes": state_bytes, "phase": phase}
-
-        def send(t_iter: float) -> None:
-            time.sleep(max(0.0, t_iter + phase * period - time.time()))
-            info["completed_at_send"] = done[0]
-            info["t_sent"] = time.time()
-            reply = request_sync(sock, Drill(kind="preemption", deadline_in=DEADLINE_S), timeout=10.0)
-            info["notice_id"] = reply.id if isinstance(reply, DrillOk) else None
-            _emit(TRIAL_PREFIX, info)
-
-        threading.Thread(target=send, args=(time.time(),), daemon=True).start()
+        drill_at(sock, phase * period, info, done)
     for _ in range(1 + AFTER):
         t0 = time.perf_counter()
         iteration(sleep_s)
@@ -310,16 +326,17 @@ def _overhead_worker() -> None:
 
 # ----------------------------------------------------------------------------------------- driver
 
-def _torchrun(mode: str, env: dict[str, str], timeout: float) -> tuple[int, str]:
-    """One 2-rank job of this file's ``--worker mode`` (``SG_TTS_SINGLE=1``: one plain process); (exit code
-    or -1 on timeout, its output). Its own session, killed whole on a timeout or when the benchmark stops."""
+def _torchrun(mode: str, env: dict[str, str], timeout: float, script: Optional[Path] = None) -> tuple[int, str]:
+    """One 2-rank job of ``script``'s (default: this file's) ``--worker mode`` (``SG_TTS_SINGLE=1``: one plain
+    process); (exit code or -1 on timeout, its output). Its own session, killed whole on a timeout or when the
+    benchmark stops."""
     torchrun = Path(sys.executable).parent / "torchrun"
     job_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "SPOTGUARD_LOG_LEVEL": "info",
                "SPOTGUARD_LOG_FORMAT": "json", **env,
                "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     launcher = [sys.executable] if job_env.get("SG_TTS_SINGLE") == "1" else \
         [str(torchrun), "--standalone", "--nproc-per-node", "2"]
-    proc = subprocess.Popen([*launcher, str(Path(__file__).resolve()), "--worker", mode], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([*launcher, str((script or Path(__file__)).resolve()), "--worker", mode], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=job_env, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -389,6 +406,17 @@ def _trial(sock: str, work: Path, mib: float, period: float, phase: float,
     if micros:  # frameworks: how long each paced micro-batch lasted (a job that exits mid-step has no whole step)
         starts = sorted(m[0] for m in micros)
         out["micro_batches_s"] = [round(b - a, 4) for a, b in zip(starts, starts[1:])]
+    t_seen = hook_figures(out, hook, info, text)
+    at = [m for m in sorted(micros) if t_seen is not None and m[0] <= t_seen]
+    if at:  # the micro-batch (of the optimizer step after ``step_at_notice`` completed ones) running at the notice
+        out["step_at_notice"], out["micro_at_notice"] = at[-1][1], at[-1][2]
+    return out
+
+
+def hook_figures(out: dict[str, Any], hook: list[dict[str, Any]], info: dict[str, Any], text: str) -> Optional[float]:
+    """Into ``out``: the trial's figures from the hook's log lines of ``info["notice_id"]`` (notice_seen ->
+    checkpoint_committed, -> exit; drill sent -> committed), or its ``error``; returns notice_seen's time."""
+    nid = info.get("notice_id")
     mine = [e for e in hook if e.get("notice_id") == nid] if nid else []
     seen = [e for e in mine if e.get("event") == "notice_seen"]
     committed = [e for e in mine if e.get("event") == "checkpoint_committed"]
@@ -397,14 +425,11 @@ def _trial(sock: str, work: Path, mib: float, period: float, phase: float,
         out["error"] = info.get("error") or ("no notice_seen" if not seen else "no checkpoint_committed")
         out["late"] = True  # never safe
         out["tail"] = text[-3000:]
-        return out
+        return None
     t_seen, t_commit = min(map(log_time, seen)), max(map(log_time, committed))
     out["notice_to_committed_s"] = round(t_commit - t_seen, 4)
     out["sent_to_committed_s"] = round(t_commit - info["t_sent"], 4)
     out["late"] = out["sent_to_committed_s"] > DEADLINE_S  # committed after the VM would be gone
-    at = [m for m in sorted(micros) if m[0] <= t_seen]
-    if at:  # the micro-batch (of the optimizer step after ``step_at_notice`` completed ones) running at the notice
-        out["step_at_notice"], out["micro_at_notice"] = at[-1][1], at[-1][2]
     if exits:
         out["notice_to_exit_s"] = round(max(map(log_time, exits)) - t_seen, 4)
         out["exit_codes"] = sorted(int(e["code"]) for e in exits)
@@ -412,7 +437,7 @@ def _trial(sock: str, work: Path, mib: float, period: float, phase: float,
     out["seconds_left_at_commit"] = min(float(e.get("seconds_left", float("nan"))) for e in committed)
     if "completed_at_send" in info:
         out["steps_after_notice"] = out["committed_step"] - int(info["completed_at_send"])
-    return out
+    return t_seen
 
 
 def _cancel(sock: str, nid: str) -> None:

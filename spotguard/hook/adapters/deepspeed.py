@@ -11,9 +11,9 @@ stays as it is. Why the engine's ``step()`` is the boundary: DeepSpeed owns the
 optimizer step (ZeRO's partitioned update, the all-gather of the updated
 parameters, the scheduler) and its step counter, ``engine.global_steps``,
 which advances only at a gradient-accumulation boundary. So after every
-``engine.step()`` that advanced ``global_steps`` the hook collects the agreement
-launched at the previous one and launches the next (``FrameworkHook._framework_boundary``);
-an agreed notice is written right there: model, ZeRO-partitioned optimizer and
+``engine.step()`` that advanced ``global_steps`` the hook launches the agreement and
+reads it at once (``_framework_boundary``: not at the next step, as the other framework
+adapters do); an agreed notice is written right there: model, ZeRO-partitioned optimizer and
 scheduler are exactly those of step S, and the RNG, the stateful objects given
 to ``hook.add_state`` and the engine's counters are those of the end of S.
 
@@ -338,6 +338,24 @@ class DeepSpeedHook(FrameworkHook):
 
         engine.step = step
         self._unwrap.append((engine, "step"))
+
+    def _framework_boundary(self, step: int, *, final: bool = False) -> None:
+        """The shared boundary, then the reduction it launched read at once: act at this step, not the next.
+
+        Why here and not in ``FrameworkHook``: a DeepSpeed step is one engine call that ends with ZeRO's
+        collectives, so the ranks leave it together and a blocking MAX of three integers costs one small round
+        trip, against a whole step (seconds on a fine-tuning job) that a notice
+        otherwise waited for the reduction launched at its first boundary to be read at the next. Every rank
+        reads it at the same boundary, so they still act at the same step."""
+        ran = not (self._closed or self._exiting) and (final or step != self._last_boundary)
+        super()._framework_boundary(step, final=final)
+        if not ran or final or self._closed or self._exiting or self._torn_down or not self._agree.pending:
+            return
+        res = self._agree.collect()
+        if res is not None and res[0] > 0:
+            self._act(res[0], res[1], snap=None, final=False)
+        elif res is not None:
+            self._maybe_periodic(None)
 
     def follow_schedulers(self, schedulers: list[Any]) -> None:
         """Schedulers the loop steps itself after ``engine.step()`` (Accelerate's wrapper around a torch scheduler

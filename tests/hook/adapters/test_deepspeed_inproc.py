@@ -111,7 +111,10 @@ def test_a_scheduler_the_loop_steps_given_to_add_state_is_saved_after_its_step(e
     """A torch scheduler DeepSpeed does not own, stepped by the loop after ``engine.step()`` and handed to
     ``add_state``: the checkpoint of step N must hold it stepped N times (before: N-1, taken inside
     ``engine.step()``, so the resumed run used the previous step's learning rate). Following it must not put
-    anything into its ``state_dict()`` (the user's own checkpoints of it)."""
+    anything into its ``state_dict()`` (the user's own checkpoints of it). And the notice is acted on at the first
+    step boundary after it, saving that step (before: the reduction launched there was read one step later, so a
+    notice waited a whole extra step — time to safe (1 - phase) x T + T + save instead of (1 - phase) x T + save).
+    (Preempted tears the module's process group down: this test stays the module's last.)"""
     from datetime import timedelta
 
     from spotguard import Preempted
@@ -133,6 +136,7 @@ def test_a_scheduler_the_loop_steps_given_to_add_state_is_saved_after_its_step(e
                 if step == start + 2:
                     hook.notify(Notice(id="n-sched", source="drill", kind="preemption",
                                        deadline=utcnow() + timedelta(seconds=30)))
+                    at_notice = int(engine.global_steps)
                 loss = engine(torch.ones(2, 4)).pow(2).mean()
                 engine.backward(loss)
                 engine.step()
@@ -141,6 +145,6 @@ def test_a_scheduler_the_loop_steps_given_to_add_state_is_saved_after_its_step(e
         hook.close()
     assert exc.value.committed, exc.value
     stop = exc.value.step
-    assert stop is not None
+    assert stop == at_notice + 1, (stop, at_notice)  # the step the notice arrived in, not the one after
     per = unpack((tmp_path / "ckpt" / f"step-{stop:08d}" / "spotguard_rank0.pt").read_bytes(), "rank0")
     assert per["state"]["sched"]["last_epoch"] == stop - first, (per["state"]["sched"], stop, first)
