@@ -26,10 +26,12 @@ tests run it on CPU through a test-only subclass (``tests/hook/adapters/lightnin
 from __future__ import annotations
 
 import contextlib
+import pathlib
 import shutil
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ...storage.base import join_key
+from ...storage.record import COMMIT_NAME, CommitRecord
 from ...storage.verify import cache_root
 from .lightning import CKPT_NAME, LightningHook
 from .lightning import install as install_lightning
@@ -73,6 +75,7 @@ class LightningDeepSpeedHook(LightningHook):
         orig = strategy.load_checkpoint
 
         def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+            hook._check_world_of(checkpoint_path)
             ce = SpotguardCheckpointEngine(hook._storage, "", str(checkpoint_path))
             with hook._swapped(ce):
                 out = orig(checkpoint_path, *args, **kwargs)
@@ -82,6 +85,24 @@ class LightningDeepSpeedHook(LightningHook):
 
         strategy.load_checkpoint = load_checkpoint
         self._unwrap.append((strategy, "load_checkpoint"))
+
+    def _check_world_of(self, checkpoint_path: Any) -> None:
+        """Whatever path Lightning loads (the automatic resume's, the user's own ``ckpt_path``, another run's):
+        a spotguard checkpoint, recognised by the commit record beside ``lightning.ckpt`` (in the store's folder
+        or its verified download), is refused when another world size wrote it, before DeepSpeed reads a byte."""
+        from .deepspeed import DeepSpeedWorldSizeChanged  # noqa: PLC0415 - imports deepspeed
+
+        folder = pathlib.Path(str(checkpoint_path)).parent
+        world = int(getattr(self.trainer, "world_size", 0) or 0)
+        try:
+            saved = CommitRecord.from_json((folder / COMMIT_NAME).read_bytes()).world_size
+        except (OSError, ValueError):
+            return  # not a spotguard checkpoint (or no readable record): DeepSpeed's own checks apply
+        if world and saved and saved != world:
+            raise DeepSpeedWorldSizeChanged(
+                f"{checkpoint_path} was written by {saved} ranks, this job has {world}: a DeepSpeed ZeRO "
+                "checkpoint's optimizer partitions fit only the world size that wrote them (DeepSpeed's universal "
+                f"checkpoint conversion, ds_to_universal.py, is offline). Resume with {saved} ranks")
 
     @contextlib.contextmanager
     def _swapped(self, ce: "SpotguardCheckpointEngine") -> Iterator[None]:

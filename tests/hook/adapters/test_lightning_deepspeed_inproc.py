@@ -1,0 +1,74 @@
+"""Lightning's ``DeepSpeedStrategy`` in this process, no training: what the hook checks before anything loads.
+
+A Trainer with the strategy constructs on CPU (Lightning refuses the CPU only at ``fit``), which is all these
+need; the training itself is ``test_lightning_deepspeed.py`` (torchrun).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (make deepspeed-tools)")
+pytest.importorskip("lightning.pytorch")
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _trainer() -> Any:
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    return Trainer(strategy=DeepSpeedStrategy(stage=2), accelerator="cpu", devices=1, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def _two_rank_checkpoint(root: Path, step: int) -> Path:
+    """A committed Lightning-DeepSpeed checkpoint whose record says 2 ranks wrote it (contents never read)."""
+    from spotguard.storage import open_storage
+    from spotguard.storage.commit import CommitRecord, commit, prepare_attempt
+
+    store = open_storage(str(root))
+    key = prepare_attempt(store, step)
+    for name in ("latest", "checkpoint/mp_rank_00_model_states.pt",
+                 *(f"checkpoint/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))):
+        store.write_bytes(f"{key}/lightning.ckpt/{name}", b"not loaded")
+    commit(store, step, CommitRecord(step=step, world_size=2, reason="emergency"))
+    return root / f"step-{step:08d}" / "lightning.ckpt"
+
+
+def test_a_two_rank_checkpoint_the_user_names_is_refused_on_one_rank_before_deepspeed_reads_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The user's own ``ckpt_path`` (set before install: the hook's automatic resume stands aside, so its
+    install-time check does not run) naming a spotguard checkpoint of another world size: refused by name at
+    Lightning's load, not handed to DeepSpeed (whose ZeRO-2 load may re-partition the fp32 weights while the
+    optimizer moments stay the other world's)."""
+    from spotguard import install_preemption_hook
+    from spotguard.hook.adapters.deepspeed import DeepSpeedWorldSizeChanged
+
+    monkeypatch.setenv("SPOTGUARD_SOCKET", str(tmp_path / "no.sock"))
+    path = _two_rank_checkpoint(tmp_path / "other-run", 5)
+    trainer = _trainer()
+    trainer.ckpt_path = str(path)
+    hook = install_preemption_hook(trainer, storage=str(tmp_path / "ckpt"))
+    try:
+        assert type(hook).__name__ == "LightningDeepSpeedHook"
+        hook._arm()  # what the callback's setup("fit") does: the load is wrapped from here on
+        with pytest.raises(DeepSpeedWorldSizeChanged, match="written by 2 ranks, this job has 1"):
+            trainer.strategy.load_checkpoint(str(path))
+    finally:
+        hook.close()
+
+
+def test_the_hooks_own_newest_checkpoint_of_another_world_size_is_refused_at_install(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The automatic resume's check (install) still holds."""
+    from spotguard import install_preemption_hook
+    from spotguard.hook.adapters.deepspeed import DeepSpeedWorldSizeChanged
+
+    monkeypatch.setenv("SPOTGUARD_SOCKET", str(tmp_path / "no.sock"))
+    _two_rank_checkpoint(tmp_path / "ckpt", 3)
+    with pytest.raises(DeepSpeedWorldSizeChanged, match="written by 2 ranks, this job has 1"):
+        install_preemption_hook(_trainer(), storage=str(tmp_path / "ckpt"))
