@@ -14,6 +14,9 @@ adds DeepSpeed's ``latest`` (``checkpoint``), which ``engine.load_checkpoint`` r
 own resume (``trainer.ckpt_path = <step-N>/lightning.ckpt``, a folder) loads it through the same engine: every
 file with ``torch.load(weights_only=True)`` and the DeepSpeed allowlist.
 
+When: as the engine adapter, at the end of the optimizer step a notice arrived in (``_read_at_boundary``: the
+agreement read at the boundary that launched it, not one step later).
+
 Limits: gradient accumulation acts at the step boundary only (ZeRO's partly reduced gradients are not in a
 checkpoint: the engine adapter's rule); another world size at resume is refused before anything loads
 (``DeepSpeedWorldSizeChanged``).
@@ -46,6 +49,7 @@ _TAG = "checkpoint"  # Lightning's tag for engine.save_checkpoint
 
 class LightningDeepSpeedHook(LightningHook):
     framework = "lightning-deepspeed"
+    _read_at_boundary = True  # as the engine adapter: a notice is written for the step it arrived in
 
     def _arm(self, state: Any = None) -> None:
         first = not self._armed

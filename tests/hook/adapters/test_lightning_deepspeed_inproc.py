@@ -72,3 +72,73 @@ def test_the_hooks_own_newest_checkpoint_of_another_world_size_is_refused_at_ins
     _two_rank_checkpoint(tmp_path / "ckpt", 3)
     with pytest.raises(DeepSpeedWorldSizeChanged, match="written by 2 ranks, this job has 1"):
         install_preemption_hook(_trainer(), storage=str(tmp_path / "ckpt"))
+
+
+def test_a_notice_is_written_at_the_end_of_the_step_it_arrived_in(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank trains under the strategy in this process (the TESTING-ONLY CPU subclass); a notice handed over
+    during batch k is written for step k + 1, the end of that batch's optimizer step, as the DeepSpeed engine
+    adapter does (before: the reduction launched there was read at the next step: k + 2, a whole step later).
+    (Preempted tears the process group down: this test stays the module's last.)"""
+    import socket
+    from datetime import timedelta
+
+    import torch
+    from lightning.pytorch import Callback, LightningModule, Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from spotguard import Preempted, install_preemption_hook
+    from spotguard.notice import Notice
+    from spotguard.timefmt import utcnow
+
+    from .lightning_ds_train import CPUDeepSpeedStrategy
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "NODE_RANK": "0",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "SPOTGUARD_SOCKET": str(tmp_path / "no.sock"),
+                 "DS_ACCELERATOR": "cpu"}.items():
+        monkeypatch.setenv(k, v)
+    import os
+    import sys
+    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))
+
+    class Net(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, idx: int) -> Any:
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self) -> Any:
+            return DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=2)
+
+    seen: dict[str, int] = {}
+
+    class NoticeAt(Callback):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 3:
+                seen["at"] = int(trainer.global_step)
+                hook.notify(Notice(id="n-lds", source="drill", kind="preemption",
+                                   deadline=utcnow() + timedelta(seconds=30)))
+
+    strategy = CPUDeepSpeedStrategy(stage=2, process_group_backend="gloo",
+                                    config={"zero_optimization": {"stage": 2}, "zero_force_ds_cpu_optimizer": False,
+                                            "train_micro_batch_size_per_gpu": 2})
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=10, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[NoticeAt()])
+    hook = install_preemption_hook(trainer, storage=str(tmp_path / "ckpt"))
+    try:
+        with pytest.raises(Preempted) as exc:
+            trainer.fit(Net())
+    finally:
+        hook.close()
+    assert exc.value.committed, exc.value
+    assert exc.value.step == seen["at"] + 1, (exc.value.step, seen)  # the step the notice arrived in
