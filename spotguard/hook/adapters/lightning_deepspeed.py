@@ -119,6 +119,28 @@ class LightningDeepSpeedHook(LightningHook):
 
     # ------------------------------------------------------------- accumulation: the step boundary only
 
+    def _started(self, step: int, resumed_from: Any) -> None:
+        super()._started(step, resumed_from)
+        self._warn_misaligned_accumulation()
+
+    def _warn_misaligned_accumulation(self) -> None:
+        """Lightning counts ``accumulate_grad_batches`` per epoch (its step ends restart at each epoch's first
+        batch), DeepSpeed across epochs (``engine.micro_steps``, in no checkpoint): when the epoch is not a whole
+        number of steps, from the second epoch on Lightning's step ends fall where ZeRO holds partly reduced
+        gradients, so no checkpoint there resumes bitwise. Said at train start, with the fix."""
+        trainer = self.trainer
+        acc = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+        batches = getattr(trainer, "num_training_batches", None)
+        if acc <= 1 or not isinstance(batches, int) or batches <= 0 or batches % acc == 0:
+            return
+        self._log.warning("lightning_deepspeed_accumulation_misaligned", batches_per_epoch=batches,
+                          accumulate_grad_batches=acc,
+                          why="Lightning counts accumulation per epoch, DeepSpeed across epochs: after the first "
+                              "epoch a step end of Lightning's is mid-accumulation for DeepSpeed, whose partly "
+                              "reduced gradients no checkpoint holds; a resume from there is not exact",
+                          fix="batches per epoch a multiple of accumulate_grad_batches (limit_train_batches or the "
+                              "dataset's size)")
+
     def _remember_step(self, step: int, final: bool) -> None:
         self._micro_since, self._at_step = 0, None  # nothing to rewind to: no snapshot per step
 

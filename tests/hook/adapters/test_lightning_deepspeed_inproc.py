@@ -74,24 +74,11 @@ def test_the_hooks_own_newest_checkpoint_of_another_world_size_is_refused_at_ins
         install_preemption_hook(_trainer(), storage=str(tmp_path / "ckpt"))
 
 
-def test_a_notice_is_written_at_the_end_of_the_step_it_arrived_in(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """One rank trains under the strategy in this process (the TESTING-ONLY CPU subclass); a notice handed over
-    during batch k is written for step k + 1, the end of that batch's optimizer step, as the DeepSpeed engine
-    adapter does (before: the reduction launched there was read at the next step: k + 2, a whole step later).
-    (Preempted tears the process group down: this test stays the module's last.)"""
+def _one_rank_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank of a torchrun-like job in this process (Lightning creates the gloo group inside ``fit``)."""
+    import os
     import socket
-    from datetime import timedelta
-
-    import torch
-    from lightning.pytorch import Callback, LightningModule, Trainer
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from spotguard import Preempted, install_preemption_hook
-    from spotguard.notice import Notice
-    from spotguard.timefmt import utcnow
-
-    from .lightning_ds_train import CPUDeepSpeedStrategy
+    import sys
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -100,10 +87,15 @@ def test_a_notice_is_written_at_the_end_of_the_step_it_arrived_in(tmp_path: Path
                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "SPOTGUARD_SOCKET": str(tmp_path / "no.sock"),
                  "DS_ACCELERATOR": "cpu"}.items():
         monkeypatch.setenv(k, v)
-    import os
-    import sys
-    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
+    if not os.environ.get("TORCH_EXTENSIONS_DIR"):  # the comm op `make deepspeed-tools` prebuilt
         monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))
+
+
+def _net(samples: int) -> Any:
+    """A LightningModule class: a linear layer, AdamW, ``samples`` random rows in batches of 2."""
+    import torch
+    from lightning.pytorch import LightningModule
+    from torch.utils.data import DataLoader, TensorDataset
 
     class Net(LightningModule):
         def __init__(self) -> None:
@@ -117,8 +109,76 @@ def test_a_notice_is_written_at_the_end_of_the_step_it_arrived_in(tmp_path: Path
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
         def train_dataloader(self) -> Any:
-            return DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=2)
+            return DataLoader(TensorDataset(torch.randn(samples, 4)), batch_size=2)
 
+    return Net
+
+
+def _cpu_trainer(**kw: Any) -> Any:
+    """A Trainer with the TESTING-ONLY CPU subclass of the strategy (``lightning_ds_train.py``), ZeRO-2."""
+    from lightning.pytorch import Trainer
+
+    from .lightning_ds_train import CPUDeepSpeedStrategy
+
+    strategy = CPUDeepSpeedStrategy(stage=2, process_group_backend="gloo",
+                                    config={"zero_optimization": {"stage": 2}, "zero_force_ds_cpu_optimizer": False,
+                                            "train_micro_batch_size_per_gpu": 2})
+    return Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, **kw)
+
+
+def test_accumulation_lightning_and_deepspeed_count_differently_is_said_at_train_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``accumulate_grad_batches`` not dividing the epoch: Lightning counts its accumulation per epoch (its
+    optimizer steps restart at each epoch's batch 0), DeepSpeed across epochs (``micro_steps``, which its
+    checkpoint does not hold), so from the second epoch on Lightning's step ends fall where DeepSpeed holds
+    partly reduced gradients (checked here), and no checkpoint there can resume bitwise. The hook says so
+    at train start, naming the fix, instead of the user finding it in the losses."""
+    from lightning.pytorch import Callback
+
+    from spotguard import install_preemption_hook
+
+    _one_rank_env(tmp_path, monkeypatch)
+    mid: list[int] = []
+    warned: list[tuple[str, dict[str, Any]]] = []
+
+    class Watch(Callback):
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:  # the hook is armed (its log exists)
+            warn = hook._log.warning
+            monkeypatch.setattr(hook._log, "warning", lambda ev, **kw: (warned.append((ev, kw)), warn(ev, **kw)))
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+            engine = trainer.strategy.deepspeed_engine
+            if (idx + 1) % 2 == 0:  # Lightning's step end (its count restarts with each epoch)
+                mid.append(int(engine.micro_steps) % int(engine.gradient_accumulation_steps()))
+
+    trainer = _cpu_trainer(max_steps=4, accumulate_grad_batches=2, callbacks=[Watch()])
+    hook = install_preemption_hook(trainer, storage=str(tmp_path / "ckpt"))
+    try:
+        trainer.fit(_net(10)())  # 5 batches an epoch, 2 a step
+    finally:
+        hook.close()
+    assert mid[:2] == [0, 0] and any(mid[2:]), mid  # the premise: epoch 1's step ends are mid-accumulation
+    found = [kw for ev, kw in warned if ev == "lightning_deepspeed_accumulation_misaligned"]
+    assert found and found[0]["batches_per_epoch"] == 5 and found[0]["accumulate_grad_batches"] == 2, warned
+
+
+def test_a_notice_is_written_at_the_end_of_the_step_it_arrived_in(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank trains under the strategy in this process (the TESTING-ONLY CPU subclass); a notice handed over
+    during batch k is written for step k + 1, the end of that batch's optimizer step, as the DeepSpeed engine
+    adapter does (before: the reduction launched there was read at the next step: k + 2, a whole step later).
+    (Preempted tears the process group down: this test stays the module's last.)"""
+    from datetime import timedelta
+
+    from lightning.pytorch import Callback
+
+    from spotguard import Preempted, install_preemption_hook
+    from spotguard.notice import Notice
+    from spotguard.timefmt import utcnow
+
+    _one_rank_env(tmp_path, monkeypatch)
+    Net = _net(32)
     seen: dict[str, int] = {}
 
     class NoticeAt(Callback):
@@ -128,12 +188,7 @@ def test_a_notice_is_written_at_the_end_of_the_step_it_arrived_in(tmp_path: Path
                 hook.notify(Notice(id="n-lds", source="drill", kind="preemption",
                                    deadline=utcnow() + timedelta(seconds=30)))
 
-    strategy = CPUDeepSpeedStrategy(stage=2, process_group_backend="gloo",
-                                    config={"zero_optimization": {"stage": 2}, "zero_force_ds_cpu_optimizer": False,
-                                            "train_micro_batch_size_per_gpu": 2})
-    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=10, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[NoticeAt()])
+    trainer = _cpu_trainer(max_steps=10, callbacks=[NoticeAt()])
     hook = install_preemption_hook(trainer, storage=str(tmp_path / "ckpt"))
     try:
         with pytest.raises(Preempted) as exc:
