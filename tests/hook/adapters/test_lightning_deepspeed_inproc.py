@@ -6,6 +6,7 @@ need; the training itself is ``test_lightning_deepspeed.py`` (torchrun).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -123,8 +124,9 @@ def _cpu_trainer(**kw: Any) -> Any:
     strategy = CPUDeepSpeedStrategy(stage=2, process_group_backend="gloo",
                                     config={"zero_optimization": {"stage": 2}, "zero_force_ds_cpu_optimizer": False,
                                             "train_micro_batch_size_per_gpu": 2})
-    return Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, **kw)
+    kw.setdefault("enable_checkpointing", False)
+    return Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, **kw)
 
 
 def test_accumulation_lightning_and_deepspeed_count_differently_is_said_at_train_start(
@@ -163,37 +165,48 @@ def test_accumulation_lightning_and_deepspeed_count_differently_is_said_at_train
     assert found and found[0]["batches_per_epoch"] == 5 and found[0]["accumulate_grad_batches"] == 2, warned
 
 
-def test_a_notice_is_written_at_the_end_of_the_step_it_arrived_in(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """One rank trains under the strategy in this process (the TESTING-ONLY CPU subclass); a notice handed over
-    during batch k is written for step k + 1, the end of that batch's optimizer step, as the DeepSpeed engine
-    adapter does (before: the reduction launched there was read at the next step: k + 2, a whole step later).
+def test_a_notice_during_lightnings_own_checkpoint_is_written_for_that_step_with_spotguards_writer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's ``ModelCheckpoint`` saving every step (its own ``engine.save_checkpoint``, DeepSpeed's torch
+    writer, to its own folder) and a notice arriving inside that save of step 3: spotguard's callback comes after
+    Lightning's (it is added at install, after the Trainer put ``ModelCheckpoint`` last), so the same step end reads
+    the agreement and writes step 3 with spotguard's writer, every file in the commit record; Lightning's own save
+    finished first, in its folder, with none of the hook's files. The notice is written for the step it arrived in,
+    as the DeepSpeed engine adapter does (before: the reduction launched there was read one step later: step 4).
     (Preempted tears the process group down: this test stays the module's last.)"""
     from datetime import timedelta
 
-    from lightning.pytorch import Callback
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from spotguard import Preempted, install_preemption_hook
     from spotguard.notice import Notice
     from spotguard.timefmt import utcnow
 
     _one_rank_env(tmp_path, monkeypatch)
-    Net = _net(32)
     seen: dict[str, int] = {}
 
-    class NoticeAt(Callback):
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            if batch_idx == 3:
-                seen["at"] = int(trainer.global_step)
-                hook.notify(Notice(id="n-lds", source="drill", kind="preemption",
+    class NoticeInSave(ModelCheckpoint):
+        def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
+            if trainer.global_step == 3 and "at" not in seen:
+                seen["at"] = 3
+                hook.notify(Notice(id="n-mc", source="drill", kind="preemption",
                                    deadline=utcnow() + timedelta(seconds=30)))
+            super()._save_checkpoint(trainer, filepath)
+            seen["lightning_saves"] = seen.get("lightning_saves", 0) + 1
 
-    trainer = _cpu_trainer(max_steps=10, callbacks=[NoticeAt()])
+    mc = NoticeInSave(dirpath=str(tmp_path / "lightning"), every_n_train_steps=1, save_top_k=-1)
+    trainer = _cpu_trainer(max_steps=10, callbacks=[mc], enable_checkpointing=True)
     hook = install_preemption_hook(trainer, storage=str(tmp_path / "ckpt"))
     try:
         with pytest.raises(Preempted) as exc:
-            trainer.fit(Net())
+            trainer.fit(_net(32)())
     finally:
         hook.close()
-    assert exc.value.committed, exc.value
-    assert exc.value.step == seen["at"] + 1, (exc.value.step, seen)  # the step the notice arrived in
+    assert exc.value.committed and exc.value.step == 3, (exc.value, seen)
+    assert seen["lightning_saves"] == 3, seen  # steps 1-3: Lightning's own, whole; then the hook's of step 3
+    record = json.loads((tmp_path / "ckpt" / "step-00000003" / "COMMIT.json").read_text())
+    want = {"lightning.ckpt/latest", "lightning.ckpt/checkpoint/mp_rank_00_model_states.pt",
+            "lightning.ckpt/checkpoint/zero_pp_rank_0_mp_rank_00_optim_states.pt"}
+    assert want <= set(record["checksums"]), record
+    assert (tmp_path / "lightning" / "epoch=0-step=3.ckpt" / "checkpoint").is_dir()  # Lightning's, untouched
+    assert not list((tmp_path / "lightning").rglob("step-*")), "the hook's files in Lightning's folder"
