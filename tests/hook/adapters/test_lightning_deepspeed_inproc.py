@@ -165,6 +165,46 @@ def test_accumulation_lightning_and_deepspeed_count_differently_is_said_at_train
     assert found and found[0]["batches_per_epoch"] == 5 and found[0]["accumulate_grad_batches"] == 2, warned
 
 
+def test_a_damaged_newest_checkpoint_is_skipped_and_the_previous_one_resumed_through_spotguards_reader(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``every=`` commits a checkpoint at each step; the newest one's ZeRO partition is then damaged (one byte):
+    the next fit's automatic resume quarantines it and Lightning resumes from the previous one, at its step."""
+    from lightning.pytorch import Callback
+
+    from spotguard import install_preemption_hook
+
+    _one_rank_env(tmp_path, monkeypatch)
+    store = tmp_path / "ckpt"
+    trainer = _cpu_trainer(max_steps=4)
+    hook = install_preemption_hook(trainer, storage=str(store), every=0.001)
+    try:
+        trainer.fit(_net(32)())
+    finally:
+        hook.close()
+    steps = sorted(int(d.name[5:]) for d in store.glob("step-*") if (d / "COMMIT.json").exists())
+    assert steps[-2:] == [2, 3], steps  # the last step (4) ends the fit: no periodic save there
+    part = store / "step-00000003" / "lightning.ckpt" / "checkpoint" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    raw = bytearray(part.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    part.write_bytes(bytes(raw))
+
+    started: dict[str, int] = {}
+
+    class Start(Callback):
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            started["step"] = int(trainer.global_step)
+
+    trainer = _cpu_trainer(max_steps=4, callbacks=[Start()])
+    hook = install_preemption_hook(trainer, storage=str(store))
+    try:
+        assert hook.latest() == str(store / "step-00000002" / "lightning.ckpt")
+        trainer.fit(_net(32)())
+    finally:
+        hook.close()
+    assert started["step"] == 2, started
+    assert (store / "step-00000003" / "QUARANTINE.json").exists()
+
+
 def test_a_notice_during_lightnings_own_checkpoint_is_written_for_that_step_with_spotguards_writer(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Lightning's ``ModelCheckpoint`` saving every step (its own ``engine.save_checkpoint``, DeepSpeed's torch
