@@ -5,7 +5,8 @@ ZeRO-2 and ZeRO-3, 2 ranks ``torchrun`` on CPU (gloo, ``DS_ACCELERATOR=cpu``), a
 parameters + AdamW's two moments are 64 MiB or 1 GiB (every layer trains). An
 iteration is ``busy(s)`` (simulated compute) then the real ``engine(x)``,
 ``engine.backward``, ``engine.step()``; ``s`` is calibrated in the job so an
-iteration lasts the cell's period. Storage: ``benchmarks/s3sink.py`` (an S3 that
+iteration lasts the cell's period (or the real step plus 0.2 s when that is longer:
+1 GiB on 2 shared cores). Storage: ``benchmarks/s3sink.py`` (an S3 that
 discards bodies: the local object stores are far slower than the machine, so the
 figure would be the emulator's). Every job holds one trial of each method:
 
@@ -64,6 +65,7 @@ from benchmarks.time_to_safe import (AFTER, DEADLINE_S, LAYERS, TRIAL_PREFIX, _c
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 BUCKET = "bench"
+# (ZeRO stage, MiB, iteration s, trials); 1 GiB: 3 trials (its real step is 13-17 s on 2 shared cores: ~3 min a job)
 CELLS = [(2, 64, 1.5, 10), (3, 64, 1.5, 10), (2, 1024, 4.0, 3), (3, 1024, 4.0, 3)]
 QUICK_CELLS = [(2, 4, 0.6, 1)]
 GAP = 2  # plain iterations between the baseline's save and the spotguard drill
