@@ -59,6 +59,9 @@ class FrameworkHook(Hook):
     # The framework writes its own checkpoint between two of its callbacks: notices are agreed and
     # written at the framework's step boundary (the core's boundary path), not in the background.
     _background_capable = False
+    # DeepSpeed (the engine, Lightning's strategy): the reduction a boundary launches is read there at once
+    # (``_framework_boundary``), so a notice is written for the step it arrived in, not one step later.
+    _read_at_boundary = False
 
     def __init__(
         self,
@@ -239,6 +242,23 @@ class FrameworkHook(Hook):
         self._finished = final
         self._count = step
         self._explicit_boundary(final=final)
+        if self._read_at_boundary and not final:
+            self._read_now()
+
+    def _read_now(self) -> None:
+        """The reduction this boundary launched, read at once: act at this step, not the next.
+
+        Why only where ``_read_at_boundary``: a DeepSpeed step ends with ZeRO's collectives, so the ranks leave
+        it together and a blocking MAX of three integers costs one small round trip, against a whole step
+        (seconds on a fine-tuning job) that a notice otherwise waits for the reduction to be read at the next
+        boundary. Every rank reads it at the same boundary, so they still act at the same step."""
+        if self._closed or self._exiting or self._torn_down or not self._agree.pending:
+            return
+        res = self._agree.collect()
+        if res is not None and res[0] > 0:
+            self._act(res[0], res[1], snap=None, final=False)
+        elif res is not None:
+            self._maybe_periodic(None)
 
     def _framework_eval_batch(self) -> None:
         """A batch of the framework's evaluation inside training (every rank, once per batch; frameworks

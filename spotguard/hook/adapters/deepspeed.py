@@ -252,6 +252,7 @@ class SpotguardCheckpointEngine(CheckpointEngine):
 
 class DeepSpeedHook(FrameworkHook):
     framework = "deepspeed"
+    _read_at_boundary = True  # the agreement is read at the engine.step() that launched it (FrameworkHook._read_now)
 
     # The loop is the user's: the plain hook's resume applies (FrameworkHook forbids it).
     range = Hook.range
@@ -338,24 +339,6 @@ class DeepSpeedHook(FrameworkHook):
 
         engine.step = step
         self._unwrap.append((engine, "step"))
-
-    def _framework_boundary(self, step: int, *, final: bool = False) -> None:
-        """The shared boundary, then the reduction it launched read at once: act at this step, not the next.
-
-        Why here and not in ``FrameworkHook``: a DeepSpeed step is one engine call that ends with ZeRO's
-        collectives, so the ranks leave it together and a blocking MAX of three integers costs one small round
-        trip, against a whole step (seconds on a fine-tuning job) that a notice
-        otherwise waited for the reduction launched at its first boundary to be read at the next. Every rank
-        reads it at the same boundary, so they still act at the same step."""
-        ran = not (self._closed or self._exiting) and (final or step != self._last_boundary)
-        super()._framework_boundary(step, final=final)
-        if not ran or final or self._closed or self._exiting or self._torn_down or not self._agree.pending:
-            return
-        res = self._agree.collect()
-        if res is not None and res[0] > 0:
-            self._act(res[0], res[1], snap=None, final=False)
-        elif res is not None:
-            self._maybe_periodic(None)
 
     def follow_schedulers(self, schedulers: list[Any]) -> None:
         """Schedulers the loop steps itself after ``engine.step()`` (Accelerate's wrapper around a torch scheduler

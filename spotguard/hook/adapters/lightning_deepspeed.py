@@ -14,6 +14,9 @@ adds DeepSpeed's ``latest`` (``checkpoint``), which ``engine.load_checkpoint`` r
 own resume (``trainer.ckpt_path = <step-N>/lightning.ckpt``, a folder) loads it through the same engine: every
 file with ``torch.load(weights_only=True)`` and the DeepSpeed allowlist.
 
+When: as the engine adapter, at the end of the optimizer step a notice arrived in (``_read_at_boundary``: the
+agreement read at the boundary that launched it, not one step later).
+
 Limits: gradient accumulation acts at the step boundary only (ZeRO's partly reduced gradients are not in a
 checkpoint: the engine adapter's rule); another world size at resume is refused before anything loads
 (``DeepSpeedWorldSizeChanged``).
@@ -26,10 +29,12 @@ tests run it on CPU through a test-only subclass (``tests/hook/adapters/lightnin
 from __future__ import annotations
 
 import contextlib
+import pathlib
 import shutil
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ...storage.base import join_key
+from ...storage.record import COMMIT_NAME, CommitRecord
 from ...storage.verify import cache_root
 from .lightning import CKPT_NAME, LightningHook
 from .lightning import install as install_lightning
@@ -44,6 +49,7 @@ _TAG = "checkpoint"  # Lightning's tag for engine.save_checkpoint
 
 class LightningDeepSpeedHook(LightningHook):
     framework = "lightning-deepspeed"
+    _read_at_boundary = True  # as the engine adapter: a notice is written for the step it arrived in
 
     def _arm(self, state: Any = None) -> None:
         first = not self._armed
@@ -73,6 +79,7 @@ class LightningDeepSpeedHook(LightningHook):
         orig = strategy.load_checkpoint
 
         def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+            hook._check_world_of(checkpoint_path)
             ce = SpotguardCheckpointEngine(hook._storage, "", str(checkpoint_path))
             with hook._swapped(ce):
                 out = orig(checkpoint_path, *args, **kwargs)
@@ -82,6 +89,24 @@ class LightningDeepSpeedHook(LightningHook):
 
         strategy.load_checkpoint = load_checkpoint
         self._unwrap.append((strategy, "load_checkpoint"))
+
+    def _check_world_of(self, checkpoint_path: Any) -> None:
+        """Whatever path Lightning loads (the automatic resume's, the user's own ``ckpt_path``, another run's):
+        a spotguard checkpoint, recognised by the commit record beside ``lightning.ckpt`` (in the store's folder
+        or its verified download), is refused when another world size wrote it, before DeepSpeed reads a byte."""
+        from .deepspeed import DeepSpeedWorldSizeChanged  # noqa: PLC0415 - imports deepspeed
+
+        folder = pathlib.Path(str(checkpoint_path)).parent
+        world = int(getattr(self.trainer, "world_size", 0) or 0)
+        try:
+            saved = CommitRecord.from_json((folder / COMMIT_NAME).read_bytes()).world_size
+        except (OSError, ValueError):
+            return  # not a spotguard checkpoint (or no readable record): DeepSpeed's own checks apply
+        if world and saved and saved != world:
+            raise DeepSpeedWorldSizeChanged(
+                f"{checkpoint_path} was written by {saved} ranks, this job has {world}: a DeepSpeed ZeRO "
+                "checkpoint's optimizer partitions fit only the world size that wrote them (DeepSpeed's universal "
+                f"checkpoint conversion, ds_to_universal.py, is offline). Resume with {saved} ranks")
 
     @contextlib.contextmanager
     def _swapped(self, ce: "SpotguardCheckpointEngine") -> Iterator[None]:
@@ -93,6 +118,28 @@ class LightningDeepSpeedHook(LightningHook):
             engine.checkpoint_engine = old
 
     # ------------------------------------------------------------- accumulation: the step boundary only
+
+    def _started(self, step: int, resumed_from: Any) -> None:
+        super()._started(step, resumed_from)
+        self._warn_misaligned_accumulation()
+
+    def _warn_misaligned_accumulation(self) -> None:
+        """Lightning counts ``accumulate_grad_batches`` per epoch (its step ends restart at each epoch's first
+        batch), DeepSpeed across epochs (``engine.micro_steps``, in no checkpoint): when the epoch is not a whole
+        number of steps, from the second epoch on Lightning's step ends fall where ZeRO holds partly reduced
+        gradients, so no checkpoint there resumes bitwise. Said at train start, with the fix."""
+        trainer = self.trainer
+        acc = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+        batches = getattr(trainer, "num_training_batches", None)
+        if acc <= 1 or not isinstance(batches, int) or batches <= 0 or batches % acc == 0:
+            return
+        self._log.warning("lightning_deepspeed_accumulation_misaligned", batches_per_epoch=batches,
+                          accumulate_grad_batches=acc,
+                          why="Lightning counts accumulation per epoch, DeepSpeed across epochs: after the first "
+                              "epoch a step end of Lightning's is mid-accumulation for DeepSpeed, whose partly "
+                              "reduced gradients no checkpoint holds; a resume from there is not exact",
+                          fix="batches per epoch a multiple of accumulate_grad_batches (limit_train_batches or the "
+                              "dataset's size)")
 
     def _remember_step(self, step: int, final: bool) -> None:
         self._micro_since, self._at_step = 0, None  # nothing to rewind to: no snapshot per step
