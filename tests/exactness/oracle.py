@@ -129,6 +129,11 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("fsdp2_evac", "fsdp2.py", env=(("SPOTGUARD_EVACUATE", "always"),), what="the fsdp2 pattern with "
             "SPOTGUARD_EVACUATE=always: the doomed rank's shards evacuated to the survivor, which writes them",
             phases=("load", "fwd", "bwd", "prestep", "step", "after")),
+    # the same under DDP: the doomed rank's unique bytes are its per-rank state only (the plan gave the replicated
+    # model and optimizer to the survivor); those few kB go through the survivor too
+    Pattern("ddp_evac", "ddp.py", env=(("SPOTGUARD_EVACUATE", "always"),), what="the ddp pattern with "
+            "SPOTGUARD_EVACUATE=always: the doomed rank's per-rank state evacuated to the survivor, which writes it",
+            phases=("load", "fwd", "bwd", "prestep", "step", "after", "eval")),
     Pattern("ddp_every", "ddp.py", env=(("EXO_EVERY", "1.0"), ("EXO_SLOW_PERIODIC", "0.8")),
             what="ddp with every=1 s and a slow store: periodic uploads (0.8 s each, in the background) "
             "in flight when notices land", phases=("load", "fwd", "bwd", "prestep", "step", "after", "eval",
