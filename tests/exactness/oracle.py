@@ -124,6 +124,16 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
     Pattern("fsdp2", "fsdp2.py", what="FSDP2 fully_shard on 2 ranks, Adam, StepLR",
             phases=("load", "fwd", "bwd", "prestep", "step", "after")),
+    # issue 26: the notice reaches one rank; its unique shards stream to the other rank's host memory, which
+    # uploads them beside its own (judged also by the record: ``writers.evacuated`` names that rank)
+    Pattern("fsdp2_evac", "fsdp2.py", env=(("SPOTGUARD_EVACUATE", "always"),), what="the fsdp2 pattern with "
+            "SPOTGUARD_EVACUATE=always: the doomed rank's shards evacuated to the survivor, which writes them",
+            phases=("load", "fwd", "bwd", "prestep", "step", "after")),
+    # the same under DDP: the doomed rank's unique bytes are its per-rank state only (the plan gave the replicated
+    # model and optimizer to the survivor); those few kB go through the survivor too
+    Pattern("ddp_evac", "ddp.py", env=(("SPOTGUARD_EVACUATE", "always"),), what="the ddp pattern with "
+            "SPOTGUARD_EVACUATE=always: the doomed rank's per-rank state evacuated to the survivor, which writes it",
+            phases=("load", "fwd", "bwd", "prestep", "step", "after", "eval")),
     Pattern("ddp_every", "ddp.py", env=(("EXO_EVERY", "1.0"), ("EXO_SLOW_PERIODIC", "0.8")),
             what="ddp with every=1 s and a slow store: periodic uploads (0.8 s each, in the background) "
             "in flight when notices land", phases=("load", "fwd", "bwd", "prestep", "step", "after", "eval",
@@ -656,12 +666,18 @@ def _judge(ref: Reference, t: Trial, env: dict[str, str], folder: Path, storage:
 
 def _doomed_plan(p: Pattern, t: Trial, c: dict[str, Any]) -> list[str]:
     """Under DDP/FSDP2 the notice reaches one rank only: its emergency checkpoint must have been planned around
-    that rank (issue 26: the record's ``writers`` names it doomed; the others wrote the replicated state)."""
+    that rank (issue 26: the record's ``writers`` names it doomed; the others wrote the replicated state; under
+    ``SPOTGUARD_EVACUATE=always`` its ``evacuated`` names the survivor that wrote the doomed rank's shards)."""
     if p.nproc < 2 or not p.name.startswith(("ddp", "fsdp2")) or _reason(c) != "emergency":
         return []
     writers = ((c.get("record") or {}).get("extra") or {}).get("writers") or {}
     if writers.get("doomed") != [t.rank]:
         return [f"the notice reached rank {t.rank} only, yet the commit record's writers say {writers}"]
+    if ("SPOTGUARD_EVACUATE", "always") in p.env:  # its unique bytes went through the survivor (evacuate.py)
+        ev = (writers.get("evacuated") or {}).get(str(t.rank)) or {}
+        if ev.get("to") not in set(range(p.nproc)) - {t.rank} or not ev.get("bytes"):
+            return [f"SPOTGUARD_EVACUATE=always, yet the record's writers show no evacuation of rank {t.rank} "
+                    f"to a survivor: {writers} (a fallback logs checkpoint_evacuation_declined / 'cannot serialise')"]
     return []
 
 

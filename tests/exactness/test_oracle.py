@@ -51,6 +51,9 @@ CASES: dict[str, tuple[str, ...]] = {
     "accelerate-accum-micro-batch": ("accelerate_accum", "phase:micro@4"),
     "fsdp2-notice-during-forward": ("fsdp2", "phase:fwd@4"),
     "fsdp2-notice-during-backward": ("fsdp2", "phase:bwd@4"),
+    # issue 26: the notice to one rank only, its unique FSDP2 shards evacuated to the other rank's memory
+    # (SPOTGUARD_EVACUATE=always), uploaded there; the record must name the evacuation (oracle._doomed_plan)
+    "fsdp2-evacuated-notice-during-backward": ("fsdp2_evac", "phase:bwd@4"),
     # frameworks: an accumulation micro-batch of iteration 3. Lightning acts one micro-batch after the agreement:
     # step 4 committed from batch 8 (RNG, loops, callbacks rewound to step 4's end), the resumed run crosses the
     # epoch end; the Trainer commits step 5, which ends an epoch (its RNG load before the next epoch's sampler)
