@@ -740,9 +740,11 @@ def check_anytime(budget: float) -> dict[str, Any]:
     lines = lambda out: [json.loads(x) for x in out.splitlines() if x.startswith("{")]  # noqa: E731
     refs: dict[str, dict[int, str]] = {}
     per_step = 0.0
-    for mode in ("plain", "dist"):
-        rc, out, err, secs = _run(["--worker", "anytime", "--phase", "ref"], max(10.0, t_end - time.monotonic()),
-                                  torchrun_procs=1 if mode == "dist" else 0)
+    modes = ["plain", "dist"]
+    ref_runs = _side_by_side(lambda mode: _run(["--worker", "anytime", "--phase", "ref"],
+                                               max(10.0, t_end - time.monotonic()),
+                                               torchrun_procs=1 if mode == "dist" else 0), modes)
+    for mode, (rc, out, err, secs) in zip(modes, ref_runs):
         got = lines(out)
         refs[mode] = {d["ref"]: d["d"] for d in got if "ref" in d}
         per_step = next((d["ref_s_per_step"] for d in got if "ref_s_per_step" in d), per_step)
@@ -754,15 +756,22 @@ def check_anytime(budget: float) -> dict[str, Any]:
     steps = len(refs["plain"])
     trials: list[dict[str, Any]] = []
     n = int(os.environ.get("SG_GPU_CHECK_ANYTIME_TRIALS", "6"))
+    plan: list[tuple[str, str, int, float]] = []
     for k in range(n):
+        plan.append((("plain", "dist")[k % 2], tempfile.mkdtemp(prefix=f"sg-gpu-any{k}-"),
+                     rnd.randrange(3, steps - 20), round(rnd.random(), 3)))
+
+    def trial(p: tuple[str, str, int, float]) -> tuple[int | None, str, str, float] | None:
+        mode, store, at_step, frac = p
         if time.monotonic() > t_end - 30:
+            return None
+        return _run(["--worker", "anytime", "--phase", "trial", "--storage", store, "--at", str(at_step), "--frac",
+                     str(frac)], min(60.0, t_end - time.monotonic()), torchrun_procs=1 if mode == "dist" else 0)
+
+    for (mode, store, at_step, frac), ran in zip(plan, _side_by_side(trial, plan)):
+        if ran is None:
             break
-        mode = ("plain", "dist")[k % 2]
-        store = tempfile.mkdtemp(prefix=f"sg-gpu-any{k}-")
-        at_step, frac = rnd.randrange(3, steps - 20), round(rnd.random(), 3)
-        rc, out, err, secs = _run(["--worker", "anytime", "--phase", "trial", "--storage", store, "--at",
-                                   str(at_step), "--frac", str(frac)], min(60.0, t_end - time.monotonic()),
-                                  torchrun_procs=1 if mode == "dist" else 0)
+        rc, out, err, secs = ran
         got = {k2: v for d in lines(out) for k2, v in d.items()}
         ev = _log_events(err)
         trials.append({"mode": mode, "at_step": at_step, "frac": frac, "rc": rc, "store": store,
@@ -905,6 +914,32 @@ def _environment() -> dict[str, Any]:
     return info
 
 
+def _side_by_side(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+    """``[fn(x) for x in items]``; in the CPU dry run (which measures nothing) side by side, each item's children
+    at once; on the GPU one at a time, so that each one's figures are its own."""
+    if _device_kind() != "cpu" or len(items) < 2:
+        return [fn(x) for x in items]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
+def _one_check(name: str) -> dict[str, Any]:
+    """Run check ``name`` within its budget; an exception is recorded as its failure (never hides the others)."""
+    fn, budget = CHECKS[name]
+    budget = float(os.environ.get(f"SG_GPU_CHECK_BUDGET_{name.upper()}", budget))
+    t0 = time.monotonic()
+    print(f"gpu-check: {name} (budget {budget:.0f} s) ...", file=sys.stderr, flush=True)
+    try:
+        res = fn(budget)
+    except Exception as exc:  # noqa: BLE001 - one check's failure must not hide the others
+        res = {"pass": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}
+    res.setdefault("wall_s", round(time.monotonic() - t0, 1))
+    print(f"gpu-check: {name}: {'PASS' if res.get('pass') else 'FAIL'} ({res['wall_s']} s)", file=sys.stderr, flush=True)
+    return res
+
+
 def orchestrate() -> int:
     kind = _device_kind()
     if kind == "notorch":
@@ -927,20 +962,8 @@ def orchestrate() -> int:
     summary: dict[str, Any] = {"mode": "gpu" if kind == "cuda" else "cpu-dry-run (no GPU figures)",
                                "environment": environment, "checks": {}}
     t_all = time.monotonic()
-    for name, (fn, budget) in CHECKS.items():
-        if only and name not in only:
-            continue
-        budget = float(os.environ.get(f"SG_GPU_CHECK_BUDGET_{name.upper()}", budget))
-        t0 = time.monotonic()
-        print(f"gpu-check: {name} (budget {budget:.0f} s) ...", file=sys.stderr, flush=True)
-        try:
-            res = fn(budget)
-        except Exception as exc:  # noqa: BLE001 - one check's failure must not hide the others
-            res = {"pass": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}
-        res.setdefault("wall_s", round(time.monotonic() - t0, 1))
-        summary["checks"][name] = res
-        print(f"gpu-check: {name}: {'PASS' if res.get('pass') else 'FAIL'} ({res['wall_s']} s)",
-              file=sys.stderr, flush=True)
+    names = [n for n in CHECKS if not only or n in only]
+    summary["checks"] = dict(zip(names, _side_by_side(_one_check, names)))
     summary["wall_s"] = round(time.monotonic() - t_all, 1)
     summary["pass"] = all(bool(r.get("pass")) for r in summary["checks"].values())
     _write(summary)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -19,13 +21,43 @@ REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(300)
 
+QuickRuns = dict[str, tuple["subprocess.Popen[str]", Path]]
 
-def test_quick_run_measures_every_trial_from_the_hooks_log_lines(tmp_path: Path) -> None:
-    out = tmp_path / "tts.json"
+
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuickRuns]:
+    """Both quick runs (the DDP one and ``--framework all``) start together: each has its own daemon and folder,
+    and their jobs mostly sleep through calibrated iterations, so the second test finds its run (nearly) done."""
+    tmp = tmp_path_factory.mktemp("tts")
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.time_to_safe", "--quick", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    argv = {"ddp": ["--quick"], "frameworks": ["--framework", "all", "--quick", "--cells", "1:1.2:1"]}
+    runs: QuickRuns = {}
+    for name, args in argv.items():
+        out = tmp / f"tts-{name}.json"
+        runs[name] = (subprocess.Popen([sys.executable, "-m", "benchmarks.time_to_safe", *args, "--out", str(out)],
+                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       start_new_session=True), out)
+    yield runs
+    for proc, _ in runs.values():
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _finished(runs: QuickRuns, name: str) -> Path:
+    """The run's JSON once it exited 0 (its output's tail otherwise)."""
+    proc, out = runs[name]
+    try:
+        stdout, stderr = proc.communicate(timeout=280)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    return out
+
+
+def test_quick_run_measures_every_trial_from_the_hooks_log_lines(quick_runs: QuickRuns) -> None:
+    out = _finished(quick_runs, "ddp")
     res = json.loads(out.read_text())
     (cell,) = res["cells"]
     assert cell["failed"] == 0, [r.get("error") for r in cell["runs"]]
@@ -49,16 +81,11 @@ def test_quick_run_measures_every_trial_from_the_hooks_log_lines(tmp_path: Path)
     assert ov["us_per_step_without"] >= 10_000 and ov["us_per_step_with"] >= 10_000  # a 10 ms step at least
 
 
-def test_framework_quick_run_commits_every_trial_of_all_three_frameworks(tmp_path: Path) -> None:
+def test_framework_quick_run_commits_every_trial_of_all_three_frameworks(quick_runs: QuickRuns) -> None:
     """``--framework all``: Lightning, the transformers Trainer and Accelerate, 8-micro-batch accumulation,
     one trial each (the full run is ``make bench-time-to-safe-frameworks``). Holds whether an adapter acts
     at the next optimizer step (the checkpoint of a later step) or between micro-batches (the last one)."""
-    out = tmp_path / "tts-frameworks.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.time_to_safe", "--framework", "all", "--quick",
-                           "--cells", "1:1.2:1", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = _finished(quick_runs, "frameworks")
     res = json.loads(out.read_text())
     assert [c["framework"] for c in res["cells"]] == ["lightning", "hf", "accelerate"]
     assert "overhead_10ms" not in res

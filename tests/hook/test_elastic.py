@@ -56,10 +56,32 @@ def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 _RUNS: dict[tuple[int, int], tuple[dict[str, Any], dict[int, Any], dict[int, list[int]]]] = {}  # this session's
 
 
+def _start_reference(tmp: Path, steps: int, w: int, attempt: int) -> tuple[str, TorchRun]:
+    name = f"ref{w}" if attempt == 0 else f"ref{w}-retry{attempt}"
+    (tmp / f"ids-{name}").mkdir(exist_ok=True)
+    run = TorchRun(tmp / f"{name}.log", ["--steps", str(steps), "--records", str(tmp / f"ids-{name}"), "--no-hook",
+                                         "--out", str(tmp / f"{name}.pt")], script=SCRIPT, nproc=w)
+    return name, run
+
+
 def make_references(tmp: Path, steps: int, worlds: tuple[int, ...]) -> dict[str, Any]:
     """Uninterrupted runs at each world size: final weights, per-step LR, ids; and the float noise between them.
-    Each (steps, world size) runs once a session: a later caller (test_elastic_recipe) gets the same results."""
+    Each (steps, world size) runs once a session: a later caller (test_elastic_recipe) gets the same results.
+    The missing ones start together (each is mostly its processes' imports, one core each)."""
     outs, lines, ids = {}, {}, {}
+    started = {w: _start_reference(tmp, steps, w, 0) for w in worlds if (steps, w) not in _RUNS}
+    try:
+        _finish_references(tmp, steps, worlds, started, outs, lines, ids)
+    finally:
+        for _, run in started.values():
+            run.kill()  # only those a failed wait left running
+    assert all(ids[w] == ids[worlds[0]] for w in worlds)  # the same global batches at every world size
+    noise = max(rel_diff(outs[a]["model"], outs[b]["model"]) for a, b in combinations(outs, 2))
+    return {"out": outs, "steps": lines[worlds[0]], "noise": noise, "ids": ids[worlds[0]]}
+
+
+def _finish_references(tmp: Path, steps: int, worlds: tuple[int, ...], started: dict[int, tuple[str, TorchRun]],
+                       outs: dict[int, Any], lines: dict[int, Any], ids: dict[int, Any]) -> None:
     for w in worlds:
         if (steps, w) in _RUNS:
             outs[w], lines[w], ids[w] = _RUNS[steps, w]
@@ -67,20 +89,17 @@ def make_references(tmp: Path, steps: int, worlds: tuple[int, ...]) -> dict[str,
         # A reference run has no hook: it is not what is under test. torch/gloo itself aborted one at interpreter
         # exit on a loaded CI machine (-6, rank 1, after every step had run); such a run is run again, from
         # scratch in its own folder, at most twice.
-        for attempt in range(3):
-            name = f"ref{w}" if attempt == 0 else f"ref{w}-retry{attempt}"
-            run = run_job(tmp, name, w, ["--no-hook", "--out", str(tmp / f"{name}.pt")], tmp / f"ids-{name}",
-                          steps=steps)
-            if run.proc.returncode == 0:
+        name, run = started[w]
+        for attempt in range(1, 4):
+            run.wait(180)
+            if run.proc.returncode == 0 or attempt == 3:
                 break
+            name, run = _start_reference(tmp, steps, w, attempt)
         assert run.proc.returncode == 0, run.tail()
         outs[w] = torch.load(tmp / f"{name}.pt", weights_only=True)
         lines[w] = {e["step"]: e for e in run.lines() if "loss" in e}
         ids[w] = {s: sorted(v) for s, v in ids_by_step(tmp / f"ids-{name}").items()}
         _RUNS[steps, w] = outs[w], lines[w], ids[w]
-    assert all(ids[w] == ids[worlds[0]] for w in worlds)  # the same global batches at every world size
-    noise = max(rel_diff(outs[a]["model"], outs[b]["model"]) for a, b in combinations(outs, 2))
-    return {"out": outs, "steps": lines[worlds[0]], "noise": noise, "ids": ids[worlds[0]]}
 
 
 def check_epochs(records: Path, references: dict[str, Any], steps: int) -> None:
