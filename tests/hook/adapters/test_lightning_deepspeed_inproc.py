@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -16,6 +16,30 @@ pytest.importorskip("deepspeed", reason="deepspeed is not installed (make deepsp
 pytest.importorskip("lightning.pytorch")
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_stale_deepspeed_groups() -> Iterator[None]:
+    """DeepSpeed keeps the process groups it built in module globals (``deepspeed.utils.groups``); an earlier
+    in-process test whose default group was destroyed (test_deepspeed_inproc's emergency exit) leaves them
+    pointing at a group torch no longer knows, and the next ``deepspeed.initialize`` fails with "Group ... is
+    not registered". Forget them, as a fresh process would."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    def forget() -> None:
+        for name, value in list(vars(groups).items()):
+            if not name.startswith("_") or not name.endswith(("GROUP", "GROUP_RANKS")):
+                continue
+            if isinstance(value, dict):
+                setattr(groups, name, {})
+            elif value is not None and not isinstance(value, (int, str, bool)):
+                setattr(groups, name, None)
+
+    if not dist.is_initialized():
+        forget()
+    yield
+    forget()
 
 
 def _trainer() -> Any:
