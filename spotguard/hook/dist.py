@@ -17,7 +17,7 @@ import threading
 import weakref
 import time
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,16 @@ def make_group() -> Optional[Any]:
     if not is_dist():
         return None
     return dist.new_group(backend="gloo", timeout=DEFAULT_GROUP_TIMEOUT)
+
+
+def all_max(group: Optional[Any], values: Sequence[int]) -> list[int]:
+    """Element-wise MAX of ``values`` over ``group``'s ranks (blocking; ``values`` as they are without a group):
+    how ranks that each know part of the picture decide alike."""
+    if group is None:
+        return [int(v) for v in values]
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [int(v) for v in t]
 
 
 def gather_writes(group: Optional[Any], mine: dict[str, Any]) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from ..hook.core import EXIT_SAVE_FAILED, Hook, Preempted
+from ..hook.dist import all_max
 from ..hook.save import _BG
 from ..hook.settings import env_seconds
 from ..hook.state import PER_RANK, Snapshot
@@ -333,20 +334,18 @@ class ReplicaGuard:
         group = self.hook._group
         if group is None:
             return notice
-        import torch.distributed as dist  # noqa: PLC0415
-
         far = 2 ** 62  # no notice here: no deadline (MAX of minus the deadline in ms = the nearest one)
-        t = torch.tensor([1 if notice is not None else 0,
-                          -int(notice.deadline.timestamp() * 1000) if notice is not None else -far],
-                         dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        if int(t[0]) and notice is None:
+        noticed, neg_deadline_ms = all_max(group, [1 if notice is not None else 0,
+                                                   -int(notice.deadline.timestamp() * 1000) if notice is not None
+                                                   else -far])
+        if noticed and notice is None:
             from datetime import datetime, timezone  # noqa: PLC0415
 
             from ..timefmt import utcnow  # noqa: PLC0415
 
             notice = Notice(id=f"replica-leave-{self.manager.current_step()}", source="signal",
-                            kind="termination", deadline=datetime.fromtimestamp(-int(t[1]) / 1000, tz=timezone.utc),
+                            kind="termination",
+                            deadline=datetime.fromtimestamp(-neg_deadline_ms / 1000, tz=timezone.utc),
                             received_at=utcnow(), detail="another rank of this replica group got the notice")
             if not self._heard_from_group:
                 self._heard_from_group = True

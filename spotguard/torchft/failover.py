@@ -29,9 +29,8 @@ import time
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
-import torch
-
 from ..hook.core import EXIT_SAVE_FAILED, Preempted
+from ..hook.dist import all_max
 from ..hook.save import _Result
 from ..notice import Notice
 from ..timefmt import parse_rfc3339
@@ -78,13 +77,7 @@ class FolderWatch:
 
 def _agree(flag: bool, group: Any) -> bool:
     """``flag`` of any rank of the replica group (MAX), so that its ranks decide alike."""
-    if group is None:
-        return flag
-    import torch.distributed as dist  # noqa: PLC0415
-
-    t = torch.tensor([int(flag)], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t[0])
+    return bool(all_max(group, [int(flag)])[0])
 
 
 def committed_at(storage: Any, step: int, since: Optional[datetime] = None, lineage: Optional[str] = None) -> bool:
@@ -128,13 +121,7 @@ def await_commit(storage: Any, step: int, until: float, *, group: Any = None, lo
         seen = look and committed_at(storage, step, **(ours or {}))
         if watch is not None and look and not seen:
             watch.look()
-        due = time.monotonic() >= until
-        if group is not None:
-            import torch.distributed as dist  # noqa: PLC0415
-
-            t = torch.tensor([int(seen), int(due)], dtype=torch.int64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-            seen, due = bool(t[0]), bool(t[1])
+        seen, due = (bool(v) for v in all_max(group, [int(seen), int(time.monotonic() >= until)]))
         if seen:
             return True
         if due:

@@ -32,9 +32,7 @@ import uuid
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
-import torch
-
-from ..hook.dist import set_group_timeout
+from ..hook.dist import all_max, set_group_timeout
 from ..hook.save import _BG
 from ..notice import Notice
 
@@ -124,24 +122,21 @@ class GroupFallback:
 
     def run(self, notice: Notice) -> None:
         """Every rank, on its listener thread: hold, agree, write the last committed step together, leave."""
-        import torch.distributed as dist  # noqa: PLC0415
-
         g, hook = self.guard, self.guard.hook
         with g._lock:
             ready = g._phase == "iter" and not g._over.is_set() and not hook._closed and not hook._exiting
             if ready:
                 g._fallback_on = True  # from here every optimizer step of this process is held
         step = hook._count
-        t = torch.tensor([0 if ready else 1, step, -step], dtype=torch.int64)
         # bounded by the deadline: a rank whose listener never comes (no store client) must not keep this one
         # held (its training thread waits at the optimizer step) past the deadline
         set_group_timeout(self.group, notice.seconds_left() - 0.5)
         try:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            not_ready, top, neg_low = all_max(self.group, [0 if ready else 1, step, -step])
         except BaseException:
             self._release()  # a peer gone during the agreement: this rank's held steps must not stay held
             raise
-        if int(t[0]) or int(t[1]) != -int(t[2]):
+        if not_ready or top != -neg_low:
             self._release()
             g._log.warning("replica_group_fallback_cancelled", notice_id=notice.id, step=step, ready=ready,
                            why="a rank of this group is in the post-step work of its last step (its state may "
