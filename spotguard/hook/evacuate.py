@@ -330,8 +330,8 @@ class Evacuation:
         n = int(head[0])
         if n == 0:
             return [], 0.0  # it writes its own files
-        if n < 0:
-            raise RuntimeError(f"rank {src} could not serialise its shards for evacuation")
+        if n < 0:  # never sent by a sender here (one that cannot serialise sends 0 and writes itself)
+            raise RuntimeError(f"rank {src} sent a malformed evacuation header ({n}); its save fails")
         raw = torch.empty(n, dtype=torch.uint8)
         self._recv(raw, src)
         listing = json.loads(bytes(raw.numpy()).decode())["files"]
