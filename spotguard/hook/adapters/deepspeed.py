@@ -69,7 +69,8 @@ from ..state import capture_rng, pack, restore_rng, unpack
 from ._base import FrameworkHook
 from ._files import staging_dir
 
-__all__ = ["DeepSpeedHook", "DeepSpeedWorldSizeChanged", "SpotguardCheckpointEngine", "check_world", "install"]
+__all__ = ["DeepSpeedHook", "DeepSpeedWorldSizeChanged", "SpotguardCheckpointEngine", "check_world", "install",
+           "refuse_other_world", "swapped"]
 
 _TAG = "ds"  # DeepSpeed's tag folder inside the throw-away save_dir: file names are taken relative to it
 
@@ -81,13 +82,29 @@ class DeepSpeedWorldSizeChanged(RuntimeError):
 def check_world(storage: Storage, dirkey: str, world: int) -> None:
     """``DeepSpeedWorldSizeChanged`` unless the committed ``dirkey`` was written by ``world`` ranks."""
     info = checkpoint_info(storage, dirkey)
-    saved = info.record.world_size if info.record is not None else None
-    if saved is not None and saved != world:
+    refuse_other_world(f"{storage.uri}/{dirkey}", info.record.world_size if info.record is not None else None,
+                       world)
+
+
+def refuse_other_world(where: str, saved: Optional[int], world: int) -> None:
+    """``DeepSpeedWorldSizeChanged`` when the checkpoint at ``where`` was written by ``saved`` ranks (known, not
+    0) and this job has another ``world`` (known, not 0)."""
+    if saved and world and saved != world:
         raise DeepSpeedWorldSizeChanged(
-            f"{storage.uri}/{dirkey} was written by {saved} ranks, this job has {world}: a DeepSpeed "
+            f"{where} was written by {saved} ranks, this job has {world}: a DeepSpeed "
             "ZeRO checkpoint's optimizer partitions fit only the world size that wrote them, and spotguard does "
             "not reshape them (DeepSpeed's universal checkpoint conversion, ds_to_universal.py, is offline). "
             f"Resume with {saved} ranks, or convert the checkpoint yourself")
+
+
+@contextlib.contextmanager
+def swapped(engine: Any, ce: "SpotguardCheckpointEngine") -> Iterator[None]:
+    """``engine``'s checkpoint writer is ``ce`` only inside (a user's own ``save_checkpoint`` is untouched)."""
+    old, engine.checkpoint_engine = engine.checkpoint_engine, ce
+    try:
+        yield
+    finally:
+        engine.checkpoint_engine = old
 
 
 def _ds_safe_globals() -> list[Any]:
@@ -375,14 +392,8 @@ class DeepSpeedHook(FrameworkHook):
 
     # ------------------------------------------------------------------ state <-> DeepSpeed
 
-    @contextlib.contextmanager
-    def _swapped(self, ce: SpotguardCheckpointEngine) -> Iterator[None]:
-        """The engine's checkpoint writer is ``ce`` only inside (a user's own ``save_checkpoint`` is untouched)."""
-        old, self.engine.checkpoint_engine = self.engine.checkpoint_engine, ce
-        try:
-            yield
-        finally:
-            self.engine.checkpoint_engine = old
+    def _swapped(self, ce: SpotguardCheckpointEngine) -> Any:
+        return swapped(self.engine, ce)
 
     def _write(self, key: str, snap: Any) -> None:
         """Every rank: DeepSpeed's own save, each file streamed to ``key``; then this rank's spotguard file."""

@@ -372,11 +372,17 @@ class LightningHook(FrameworkHook):
         return super()._exit(notice, result)
 
 
+def uses_deepspeed(trainer: Any) -> bool:
+    """The Trainer's strategy is (a subclass of) Lightning's ``DeepSpeedStrategy`` (named, not imported: deepspeed
+    may not be installed)."""
+    return any(c.__name__ == "DeepSpeedStrategy" for c in type(getattr(trainer, "strategy", None)).__mro__)
+
+
 def install(trainer: Any, storage: Any = None, *, socket: str | None = None, every: Any = None,
             keep: int | None = None, exit_code: int = 143, on_notice: Any = None) -> LightningHook:
     """The Lightning adapter for a Trainer whose strategy is not DeepSpeed's (``install_preemption_hook`` goes
     through ``lightning_deepspeed.install``, which picks)."""
-    if any(c.__name__ == "DeepSpeedStrategy" for c in type(getattr(trainer, "strategy", None)).__mro__):
+    if uses_deepspeed(trainer):
         raise TypeError("a Trainer with DeepSpeedStrategy: use install_preemption_hook(trainer) (its checkpoint is "
                         "written by spotguard.hook.adapters.lightning_deepspeed)")
     return LightningHook(trainer, storage, socket=socket, keep=keep, exit_code=exit_code, on_notice=on_notice,

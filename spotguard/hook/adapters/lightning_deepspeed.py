@@ -28,15 +28,14 @@ tests run it on CPU through a test-only subclass (``tests/hook/adapters/lightnin
 
 from __future__ import annotations
 
-import contextlib
 import pathlib
 import shutil
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from ...storage.base import join_key
 from ...storage.record import COMMIT_NAME, CommitRecord
 from ...storage.verify import cache_root
-from .lightning import CKPT_NAME, LightningHook
+from .lightning import CKPT_NAME, LightningHook, uses_deepspeed
 from .lightning import install as install_lightning
 
 if TYPE_CHECKING:
@@ -94,28 +93,19 @@ class LightningDeepSpeedHook(LightningHook):
         """Whatever path Lightning loads (the automatic resume's, the user's own ``ckpt_path``, another run's):
         a spotguard checkpoint, recognised by the commit record beside ``lightning.ckpt`` (in the store's folder
         or its verified download), is refused when another world size wrote it, before DeepSpeed reads a byte."""
-        from .deepspeed import DeepSpeedWorldSizeChanged  # noqa: PLC0415 - imports deepspeed
+        from .deepspeed import refuse_other_world  # noqa: PLC0415 - imports deepspeed
 
         folder = pathlib.Path(str(checkpoint_path)).parent
-        world = int(getattr(self.trainer, "world_size", 0) or 0)
         try:
             saved = CommitRecord.from_json((folder / COMMIT_NAME).read_bytes()).world_size
         except (OSError, ValueError):
             return  # not a spotguard checkpoint (or no readable record): DeepSpeed's own checks apply
-        if world and saved and saved != world:
-            raise DeepSpeedWorldSizeChanged(
-                f"{checkpoint_path} was written by {saved} ranks, this job has {world}: a DeepSpeed ZeRO "
-                "checkpoint's optimizer partitions fit only the world size that wrote them (DeepSpeed's universal "
-                f"checkpoint conversion, ds_to_universal.py, is offline). Resume with {saved} ranks")
+        refuse_other_world(str(checkpoint_path), saved, int(getattr(self.trainer, "world_size", 0) or 0))
 
-    @contextlib.contextmanager
-    def _swapped(self, ce: "SpotguardCheckpointEngine") -> Iterator[None]:
-        engine = self.trainer.strategy.deepspeed_engine
-        old, engine.checkpoint_engine = engine.checkpoint_engine, ce
-        try:
-            yield
-        finally:
-            engine.checkpoint_engine = old
+    def _swapped(self, ce: "SpotguardCheckpointEngine") -> Any:
+        from .deepspeed import swapped  # noqa: PLC0415 - imports deepspeed
+
+        return swapped(self.trainer.strategy.deepspeed_engine, ce)
 
     # ------------------------------------------------------------- accumulation: the step boundary only
 
@@ -177,7 +167,7 @@ def install(trainer: Any, storage: Any = None, *, socket: str | None = None, eve
             keep: int | None = None, exit_code: int = 143, on_notice: Any = None) -> LightningHook:
     """``install_preemption_hook(trainer)`` for any Lightning Trainer: this hook under ``DeepSpeedStrategy``
     (deepspeed imported only then), else the Lightning adapter's."""
-    if not any(c.__name__ == "DeepSpeedStrategy" for c in type(getattr(trainer, "strategy", None)).__mro__):
+    if not uses_deepspeed(trainer):
         return install_lightning(trainer, storage, socket=socket, every=every, keep=keep, exit_code=exit_code,
                                  on_notice=on_notice)
     return LightningDeepSpeedHook(trainer, storage, socket=socket, keep=keep, exit_code=exit_code,
