@@ -58,10 +58,11 @@ from ..logs import get_logger
 from ..notice import Notice
 from .group_fallback import GroupFallback
 from .failover import BY_PEER, FAILOVER, UNCONFIRMED, await_writer, committed_at, write_step  # noqa: F401
+from .refusal import REFUSED, CommitGate, StepCheck, UnsupportedLoop, local_sync_in_use, refusal
 
 __all__ = ["ReplicaGuard", "GuardedOptimizer", "lighthouse_args", "vote_device", "fallback_lead", "LEAVING", "LEFT",
            "PEER_LEAVING", "STEP", "FALLBACK", "FALLBACK_MISSED", "HEAL_STATE",
-           "NOT_VOTING", "FAILOVER", "BY_PEER", "UNCONFIRMED"]
+           "REFUSED", "UnsupportedLoop", "FAILOVER", "BY_PEER", "UNCONFIRMED"]
 
 # timeline events (structlog ``event``), in addition to the hook's
 LEAVING = "replica_leaving"  # notice_id: this group will leave at the next committed step
@@ -69,7 +70,6 @@ PEER_LEAVING = "replica_peer_leaving"  # step, leaving, participants: others lea
 LEFT = "replica_left"  # notice_id, step: this group left after committed step ``step``
 ALL_LEAVING = "replica_all_leaving"  # step: every group leaves: emergency checkpoint
 STEP = "replica_step"  # step, participants, committed (only with ``log_steps``)
-NOT_VOTING = "replica_not_voting"  # notice_id, why, fix: steps commit without the leave vote (LocalSGD/DiLoCo)
 HEAL_STATE = "replica_heal_state"  # by (guard | manager), keys: what a healing group takes from a survivor
 FALLBACK = "replica_fallback"  # notice_id, step, seconds_left, where: not left by deadline - lead: writing itself
 FALLBACK_MISSED = "replica_fallback_missed"  # notice_id, step, why, fix: nothing written by the deadline (exit 75)
@@ -190,7 +190,6 @@ class ReplicaGuard:
         # of the last committed step; "stepping": inside the optimizer's step), whether the fallback holds the
         # optimizer, and whether the group is done with its notice
         self._phase = "post"
-        self._voted_ever = False  # a loop whose should_commit() someone else calls (LocalSGD/DiLoCo) never votes
         self._fallback_on = False
         self._done = threading.Event()
         # a write started or the group left (Preempted): a fallback deferred to the training thread has nothing
@@ -203,6 +202,14 @@ class ReplicaGuard:
         self.hook.guard = self
         self._log = history_tap(get_logger("spotguard.torchft", component="hook", rank=self.hook._rank),
                                 getattr(self.hook, "_history", None))  # leaves/heals in the history
+        # a loop the leave vote cannot ride on (LocalSGD/DiLoCo, a should_commit() without vote()) is refused
+        # here, at its first optimizer step or at that should_commit(): not at the notice (refusal.py)
+        found = local_sync_in_use(manager, self.hook._objs.optimizers.values())
+        if found is not None:
+            self.hook.close()
+            self._refuse(found)
+        self._commit_gate, self._own_gate = CommitGate.on(manager, self._unvoted)
+        self._step_check = StepCheck(manager)
         self._register_heal_state()
         # a group of several processes: every rank writes its part of a deadline fallback together
         self._group_fb = GroupFallback(self) if self.hook._group is not None else None
@@ -271,14 +278,6 @@ class ReplicaGuard:
         if first:
             self._log.info(LEAVING, notice_id=notice.id, step=self.manager.current_step(),
                            seconds_left=round(notice.seconds_left(), 3))
-            if not self._voted_ever and self.manager.current_step() > 0:
-                self._log.warning(NOT_VOTING, notice_id=notice.id,
-                                  why="steps committed but this loop never voted: should_commit() is called "
-                                      "elsewhere (torchft's LocalSGD/DiLoCo call it inside the optimizer's "
-                                      "post-hook), so the group cannot leave at a committed step; only the "
-                                      "deadline fallback acts, with this group's state of the moment",
-                                  fix="use guard.optimizer(opt) or call guard.vote() before every "
-                                      "manager.should_commit() (LocalSGD/DiLoCo are not supported yet)")
         if watch:
             self._watchdog = threading.Thread(target=self._deadline_watch, args=(notice,), daemon=True,
                                               name="spotguard-replica-deadline")
@@ -316,10 +315,20 @@ class ReplicaGuard:
                          device=vote_device(getattr(self.manager, "_pg", None)))
 
         self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
-        self._voted_ever = True
         self._voted = notice
         leaving, voters = t.tolist()
         self._tally = (int(leaving), int(voters))
+        self._commit_gate.armed = True  # the next should_commit() carries this vote
+
+    def _refuse(self, what: Optional[str]) -> None:
+        """Log ``replica_refused`` and raise ``UnsupportedLoop`` (``what``: LocalSGD/DiLoCo, None: no vote)."""
+        name, why, fix = refusal(what)
+        self._log.error(REFUSED, what=name, step=self.manager.current_step(), why=why, fix=fix)
+        raise UnsupportedLoop(name, why, fix)
+
+    def _unvoted(self) -> None:
+        """``should_commit()`` with no ``vote()`` before it (the commit gate): refused, naming the caller's kind."""
+        self._refuse(local_sync_in_use(self.manager, self.hook._objs.optimizers.values()))
 
     def _group_notice(self) -> Optional[Notice]:
         """This group's notice, agreed by its ranks (MAX over the group) when it has several processes.
@@ -457,6 +466,9 @@ class ReplicaGuard:
         of the last committed step must not move under the write; the process leaves from the watchdog)."""
         if threading.current_thread() is self._watchdog:
             return  # DCP's fake step on an optimizer with no state yet, inside the fallback's own save
+        found = self._step_check(optimizer)  # LocalSGD/DiLoCo entered after the guard: refused at this step
+        if found is not None:
+            self._refuse(found)
         with self._lock:
             if not self._fallback_on:
                 self._phase = "stepping"
@@ -546,6 +558,8 @@ class ReplicaGuard:
             for h in self._fwd_handles + self._gate_handles:
                 h.remove()
             self._fwd_handles, self._gate_handles = [], []
+            if self._own_gate:
+                self._commit_gate.remove()
             self.hook.close()
 
 
