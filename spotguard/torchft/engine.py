@@ -35,6 +35,10 @@ notice means:
   75 and an error naming why (never an unbounded wait, never a silent loss).
   A group of several processes writes with all its ranks (``group_fallback.py``).
 
+* A loop whose steps commit without the vote (torchft's ``LocalSGD``/``DiLoCo``, which call
+  ``should_commit`` inside the optimizer's post-hook; its ``OptimizerWrapper``) is refused at install or at
+  its first step with ``UnsupportedLoop`` naming why (``refusal.py``), not found out at the notice.
+
 A replacement group started later heals from a survivor through torchft's
 checkpoint transport (``Manager(load_state_dict=..., state_dict=...)``).
 """
@@ -157,7 +161,8 @@ class ReplicaGuard:
     checkpoints, written by the group with replica rank 0 only: the state is
     replicated). Use ``optimizer()`` for the training loop, or call ``iteration_start()``
     before each ``manager.start_quorum()``, ``vote()`` before
-    ``manager.should_commit()`` and ``after_step(committed)`` after it.
+    ``manager.should_commit()`` and ``after_step(committed)`` after it (a ``should_commit()`` that no
+    ``vote()`` preceded raises ``UnsupportedLoop``, as LocalSGD/DiLoCo do at install or their first step).
     """
 
     def __init__(self, manager: Any, state: Mapping[str, Any], storage: Any = None, *,

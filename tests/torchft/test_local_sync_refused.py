@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -26,6 +26,7 @@ from spotguard.torchft.engine import REFUSED, ReplicaGuard, UnsupportedLoop  # n
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _fallback_worker as w  # noqa: E402
+import _local_sync_worker as real  # noqa: E402
 
 sys.path.pop(0)
 
@@ -134,3 +135,30 @@ def test_torchft_optimizer_wrapper_is_refused_at_its_first_commit_the_guarded_lo
         guard._done.set()
         guard.close()
     assert "should_commit" not in vars(mgr)
+
+
+
+
+@pytest.fixture(scope="module")
+def lighthouse(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One lighthouse process for both cases (its console script imports torch: ~10 s on the loaded machine)."""
+    from spotguard.torchft.engine import lighthouse_args  # noqa: PLC0415
+    from spotguard.torchft.launch import lighthouse_binary, start_lighthouse  # noqa: PLC0415
+
+    if lighthouse_binary() is None:  # pragma: no cover - the wheel ships it
+        pytest.skip("torchft_lighthouse not installed")
+    lh = start_lighthouse(lighthouse_args(groups=1, step_seconds=0.5),
+                          tmp_path_factory.mktemp("lighthouse") / "lighthouse.log", timeout=60)
+    try:
+        yield lh.addr
+    finally:
+        lh.stop()
+
+
+@pytest.mark.parametrize("kind", ["LocalSGD", "DiLoCo"])
+def test_a_real_manager_with_local_sync_is_refused_at_the_first_step(short_tmp: Path, lighthouse: str,
+                                                                       kind: str) -> None:
+    """torchft's own Manager (its Rust server, gloo) against a lighthouse process: the loop is refused at its
+    first inner step, before any sync reached the manager. Before, it trained and synced (2 syncs in 4 steps)."""
+    result = real.run(lighthouse, kind, str(short_tmp / "ckpt"), str(short_tmp / "none.sock"), 4)
+    assert result == {"refused": kind, "taken": 0, "manager_step": 0, "syncs": 0}, result
