@@ -688,13 +688,16 @@ def _limitation(ref: Reference, t: Trial, trial: Run, resume: Run, s: int, inexa
     says how): the hook must have logged ``Pattern.warned`` before its commit, and the state the resume loaded
     must equal the reference at the end of one iteration (the same on every rank, one the trial completed) whose
     record's ``opt_steps`` is ``s`` (the checkpoint itself is exact; the loop's clock is what the resume gets
-    wrong)."""
+    wrong), and the resume must have run to its end (exit 0)."""
     from spotguard.timefmt import parse_rfc3339  # noqa: PLC0415
 
     def when(e: dict[str, Any]) -> float:
         return parse_rfc3339(e["timestamp"]).timestamp() if isinstance(e.get("timestamp"), str) else float("inf")
 
     p = ref.pattern
+    if resume.timed_out or resume.returncode != 0:  # the limitation is a clock, never a failing resume
+        t.why = "; ".join(inexact)
+        return
     warned = min((when(e) for e in trial.events(p.warned)), default=float("inf"))
     commit = min((when(e) for e in trial.events("checkpoint_committed") if e.get("step") in (s, None)),
                  default=float("-inf"))
