@@ -63,10 +63,11 @@ chaos: $(STAMP) storage-tools
 
 # The exactness oracle, long version (docs/exactness.md): every loop pattern of tests/exactness/patterns,
 # >= 200 notices at uniformly random moments, each ending exact (the committed checkpoint equals the
-# uninterrupted run at its step, and the resumed run ends equal) or honest-no-commit - never wrong.
+# uninterrupted run at its step, and the resumed run ends equal) or honest-no-commit (or, for a documented
+# limitation, limitation-warned: nanskip) - never wrong.
 # Writes benchmarks/results/exactness.json; exit 1 if any trial is wrong. Under real torchrun; ~60-80 min on
 # 2 shared cores (each trial starts two torchrun jobs). EXACTNESS_ARGS e.g. "--notices 48 --patterns ddp,fsdp2
-# --jobs 3 --workdir /tmp/exact". The short version (39 named cases, 41 with EXO_MORE=1, its processes forked
+# --jobs 3 --workdir /tmp/exact". The short version (40 named cases, 42 with EXO_MORE=1, its processes forked
 # from a server that imported torch once) is tests/exactness/test_oracle.py. deepspeed-tools: the DeepSpeed patterns.
 exactness: $(STAMP) deepspeed-tools
 	$(PY) -m tests.exactness.oracle --notices 216 $(EXACTNESS_ARGS)

@@ -10,6 +10,9 @@ Two figures, both from the same 2-rank torchrun job:
 - ``ratio_10ms``: wall time per iteration of a realistic loop (DDP fwd/bwd,
   ``opt.step(); sched.step()``, ~10 ms of simulated work) with the hook over
   without, in interleaved A/B blocks so drift hits both sides equally.
+
+Per block also the ratio of its two halves and ``os.getloadavg()`` at its start (the box is shared: a
+median over blocks alone hides how much the load moved it); the spread is the per-block ratios' IQR.
 """
 
 from __future__ import annotations
@@ -91,7 +94,9 @@ def _worker() -> None:
 
     loop(20, 0.0)  # warm-up (DDP bucket rebuild, allocator)
     res: dict[str, list[float]] = {"loop_off": [], "loop_on": [], "micro_off": [], "micro_on": []}
+    load: list[float] = []
     for b in range(BLOCKS):
+        load.append(round(os.getloadavg()[0], 2))
         for on in ((False, True) if b % 2 == 0 else (True, False)):
             hook = Hook(state, box[0], signals=False, intake=False) if on else None
             if hook is not None:
@@ -106,6 +111,8 @@ def _worker() -> None:
             dist.barrier()
     if rank == 0:
         med = {k: statistics.median(v) for k, v in res.items()}
+        ratios = [on / off for on, off in zip(res["loop_on"], res["loop_off"])]
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0], 0.0, ratios[0])
         out = {
             "world_size": dist.get_world_size(),
             "step_target_ms": STEP_SECONDS * 1e3,
@@ -116,7 +123,13 @@ def _worker() -> None:
             "opt_step_us_without": round(med["micro_off"] * 1e6, 1),
             "opt_step_us_with": round(med["micro_on"] * 1e6, 1),
             "hook_us_per_step": round((med["micro_on"] - med["micro_off"]) * 1e6, 1),
+            "block_ratio_median": round(statistics.median(ratios), 4),
+            "block_ratio_iqr": [round(q1, 4), round(q3, 4)],
             "blocks": BLOCKS,
+            "per_block": [{"load_avg_1m": la, "us_per_step_without": round(off * 1e6, 1),
+                           "us_per_step_with": round(on * 1e6, 1), "ratio": round(on / off, 4)}
+                          for la, off, on in zip(load, res["loop_off"], res["loop_on"])],
+            "load_avg_1m_median": statistics.median(load),
             "block_steps": BLOCK_STEPS,
             "target": "overhead <= 2% on a 10 ms step",
         }

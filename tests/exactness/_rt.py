@@ -295,12 +295,13 @@ def begin_iteration(i: int) -> None:
     ITER = i
 
 
-def end_iteration(i: int, state: Mapping[str, Any]) -> None:
-    """The end of iteration ``i``: ``i + 1`` iterations completed."""
+def end_iteration(i: int, state: Mapping[str, Any], **extra: Any) -> None:
+    """The end of iteration ``i``: ``i + 1`` iterations completed (``extra``: more of the record, e.g.
+    ``opt_steps``, the optimizer steps taken so far, where they differ from iterations)."""
     global PHASE
     PHASE = "end"
     items, sub = digest(state)
-    _write({"kind": "iter", "completed": i + 1, "items": items, "sub": sub, "t": time.time()})
+    _write({"kind": "iter", "completed": i + 1, "items": items, "sub": sub, "t": time.time(), **extra})
 
 
 def finished(state: Mapping[str, Any], steps: int) -> None:

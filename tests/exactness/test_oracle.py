@@ -100,6 +100,9 @@ CASES: dict[str, tuple[str, ...]] = {
     # a momentum encoder updated in place inside the forward: the watch saw the write, and the fallback read
     # at the next optimizer.step() took it in — now the checkpoint stands for the end of the next iteration
     "moco-momentum-encoder-written-in-forward": ("moco", "phase:bwd@4"),
+    # issue 22: a loop that skips optimizer.step() on a non-finite gradient norm, under hook.range() (the fix the
+    # optimizer_step_skipped warning names): the notice after the skip at iteration 4, exact at the boundary path
+    "nanskip-range-notice-after-a-skipped-step": ("nanskip_range", "phase:bwd@5"),
     # issue 29: DeepSpeed ZeRO-2, the notice in a backward: agreed at the next engine.step() that advances
     # global_steps, DeepSpeed's checkpoint of that step streamed and committed, resumed exact on both ranks
     "deepspeed-zero2-notice-in-backward": ("deepspeed_zero2", "phase:bwd@4"),

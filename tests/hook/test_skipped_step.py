@@ -1,8 +1,9 @@
 """A loop that skips ``optimizer.step()`` (a NaN guard) is told so, with the fix, once.
 
 The implicit clock counts optimizer steps; such a loop's iterations outrun the count, so a resume
-would train batches twice (the oracle's ``nanskip`` pattern). Exactness needs the loop's own clock
-(``hook.range()``/``hook.step()``); what the hook can do unasked is say so the moment it sees it.
+would train batches twice (the oracle's ``nanskip`` pattern, judged ``limitation-warned``: this warning
+must come before the commit). Exactness needs the loop's own clock (``hook.range()``/``hook.step()``);
+what the hook can do unasked is say so the moment it sees it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,14 @@
 """DDP on 2 ranks whose data holds a few corrupt samples (NaN features): the loop skips ``optimizer.step()`` when
 the gradient norm is not finite, as large-model training loops do on a loss spike — some iterations step the
-optimizer zero times. ``clip_grad_norm_``, LambdaLR warm-up, ``hook.resume()`` and an own loop."""
+optimizer zero times. ``clip_grad_norm_``, LambdaLR warm-up and an own loop: ``hook.resume()`` +
+``range(start, total)`` (the implicit clock, pattern ``nanskip``), or with ``EXO_RANGE=1`` ``hook.range(total)``
+(pattern ``nanskip_range``). Each iteration's record carries ``opt_steps`` (AdamW's own count): under the implicit
+clock a checkpoint's step is that count, not the iterations."""
 
 from __future__ import annotations
+
+import os
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +30,32 @@ loader = DataLoader(data_set, batch_size=8, sampler=sampler, generator=torch.Gen
 state = {"model": model, "optimizer": opt, "scheduler": sched, "sampler": sampler}
 hook = install_preemption_hook(state, storage=_rt.storage())
 _rt.inside_step(opt)
-start = hook.resume()
-_rt.resumed(hook, start, state)
+
+
+def iterations() -> Iterator[int]:
+    """The loop's clock: the user's own ``range`` after ``hook.resume()``, or ``hook.range()``."""
+    if os.environ.get("EXO_RANGE") == "1":
+        first = True
+        for i in hook.range(_rt.steps()):
+            if first:  # hook.range resumed before yielding
+                _rt.resumed(hook, i, state)
+                first = False
+            yield i
+        if first:  # resumed at the last step: nothing left to train
+            _rt.resumed(hook, _rt.steps(), state)
+        return
+    start = hook.resume()
+    _rt.resumed(hook, start, state)
+    yield from range(start, _rt.steps())
+
+
+def opt_steps() -> int:
+    first = next(iter(opt.state.values()), {})
+    return int(first["step"]) if "step" in first else 0
+
+
 data = batches(loader, sampler)
-for i in range(start, _rt.steps()):
+for i in iterations():
     _rt.begin_iteration(i)
     _rt.phase("load")
     x, y = next(data)
@@ -42,6 +70,6 @@ for i in range(start, _rt.steps()):
         opt.step()
         _rt.phase("after")
         sched.step()
-    _rt.end_iteration(i, state)
+    _rt.end_iteration(i, state, opt_steps=opt_steps())
 _rt.finished(state, _rt.steps())
 torch.distributed.destroy_process_group()
