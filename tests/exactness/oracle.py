@@ -11,7 +11,8 @@ state right after ``hook.resume()`` and at the end. Verdict, exactly one of:
   item by item, on every rank; the resumed run's final state equals the reference's final state; the trial
   exited with the hook's "nothing lost" code.
 - ``honest-no-commit``: nothing committed and the exit says so (75 with ``checkpoint_failed``/``peers_lost``,
-  or 143 ``nothing_to_save`` with no iteration trained), or the run finished with the reference's final state,
+  or 143 ``nothing_to_save`` with no iteration trained or none that took an optimizer step — a loop that skipped
+  every step so far has its initial weights, and a restart from nothing is the same run), or the run finished with the reference's final state,
   logging ``notice_after_last_step`` (the notice came too late to act before its last step).
 - ``limitation-warned`` (only a pattern with ``Pattern.limitation``, a documented limitation of the hook): the
   trial is as ``exact`` asks, but the resume is not, for the documented reason; it holds only if the hook logged
@@ -450,6 +451,7 @@ class Trial:
     why: str = ""
     step: Optional[int] = None     # committed step
     trained: int = 0               # iterations completed before the trial ended
+    stepped: int = 0               # optimizer steps taken by then (records' ``opt_steps``; else iterations)
     codes: dict[int, Any] = field(default_factory=dict)
     notice_to_commit: Optional[float] = None
     seconds: float = 0.0
@@ -598,6 +600,8 @@ def _trial_run(ref: Reference, t: Trial, env: dict[str, str], folder: Path, stor
         t.phase, t.iter = fired[0]["phase"], fired[0]["iter"]
     t.trained = max((x["completed"] for recs in trial.records.values() for x in recs if x["kind"] == "iter"),
                     default=0)
+    t.stepped = max((x.get("opt_steps", x["completed"]) for recs in trial.records.values() for x in recs
+                     if x["kind"] == "iter"), default=0)
     t.codes = _exit_codes(trial, p.nproc)
     return trial, fired
 
@@ -638,6 +642,12 @@ def _judge(ref: Reference, t: Trial, env: dict[str, str], folder: Path, storage:
                 bad.append("a notice fired, the run trained to its end and no notice_after_last_step says why")
             t.verdict, t.why = ("honest-no-commit", "finished before the notice acted (notice_after_last_step)") \
                 if not bad else ("wrong", f"finished without a commit: {'; '.join(bad)}")
+        elif (codes == {NOTHING_LOST} and t.trained > 0 and t.stepped == 0 and exits
+              and all(e.get("nothing_to_save") for e in exits)):
+            # iterations ran but every optimizer step was skipped (nanskip's NaN guard): weights and optimizer
+            # state are the initial ones, so a restart from nothing is the same run — nothing was lost
+            t.verdict, t.why = "honest-no-commit", (f"{t.trained} iterations trained without an optimizer step "
+                                                    "(all skipped): nothing_to_save")
         elif NOTHING_LOST in codes and t.trained > 0:
             before = f"; periodic commits {[c.get('step') for c in ck]}" if ck else ""
             t.why = (f"exit {NOTHING_LOST} ('nothing lost') with nothing committed for the notice after {t.trained} "
