@@ -332,11 +332,14 @@ async def test_memory_flat_over_10000_polls_with_errors(sockdir: str, cloud: str
     sock = os.path.join(sockdir, "m.sock")
     polls = 10_000
     async with running_emulator(azure_rate_limit=0) as emu:
+        # polls back to back (an interval below any exchange's ~1 ms: the loop never sleeps after a good answer,
+        # which on a 2-core box cost ~1-10 ms of timer wake-up a poll: Azure polls one path, serially) and a
+        # 0.1 s timeout for the "hang" faults (18 of them; a good exchange takes ~1 ms, so still only a hang)
         if cloud == "azure":
-            w: Any = AzureWatcher(emu.url, poll_interval=0.0005, min_request_spacing=0.0, request_timeout=0.3,
+            w: Any = AzureWatcher(emu.url, poll_interval=1e-6, min_request_spacing=0.0, request_timeout=0.1,
                                   vm_name=None)
         else:
-            w = AwsWatcher(emu.url, poll_interval=0.0005, request_timeout=0.3, put_timeout=0.3)
+            w = AwsWatcher(emu.url, poll_interval=1e-6, request_timeout=0.1, put_timeout=0.1)
         # the poll loops' backoff (one per path, from this factory): Azure's own starts at 0.25 s (IMDS's rate
         # limit), which would make the ~120 injected faults cost ~70 s of sleeping
         w._new_backoff = lambda: Backoff(base=0.0005, cap=0.002)
