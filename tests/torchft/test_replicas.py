@@ -45,6 +45,8 @@ def test_one_group_leaves_survivors_keep_stepping_and_a_replacement_heals_bitwis
             assert g.wait_for(_step(5), START) is not None, f"{g.name} never reached step 5 (see {short_tmp})"
         j.notice("g1")
         assert g1.proc.wait(60) == 143
+        # the log reader thread may still be behind the exited process: wait for its exit line to be read
+        assert g1.wait_for(lambda e: e.get("event") == "replica_exit", 30) is not None, f"g1 (see {short_tmp})"
         left = next(e for e in g1.seen if e.get("event") == "replica_left")
         last = next(e for e in g1.seen if e.get("event") == "replica_exit")
         s = left["step"]
