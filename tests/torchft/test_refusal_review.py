@@ -164,3 +164,24 @@ def test_a_step_whose_commit_raised_is_retried_with_a_fresh_vote(tmp_path: Path)
         assert out == [True, "failed", True] and mgr.step == 2
     finally:
         _close(guard)
+
+
+def test_a_subclass_is_refused_and_after_close_local_sgd_runs_unguarded(tmp_path: Path) -> None:
+    """A LocalSGD subclass (its own sync) is refused at its first step; the refusal's fix (close the guard, run
+    LocalSGD without it) then trains and syncs: nothing of the guard is left on the manager or the optimizer."""
+
+    class Logged(LocalSGD):
+        def sync(self) -> None:
+            super().sync()
+
+    model, opt, mgr = base._setup()
+    mgr.voters = 1
+    guard = _guard(tmp_path, mgr, {"model": model, "opt": opt})
+    with pytest.raises(UnsupportedLoop) as refused, Logged(mgr, model, opt, sync_every=2):
+        base._train_step(model, opt)
+    _close(guard)
+    assert refused.value.what == "LocalSGD" and mgr.commits == 0
+    with Logged(mgr, model, opt, sync_every=2):
+        for _ in range(4):
+            base._train_step(model, opt)
+    assert mgr.commits == 2 and mgr.step == 2
