@@ -452,6 +452,7 @@ class ReplicaGuard:
         next ``manager.start_quorum()``. A whole-job leave decided at the last step writes its emergency
         checkpoint here and raises ``Preempted``."""
         self._starts_seen = True
+        self._commit_gate.armed = False  # a vote of an iteration given up (an exception before should_commit)
         with self._lock:
             if not self._fallback_on:
                 self._phase = "iter"
@@ -628,6 +629,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         g = self.guard
         g._starts_seen = True
+        g._commit_gate.armed = False  # a vote of an iteration given up carries no later should_commit()
         if g._pending is not None:
             # the whole job leaves (the manager is shut down): no quorum; the checkpoint is written at the
             # first training forward (a loop may call zero_grad() before its scheduler.step()), else here when

@@ -185,3 +185,23 @@ def test_a_subclass_is_refused_and_after_close_local_sgd_runs_unguarded(tmp_path
         for _ in range(4):
             base._train_step(model, opt)
     assert mgr.commits == 2 and mgr.step == 2
+
+
+@pytest.mark.parametrize("loop", ["manual", "guarded"])
+def test_a_vote_of_an_iteration_given_up_does_not_carry_a_later_unvoted_commit(tmp_path: Path, loop: str) -> None:
+    """The loop votes, then raises before ``should_commit`` (a NaN check, an OOM in clipping), catches it and
+    starts the next iteration; a ``should_commit()`` with no vote of its own there was let through."""
+    model, opt, mgr = base._setup()
+    guard = _guard(tmp_path, mgr, {"model": model, "opt": opt})
+    try:
+        mgr.start_quorum()
+        guard.vote()  # ... and the iteration is given up before should_commit
+        if loop == "manual":
+            guard.iteration_start()
+        else:
+            guard.optimizer(opt).zero_grad()
+        with pytest.raises(UnsupportedLoop):
+            mgr.should_commit()
+        assert mgr.commits == 0
+    finally:
+        _close(guard)
