@@ -51,6 +51,7 @@ import time
 from typing import Any, Callable, Mapping, Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..hook.core import EXIT_SAVE_FAILED, Hook, Preempted
 from ..hook.dist import all_max
@@ -62,7 +63,7 @@ from ..logs import get_logger
 from ..notice import Notice
 from .group_fallback import GroupFallback
 from .failover import BY_PEER, FAILOVER, UNCONFIRMED, await_writer, committed_at, write_step  # noqa: F401
-from .refusal import REFUSED, CommitGate, StepCheck, UnsupportedLoop, local_sync_in_use, refusal
+from .refusal import REFUSED, CommitGate, StepCheck, UnsupportedLoop, local_sync_in_use, refusal, wrapper_in_state
 
 __all__ = ["ReplicaGuard", "GuardedOptimizer", "lighthouse_args", "vote_device", "fallback_lead", "LEAVING", "LEFT",
            "PEER_LEAVING", "STEP", "FALLBACK", "FALLBACK_MISSED", "HEAL_STATE",
@@ -202,6 +203,12 @@ class ReplicaGuard:
         self._over = threading.Event()
         self._halt = threading.Event()  # never set: an optimizer step held by the fallback waits for the exit
         self._watchdog: Optional[threading.Thread] = None
+        wrapper_key = wrapper_in_state(state)
+        if wrapper_key is not None:  # before the hook: it cannot hook an Optimizer whose __init__ never ran
+            name, why, fix = refusal("OptimizerWrapper")
+            get_logger("spotguard.torchft", component="hook").error(REFUSED, what=name, key=wrapper_key, why=why,
+                                                                    fix=fix)
+            raise UnsupportedLoop(name, why, fix)
         self.hook = _EngineHook(state, storage, socket=socket, exit_code=exit_code, on_notice=self._on_notice,
                                 every=every, keep=keep)
         self.hook.guard = self
@@ -213,8 +220,12 @@ class ReplicaGuard:
         if found is not None:
             self.hook.close()
             self._refuse(found)
-        self._commit_gate, self._own_gate = CommitGate.on(manager, self._unvoted)
+        self._commit_gate, _ = CommitGate.on(manager, self._unvoted)
         self._step_check = StepCheck(manager)
+        # LocalSGD/DiLoCo on an optimizer the guard's dict does not hold (a Stateful wrapper of model and
+        # optimizer, a second optimizer): every optimizer's step is looked at, not only the dict's, else the
+        # loop ran sync_every inner steps before the commit gate refused it at the first sync
+        self._any_step = register_optimizer_step_pre_hook(self._any_optimizer_step)
         self._register_heal_state()
         # a group of several processes: every rank writes its part of a deadline fallback together
         self._group_fb = GroupFallback(self) if self.hook._group is not None else None
@@ -241,11 +252,14 @@ class ReplicaGuard:
             return
         items = self.heal_items()
         theirs = sorted(getattr(self.manager, "_user_state_dicts", None) or {})
-        if "spotguard" in theirs:  # a guard built before on this Manager registered its dict (torchft asserts
+        earlier = getattr((getattr(self.manager, "_user_state_dicts", None) or {}).get("spotguard"),
+                          "__spotguard_guard__", None)
+        replace = earlier is not None and earlier.hook._closed  # a closed guard's objects are not this one's
+        if "spotguard" in theirs and not replace:  # a guard built before on this Manager registered (torchft asserts
             self._log.info(HEAL_STATE, by="earlier-guard", keys=theirs, guard_keys=sorted(items),  # on a 2nd)
                            why="an earlier ReplicaGuard on this Manager registered its items; heals use those")
             return
-        if theirs:
+        if theirs and not replace:
             self._log.info(HEAL_STATE, by="manager", keys=theirs, guard_keys=sorted(items),
                            why="the Manager has its own state_dict callbacks: heals use them; they must hold "
                                "every item listed in guard_keys")
@@ -262,8 +276,14 @@ class ReplicaGuard:
                 v.load_state_dict(sd[k])
             self.hook._count = self.manager.current_step()  # the state is now that step's (a deadline fallback)
 
-        register("spotguard", load_state_dict, state_dict)
-        self._log.info(HEAL_STATE, by="guard", keys=sorted(items))
+        state_dict.__spotguard_guard__ = self  # type: ignore[attr-defined]
+        if replace:  # torchft has no unregister: a closed guard's callbacks are overwritten in place
+            self.manager._user_state_dicts["spotguard"] = state_dict
+            if isinstance(getattr(self.manager, "_load_state_dict_fns", None), dict):
+                self.manager._load_state_dict_fns["spotguard"] = load_state_dict
+        else:
+            register("spotguard", load_state_dict, state_dict)
+        self._log.info(HEAL_STATE, by="guard", keys=sorted(items), replaced_closed_guard=replace)
 
     # ------------------------------------------------------------------ notices
 
@@ -432,6 +452,7 @@ class ReplicaGuard:
         next ``manager.start_quorum()``. A whole-job leave decided at the last step writes its emergency
         checkpoint here and raises ``Preempted``."""
         self._starts_seen = True
+        self._commit_gate.armed = False  # a vote of an iteration given up (an exception before should_commit)
         with self._lock:
             if not self._fallback_on:
                 self._phase = "iter"
@@ -479,6 +500,15 @@ class ReplicaGuard:
                 self._phase = "stepping"
                 return
         self._halt.wait()  # set only when a group fallback is called off (GroupFallback.run)
+
+    def _any_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Global optimizer step pre-hook (every optimizer of the process, before its own hooks): LocalSGD/
+        DiLoCo on this manager, on whatever optimizer, is refused at its first inner step."""
+        if self.hook._closed or threading.current_thread() is self._watchdog:
+            return
+        found = self._step_check(optimizer)
+        if found is not None:
+            self._refuse(found)
 
     def _snap_of_last_step(self) -> Optional[Snapshot]:
         """Loaders and RNG as right after the last optimizer step (the hook takes them at its post-hook)."""
@@ -563,8 +593,8 @@ class ReplicaGuard:
             for h in self._fwd_handles + self._gate_handles:
                 h.remove()
             self._fwd_handles, self._gate_handles = [], []
-            if self._own_gate:
-                self._commit_gate.remove()
+            self._any_step.remove()
+            self._commit_gate.release(self._unvoted)
             self.hook.close()
 
 
@@ -599,6 +629,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         g = self.guard
         g._starts_seen = True
+        g._commit_gate.armed = False  # a vote of an iteration given up carries no later should_commit()
         if g._pending is not None:
             # the whole job leaves (the manager is shut down): no quorum; the checkpoint is written at the
             # first training forward (a loop may call zero_grad() before its scheduler.step()), else here when
