@@ -84,7 +84,11 @@ def _worker(mib: int, store: str) -> None:
 
 def _worker_fsdp2(mib: int, store: str) -> None:
     """One rank: ``LAYERS`` Linear layers holding ``mib`` MiB, each ``fully_shard``-ed over both ranks (so each
-    rank's half is unique), SGD on the last one only (short iterations), until the notice's exit."""
+    rank's half is unique), SGD on the last one only (short iterations), until the notice's exit. Node A (rank
+    0) gets no notice: its SIGTERM from the launcher (once B left) leaves it torchrun's default 30 s, not B's
+    deadline (``SPOTGUARD_SIGNAL_GRACE`` is B's notice here, sent as SIGUSR1)."""
+    if os.environ.get("RANK") != "1":
+        os.environ["SPOTGUARD_SIGNAL_GRACE"] = "30"  # read when spotguard is imported, below
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -159,18 +163,21 @@ def trial(mib: int, plan: str, work: Path, sink: Optional[dict[str, str]] = None
     done = [e for e in ev if e.get("event") == "checkpoint_committed"]
     if fsdp2:
         row["b_deadline_s"] = grace
+        left = [e for e in ev if e.get("event") == "exit" and e.get("rank") == 1]
+        if seen and left:  # B's exit (at its deadline at the latest), and whether it saw the commit itself
+            row.update(b_exit=round(log_time(left[0]) - log_time(seen[0]), 4), b_code=left[0].get("code"))
     if fsdp2 and seen and safe and not done:  # B safe (evacuated) but nothing committed: the survivors' writes
         row.update(b_safe=round(log_time(safe[0]) - log_time(seen[0]), 4), committed=False,  # are bounded by B's
                    b_safe_in_save=safe[0].get("seconds"), evac_bytes=safe[0].get("evacuated_bytes"))  # deadline
         return row
-    if not (seen and safe and len(done) == 2):
+    if not (seen and safe and done and (fsdp2 or len(done) == 2)):  # B may leave before the survivors' commit
         row["error"] = f"seen {len(seen)} safe {len(safe)} committed {len(done)}"
         return row
     t = log_time(seen[0])
-    writers = done[0].get("writers") or {}
+    writers = next((e["writers"] for e in done if e.get("writers")), {})
     row.update(b_safe=round(log_time(safe[0]) - t, 4), b_safe_in_save=safe[0].get("seconds"), commit=round(max(log_time(e) for e in done) - t, 4),
                b_bytes=(writers.get("bytes_per_rank") or [0, 0])[1], a_bytes=(writers.get("bytes_per_rank") or [0])[0],
-               record_plan=writers.get("plan"), step=done[0].get("step"), rc=proc.returncode)
+               record_plan=writers.get("plan"), step=done[0].get("step"), rc=proc.returncode, committed=True)
     moved = [e for e in ev if e.get("event") == "checkpoint_evacuated" and e.get("rank") == 1]
     got = [e for e in ev if e.get("event") == "checkpoint_evacuation_received" and e.get("rank") == 0]
     if moved and got:  # B's stream to A's memory (acknowledged), then A's upload of it
@@ -202,6 +209,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             if not ok:
                 continue
             commit = [r["commit"] for r in ok]
+            exits = [r["b_exit"] for r in cell if "b_exit" in r]
+            if exits:  # B's exit after its notice (the deadline binds it), and the commits landing after it
+                out[f"{mib}MiB/{plan}"].update(b_exit_max=round(max(exits), 3), commits_after_b_deadline=sum(
+                    1 for r in ok if r["commit"] > r.get("b_deadline_s", float("inf"))))
             out[f"{mib}MiB/{plan}"].update(
                 commit_p50=round(statistics.median(commit), 3), commit_p99=round(_pct(commit, 0.99), 3),
                 b_bytes_median=int(statistics.median(r["b_bytes"] for r in ok)))

@@ -164,29 +164,35 @@ class Evacuation:
     """One save's evacuation role for this rank: a doomed sender, a receiving survivor, or nothing."""
 
     def __init__(self, group: Any, rank: int, world: int, doomed: "frozenset[int]", storage: Any, key: str,
-                 t_end: float, rate: Optional[float], log: Any, fields: dict[str, Any]) -> None:
+                 t_end: float, rate: Optional[float], log: Any, fields: dict[str, Any], deferred: bool = False) -> None:
         self.group, self.rank, self.storage, self.key = group, rank, storage, key
+        # survivor of a save handed to the survivors (``handoff.py``): upload after ``write_data`` returned
+        self.deferred = deferred and rank not in doomed
+        self._uploads: Optional[threading.Thread] = None
+        self._upload_errors: list[BaseException] = []
         self.t_end, self.rate, self.log, self.fields = t_end, rate, log, fields
         pairs = pair_ranks(world, doomed)
         self.to: Optional[int] = pairs.get(rank)  # doomed: who receives my files
         self.sources = [d for d, s in sorted(pairs.items()) if s == rank]  # survivor: whose files I receive
         self.sent = 0  # doomed: bytes acknowledged by ``to``
         self.received: dict[int, int] = {}  # survivor: bytes received (and uploaded) per source rank
-        self.budget = memory_budget() if self.sources else None  # survivor: bytes it may still hold
+        self.budget = memory_budget() if self.sources or self.deferred else None  # survivor: bytes it may hold
         self.decision = ""  # doomed: "evacuate", "direct" (and why in ``why``)
         self.why = ""
 
     @classmethod
     def for_save(cls, group: Any, doomed: "Optional[frozenset[int]]", storage: Any, key: str, t_end: float,
-                 rate: Optional[float], log: Any, fields: dict[str, Any]) -> "Optional[Evacuation]":
-        """This rank's role, or None (single process, no rank or every rank doomed, or no role here)."""
+                 rate: Optional[float], log: Any, fields: dict[str, Any],
+                 deferred: bool = False) -> "Optional[Evacuation]":
+        """This rank's role, or None (single process, no rank or every rank doomed, or no role here).
+        ``deferred`` (the save is handed to the survivors): every survivor has one, receiving or not."""
         if group is None or not doomed or not dist.is_initialized():
             return None
         world = dist.get_world_size(group)
         if len(doomed) >= world:
             return None
-        me = cls(group, dist.get_rank(group), world, doomed, storage, key, t_end, rate, log, fields)
-        return me if me.to is not None or me.sources else None
+        me = cls(group, dist.get_rank(group), world, doomed, storage, key, t_end, rate, log, fields, deferred)
+        return me if me.to is not None or me.sources or me.deferred else None
 
     # ------------------------------------------------------------------ both
 
@@ -284,6 +290,8 @@ class Evacuation:
 
     def _receiver(self, orig: Callable[[SavePlan, SavePlanner], Any]) -> Callable[[SavePlan, SavePlanner], Any]:
         def write_data(plan: SavePlan, planner: SavePlanner) -> Any:
+            if self.deferred:
+                return self._write_deferred(orig, plan, planner)
             errors: list[BaseException] = []
 
             def run() -> None:
@@ -310,7 +318,9 @@ class Evacuation:
         its deadline cannot afford — a second source (two doomed ranks per survivor, or more doomed ranks than
         survivors) must not wait for the upload of the first one's files. The price: every source's files are
         in my host memory at once (the sum of their unique shards) until uploaded."""
-        held = [(src, *self._receive(src)) for src in self.sources]
+        self._upload_held([(src, *self._receive(src)) for src in self.sources])
+
+    def _upload_held(self, held: "list[tuple[int, list[tuple[str, bytearray]], float]]") -> None:
         for src, got, received in held:
             t0 = time.monotonic()
             for name, buf in got:  # the storage notes each file's checksum in my write log, as for my own
@@ -321,6 +331,75 @@ class Evacuation:
                 self.log.info(ev.EVACUATION_RECEIVED, from_rank=src, bytes=total, receive_seconds=round(received, 4),
                               upload_seconds=round(time.monotonic() - t0, 4), **self.fields)
             got.clear()  # each file leaves my memory once it is in storage
+
+    # ------------------------------------------------------------------ survivor of a handed-over save
+
+    def _write_deferred(self, orig: Callable[[SavePlan, SavePlanner], Any], plan: SavePlan,
+                        planner: SavePlanner) -> Any:
+        """The survivors finish the save after the doomed ranks left (``handoff.py``): DCP's write results
+        must be known before any byte reaches storage, so my own file is serialised into host memory (its
+        offsets and lengths are known then) while the sources' files are received and acknowledged; the
+        uploads of both run on a thread that ``wait_uploads`` joins. Without room in the memory budget for
+        my own file it is written as without a handoff (the doomed ranks then wait in DCP's gather for it)."""
+        own = unique_bytes(plan) + len(plan.items) * ITEM_SLACK
+        early = self.budget is None or own <= self.budget
+        if early and self.budget is not None:
+            self.budget -= own
+        held: list[tuple[int, list[tuple[str, bytearray]], float]] = []
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                held.extend((src, *self._receive(src)) for src in self.sources)
+            except BaseException as exc:  # noqa: BLE001 - raised on the save's thread below
+                errors.append(exc)
+
+        t = threading.Thread(target=run, name="spotguard-evac-recv", daemon=True)
+        t.start()
+        files: dict[str, memoryview] = {}
+        try:
+            results: Any = None
+            if early:
+                try:
+                    results, files = _serialise(plan, planner)
+                except Exception:  # noqa: BLE001 - MemoryError, a writer without DCP's prefix: as without
+                    early = False
+            if not early:
+                fut = orig(plan, planner)
+                fut.wait()
+                results = fut.value()
+        finally:
+            t.join()  # bounded: every recv has the group's timeout (the doomed ranks' deadline)
+        if errors:
+            raise errors[0]
+        self._uploads = threading.Thread(target=self._upload_deferred, args=(files, held),
+                                         name="spotguard-survivor-upload", daemon=True)
+        self._uploads.start()
+        out: Future[list[Any]] = Future()
+        out.set_result(results)
+        return out
+
+    def _upload_deferred(self, files: dict[str, memoryview],
+                         held: "list[tuple[int, list[tuple[str, bytearray]], float]]") -> None:
+        try:
+            for name in list(files):
+                self._upload(join_key(self.key, name), files.pop(name))
+            self._upload_held(held)
+        except BaseException as exc:  # noqa: BLE001 - reported by ``wait_uploads``
+            self._upload_errors.append(exc)
+
+    def wait_uploads(self, t_end: float) -> Optional[str]:
+        """A survivor of a handed-over save: None once every deferred upload is in storage, else why not
+        (failed, or still running at ``t_end``, monotonic)."""
+        t = self._uploads
+        if t is not None:
+            t.join(max(0.0, t_end - time.monotonic()))
+            if t.is_alive():
+                return "the survivor's uploads did not finish within its bound"
+        if self._upload_errors:
+            exc = self._upload_errors[0]
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def _receive(self, src: int) -> tuple[list[tuple[str, bytearray]], float]:
         """One doomed rank's files in host memory, acknowledged: ([(name, bytes)], seconds to receive them);

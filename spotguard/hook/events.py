@@ -27,6 +27,8 @@ is known, ``notice_id``. Fields per event:
 - ``checkpoint_evacuated`` (doomed): notice_id, step, to_rank, bytes, files, seconds, decision;
   ``checkpoint_evacuation_received`` (its survivor): from_rank, bytes, receive_seconds, upload_seconds;
   ``checkpoint_evacuation_declined`` (its survivor, no room in ``SPOTGUARD_EVACUATE_MAX_MB``): from_rank, bytes, budget
+- ``checkpoint_handed_over`` (a safe doomed rank leaving the save to the survivors, ``handoff.py``): notice_id,
+  step, to_rank (the survivor that commits and tells it), waits_seconds (its bound for that word)
 - ``checkpoint_committed``: notice_id, step, uri, bytes, seconds, seconds_left
 - ``checkpoint_failed``: notice_id, step, error, seconds
 - ``checkpoint_late`` (warning, after ``checkpoint_committed``): notice_id, step, seconds_past, source, why, fix —
@@ -91,6 +93,8 @@ CHECKPOINT_EVACUATED = "checkpoint_evacuated"
 EVACUATION_RECEIVED = "checkpoint_evacuation_received"
 #: a survivor had no room in its memory budget for a doomed rank's shards: that rank uploads them itself
 EVACUATION_DECLINED = "checkpoint_evacuation_declined"
+#: a safe doomed rank left the save's collectives: the survivors finish and commit it (``handoff.py``)
+CHECKPOINT_HANDED_OVER = "checkpoint_handed_over"
 CHECKPOINT_COMMITTED = "checkpoint_committed"
 CHECKPOINT_FAILED = "checkpoint_failed"
 CHECKPOINT_SKIPPED = "checkpoint_skipped"
@@ -112,6 +116,7 @@ TIMELINE: tuple[str, ...] = (
     CHECKPOINT_EVACUATED,
     EVACUATION_RECEIVED,
     EVACUATION_DECLINED,
+    CHECKPOINT_HANDED_OVER,
     CHECKPOINT_COMMITTED,
     CHECKPOINT_LATE,
     DEADLINE_AT_RISK,

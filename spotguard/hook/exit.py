@@ -263,7 +263,8 @@ class ExitMixin:
     def _install_excepthook(self, notice: Notice, t_end: float) -> None:
         """Once an emergency is agreed: an exception that ends the training thread (a peer left first and a
         collective of the user's raised) still exits with the decision's code, after the background save
-        ended (bounded by ``t_end``); if it never did, with ``EXIT_SAVE_FAILED``. One log line says why."""
+        ended (bounded by ``t_end``, or the round's hold when later: the survivors of a handed-over save commit
+        on their own bound); if it never did, with ``EXIT_SAVE_FAILED``. One log line says why."""
         if getattr(sys.excepthook, "__spotguard__", False):
             return
         prev = sys.excepthook
@@ -273,9 +274,10 @@ class ExitMixin:
             if isinstance(value, SystemExit):
                 prev(tp, value, tb)
                 return
-            with hook._cv:
-                while hook._exit_request is None and time.monotonic() < t_end + 1.0:
-                    hook._cv.wait(max(0.0, t_end + 1.0 - time.monotonic()))
+            with hook._cv:  # the round's hold may outlast t_end: survivors committing alone (handoff.py)
+                while hook._exit_request is None and \
+                        time.monotonic() < max(t_end, getattr(hook, "_hold_until", 0.0)) + 1.0:
+                    hook._cv.wait(max(0.0, max(t_end, getattr(hook, "_hold_until", 0.0)) + 1.0 - time.monotonic()))
                 req = hook._exit_request
             if req is not None:
                 n, result, step = req

@@ -39,6 +39,7 @@ from .dist import (
     set_group_timeout,
 )
 from .doomed import SafeMark, plan_around_doomed, with_late_notices, writers_record
+from .handoff import finish_split, split_for
 from .periodic import PERIODIC_SETTLED, stage_state_dict
 from .settings import EMERGENCY_LEAD, HANDED_OVER, HOLD_SLACK, PERIODIC_NOTICE_PREFIX, SAVE_MARGIN
 from .state import Snapshot, clone_buffers, pack
@@ -68,12 +69,13 @@ ANCHOR_COPY_BYTES = 64 << 10
 REAL_NOTICE_SECONDS = {"gcp": 30.0, "azure": 30.0, "aws": 120.0}
 
 
-def late_by(notice: Notice) -> float:
-    """Seconds past an emergency notice's deadline now (<= 0: in time). Rebalance and maintenance notices
+def late_by(notice: Notice, deadline: Any = None) -> float:
+    """Seconds past an emergency notice's deadline now (<= 0: in time); ``deadline``: the survivors' own bound
+    when a handed-over save's doomed ranks have left (``handoff.py``). Rebalance and maintenance notices
     carry no deadline by which the VM is gone, so nothing is late for them."""
     if not notice.emergency:
         return 0.0
-    return (utcnow() - notice.deadline).total_seconds()
+    return (utcnow() - (deadline or notice.deadline)).total_seconds()
 
 
 def drill_verdict(notice: Notice) -> dict[str, Any]:
@@ -182,12 +184,14 @@ class SaveMixin:
                 return self._fail(notice, step, f"prepare failed on rank 0: {status[1]}", t0, peers_ok=True)
             stage = "doomed"
             doomed = self._doomed = self._doomed_now(group)
+            split = self._split = split_for(self, group, doomed, notice, t_store, scope)
             stage = "write"
             err = None
             self._storage.write_log.take(key)  # what an earlier attempt at this step wrote does not count
             self._safe = SafeMark(self._storage, key, t0, bool(doomed and self._rank in doomed), self._log,
                                   {"notice_id": notice.id, "step": step})
-            self._safe.evac = self._evac = self._evacuation(group, doomed, key, t_store, notice, step)
+            self._safe.evac = self._evac = self._evacuation(group, doomed, key, t_store, notice, step,
+                                                            split is not None)
             t_write = time.monotonic()
             try:
                 if write is not None:
@@ -202,6 +206,9 @@ class SaveMixin:
                 if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     raise
                 err = f"{type(exc).__name__}: {exc}"
+            if split is not None:  # the doomed ranks leave once safe; the survivors commit (handoff.py)
+                stage = "handoff"
+                return finish_split(self, split, notice, reason, step, uri, key, err, doomed, t0)
             stage = "durable-barrier"
             if not self._all_ok(err is None, group):
                 return self._fail(notice, step, err or "another rank failed to write its shards", t0, peers_ok=True)
@@ -211,17 +218,7 @@ class SaveMixin:
                                                 {**self._safe.info(), "bytes": sum(d.size for d in mine.values())})
             writers = writers_record(infos, doomed)
             stage = "commit"
-            outcome: Any = None
-            if self._rank == 0:
-                outcome = commit_and_retain(self._storage, step, CommitRecord(
-                    step=step, world_size=self._world, reason=reason,
-                    notice_id=None if reason == "periodic" else notice.id,
-                    seconds=round(time.monotonic() - t0, 3),
-                    extra={"spotguard": __version__, "lineage": self._lineage} if reason == "periodic" else
-                    {"notice_kind": notice.kind, "notice_source": notice.source,
-                     "deadline": to_rfc3339(notice.deadline), "spotguard": __version__, "lineage": self._lineage,
-                     "writers": writers},
-                ), self._keep, self._log, written, exclude=frozenset(getattr(self, "_damaged_dirs", ())))
+            outcome: Any = self._commit(notice, reason, step, t0, written, writers) if self._rank == 0 else None
             stage = "commit-barrier"
             # Every rank passes this only after the record is durable: no rank may exit before it.
             outcome = self._bcast0(outcome, group)
@@ -236,7 +233,24 @@ class SaveMixin:
         finally:
             self._notice_saving = None
             self._evac = None
+            self._late_deadline = None
+            split = getattr(self, "_split", None)
+            if split is not None:
+                self._split = None
+                split.close()
             scope.close()
+
+    def _commit(self, notice: Notice, reason: str, step: int, t0: float, written: Any, writers: Any) -> Any:
+        """The committing rank: the commit record over ``written`` (every rank's write log), then retention."""
+        return commit_and_retain(self._storage, step, CommitRecord(
+            step=step, world_size=self._world, reason=reason,
+            notice_id=None if reason == "periodic" else notice.id,
+            seconds=round(time.monotonic() - t0, 3),
+            extra={"spotguard": __version__, "lineage": self._lineage} if reason == "periodic" else
+            {"notice_kind": notice.kind, "notice_source": notice.source,
+             "deadline": to_rfc3339(notice.deadline), "spotguard": __version__, "lineage": self._lineage,
+             "writers": writers},
+        ), self._keep, self._log, written, exclude=frozenset(getattr(self, "_damaged_dirs", ())))
 
     def _prepare_status(self, step: int, storage: Optional[Storage] = None) -> tuple[str, Any]:
         """Rank 0: ``prepare_status``, except that "already committed" counts only for this run's own checkpoint.
@@ -281,7 +295,7 @@ class SaveMixin:
         self._committed_ids.add(notice.id)
         if self._periodic is not None:
             self._periodic.restart_clock()
-        past = late_by(notice)
+        past = late_by(notice, getattr(self, "_late_deadline", None))
         writers, self._writers = (None if already else getattr(self, "_writers", None)), None
         self._log.info(ev.CHECKPOINT_COMMITTED, notice_id=notice.id, step=step, uri=uri, bytes=nbytes,
                        seconds=secs, already_committed=already, late=past > 0, **self._timing(notice),
@@ -349,7 +363,7 @@ class SaveMixin:
         return with_late_notices(agreed, got)
 
     def _evacuation(self, group: Any, doomed: "Optional[frozenset[int]]", key: str, t_store: float,
-                    notice: Notice, step: int) -> Any:
+                    notice: Notice, step: int, deferred: bool = False) -> Any:
         """This rank's role in evacuating the doomed ranks' unique shards to survivors (``evacuate.py``), or
         None: a single process, no rank or every rank doomed (today's path). ``SPOTGUARD_EVACUATE=never`` still
         has a role: the knob is read per process, and a survivor whose env differs waits for its doomed rank's
@@ -359,7 +373,7 @@ class SaveMixin:
         from .evacuate import Evacuation  # noqa: PLC0415
 
         return Evacuation.for_save(group, doomed, self._storage, key, t_store, getattr(self, "_write_rate", None),
-                                   self._log, {"notice_id": notice.id, "step": step})
+                                   self._log, {"notice_id": notice.id, "step": step}, deferred)
 
     def _note_write_rate(self, nbytes: int, seconds: float) -> None:
         """This rank's measured write throughput (bytes/s), from a write big enough to tell: what a later

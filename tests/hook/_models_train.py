@@ -98,6 +98,21 @@ def batch(step: int, variant: str = "") -> torch.Tensor:
     return x * 100 if variant == "scaler" and step % 4 == 1 else x  # a large batch: gradients overflow
 
 
+def slow_store(root: str, seconds: float) -> Any:
+    """A local store whose whole-file writes of DCP data files (``write_bytes``: what a survivor uploads for a
+    doomed rank, and its own file once the save is handed to it) take ``seconds`` each: a link slower than
+    the doomed rank's deadline."""
+    from spotguard.storage.local import LocalStorage
+
+    class Slow(LocalStorage):
+        def write_bytes(self, key: str, data: bytes) -> None:
+            if key.endswith(".distcp"):
+                time.sleep(seconds)  # the simulated upload time, not a synchronisation
+            super().write_bytes(key, data)
+
+    return Slow(root)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--variant", required=True)
@@ -106,6 +121,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--notify-at", type=int, default=4)
     p.add_argument("--notify-rank", type=int, default=-1, help="hand the notice to this rank only (-1: every rank)")
+    p.add_argument("--notice-seconds", type=float, default=30.0, help="the notice's deadline, from when it is handed")
+    p.add_argument("--slow-upload", type=float, default=0.0,
+                   help="seconds each whole-file upload of a data file takes (a survivor's, a slow link)")
     args = p.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -125,14 +143,15 @@ def main() -> int:
     from spotguard.timefmt import utcnow
 
     state, step = build(args.variant)
-    hook = install_preemption_hook(state, storage=args.storage)
+    hook = install_preemption_hook(state, storage=slow_store(args.storage, args.slow_upload) if args.slow_upload
+                                   else args.storage)
     start = hook.resume()
     for i in range(start, args.steps):
         if args.phase == "pre" and i == args.notify_at:
             if args.notify_rank in (-1, rank):
                 now = utcnow()
                 hook.notify(Notice(id="drill-models", source="drill", kind="preemption",
-                                   deadline=now + timedelta(seconds=30), received_at=now))
+                                   deadline=now + timedelta(seconds=args.notice_seconds), received_at=now))
             time.sleep(0.5)  # the ranks agree off the training thread in ms: a deterministic stop step
         out(step=i, hex=step(batch(i, args.variant)).item().hex(), **extra(state))
     dist.destroy_process_group()

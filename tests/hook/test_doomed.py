@@ -117,6 +117,12 @@ def test_fsdp2_doomed_rank_evacuates_its_shards_to_the_survivor(tmp_path: Path) 
                            text=True, timeout=60)
     [row] = [ln for ln in shown.stdout.splitlines() if ln.split()[:1] == [str(stop)]]
     assert "notice on rank 1: wrote 0 B" in row and "(evacuated " in row and "to rank 0)" in row, row
+    assert_models_resume_bitwise(tmp_path, args, pre, stop)
+
+
+def assert_models_resume_bitwise(tmp_path: Path, args: list[str], pre: TorchRun, stop: int) -> None:
+    """``_models_train.py --phase resume`` from ``stop``: both ranks resume there and every later loss equals
+    the uninterrupted reference loop's (``pre``'s ``ref`` lines) bit for bit."""
     ref = {e["ref"]: e["hex"] for e in pre.lines() if "ref" in e}
     res = TorchRun(tmp_path / "res.log", [*args, "--phase", "resume"], script=MODELS)
     assert res.wait(180) == 0, res.tail()
@@ -145,9 +151,11 @@ def test_survivor_lost_before_commit_keeps_previous_newest(reference: Path, tmp_
         run.wait_for(lambda: bool(run.events("checkpoint_safe", 1)), 60, "the doomed rank safe")
         started = run.events("checkpoint_started", 0)
         assert started, run.tail()
-        # DCP's .metadata: the survivor's shards are written, it is in its (test) delay before the commit
-        run.wait_for(lambda: (store / step_dir(started[0]["step"]) / ".metadata").exists(), 30,
-                     "the survivor's shards and DCP metadata")
+        # DCP's .metadata and the doomed rank's file uploaded (the survivor's uploads run after DCP's gather
+        # since the save is handed to the survivors, handoff.py): it is in its (test) delay before the commit
+        run.wait_for(lambda: (store / step_dir(started[0]["step"]) / ".metadata").exists() and
+                     bool(run.events("checkpoint_evacuation_received", 0)), 30,
+                     "the survivor's shards, the doomed rank's file and DCP metadata")
         os.kill(run.pid(0), signal.SIGKILL)
         run.wait(90)
     finally:
