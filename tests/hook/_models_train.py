@@ -128,6 +128,7 @@ def main() -> int:
     p.add_argument("--slow-upload", type=float, default=0.0,
                    help="seconds each whole-file upload of a data file takes (a survivor's, a slow link)")
     p.add_argument("--fail-upload", action="store_true", help="each slow whole-file data upload then fails")
+    p.add_argument("--also", default="", help="RANK,KIND,SECONDS: a second notice, to that rank, right after")
     args = p.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -157,6 +158,11 @@ def main() -> int:
                 now = utcnow()
                 hook.notify(Notice(id="drill-models", source="drill", kind="preemption",
                                    deadline=now + timedelta(seconds=args.notice_seconds), received_at=now))
+            if args.also and int(args.also.split(",")[0]) == rank:
+                _, kind, secs = args.also.split(",")
+                now = utcnow()
+                hook.notify(Notice(id="drill-also", source="drill", kind=kind,
+                                   deadline=now + timedelta(seconds=float(secs)), received_at=now))
             time.sleep(0.5)  # the ranks agree off the training thread in ms: a deterministic stop step
         out(step=i, hex=step(batch(i, args.variant)).item().hex(), **extra(state))
     dist.destroy_process_group()

@@ -164,3 +164,21 @@ def test_doomed_node_sigkilled_after_handing_over(tmp_path: Path) -> None:
     # node A's agent lost B's store and SIGTERMed rank 1 during its upload: the commit held on that bound
     assert any(e["source"] == "signal" for e in a.events("notice_seen", 1)), a.tail(80)
     _resume_bitwise(tmp_path, args, b, stop, 2)
+
+
+def test_ordinary_checkpoint_with_a_far_off_notice_pending_keeps_every_rank(tmp_path: Path) -> None:
+    """Rank 1 holds a far-off preemption (beyond ``SPOTGUARD_EMERGENCY_LEAD``: training goes on) when a
+    rebalance to rank 0 asks for an ordinary checkpoint: rank 1 counts as doomed for the save plan, yet this
+    save is no emergency — it commits and every rank trains on to the end (nobody leaves)."""
+    store = tmp_path / "ckpt"
+    args = ["--variant", "fsdp2", "--storage", str(store), "--steps", str(MODEL_STEPS)]
+    pre = TorchRun(tmp_path / "pre.log", [*args, "--phase", "pre", "--notify-at", "4", "--notify-rank", "1",
+                                          "--notice-seconds", "900", "--also", "0,rebalance,30",
+                                          "--slow-upload", "1"],
+                   script=MODELS, env={"SPOTGUARD_EVACUATE": "always"})
+    assert pre.wait(90) == 0, pre.tail(80)
+    assert len(committed(store)) == 1, pre.tail(80)
+    assert not pre.events("exit"), pre.events("exit")
+    assert pre.events("checkpoint_handed_over", 1), pre.tail(80)  # the save was split (rank 1 "doomed")
+    ran = [e["step"] for e in pre.lines() if "step" in e and "hex" in e and "component" not in e]
+    assert max(ran) == MODEL_STEPS - 1, pre.tail(80)
