@@ -182,3 +182,25 @@ def test_ordinary_checkpoint_with_a_far_off_notice_pending_keeps_every_rank(tmp_
     assert pre.events("checkpoint_handed_over", 1), pre.tail(80)  # the save was split (rank 1 "doomed")
     ran = [e["step"] for e in pre.lines() if "step" in e and "hex" in e and "component" not in e]
     assert max(ran) == MODEL_STEPS - 1, pre.tail(80)
+
+
+def test_survivors_deferred_files_are_checksummed_in_the_record(tmp_path: Path) -> None:
+    """The survivor's own data file returned its DCP write results before upload (``_write_deferred``): the
+    commit record must still carry checksums of the bytes that reached storage, so a byte flipped later is
+    caught by ``spotguard checkpoints --verify`` (quarantined); the table names who wrote what."""
+    import subprocess
+    import sys
+
+    pre, _, store = _pre(tmp_path, "1", 1.0)
+    [stop] = committed(store)
+    cmd = [sys.executable, "-m", "spotguard", "checkpoints"]
+    shown = subprocess.run([*cmd, str(store)], capture_output=True, text=True, timeout=60)
+    [row] = [ln for ln in shown.stdout.splitlines() if ln.split()[:1] == [str(stop)]]
+    assert "notice on rank 1: wrote 0 B" in row and "to rank 0)" in row, row
+    own = store / step_dir(stop) / "__0_0.distcp"  # the survivor's own file, uploaded after the handoff
+    data = bytearray(own.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    own.write_bytes(bytes(data))
+    checked = subprocess.run([*cmd, "--verify", str(store)], capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    assert committed(store) == [], checked.stdout  # quarantined: no longer a committed checkpoint
