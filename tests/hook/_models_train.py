@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -128,7 +129,7 @@ def main() -> int:
     p.add_argument("--slow-upload", type=float, default=0.0,
                    help="seconds each whole-file upload of a data file takes (a survivor's, a slow link)")
     p.add_argument("--fail-upload", action="store_true", help="each slow whole-file data upload then fails")
-    p.add_argument("--also", default="", help="RANK,KIND,SECONDS: a second notice, to that rank, right after")
+    p.add_argument("--also", default="", help="RANK,KIND,SECONDS[,AFTER]: a second notice to that rank, right after (or AFTER s)")
     args = p.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -159,10 +160,14 @@ def main() -> int:
                 hook.notify(Notice(id="drill-models", source="drill", kind="preemption",
                                    deadline=now + timedelta(seconds=args.notice_seconds), received_at=now))
             if args.also and int(args.also.split(",")[0]) == rank:
-                _, kind, secs = args.also.split(",")
-                now = utcnow()
-                hook.notify(Notice(id="drill-also", source="drill", kind=kind,
-                                   deadline=now + timedelta(seconds=float(secs)), received_at=now))
+                _, kind, secs, *later = args.also.split(",")
+
+                def also() -> None:
+                    now = utcnow()
+                    hook.notify(Notice(id="drill-also", source="drill", kind=kind,
+                                       deadline=now + timedelta(seconds=float(secs)), received_at=now))
+
+                threading.Timer(float(later[0]), also).start() if later else also()  # later: during the save
             time.sleep(0.5)  # the ranks agree off the training thread in ms: a deterministic stop step
         out(step=i, hex=step(batch(i, args.variant)).item().hex(), **extra(state))
     dist.destroy_process_group()

@@ -204,3 +204,16 @@ def test_survivors_deferred_files_are_checksummed_in_the_record(tmp_path: Path) 
     checked = subprocess.run([*cmd, "--verify", str(store)], capture_output=True, text=True, timeout=60)
     assert checked.returncode == 1, checked.stdout + checked.stderr
     assert committed(store) == [], checked.stdout  # quarantined: no longer a committed checkpoint
+
+
+def test_survivor_with_its_own_notice_mid_save_ends_by_its_deadline(tmp_path: Path) -> None:
+    """Rank 1 doomed (4 s); 1 s into the save, the survivor (rank 0) gets its own preemption with 3 s left
+    while its uploads need ~6 s: it must be gone by its own deadline, nothing committed after it."""
+    pre, _, store = _pre(tmp_path, "1", UPLOAD_S, "--also", "0,preemption,3,1.0")
+    [own] = [e for e in pre.events("notice_seen", 0) if e["notice_id"] == "drill-also"]
+    own_deadline = datetime.fromisoformat(own["deadline"].replace("Z", "+00:00"))
+    exits = pre.events("exit", 0)
+    assert exits and _at(exits[0]) <= own_deadline, (exits, own)
+    done = pre.events("checkpoint_committed", 0)
+    assert all(_at(d) <= own_deadline for d in done), (done, own)
+    assert len(committed(store)) == len(done), pre.tail(80)
