@@ -192,6 +192,8 @@ def split_for(hook: Any, group: Any, doomed: "Optional[frozenset[int]]", notice:
     if not doomed or not hook._dist:
         return None
     split = Handoff.create(group, doomed, notice.deadline, t_store)
+    if split is not None and not notice.emergency:  # an ordinary checkpoint (a doomed rank's own notice is far
+        split.t_doomed = split.t_survivors  # off): nobody leaves, so it waits for the word as long as they work
     if split is not None and not split.is_doomed:
         scope.enter_context(hook._storage.deadline_at(split.t_survivors))
         hook._late_deadline = split.deadline

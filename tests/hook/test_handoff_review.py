@@ -166,22 +166,29 @@ def test_doomed_node_sigkilled_after_handing_over(tmp_path: Path) -> None:
     _resume_bitwise(tmp_path, args, b, stop, 2)
 
 
-def test_ordinary_checkpoint_with_a_far_off_notice_pending_keeps_every_rank(tmp_path: Path) -> None:
-    """Rank 1 holds a far-off preemption (beyond ``SPOTGUARD_EMERGENCY_LEAD``: training goes on) when a
-    rebalance to rank 0 asks for an ordinary checkpoint: rank 1 counts as doomed for the save plan, yet this
-    save is no emergency — it commits and every rank trains on to the end (nobody leaves)."""
+def _ordinary(tmp_path: Path, rebalance_s: float, upload_s: float) -> "tuple[TorchRun, Path]":
+    """Rank 1 holds a 900 s preemption, rank 0 gets a rebalance (an ordinary checkpoint, split since rank 1 is
+    "doomed"): the job trains to its end, nobody exits. (run, store)."""
     store = tmp_path / "ckpt"
     args = ["--variant", "fsdp2", "--storage", str(store), "--steps", str(MODEL_STEPS)]
     pre = TorchRun(tmp_path / "pre.log", [*args, "--phase", "pre", "--notify-at", "4", "--notify-rank", "1",
-                                          "--notice-seconds", "900", "--also", "0,rebalance,30",
-                                          "--slow-upload", "1"],
+                                          "--notice-seconds", "900", "--also", f"0,rebalance,{rebalance_s}",
+                                          "--slow-upload", str(upload_s)],
                    script=MODELS, env={"SPOTGUARD_EVACUATE": "always"})
     assert pre.wait(90) == 0, pre.tail(80)
-    assert len(committed(store)) == 1, pre.tail(80)
     assert not pre.events("exit"), pre.events("exit")
     assert pre.events("checkpoint_handed_over", 1), pre.tail(80)  # the save was split (rank 1 "doomed")
     ran = [e["step"] for e in pre.lines() if "step" in e and "hex" in e and "component" not in e]
     assert max(ran) == MODEL_STEPS - 1, pre.tail(80)
+    return pre, store
+
+
+def test_ordinary_checkpoint_with_a_far_off_notice_pending_keeps_every_rank(tmp_path: Path) -> None:
+    """Rank 1 holds a far-off preemption (beyond ``SPOTGUARD_EMERGENCY_LEAD``: training goes on) when a
+    rebalance to rank 0 asks for an ordinary checkpoint: rank 1 counts as doomed for the save plan, yet this
+    save is no emergency — it commits and every rank trains on to the end (nobody leaves)."""
+    pre, store = _ordinary(tmp_path, 30, 1.0)
+    assert len(committed(store)) == 1, pre.tail(80)
 
 
 def test_survivors_deferred_files_are_checksummed_in_the_record(tmp_path: Path) -> None:
@@ -217,3 +224,13 @@ def test_survivor_with_its_own_notice_mid_save_ends_by_its_deadline(tmp_path: Pa
     done = pre.events("checkpoint_committed", 0)
     assert all(_at(d) <= own_deadline for d in done), (done, own)
     assert len(committed(store)) == len(done), pre.tail(80)
+
+
+def test_ordinary_split_whose_commit_outlasts_the_doomed_ranks_wait(tmp_path: Path) -> None:
+    """As the far-off case, but the rebalance gives 3 s and the survivor's uploads take ~2 s: the "doomed"
+    rank 1 stopped waiting for the word at the rebalance's bound, before the survivor committed, and reported
+    the checkpoint failed (backing off alone) while it committed. Nobody leaves in an ordinary checkpoint: it
+    waits for the word on the survivors' bound. Training goes on on both ranks to the end."""
+    pre, store = _ordinary(tmp_path, 3, 1.5)
+    assert committed(store) and pre.events("checkpoint_committed", 1), pre.tail(80)
+    assert not pre.events("checkpoint_failed"), pre.events("checkpoint_failed")
