@@ -118,9 +118,10 @@ class Handoff:
 
     # ------------------------------------------------------------------ doomed
 
-    def wait_word(self, log: Any, fields: dict[str, Any]) -> "tuple[bool, int, Any]":
+    def wait_word(self, log: Any, fields: dict[str, Any]) -> "tuple[Optional[bool], int, Any]":
         """A doomed rank, safe and out of the save's collectives: (committed, bytes, the record's writers) from
-        the survivors' word, or (False, 0, None) at ``t_doomed`` (it leaves then, as the deadline requires)."""
+        the survivors' word, or (None, 0, None) at ``t_doomed`` without one (it leaves then, as the deadline
+        requires; the survivors may still commit) — a word of failure is (False, ...): nothing will commit."""
         head = torch.zeros(3, dtype=torch.int64)
         log.info(ev.CHECKPOINT_HANDED_OVER, to_rank=self.coordinator,
                  waits_seconds=round(max(0.0, self.t_doomed - time.monotonic()), 3), **fields)
@@ -130,7 +131,7 @@ class Handoff:
             if body.numel():
                 self._recv(body)
         except Exception:  # noqa: BLE001 - no word by my bound (or the survivor is gone): leave uncommitted
-            return False, 0, None
+            return None, 0, None
         writers = json.loads(bytes(body.numpy()).decode()) if body.numel() else None
         return bool(head[0]), int(head[1]), writers
 
@@ -191,6 +192,8 @@ def split_for(hook: Any, group: Any, doomed: "Optional[frozenset[int]]", notice:
     if not doomed or not hook._dist:
         return None
     split = Handoff.create(group, doomed, notice.deadline, t_store)
+    if split is not None and not notice.emergency:  # an ordinary checkpoint (a doomed rank's own notice is far
+        split.t_doomed = split.t_survivors  # off): nobody leaves, so it waits for the word as long as they work
     if split is not None and not split.is_doomed:
         scope.enter_context(hook._storage.deadline_at(split.t_survivors))
         hook._late_deadline = split.deadline
@@ -221,6 +224,10 @@ def finish_split(hook: Any, split: Handoff, notice: Notice, reason: str, step: i
         committed, nbytes, hook._writers = split.wait_word(hook._log, fields)
         if committed:
             return hook._finish_ok(notice, step, uri, nbytes, t0)
+        if committed is False:  # told: the survivors' commit failed (their checkpoint_failed says why)
+            return hook._fail(notice, step, "safe, then left the save to the survivors, who reported that their "
+                              "commit failed: nothing is committed for this step (the previous checkpoint stays "
+                              "newest)", t0, peers_ok=False)
         return hook._fail(notice, step, "safe, then left the save to the survivors at this rank's bound without "
                           "word of their commit: they may still commit it on their own bound (the newest "
                           "commit tells)", t0, peers_ok=False)

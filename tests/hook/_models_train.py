@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -98,7 +99,7 @@ def batch(step: int, variant: str = "") -> torch.Tensor:
     return x * 100 if variant == "scaler" and step % 4 == 1 else x  # a large batch: gradients overflow
 
 
-def slow_store(root: str, seconds: float) -> Any:
+def slow_store(root: str, seconds: float, fail: bool = False) -> Any:
     """A local store whose whole-file writes of DCP data files (``write_bytes``: what a survivor uploads for a
     doomed rank, and its own file once the save is handed to it) take ``seconds`` each: a link slower than
     the doomed rank's deadline."""
@@ -108,6 +109,8 @@ def slow_store(root: str, seconds: float) -> Any:
         def write_bytes(self, key: str, data: bytes) -> None:
             if key.endswith(".distcp"):
                 time.sleep(seconds)  # the simulated upload time, not a synchronisation
+                if fail:  # the link broke during the upload: nothing of this file is in storage
+                    raise OSError(f"injected upload failure: {key}")
             super().write_bytes(key, data)
 
     return Slow(root)
@@ -120,10 +123,13 @@ def main() -> int:
     p.add_argument("--storage", required=True)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--notify-at", type=int, default=4)
-    p.add_argument("--notify-rank", type=int, default=-1, help="hand the notice to this rank only (-1: every rank)")
+    p.add_argument("--notify-rank", type=lambda v: [int(x) for x in v.split(",")], default=[-1],
+                   help="hand the notice to these ranks only, comma-separated (-1: every rank)")
     p.add_argument("--notice-seconds", type=float, default=30.0, help="the notice's deadline, from when it is handed")
     p.add_argument("--slow-upload", type=float, default=0.0,
                    help="seconds each whole-file upload of a data file takes (a survivor's, a slow link)")
+    p.add_argument("--fail-upload", action="store_true", help="each slow whole-file data upload then fails")
+    p.add_argument("--also", default="", help="RANK,KIND,SECONDS[,AFTER]: a second notice to that rank, right after (or AFTER s)")
     args = p.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -143,15 +149,25 @@ def main() -> int:
     from spotguard.timefmt import utcnow
 
     state, step = build(args.variant)
-    hook = install_preemption_hook(state, storage=slow_store(args.storage, args.slow_upload) if args.slow_upload
+    hook = install_preemption_hook(state, storage=slow_store(args.storage, args.slow_upload, args.fail_upload)
+                                   if args.slow_upload
                                    else args.storage)
     start = hook.resume()
     for i in range(start, args.steps):
         if args.phase == "pre" and i == args.notify_at:
-            if args.notify_rank in (-1, rank):
+            if -1 in args.notify_rank or rank in args.notify_rank:
                 now = utcnow()
                 hook.notify(Notice(id="drill-models", source="drill", kind="preemption",
                                    deadline=now + timedelta(seconds=args.notice_seconds), received_at=now))
+            if args.also and int(args.also.split(",")[0]) == rank:
+                _, kind, secs, *later = args.also.split(",")
+
+                def also() -> None:
+                    now = utcnow()
+                    hook.notify(Notice(id="drill-also", source="drill", kind=kind,
+                                       deadline=now + timedelta(seconds=float(secs)), received_at=now))
+
+                threading.Timer(float(later[0]), also).start() if later else also()  # later: during the save
             time.sleep(0.5)  # the ranks agree off the training thread in ms: a deterministic stop step
         out(step=i, hex=step(batch(i, args.variant)).item().hex(), **extra(state))
     dist.destroy_process_group()
