@@ -18,8 +18,12 @@ Two ways to act on a notice:
   under ``_cv`` and snapshot RNG/loader/buffers at the post-hook; an agreement
   thread per rank decides S and writes the checkpoint; the pre-hook holds a step
   only while a round runs and until the tensors of S are copied (``_step_begin``).
-- **At the step boundary** (adapters, several optimizers, explicit loops whose
-  optimizer steps do not map one to one onto iterations,
+  Several optimizers in ``hook.range()``/``hook.step()`` loops: the boundary counts
+  the iteration and checks every optimizer stepped as often as in the first one;
+  ``_in_step`` spans the iteration's first optimizer step to its boundary, and every
+  optimizer's pre-hook holds (``_multi_step_begin``).
+- **At the step boundary** (adapters, several optimizers in an implicit loop or with
+  a GradScaler, explicit loops whose optimizer steps do not map onto iterations,
   ``SPOTGUARD_BACKGROUND_AGREEMENT=0``), below. Which one a process uses is logged
   once per loop kind (``notice_path``).
 

@@ -70,7 +70,8 @@ def main() -> int:
                         "discriminator pass, before any optimizer step of the iteration")
     p.add_argument("--double-at", type=int, default=-1,
                    help="iteration ITER steps the optimizer twice (a second backward/step after the first), "
-                        "with --notice-at ITER: the notice comes between the two steps")
+                        "with --notice-at ITER: the notice comes between the two steps (--gan: a second "
+                        "generator step)")
     a = p.parse_args()
 
     rank = 0
@@ -133,6 +134,10 @@ def main() -> int:
         opt_g.zero_grad(set_to_none=True)
         loss_g.backward()
         opt_g.step()
+        if i == a.double_at:  # an irregular iteration: a second generator step
+            opt_g.zero_grad(set_to_none=True)
+            bce(model(gmodel(torch.randn(8, 16))), torch.ones(8, 1)).backward()
+            opt_g.step()
         sched.step()
         if rank == 0:
             print(json.dumps({"step": i, "loss": float(loss_d), "t": time.time()}), flush=True)
