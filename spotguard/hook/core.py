@@ -694,8 +694,12 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                 self._act(res[0], res[1], snap=None, final=False)
         self._count += 1
         self._implicit_counted = True
-        if self._many_opts and not self._explicit_intent and self._count - self._resumed_step >= 2:
-            self._log_path("boundary", "implicit", self._implicit_why() or "")
+        if self._many_opts and not self._explicit_intent and ("boundary", "implicit") not in self._path_logged:
+            clock = self._opt_key.get(id(self._clock))
+            if any(n > 0 for k, n in self._iter_steps.items() if k != clock):
+                # the clock steps again after another optimizer did: past the first iteration, where a
+                # hook.step() loop would have declared itself
+                self._log_path("boundary", "implicit", self._implicit_why() or "")
         self._snap = Snapshot.take(self._objs.loaders)
         level, deadline_ms = self._local_level()
         self._agree.launch(level, deadline_ms, self._periodic_flags())
@@ -870,7 +874,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                 (self._explicit_intent and not clocked):
             return
         if not clocked and self._implicit_why() is not None:
-            return  # said at the second iteration's end (a hook.step() loop declares itself at the first)
+            return  # said in the second iteration (a hook.step() loop declares itself at the first's end)
         self._bg_on = True
         if not clocked:
             self._log_path("any-moment", "implicit", "one optimizer: its step hooks mark each iteration's end")

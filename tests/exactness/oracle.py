@@ -109,9 +109,9 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("gan", "gan.py", what="two optimizers: D step, then G step",
             phases=("load", "fwd", "d_step", "g_step", "after")),
     # issue 23: two optimizers on the any-moment path (hook.range's boundaries prove each iteration's steps)
-    Pattern("gan_range", "gan_range.py", what="two optimizers in hook.range: D step, then G step",
-            phases=("load", "fwd", "d_step", "g_step", "after")),
-    Pattern("gan_ncritic", "gan_range.py", env=(("EXO_NCRITIC", "3"),),
+    Pattern("gan_range", "gan.py", env=(("EXO_LOOP", "range"),),
+            what="two optimizers in hook.range: D step, then G step", phases=("load", "fwd", "d_step", "g_step", "after")),
+    Pattern("gan_ncritic", "gan.py", env=(("EXO_LOOP", "range"), ("EXO_NCRITIC", "3")),
             what="WGAN-style n_critic in hook.range: D 3 times (own batches), then G once",
             phases=("load", "fwd", "d_step", "g_step", "after")),
     Pattern("sam", "sam.py", what="SAM: first_step / second_step, SAM.step() never called",

@@ -131,16 +131,20 @@ def test_several_optimizers_leave_the_clock_at_an_irregular_iteration(hook_of: A
 
 
 def test_several_optimizers_with_hook_step_stay_any_moment(hook_of: Any) -> None:
-    """``hook.step()``: the first iteration runs before the loop declares itself; its steps still count."""
+    """``hook.step()``: the first iteration runs before the loop declares itself; its steps still count (WGAN's
+    n_critic: the first optimizer steps twice per iteration — no "implicit" line for those repeated steps)."""
     s = _state(n_opts=2)
     with structlog.testing.capture_logs() as logs:
         h = hook_of(s)
         assert h.resume() == 0
         got = []
         for _ in range(3):
+            s["model"](torch.randn(6, 4)).square().mean().backward()
+            s["opt0"].step()
+            s["opt0"].zero_grad()
             _iteration(s, step=True)
             got.append(h.step())
-    assert got == [1, 2, 3] and h._range_clock and h._bg_on
+    assert got == [1, 2, 3] and h._range_clock and h._bg_on and h._step_pattern == {"opt0": 2, "opt1": 1}
     assert _paths(logs) == [("any-moment", "hook.step()")]
 
 
