@@ -39,6 +39,11 @@ simulated compute between the real forward and backward (where a real model spen
 pre-hook fires at the start of the iteration's work) instead of before the loader (``before``, the
 default, as the earlier results were measured).
 
+**GAN** (issue 23): ``--gan N`` makes the model the discriminator (N steps per iteration) of a one-layer
+generator with its own Adam (two optimizers); ``--busy-at split`` puts half the compute in the discriminator's
+pass and half in the generator's, after the last discriminator step (where a notice waits for the iteration's
+end: the state of the last one is gone), ``before`` all of it before the first step.
+
 **Frameworks** (issue 23): ``--framework lightning,hf,accelerate`` (or ``all``) runs the same trials with the
 framework owning the loop and accumulating gradients over ``ACCUM`` = 8 micro-batches: Lightning DDP
 (``accumulate_grad_batches``), the transformers ``Trainer`` (DDP, ``gradient_accumulation_steps``) and
@@ -218,16 +223,44 @@ def _trial_worker() -> None:
         model = net if single else DDP(net)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.01 * s))
     loader = _stateful_loader(dim)
-    hook = install_preemption_hook({"model": model, "optimizer": opt, "scheduler": sched, "loader": loader},
-                                   os.environ["SG_TTS_STORAGE"])
+    gan = int(os.environ.get("SG_TTS_GAN", "0") or 0)
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "scheduler": sched, "loader": loader}
+    if gan:  # the model above is the discriminator; a one-layer generator with its own Adam
+        gnet = torch.nn.Linear(dim, dim, bias=False)
+        gmodel = gnet if single else DDP(gnet)
+        opt_g = torch.optim.Adam(gnet.parameters(), lr=1e-4)
+        state["generator"], state["opt_g"] = gmodel, opt_g
+    hook = install_preemption_hook(state, os.environ["SG_TTS_STORAGE"])
     steps = iter(hook.range(10**9)) if loop == "range" else None  # resumes at its first next()
     if steps is None:
         assert hook.resume() == 0
     done = [0]
 
+    def gan_iteration(sleep_s: float) -> None:
+        """``gan`` discriminator steps, then one generator step; the compute split evenly over the
+        discriminator's pass (before its first step) and the generator's (after the last D step:
+        ``--busy-at split``), or all of it in the discriminator's (``before``)."""
+        d_part = sleep_s if busy_at == "before" else sleep_s / 2
+        for c in range(gan):
+            busy(d_part if c == 0 else 0.0)
+            x = next(loader)
+            opt.zero_grad(set_to_none=True)
+            fake = gmodel(x).detach()
+            (model(x).square().mean() - model(fake).square().mean()).backward()
+            opt.step()
+        busy(sleep_s - d_part)
+        opt_g.zero_grad(set_to_none=True)
+        model(gmodel(next(loader))).square().mean().backward()
+        opt_g.step()
+        sched.step()
+
     def iteration(sleep_s: float) -> None:
         if steps is not None:
             next(steps)  # the previous iteration's boundary, as a `for i in hook.range(n):` loop runs it
+        if gan:
+            gan_iteration(sleep_s)
+            done[0] += 1
+            return
         if busy_at == "before":
             busy(sleep_s)
         x = next(loader)
@@ -382,7 +415,7 @@ def _trial(sock: str, work: Path, mib: float, period: float, phase: float,
         env["SG_TTS_FRAMEWORK"] = framework
     else:
         env["SG_TTS_MODEL"] = os.environ.get("SG_TTS_MODEL", "ddp")
-        env.update({k: os.environ[k] for k in ("SG_TTS_SINGLE", "SG_TTS_LOOP", "SG_TTS_BUSY_AT") if k in os.environ})
+        env.update({k: os.environ[k] for k in ("SG_TTS_SINGLE", "SG_TTS_LOOP", "SG_TTS_BUSY_AT", "SG_TTS_GAN") if k in os.environ})
     rc, text = _torchrun("framework" if framework else "trial", env,
                          timeout=(180 if framework else 120) + 12 * period + mib / 20)
     info: dict[str, Any] = {}
@@ -521,6 +554,7 @@ def bench(cells: list[tuple[float, float, int]], *, overhead_blocks: int, overhe
                     f"uniformly random phase of an iteration; {shape}; local-folder storage",
             "loop": os.environ.get("SG_TTS_LOOP", "plain"), "single_process": os.environ.get("SG_TTS_SINGLE") == "1",
             "busy_at": os.environ.get("SG_TTS_BUSY_AT", "before"),
+            "gan_critic_steps": int(os.environ.get("SG_TTS_GAN", "0") or 0),
             "storage": "local folder (file://, tmp); object-store throughput: bench_storage.py",
             "deadline_s": DEADLINE_S, "seed": seed, "load_avg_start": os.getloadavg(), "cells": [],
         }
@@ -578,8 +612,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--loop", choices=("plain", "range"), default="plain",
                     help="range: the README's `for i in hook.range(n)` loop (default: hook.resume() + own loop)")
     ap.add_argument("--single", action="store_true", help="one plain process without torch.distributed")
-    ap.add_argument("--busy-at", choices=("before", "forward"), default="before",
-                    help="the simulated compute before the loader (default) or between forward and backward")
+    ap.add_argument("--busy-at", choices=("before", "forward", "split"), default="before",
+                    help="the simulated compute before the loader (default) or between forward and backward; "
+                         "--gan: all in the discriminator's pass (before) or half there, half in the generator's "
+                         "(split)")
+    ap.add_argument("--gan", type=int, default=0, metavar="N",
+                    help="a GAN: the model is the discriminator (N steps per iteration), then a generator step "
+                         "(its own optimizer); the drill lands at a random phase of the whole iteration")
     ap.add_argument("--framework", help="lightning,hf,accelerate (comma-separated) or all: the framework owns the "
                                         "loop, 8-micro-batch gradient accumulation; SECONDS of a cell = one step")
     a = ap.parse_args(argv)
@@ -595,6 +634,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     os.environ["SG_TTS_MODEL"] = a.model
     os.environ["SG_TTS_LOOP"] = a.loop
     os.environ["SG_TTS_BUSY_AT"] = a.busy_at
+    if a.gan:
+        if a.framework or a.model != "ddp" or a.busy_at == "forward":
+            ap.error("--gan: the plain DDP model as the discriminator; --busy-at before or split")
+        os.environ["SG_TTS_GAN"] = str(a.gan)
+    elif a.busy_at == "split":
+        ap.error("--busy-at split: only with --gan")
     if a.single:
         if a.model != "ddp":
             ap.error("--single runs one process: no --model fsdp2")

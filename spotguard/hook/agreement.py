@@ -49,8 +49,10 @@ rounds with a dict of wake keys instead of the store and no collective.
 each loop boundary proves that one clock step ran in the iteration (``core.py``:
 ``_clocked_boundary``); a round saves only a proven step, else hands its notice to
 the boundary path (``_hand_over``; every rank alike: the gathered entries carry why).
+With several optimizers the boundary itself counts the iteration (after checking each
+optimizer's steps in it) and every optimizer's pre-hook is held.
 
-**At the step boundary** (framework adapters, several optimizers, explicit loops
+**At the step boundary** (framework adapters, several optimizers in an implicit loop, explicit loops
 whose optimizer steps do not map one to one onto iterations, or when the store
 cannot be reached): the flag all-reduce launched at an iteration's end and read
 at the next boundary (``dist.Agreement``); then each rank enters ``_plan``

@@ -18,8 +18,12 @@ Two ways to act on a notice:
   under ``_cv`` and snapshot RNG/loader/buffers at the post-hook; an agreement
   thread per rank decides S and writes the checkpoint; the pre-hook holds a step
   only while a round runs and until the tensors of S are copied (``_step_begin``).
-- **At the step boundary** (adapters, several optimizers, explicit loops whose
-  optimizer steps do not map one to one onto iterations,
+  Several optimizers in ``hook.range()``/``hook.step()`` loops: the boundary counts
+  the iteration and checks every optimizer stepped as often as in the first one;
+  ``_in_step`` spans the iteration's first optimizer step to its boundary, and every
+  optimizer's pre-hook holds (``_multi_step_begin``).
+- **At the step boundary** (adapters, several optimizers in an implicit loop or with
+  a GradScaler, explicit loops whose optimizer steps do not map onto iterations,
   ``SPOTGUARD_BACKGROUND_AGREEMENT=0``), below. Which one a process uses is logged
   once per loop kind (``notice_path``).
 
@@ -230,6 +234,16 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         self._baseline = self._watch.baseline()  # "did anything train?" when no optimizer step was ever seen
         self._scaler = next(iter(self._objs.scalers.values()), None)
         self._many_opts = len(self._objs.optimizers) > 1
+        # Several optimizers in an explicit loop: each one's steps since the last boundary, by its dict name (a
+        # SAM wrapper's base counts for the wrapper), and the per-iteration counts the first boundary saw.
+        self._opt_key: dict[int, str] = {}
+        for name, opt in self._objs.optimizers.items():
+            self._opt_key[id(opt)] = name
+            base = getattr(opt, "base_optimizer", None)
+            if isinstance(base, torch.optim.Optimizer):
+                self._opt_key.setdefault(id(base), name)
+        self._iter_steps: dict[str, int] = {}
+        self._step_pattern: Optional[dict[str, int]] = None
         self._bwd_since_step = False  # a backward reached the clock's parameters since the last step
         self._train_fwd_seq = 0  # training forwards (train mode, grad enabled) so far
         self._last_fwd_training = False
@@ -325,9 +339,19 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         n = len(self._objs.optimizers)
         if n == 0:
             return "no optimizer in the dict: no optimizer step shows where an iteration ends"
+        if n > 1 and self._scaler is not None:
+            return (f"{n} optimizers and a GradScaler: the scaler's update() is no iteration's end the step "
+                    "hooks can prove, so the state of an iteration's end is known only at the boundary")
+        return None
+
+    def _implicit_why(self) -> Optional[str]:
+        """Why an implicit loop (no ``hook.range()``/``hook.step()``) of this hook acts at boundaries, or None.
+        Several optimizers: only an explicit loop's boundaries prove which optimizer step ends an iteration."""
+        n = len(self._objs.optimizers)
         if n > 1:
             return (f"{n} optimizers (a GAN's D and G steps): which optimizer step ends an iteration cannot be "
-                    "proven from the step hooks, so the state of an iteration's end is known only at the boundary")
+                    "proven from the step hooks of an implicit loop, so the state of an iteration's end is known "
+                    "only at the boundary (hook.range()/hook.step() loops act at any moment)")
         return None
 
     def _log_path(self, path: str, loop: str, why: str) -> None:
@@ -613,11 +637,14 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._internal or self._explicit or self._closed or self._torn_down:
             return  # DCP's fake step() on a fresh optimizer lands here: never count it
+        if self._range_clock and self._many_opts:
+            self._multi_step_begin()
+            return
         if self._clock is None:
             self._clock = optimizer
         if optimizer is not self._clock:
             return
-        if not self._bg_on and self._bg is not None and not self._explicit_intent:
+        if not self._bg_on and self._bg is not None and not self._explicit_intent and not self._many_opts:
             self._enable_background()  # no hook.resume(): the first step is where training shows itself
         if self._bg_on and self._scaler is None:  # with a scaler, its step() wrapper is the begin
             self._step_begin()
@@ -629,6 +656,12 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             return
         self._post_seq += 1
         self._bwd_since_step = False
+        if self._many_opts:  # each optimizer's steps since the last explicit boundary (_multi_boundary_why)
+            name = self._opt_key.get(id(optimizer))
+            if name is not None:
+                self._iter_steps[name] = self._iter_steps.get(name, 0) + 1
+            if self._range_clock:
+                return  # the explicit loop's boundary ends the iteration
         if self._scaler is not None:
             return  # GradScaler.update() is the clock
         if optimizer is self._clock:
@@ -661,6 +694,12 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                 self._act(res[0], res[1], snap=None, final=False)
         self._count += 1
         self._implicit_counted = True
+        if self._many_opts and not self._explicit_intent and ("boundary", "implicit") not in self._path_logged:
+            clock = self._opt_key.get(id(self._clock))
+            if any(n > 0 for k, n in self._iter_steps.items() if k != clock):
+                # the clock steps again after another optimizer did: past the first iteration, where a
+                # hook.step() loop would have declared itself
+                self._log_path("boundary", "implicit", self._implicit_why() or "")
         self._snap = Snapshot.take(self._objs.loaders)
         level, deadline_ms = self._local_level()
         self._agree.launch(level, deadline_ms, self._periodic_flags())
@@ -701,13 +740,24 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                            "the background agreement is not available")
             self._enter_explicit()
             return
+        if self._many_opts and self._agree.pending:
+            self._agree.collect()  # a hook.step() loop's first iteration ran on the implicit (boundary) path:
+            # every rank launched this reduction; a notice it carries is still pending and is armed below
         with self._cv:
             self._confirmed = start
             self._range_clock = True
+            if self._many_opts:  # the count moves at boundaries; steps already in this iteration: inside it
+                self._count = start
+                self._in_step = bool(self._iter_steps)
         self._loop_kind = loop
         self._enable_background(clocked=True)
-        self._log_path("any-moment", loop, "one optimizer: its step hooks mark each iteration's end; every "
-                                          "boundary checks that exactly one optimizer step ran in the iteration")
+        if self._many_opts:
+            self._log_path("any-moment", loop, f"{len(self._objs.optimizers)} optimizers: each boundary ends an "
+                           "iteration and checks that every optimizer stepped as often as in the first one; "
+                           "every optimizer's step waits while a round reads the state of the last boundary")
+        else:
+            self._log_path("any-moment", loop, "one optimizer: its step hooks mark each iteration's end; every "
+                                              "boundary checks that exactly one optimizer step ran in the iteration")
 
     def _clocked_boundary(self, *, final: bool) -> None:
         """The loop's boundary on the any-moment path: prove "one clock step in this iteration", then record
@@ -717,7 +767,9 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             self._warn_unresumed()
         expected = self._confirmed + 1
         why = self._range_broken
-        if why is None and (self._count != expected or self._in_step):
+        if why is None and self._many_opts:
+            why = self._multi_boundary_why(expected)
+        elif why is None and (self._count != expected or self._in_step):
             why = (f"{self._count - self._confirmed} optimizer steps in the iteration that ended at boundary "
                    f"{expected} (gradient accumulation, a skipped or an extra optimizer.step()): optimizer steps "
                    "do not map one to one onto iterations")
@@ -727,7 +779,13 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         snap = Snapshot.take(self._objs.loaders)
         bufs = clone_buffers(self._buffers)
         self._watch.mark()  # the loop's post-step writes (AveragedModel, clipping) belong to this iteration
+        if self._many_opts and self._cuda_params:
+            self._step_event = torch.cuda.Event()
+            self._step_event.record()  # the background read waits on it: this iteration's kernels are done
         with self._cv:
+            if self._many_opts:  # the iteration ends here (``_multi_step_begin``): count it, leave "inside"
+                self._count, self._in_step = expected, False
+                self._iter_steps = {}
             self._snap, self._snap_count = snap, expected
             self._fwd_bufs, self._fwd_seq = (expected, bufs), self._post_seq
             self._confirmed = expected
@@ -742,7 +800,41 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             self._cv.notify_all()
         if give_up is not None:
             self._give_up_hold(give_up)
+        if self._many_opts and self._periodic is not None:  # the periodic vote (collected at the next step)
+            if self._agree.pending:
+                self._agree.collect()
+            self._agree.launch(LEVEL_NONE, NO_DEADLINE_MS, self._periodic_flags())
         self._exit_if_requested()
+
+    def _multi_boundary_why(self, expected: int) -> Optional[str]:
+        """Several optimizers: None when every optimizer stepped in the iteration ending at boundary
+        ``expected`` as often as in the first iteration of the loop (learned there), else why not — an
+        optimizer that did not step carries gradients into the next iteration that no checkpoint holds."""
+        steps = dict(self._iter_steps)
+        idle = [k for k in self._objs.optimizers if steps.get(k, 0) < 1]
+        if idle:
+            return (f"optimizer(s) {', '.join(idle)} did not step in the iteration that ended at boundary "
+                    f"{expected} (gradient accumulation, a skipped step): the state at that boundary is not an "
+                    "iteration's end every optimizer agrees on")
+        if self._step_pattern is None:
+            self._step_pattern = steps
+            return None
+        if steps != self._step_pattern:
+            return (f"optimizer steps {steps} in the iteration that ended at boundary {expected}, "
+                    f"{self._step_pattern} in the first: the iteration's optimizer steps are not regular")
+        return None
+
+    def _multi_step_begin(self) -> None:
+        """Several optimizers in an explicit loop: every optimizer's pre-hook. The iteration's first step
+        marks "inside the iteration" (a round joining from then on stands at the next boundary); any step
+        waits while a round holds the count (``_step_begin``), so no optimizer moves past the state a round
+        reads. The periodic vote launched at the last boundary is settled at the iteration's first step."""
+        if not self._bg_on:
+            return
+        first = not self._in_step
+        self._step_begin()
+        if first and self._agree.pending:
+            self._boundary()
 
     def _break_clock(self, why: str) -> None:
         """(under ``_cv``) The mapping iteration -> optimizer step is disproven: a round waiting for a step
@@ -758,6 +850,8 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         here) or hands its notice over (it stays pending, and the boundary reduction carries it)."""
         with self._cv:
             self._break_clock(why)
+            if self._many_opts:
+                self._in_step = False  # the boundary path counts from here (its steps are not watched)
         self._log_path("boundary", getattr(self, "_loop_kind", "hook.range()"), why)
         bg = self._bg
         if bg is not None and bg.busy.is_set():
@@ -779,6 +873,8 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         if self._bg is None or not self._bg.ok or self._explicit or self._bg_on or \
                 (self._explicit_intent and not clocked):
             return
+        if not clocked and self._implicit_why() is not None:
+            return  # said in the second iteration (a hook.step() loop declares itself at the first's end)
         self._bg_on = True
         if not clocked:
             self._log_path("any-moment", "implicit", "one optimizer: its step hooks mark each iteration's end")

@@ -118,6 +118,12 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             phases=("load", "fwd", "bwd", "step", "after")),
     Pattern("gan", "gan.py", what="two optimizers: D step, then G step",
             phases=("load", "fwd", "d_step", "g_step", "after")),
+    # issue 23: two optimizers on the any-moment path (hook.range's boundaries prove each iteration's steps)
+    Pattern("gan_range", "gan.py", env=(("EXO_LOOP", "range"),),
+            what="two optimizers in hook.range: D step, then G step", phases=("load", "fwd", "d_step", "g_step", "after")),
+    Pattern("gan_ncritic", "gan.py", env=(("EXO_LOOP", "range"), ("EXO_NCRITIC", "3")),
+            what="WGAN-style n_critic in hook.range: D 3 times (own batches), then G once",
+            phases=("load", "fwd", "d_step", "g_step", "after")),
     Pattern("sam", "sam.py", what="SAM: first_step / second_step, SAM.step() never called",
             phases=("load", "fwd", "first", "second", "after")),
     Pattern("readme", "readme.py", what="the README's script as a new user writes it (dropout, AdamW, "

@@ -64,9 +64,14 @@ def main() -> int:
     p.add_argument("--storage", default=None)
     p.add_argument("--out", default=None)
     p.add_argument("--no-hook", action="store_true")
+    p.add_argument("--gan", type=int, default=0,
+                   help="N > 0: a GAN instead (optimizers opt_d, opt_g): N discriminator steps, then one "
+                        "generator step per iteration; the slow part and the notice come in the first "
+                        "discriminator pass, before any optimizer step of the iteration")
     p.add_argument("--double-at", type=int, default=-1,
                    help="iteration ITER steps the optimizer twice (a second backward/step after the first), "
-                        "with --notice-at ITER: the notice comes between the two steps")
+                        "with --notice-at ITER: the notice comes between the two steps (--gan: a second "
+                        "generator step)")
     a = p.parse_args()
 
     rank = 0
@@ -84,7 +89,14 @@ def main() -> int:
     torch.manual_seed(10 + rank)
     np.random.seed(10 + rank)
     random.seed(10 + rank)
-    state = {"model": model, "optimizer": opt, "scheduler": sched, "loader": loader}
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "scheduler": sched, "loader": loader}
+    if a.gan:  # the generator and both optimizers (the discriminator is the model above)
+        torch.manual_seed(1)
+        gnet = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+        gmodel: Any = gnet if a.single else torch.nn.parallel.DistributedDataParallel(gnet)
+        opt_g = torch.optim.Adam(gmodel.parameters(), lr=2e-3, betas=(0.5, 0.999))
+        state = {"model": model, "gen": gmodel, "opt_d": opt, "opt_g": opt_g, "scheduler": sched, "loader": loader}
+        torch.manual_seed(10 + rank)
     hook = None
     if not a.no_hook:
         from spotguard import install_preemption_hook  # noqa: PLC0415
@@ -102,7 +114,38 @@ def main() -> int:
         hook.notify(Notice(id=f"drill-{i}-{os.getpid()}", source="drill", kind="preemption",
                            deadline=now + timedelta(seconds=a.deadline), received_at=now))
 
+    def gan_iteration(i: int) -> None:
+        """D ``--gan`` times (real vs. generated), then G once; the slow part in D's first pass."""
+        bce = torch.nn.BCEWithLogitsLoss()
+        for c in range(a.gan):
+            x, _ = next(loader)
+            x = x + 0.01 * float(np.random.randn())
+            fake = gmodel(torch.randn(8, 16))
+            real_out = model(x)
+            if c == 0:
+                notify(i)
+                if i >= a.slow_from:
+                    time.sleep(a.iter_s)  # the workload: a long forward/backward (not a synchronisation)
+            loss_d = bce(real_out, torch.ones(8, 1)) + bce(model(fake.detach()), torch.zeros(8, 1))
+            opt.zero_grad(set_to_none=True)
+            loss_d.backward()
+            opt.step()
+        loss_g = bce(model(gmodel(torch.randn(8, 16))), torch.ones(8, 1))
+        opt_g.zero_grad(set_to_none=True)
+        loss_g.backward()
+        opt_g.step()
+        if i == a.double_at:  # an irregular iteration: a second generator step
+            opt_g.zero_grad(set_to_none=True)
+            bce(model(gmodel(torch.randn(8, 16))), torch.ones(8, 1)).backward()
+            opt_g.step()
+        sched.step()
+        if rank == 0:
+            print(json.dumps({"step": i, "loss": float(loss_d), "t": time.time()}), flush=True)
+
     def iteration(i: int) -> None:
+        if a.gan:
+            gan_iteration(i)
+            return
         x, y = next(loader)
         x = x + 0.01 * float(np.random.randn())
         out = model(x)
@@ -139,7 +182,11 @@ def main() -> int:
             if a.loop == "step":
                 hook.step()
     if a.out and rank == 0:
-        torch.save({"model": {k: v.clone() for k, v in net.state_dict().items()}, "optimizer": opt.state_dict(),
+        if a.gan:
+            extra = {"gen": {k: v.clone() for k, v in gnet.state_dict().items()}, "opt_g": opt_g.state_dict()}
+        else:
+            extra = {}
+        torch.save({**extra, "model": {k: v.clone() for k, v in net.state_dict().items()}, "optimizer": opt.state_dict(),
                     "scheduler": sched.state_dict(), "loader": loader.state_dict(),
                     "rng": torch.get_rng_state()}, a.out)
     if not a.single:

@@ -151,3 +151,54 @@ def test_round_for_a_step_no_boundary_proved_hands_its_notice_to_the_boundary_pa
     assert [(e["path"], e["loop"]) for e in run.events("notice_path")] == [("any-moment", "hook.range()"),
                                                                           ("boundary", "hook.range()")]
     resumed_equals(tmp_path, True, "range", store, 5, ref, extra)
+
+
+GAN_ITER = 3.0  # seconds of the slow discriminator pass (each iteration's own length is a little more)
+
+
+@pytest.mark.parametrize("single,critic,loop", [(True, 1, "range"), (False, 3, "step")],
+                         ids=["single-process-gan-hook-range", "two-ranks-wgan-ncritic-3-hook-step"])
+def test_gan_commits_mid_iteration(tmp_path: Path, single: bool, critic: int, loop: str) -> None:
+    """Two optimizers in ``hook.range``/``hook.step()`` (a GAN: D ``critic`` times, then G): the notice lands
+    during iteration 3's slow discriminator pass, before any optimizer step of that iteration. The boundaries
+    prove each iteration's steps, so the round saves step 3 at once while that iteration goes on (on main: the
+    boundary path, one iteration later, past the deadline); the resumed run ends bitwise where the
+    uninterrupted one does. ``hook.step()``'s first iteration runs before the loop declares itself (on the
+    implicit boundary path, whose flag reduction the first ``hook.step()`` settles on every rank)."""
+    ranks = {0} if single else {0, 1}
+    extra = ["--gan", str(critic)]
+    ref = reference(tmp_path, single, extra)
+    store = tmp_path / "ckpt"
+    run = launch(tmp_path, "preempted", single, ["--loop", loop, "--storage", str(store), "--iter-s",
+                                                str(GAN_ITER), "--slow-from", "2", "--notice-at", "3",
+                                                "--notice-rank", "0" if single else "1", "--deadline", "4", *extra])
+    assert run.wait(120) == 143 if single else run.wait(120) != 0, run.tail()
+    any_moment(run, ranks, f"hook.{loop}()")
+    [sent] = [e for e in run.lines() if "notice_sent" in e]
+    agreed = run.events("agreed")
+    assert {e["step"] for e in agreed} == {3} and all(e.get("via") == "background" for e in agreed), agreed
+    committed = run.events("checkpoint_committed")
+    assert {e["rank"] for e in committed} == ranks and {e["step"] for e in committed} == {3}, committed
+    assert max(e["seconds_since_notice"] for e in committed) < GAN_ITER / 2, committed
+    exits = run.events("exit")
+    assert {e["rank"]: (e["code"], e["step"], e["committed"]) for e in exits} == {r: (143, 3, True) for r in ranks}
+    ends = [e["t"] for e in run.lines() if e.get("step") == 3 and "loss" in e]
+    assert not ends or all(sent["t"] + GAN_ITER / 2 < t for t in ends), (sent, ends)
+    resumed_equals(tmp_path, single, loop, store, 3, ref, extra)
+
+
+def test_gan_hook_range_with_an_irregular_iteration_goes_back_to_the_boundary_path(tmp_path: Path) -> None:
+    """Iteration 3 steps the generator twice: the boundary after it finds other optimizer steps than the first
+    iteration's, so the loop leaves the any-moment path there, says why once (``notice_path``), and the
+    notice of iteration 4 is acted on at a boundary (not by a background round)."""
+    store = tmp_path / "ckpt"
+    run = launch(tmp_path, "irregular", True, ["--loop", "range", "--gan", "1", "--double-at", "3", "--storage",
+                                               str(store), "--notice-at", "4", "--deadline", "30"])
+    assert run.wait(120) == 143, run.tail()
+    paths = [(e["path"], e["loop"]) for e in run.events("notice_path")]
+    assert paths == [("any-moment", "hook.range()"), ("boundary", "hook.range()")], paths
+    [why] = [e["why"] for e in run.events("notice_path") if e["path"] == "boundary"]
+    assert "not regular" in why and "'opt_g': 2" in why, why
+    [agreed] = run.events("agreed")
+    assert agreed.get("via") != "background", agreed
+    assert [e["step"] for e in run.events("checkpoint_committed")] == [agreed["step"]]

@@ -1,7 +1,8 @@
 """Which path a loop takes (issue 23), in one process and without notices: ``hook.range()``/``hook.step()``
 loops stay on the any-moment path while each boundary proves one optimizer step per iteration, leave it
 once (``notice_path`` warning with why) when one does not, and count iterations either way; several
-optimizers say why they keep the boundary path. The timing and exactness of a notice on these paths are
+optimizers stay on it while every boundary finds the first iteration's optimizer steps, and say why an implicit
+loop of theirs keeps the boundary path. The timing and exactness of a notice on these paths are
 ``test_anymoment_loops.py``'s (subprocesses: the any-moment path ends the process it runs in).
 """
 
@@ -102,12 +103,58 @@ def test_hook_step_counts_iterations_on_the_clock(hook_of: Any) -> None:
     assert _paths(logs) == [("any-moment", "implicit"), ("any-moment", "hook.step()")]
 
 
-def test_several_optimizers_say_why_they_keep_the_boundary_path(hook_of: Any) -> None:
+def test_several_optimizers_in_range_stay_any_moment(hook_of: Any) -> None:
+    """Two optimizers in ``hook.range``: the boundary ends each iteration and finds both stepped once."""
     s = _state(n_opts=2)
     with structlog.testing.capture_logs() as logs:
         h = hook_of(s)
-        for _ in h.range(3):
+        for _ in h.range(4):
             _iteration(s, step=True)
-    assert _paths(logs) == [("boundary", "any"), ("boundary", "hook.range()")]
+    assert _paths(logs) == [("any-moment", "hook.range()")]
+    assert h._range_clock and h._bg_on and h.iteration == 4 and h._confirmed == 4 and not h._in_step
+    assert h._step_pattern == {"opt0": 1, "opt1": 1} and h._range_small[0] == 4
+
+
+def test_several_optimizers_leave_the_clock_at_an_irregular_iteration(hook_of: Any) -> None:
+    s = _state(n_opts=2)
+    with structlog.testing.capture_logs() as logs:
+        h = hook_of(s)
+        for i in h.range(5):
+            _iteration(s, step=True)
+            if i == 2:  # a second step of one optimizer in iteration 2
+                s["model"](torch.randn(6, 4)).square().mean().backward()
+                s["opt1"].step()
+    assert _paths(logs) == [("any-moment", "hook.range()"), ("boundary", "hook.range()")]
+    [line] = [e for e in logs if e["event"] == events.NOTICE_PATH and e["path"] == "boundary"]
+    assert "not regular" in line["why"] and "'opt1': 2" in line["why"], line
+    assert not h._range_clock and h.iteration == 5
+
+
+def test_several_optimizers_with_hook_step_stay_any_moment(hook_of: Any) -> None:
+    """``hook.step()``: the first iteration runs before the loop declares itself; its steps still count (WGAN's
+    n_critic: the first optimizer steps twice per iteration — no "implicit" line for those repeated steps)."""
+    s = _state(n_opts=2)
+    with structlog.testing.capture_logs() as logs:
+        h = hook_of(s)
+        assert h.resume() == 0
+        got = []
+        for _ in range(3):
+            s["model"](torch.randn(6, 4)).square().mean().backward()
+            s["opt0"].step()
+            s["opt0"].zero_grad()
+            _iteration(s, step=True)
+            got.append(h.step())
+    assert got == [1, 2, 3] and h._range_clock and h._bg_on and h._step_pattern == {"opt0": 2, "opt1": 1}
+    assert _paths(logs) == [("any-moment", "hook.step()")]
+
+
+def test_several_optimizers_in_an_implicit_loop_say_why_they_keep_the_boundary_path(hook_of: Any) -> None:
+    s = _state(n_opts=2)
+    with structlog.testing.capture_logs() as logs:
+        h = hook_of(s)
+        assert h.resume() == 0
+        for _ in range(3):
+            _iteration(s, step=True)
+    assert _paths(logs) == [("boundary", "implicit")]
     assert "2 optimizers" in [e for e in logs if e["event"] == events.NOTICE_PATH][0]["why"]
-    assert h._bg is None and h.iteration == 3
+    assert not h._bg_on and h.iteration == 3
