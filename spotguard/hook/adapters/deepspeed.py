@@ -68,6 +68,7 @@ from ..core import Hook
 from ..state import capture_rng, pack, restore_rng, unpack
 from ._base import FrameworkHook
 from ._files import staging_dir
+from .deepspeed_anymoment import AnyMomentMixin
 
 __all__ = ["DeepSpeedHook", "DeepSpeedWorldSizeChanged", "SpotguardCheckpointEngine", "check_world", "install",
            "refuse_other_world", "swapped"]
@@ -267,7 +268,7 @@ class SpotguardCheckpointEngine(CheckpointEngine):
         return True  # spotguard's commit record, written by rank 0 after every rank's bytes are durable
 
 
-class DeepSpeedHook(FrameworkHook):
+class DeepSpeedHook(AnyMomentMixin, FrameworkHook):
     framework = "deepspeed"
     _read_at_boundary = True  # the agreement is read at the engine.step() that launched it (FrameworkHook._read_now)
 
@@ -294,13 +295,18 @@ class DeepSpeedHook(FrameworkHook):
         self._stepped: set[int] = set()  # those of _outside stepped since the last engine.step()
         self._after_sched: Optional[tuple[int, dict[str, Any]]] = None  # (step, RNG at engine.step()) to act on
         self._rng_at: Optional[dict[str, Any]] = None
+        self._ds_any = False  # the any-moment path (deepspeed_anymoment.py); set when the core arms
+        self._ds_small = None  # (step, RNG, add_state objects, buffers, error) at the last engine.step()'s end
+        self._ds_buffers: list[str] = list(engine._get_buffer_names())
         self._arm({})
+        self._ds_announce()
         self._wrap_step()
         self._log.info("deepspeed_installed", zero_stage=int(engine.zero_optimization_stage()),
                        offload_optimizer=bool(engine.zero_offload_optimizer()) if hasattr(
                            engine, "zero_offload_optimizer") else None,
                        gradient_accumulation_steps=int(engine.gradient_accumulation_steps()),
-                       acts_at="the engine's accumulation boundary (engine.step() advancing global_steps)",
+                       acts_at="any moment (the last completed engine.step())" if self._ds_any else
+                       "the engine's accumulation boundary (engine.step() advancing global_steps)",
                        elastic="refused: a ZeRO checkpoint resumes only on the world size that wrote it "
                                f"({self._world})")
 
@@ -345,6 +351,8 @@ class DeepSpeedHook(FrameworkHook):
         engine, orig, hook = self.engine, self.engine.step, self
 
         def step(*args: Any, **kwargs: Any) -> Any:
+            if hook._ds_any and not (hook._closed or hook._internal or hook._torn_down):
+                return hook._ds_step(orig, args, kwargs)
             out = orig(*args, **kwargs)
             if not (hook._closed or hook._internal):
                 if hook._outside:
@@ -370,6 +378,8 @@ class DeepSpeedHook(FrameworkHook):
     def _follow(self, sched: Any) -> None:
         if any(s is sched for s in self._outside):
             return
+        self._ds_leave("a scheduler the loop steps after engine.step() (follow_schedulers, add_state): the step's "
+                       "end is where the last of them stepped")
         self._outside.append(sched)
         self._handles.append(_Followed(sched, self._sched_stepped))
         if len(self._outside) == 1:
