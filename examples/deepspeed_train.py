@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--storage", default=None)
     p.add_argument("--every", default=None, help="periodic checkpoints, e.g. 15m (default: none)")
     p.add_argument("--step-time", type=float, default=0.0)
+    p.add_argument("--backward-time", type=float, default=0.0, help="seconds each backward takes (a slow iteration)")
     p.add_argument("--out", default=None, help="rank 0 writes the final model state here")
     p.add_argument("--no-hook", action="store_true", help="uninterrupted reference run without spotguard")
     p.add_argument("--seed", type=int, default=1234)
@@ -91,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         for _micro in range(args.grad_accum):
             x, y = next(data)
             noise = 1.0 + 0.01 * (random.random() + float(np.random.rand()))  # python + numpy RNG in the math
-            loss = F.mse_loss(engine(x) * noise, y)
+            out = engine(x)
+            if args.backward_time > 0:  # the first thing the backward runs: the whole iteration is slow there
+                out.register_hook(lambda g: (time.sleep(args.backward_time), g)[1])
+            loss = F.mse_loss(out * noise, y)
             engine.backward(loss)
             engine.step()
             if rank == 0:

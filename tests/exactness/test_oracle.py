@@ -103,14 +103,18 @@ CASES: dict[str, tuple[str, ...]] = {
     # issue 22: a loop that skips optimizer.step() on a non-finite gradient norm, under hook.range() (the fix the
     # optimizer_step_skipped warning names): the notice after the skip at iteration 4, exact at the boundary path
     "nanskip-range-notice-after-a-skipped-step": ("nanskip_range", "phase:bwd@5"),
-    # issue 29: DeepSpeed ZeRO-2, the notice in a backward: agreed at the next engine.step() that advances
-    # global_steps, DeepSpeed's checkpoint of that step streamed and committed, resumed exact on both ranks
+    # issue 29: DeepSpeed ZeRO-2, the notice in a backward: the any-moment path agrees the last completed
+    # engine.step() in the background and streams DeepSpeed's files of it while the backward goes on (the next
+    # engine.step() held), committed, resumed exact on both ranks
     "deepspeed-zero2-notice-in-backward": ("deepspeed_zero2", "phase:bwd@4"),
 }
 # Longer cases kept out of `make test`'s time (EXO_MORE=1 adds them; `make exactness` draws these moments too).
 MORE_CASES: dict[str, tuple[str, ...]] = {
     "periodic-upload-in-flight-finished": ("ddp_every", "phase:periodic_mid@2"),
     "maintenance-hf-trainer-backward": ("hf_trainer", "phase:bwd@4", "maintenance"),
+    # issue 29: ZeRO-3 on the any-moment path, the notice before a forward (which gathers the partitioned
+    # parameters): the model file holds DeepSpeed's placeholders, never what a forward in flight gathered
+    "deepspeed-zero3-notice-in-forward": ("deepspeed_zero3", "phase:fwd@4"),
 }
 if os.environ.get("EXO_MORE", "") == "1":
     CASES.update(MORE_CASES)

@@ -7,17 +7,24 @@ Install after ``deepspeed.initialize(...)``, on every rank::
     start = hook.resume()          # engine.load_checkpoint(<newest committed>) -> engine.global_steps, 0 if none
 
 The user's loop (``loss = engine(x)``, ``engine.backward(loss)``, ``engine.step()``)
-stays as it is. Why the engine's ``step()`` is the boundary: DeepSpeed owns the
-optimizer step (ZeRO's partitioned update, the all-gather of the updated
-parameters, the scheduler) and its step counter, ``engine.global_steps``,
-which advances only at a gradient-accumulation boundary. So after every
-``engine.step()`` that advanced ``global_steps`` the hook launches the agreement and
-reads it at once (``_framework_boundary``: not at the next step, as the other framework
-adapters do); an agreed notice is written right there: model, ZeRO-partitioned optimizer and
-scheduler are exactly those of step S, and the RNG, the stateful objects given
-to ``hook.add_state`` and the engine's counters are those of the end of S.
+stays as it is. DeepSpeed owns the optimizer step (ZeRO's partitioned update, the
+all-gather of the updated parameters, the scheduler) and its step counter,
+``engine.global_steps``, which advances only at a gradient-accumulation boundary.
 
-Gradient accumulation: a notice is acted on at the next accumulation
+Two ways to act on a notice (which one: the ``notice_path`` log line, once):
+
+- **At any moment** (ZeRO-2/3 without offload or gradient accumulation:
+  ``deepspeed_anymoment.py``): the agreement runs on a background thread and writes
+  the last completed ``engine.step()`` while the forward/backward in flight goes on;
+  the next ``engine.step()`` is held until that step is written.
+- **At the step boundary** (every other configuration): after every ``engine.step()`` that advanced
+  ``global_steps`` the hook launches the agreement and reads it at once
+  (``_framework_boundary``: not at the next step, as the other framework adapters do);
+  an agreed notice is written right there: model, ZeRO-partitioned optimizer and
+  scheduler are exactly those of step S, and the RNG, the stateful objects given to
+  ``hook.add_state`` and the engine's counters are those of the end of S.
+
+Gradient accumulation (boundary path): a notice is acted on at the next accumulation
 boundary, never between micro-batches. Why: ZeRO keeps the partly reduced
 gradients of the micro-batches since S in its own buffers (``ipg`` buckets,
 ``averaged_gradients``), which ``save_checkpoint`` does not write, and
@@ -25,7 +32,8 @@ DeepSpeed has no public way to put them back: at the boundary is the only
 point where its checkpoint is exact. The deadline estimate counts a whole
 accumulation as one iteration.
 
-How the bytes go: ``engine.save_checkpoint`` runs with a spotguard
+How the bytes go (boundary path; the any-moment path writes the same files from the engine's state-dict
+functions): ``engine.save_checkpoint`` runs with a spotguard
 ``CheckpointEngine`` (DeepSpeed's pluggable writer) for the duration of the save.
 Each file DeepSpeed ``torch.save``s (``mp_rank_00_model_states.pt`` on rank 0,
 every rank's ``*zero_pp_rank_<r>_*`` files) is streamed into ``<storage>/step-N/``
@@ -68,6 +76,7 @@ from ..core import Hook
 from ..state import capture_rng, pack, restore_rng, unpack
 from ._base import FrameworkHook
 from ._files import staging_dir
+from .deepspeed_anymoment import AnyMomentMixin
 
 __all__ = ["DeepSpeedHook", "DeepSpeedWorldSizeChanged", "SpotguardCheckpointEngine", "check_world", "install",
            "refuse_other_world", "swapped"]
@@ -267,7 +276,7 @@ class SpotguardCheckpointEngine(CheckpointEngine):
         return True  # spotguard's commit record, written by rank 0 after every rank's bytes are durable
 
 
-class DeepSpeedHook(FrameworkHook):
+class DeepSpeedHook(AnyMomentMixin, FrameworkHook):
     framework = "deepspeed"
     _read_at_boundary = True  # the agreement is read at the engine.step() that launched it (FrameworkHook._read_now)
 
@@ -294,13 +303,18 @@ class DeepSpeedHook(FrameworkHook):
         self._stepped: set[int] = set()  # those of _outside stepped since the last engine.step()
         self._after_sched: Optional[tuple[int, dict[str, Any]]] = None  # (step, RNG at engine.step()) to act on
         self._rng_at: Optional[dict[str, Any]] = None
+        self._ds_any = False  # the any-moment path (deepspeed_anymoment.py); set when the core arms
+        self._ds_small = None  # (step, RNG, add_state objects, buffers, error) at the last engine.step()'s end
+        self._ds_buffers: list[str] = list(engine._get_buffer_names())
         self._arm({})
+        self._ds_announce()
         self._wrap_step()
         self._log.info("deepspeed_installed", zero_stage=int(engine.zero_optimization_stage()),
                        offload_optimizer=bool(engine.zero_offload_optimizer()) if hasattr(
                            engine, "zero_offload_optimizer") else None,
                        gradient_accumulation_steps=int(engine.gradient_accumulation_steps()),
-                       acts_at="the engine's accumulation boundary (engine.step() advancing global_steps)",
+                       acts_at="any moment (the last completed engine.step())" if self._ds_any else
+                       "the engine's accumulation boundary (engine.step() advancing global_steps)",
                        elastic="refused: a ZeRO checkpoint resumes only on the world size that wrote it "
                                f"({self._world})")
 
@@ -345,6 +359,8 @@ class DeepSpeedHook(FrameworkHook):
         engine, orig, hook = self.engine, self.engine.step, self
 
         def step(*args: Any, **kwargs: Any) -> Any:
+            if hook._ds_any and not (hook._closed or hook._internal or hook._torn_down):
+                return hook._ds_step(orig, args, kwargs)
             out = orig(*args, **kwargs)
             if not (hook._closed or hook._internal):
                 if hook._outside:
@@ -370,6 +386,8 @@ class DeepSpeedHook(FrameworkHook):
     def _follow(self, sched: Any) -> None:
         if any(s is sched for s in self._outside):
             return
+        self._ds_leave("a scheduler the loop steps after engine.step() (follow_schedulers, add_state): the step's "
+                       "end is where the last of them stepped")
         self._outside.append(sched)
         self._handles.append(_Followed(sched, self._sched_stepped))
         if len(self._outside) == 1:

@@ -34,7 +34,7 @@ from spotguard.storage import open_storage  # noqa: E402
 from spotguard.storage.commit import scan  # noqa: E402
 
 from .._daemons import drill, wait_subscribed  # noqa: E402
-from ._jobs import Job, Reference, committed, preempt_and_resume, read_log, resume_and_compare  # noqa: E402
+from ._jobs import Job, Reference, assert_agreed_exit, committed, preempt_and_resume, read_log, resume_and_compare  # noqa: E402, E501
 
 SCRIPT = "deepspeed_train.py"
 STEPS = 30
@@ -150,3 +150,34 @@ def test_hf_trainer_deepspeed_config_sigterm_to_rank1_resumes_bitwise(tmp_path_f
     step = int(folder.name.split("-")[1])
     names = {p.relative_to(folder).as_posix() for p in folder.rglob("*.pt")}
     assert {f"global_step{step}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= names, names
+
+
+@pytest.mark.parametrize("zero", ["2", "3"])
+def test_notice_mid_backward_commits_before_the_step_ends_and_resumes_bitwise(tmp_path: Path, zero: str) -> None:
+    """The any-moment path (issue 29's performance part): a notice 3 s before the engine's next step (its backward
+    sleeps 3 s) is agreed and written in the background, for the step completed before it, while the backward
+    goes on — committed well before the step in flight ends (the boundary path waited for that step: ~3 s, and
+    saved the step after). The resume from it (DeepSpeed's own load_checkpoint) is bitwise."""
+    import signal
+
+    steps = 8
+    ref = Reference(SCRIPT, tmp_path, steps, ("--zero", zero))  # beside the preempted job
+    try:
+        store = tmp_path / "ckpt"
+        run = Job(SCRIPT, tmp_path / "preempted.log",
+                  ["--zero", zero, "--steps", str(steps), "--backward-time", "3", "--storage", str(store)])
+        try:
+            run.wait_step(1, 120)  # step 1 printed: iteration 2's 3 s backward is running
+            run.signal_rank(1, signal.SIGUSR1)
+            assert run.wait(90) != 0
+        finally:
+            run.kill()
+        paths = {e["rank"]: e["path"] for e in run.events("notice_path")}
+        assert paths == {0: "any-moment", 1: "any-moment"}, run.tail()
+        stop = assert_agreed_exit(run)
+        assert stop == 2, (stop, run.tail())  # engine steps completed when the notice came (steps 0 and 1)
+        took = [e["seconds_since_notice"] for e in run.events("checkpoint_committed")]
+        assert len(took) == 2 and max(took) < 1.5, took  # the backward in flight had ~3 s left
+        resume_and_compare(SCRIPT, tmp_path, ref, steps, stop, ("--zero", zero))
+    finally:
+        ref.run.kill()
