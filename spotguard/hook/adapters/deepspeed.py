@@ -278,6 +278,7 @@ class SpotguardCheckpointEngine(CheckpointEngine):
 
 class DeepSpeedHook(AnyMomentMixin, FrameworkHook):
     framework = "deepspeed"
+    _checkpoint_engine = SpotguardCheckpointEngine  # the any-moment writer's (deepspeed_anymoment.py)
     _read_at_boundary = True  # the agreement is read at the engine.step() that launched it (FrameworkHook._read_now)
 
     # The loop is the user's: the plain hook's resume applies (FrameworkHook forbids it).

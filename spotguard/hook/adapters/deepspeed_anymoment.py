@@ -94,6 +94,9 @@ class AnyMomentMixin:
 
     engine: Any
     _ds_any: bool
+    # DeepSpeed's file writer pointed at a spotguard folder (deepspeed.SpotguardCheckpointEngine, set by the class
+    # this mixes into: that module imports this one, so no import back)
+    _checkpoint_engine: Callable[..., Any]
     _ds_small: Optional[tuple[int, dict[str, Any], dict[str, Any], dict[str, torch.Tensor], Optional[str]]]
 
     # ------------------------------------------------------------------ the path
@@ -254,13 +257,11 @@ class AnyMomentMixin:
         collective; then its spotguard file (RNG and ``add_state`` objects at S's end)."""
         from deepspeed.git_version_info import version  # noqa: PLC0415 - deepspeed is this adapter's import
 
-        from .deepspeed import SpotguardCheckpointEngine  # noqa: PLC0415 - that module imports this one
-
         step, rng, states, bufs, err = small
         if err is not None:
             raise RuntimeError(err)
         engine = self.engine
-        ce = SpotguardCheckpointEngine(self._storage, key, os.path.join(_ROOT, _TAG))
+        ce = self._checkpoint_engine(self._storage, key, os.path.join(_ROOT, _TAG))
         if engine.save_non_zero_checkpoint:
             module = self._ds_module_state(bufs)
             state = engine._common_checkpoint_state(module, engine.zero_optimization(),
