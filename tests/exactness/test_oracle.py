@@ -108,6 +108,9 @@ CASES: dict[str, tuple[str, ...]] = {
 MORE_CASES: dict[str, tuple[str, ...]] = {
     "periodic-upload-in-flight-finished": ("ddp_every", "phase:periodic_mid@2"),
     "maintenance-hf-trainer-backward": ("hf_trainer", "phase:bwd@4", "maintenance"),
+    # review of issue 29: a rebalance whose DeepSpeed write outlasts its window (the any-moment path held the
+    # step through the whole write, the hold ran out: exit 75 on an ordinary notice)
+    "deepspeed-rebalance-write-longer-than-window": ("deepspeed_zero2_slow", "phase:bwd@4", "rebalance"),
 }
 if os.environ.get("EXO_MORE", "") == "1":
     CASES.update(MORE_CASES)
