@@ -100,8 +100,9 @@ CASES: dict[str, tuple[str, ...]] = {
     # a momentum encoder updated in place inside the forward: the watch saw the write, and the fallback read
     # at the next optimizer.step() took it in — now the checkpoint stands for the end of the next iteration
     "moco-momentum-encoder-written-in-forward": ("moco", "phase:bwd@4"),
-    # issue 29: DeepSpeed ZeRO-2, the notice in a backward: agreed at the next engine.step() that advances
-    # global_steps, DeepSpeed's checkpoint of that step streamed and committed, resumed exact on both ranks
+    # issue 29: DeepSpeed ZeRO-2, the notice in a backward: the any-moment path agrees the last completed
+    # engine.step() in the background and streams DeepSpeed's files of it while the backward goes on (the next
+    # engine.step() held), committed, resumed exact on both ranks
     "deepspeed-zero2-notice-in-backward": ("deepspeed_zero2", "phase:bwd@4"),
 }
 # Longer cases kept out of `make test`'s time (EXO_MORE=1 adds them; `make exactness` draws these moments too).
@@ -111,6 +112,9 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     # review of issue 29: a rebalance whose DeepSpeed write outlasts its window (the any-moment path held the
     # step through the whole write, the hold ran out: exit 75 on an ordinary notice)
     "deepspeed-rebalance-write-longer-than-window": ("deepspeed_zero2_slow", "phase:bwd@4", "rebalance"),
+    # issue 29: ZeRO-3 on the any-moment path, the notice before a forward (which gathers the partitioned
+    # parameters): the model file holds DeepSpeed's placeholders, never what a forward in flight gathered
+    "deepspeed-zero3-notice-in-forward": ("deepspeed_zero3", "phase:fwd@4"),
 }
 if os.environ.get("EXO_MORE", "") == "1":
     CASES.update(MORE_CASES)

@@ -7,17 +7,24 @@ Install after ``deepspeed.initialize(...)``, on every rank::
     start = hook.resume()          # engine.load_checkpoint(<newest committed>) -> engine.global_steps, 0 if none
 
 The user's loop (``loss = engine(x)``, ``engine.backward(loss)``, ``engine.step()``)
-stays as it is. Why the engine's ``step()`` is the boundary: DeepSpeed owns the
-optimizer step (ZeRO's partitioned update, the all-gather of the updated
-parameters, the scheduler) and its step counter, ``engine.global_steps``,
-which advances only at a gradient-accumulation boundary. So after every
-``engine.step()`` that advanced ``global_steps`` the hook launches the agreement and
-reads it at once (``_framework_boundary``: not at the next step, as the other framework
-adapters do); an agreed notice is written right there: model, ZeRO-partitioned optimizer and
-scheduler are exactly those of step S, and the RNG, the stateful objects given
-to ``hook.add_state`` and the engine's counters are those of the end of S.
+stays as it is. DeepSpeed owns the optimizer step (ZeRO's partitioned update, the
+all-gather of the updated parameters, the scheduler) and its step counter,
+``engine.global_steps``, which advances only at a gradient-accumulation boundary.
 
-Gradient accumulation: a notice is acted on at the next accumulation
+Two ways to act on a notice (which one: the ``notice_path`` log line, once):
+
+- **At any moment** (ZeRO-2/3 without offload or gradient accumulation:
+  ``deepspeed_anymoment.py``): the agreement runs on a background thread and writes
+  the last completed ``engine.step()`` while the forward/backward in flight goes on;
+  the next ``engine.step()`` is held until that step is written.
+- **At the step boundary** (every other configuration): after every ``engine.step()`` that advanced
+  ``global_steps`` the hook launches the agreement and reads it at once
+  (``_framework_boundary``: not at the next step, as the other framework adapters do);
+  an agreed notice is written right there: model, ZeRO-partitioned optimizer and
+  scheduler are exactly those of step S, and the RNG, the stateful objects given to
+  ``hook.add_state`` and the engine's counters are those of the end of S.
+
+Gradient accumulation (boundary path): a notice is acted on at the next accumulation
 boundary, never between micro-batches. Why: ZeRO keeps the partly reduced
 gradients of the micro-batches since S in its own buffers (``ipg`` buckets,
 ``averaged_gradients``), which ``save_checkpoint`` does not write, and
@@ -25,7 +32,8 @@ DeepSpeed has no public way to put them back: at the boundary is the only
 point where its checkpoint is exact. The deadline estimate counts a whole
 accumulation as one iteration.
 
-How the bytes go: ``engine.save_checkpoint`` runs with a spotguard
+How the bytes go (boundary path; the any-moment path writes the same files from the engine's state-dict
+functions): ``engine.save_checkpoint`` runs with a spotguard
 ``CheckpointEngine`` (DeepSpeed's pluggable writer) for the duration of the save.
 Each file DeepSpeed ``torch.save``s (``mp_rank_00_model_states.pt`` on rank 0,
 every rank's ``*zero_pp_rank_<r>_*`` files) is streamed into ``<storage>/step-N/``

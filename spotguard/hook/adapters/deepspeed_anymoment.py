@@ -109,6 +109,7 @@ class AnyMomentMixin:
         if self._ds_any and self._bg is not None and self._bg.ok:
             self._log_path("any-moment", "deepspeed", "the engine's partitions change only inside engine.step(): "
                                                       "the step after S is held until they are written")
+            self._handles.append(self.engine.register_forward_pre_hook(lambda *_: self._ds_forward_hold()))
         elif self._ds_any:
             self._ds_leave("the background agreement is not available")
 
@@ -157,6 +158,22 @@ class AnyMomentMixin:
         self._ds_step_end()
         return out
 
+    def _ds_forward_hold(self) -> None:
+        """The engine's forward, while an emergency's save runs: wait there (bounded), then leave with its outcome.
+
+        Why: the iterations after S are thrown away anyway, and a forward/backward started now would take the
+        CPU, memory bandwidth and GIL the save needs in the VM's last seconds; the start of a forward is outside
+        every ZeRO collective, so holding there blocks no peer that is not about to be held too."""
+        if self._round_action != "emergency" or not self._ds_any:
+            self._exit_if_requested()
+            return
+        with self._cv:
+            # an emergency keeps its target until the exit (a failed save exits too): wait for that exit
+            while self._target is not None and self._exit_request is None and \
+                    time.monotonic() < self._hold_until + HOLD_SLACK:
+                self._cv.wait(0.5)
+        self._exit_if_requested()
+
     def _capture_small_for(self, step: int, where: str) -> None:
         """core's pre-hook asks for the small state of the held step: here it is copied at every step's end."""
 
@@ -174,6 +191,8 @@ class AnyMomentMixin:
             self._cv.notify_all()
         if small is not None:
             self._tick()
+            if not self._fresh_checked:
+                self._warn_unresumed()  # the first step without hook.resume() over a committed checkpoint: say so
         if self._every is not None:  # every=: the boundary reduction carries the periodic votes only
             try:
                 self._ds_periodic()

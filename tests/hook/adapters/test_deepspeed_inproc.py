@@ -106,6 +106,56 @@ def test_deepspeeds_own_loader_without_a_saved_position_is_warned_at_resume(
         hook.close()
     assert [kw for event, kw in warned if event == "deepspeed_data_position_not_saved"], warned
 
+def _same(a: Any, b: Any, where: str = "") -> None:
+    """``a`` and ``b`` hold the same values, recursively (tensors bitwise, objects by their attributes)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), (where, list(a), list(b))
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif hasattr(a, "__dict__") and not isinstance(a, type):
+        assert type(a) is type(b), where
+        _same(vars(a), vars(b), where)
+    else:
+        assert a == b, (where, a, b)
+
+
+def test_the_any_moment_writer_writes_what_save_checkpoint_writes(engine: Any, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The any-moment path writes DeepSpeed's files without ``save_checkpoint`` (no collective off the training
+    thread): the same file names and, loaded, the same contents as ``save_checkpoint`` of the same step, so
+    ``engine.load_checkpoint`` resumes from them as from DeepSpeed's own."""
+    from spotguard.hook.adapters.deepspeed import SpotguardCheckpointEngine
+
+    monkeypatch.setenv("SPOTGUARD_SOCKET", str(tmp_path / "no.sock"))
+    hook = install_preemption_hook(engine, storage=str(tmp_path / "ckpt"))
+    try:
+        assert hook._ds_any, "ZeRO-2 without offload or accumulation takes the any-moment path"
+        hook.resume()
+        for _ in range(2):
+            engine.backward(engine(torch.ones(2, 4)).pow(2).mean())
+            engine.step()
+        step = int(engine.global_steps)
+        assert hook._ds_small is not None and hook._ds_small[0] == step
+        hook._ds_write("mine", hook._ds_small)
+        hook._write("theirs", None)  # the boundary path: engine.save_checkpoint through the CheckpointEngine
+    finally:
+        hook.close()
+    root = tmp_path / "ckpt"
+    mine = sorted(p.name for p in (root / "mine").iterdir())
+    assert mine == sorted(p.name for p in (root / "theirs").iterdir()), mine
+    ce = SpotguardCheckpointEngine(hook.storage, "x", str(tmp_path))
+    for name in mine:
+        if name.startswith("spotguard_rank"):
+            continue
+        _same(ce.load(str(root / "mine" / name)), ce.load(str(root / "theirs" / name)), name)
+
+
 def test_a_scheduler_the_loop_steps_given_to_add_state_is_saved_after_its_step(engine: Any, tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A torch scheduler DeepSpeed does not own, stepped by the loop after ``engine.step()`` and handed to
