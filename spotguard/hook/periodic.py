@@ -96,6 +96,8 @@ def stage_state_dict(obj: Any) -> tuple[Any, int]:
             return {k: walk(v) for k, v in o.items()}
         if isinstance(o, list):
             return [walk(v) for v in o]
+        if isinstance(o, torch.Size):  # a shape stays one (DeepSpeed's param_shapes: zero_to_fp32 calls numel())
+            return o
         if isinstance(o, tuple) and not hasattr(o, "_fields"):
             return tuple(walk(v) for v in o)
         if isinstance(o, (bytes, str, int, float, bool, type(None))):

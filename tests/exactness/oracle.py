@@ -207,6 +207,20 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("deepspeed_zero3", "deepspeed_loop.py", env=(*_DS_ENV, ("EXO_ZERO", "3")), what="the deepspeed_zero2 "
             "pattern under ZeRO-3 (parameters partitioned: digested as each rank's partition)",
             phases=("load", "fwd", "bwd", "prestep", "after")),
+    # review of issue 29's any-moment path: loops the two patterns above did not cover
+    Pattern("deepspeed_zero2_ema", "deepspeed_loop.py", env=(*_DS_ENV, ("EXO_EMA", "1")), what="the "
+            "deepspeed_zero2 pattern + an EMA of the weights updated after engine.step(), given to add_state",
+            phases=("load", "fwd", "bwd", "prestep", "after"),
+            open_bug="the DeepSpeed adapter copies add_state objects at the end of engine.step(), before the loop's "
+                     "post-step update: the checkpoint of S holds the EMA one update behind and the resumed run "
+                     "never applies update S (final ema differs; reproduced on the any-moment path and, with "
+                     "SPOTGUARD_BACKGROUND_AGREEMENT=0, on the boundary path, which saves inside engine.step(); the "
+                     "plain hook reads such state at the next iteration's anchor)"),
+    Pattern("deepspeed_zero2_slow", "deepspeed_loop.py", env=(*_DS_ENV, ("SPOTGUARD_TEST_SAVE_DELAY", "14"),
+                                                           ("EXO_ORDINARY_DEADLINE", "12")),
+            what="the deepspeed_zero2 pattern with each write taking 14 s and ordinary notices 12 s ahead (as a "
+            "large ZeRO state to object storage against an AWS rebalance's 120 s): the write outlasts the deadline",
+            phases=("load", "fwd", "bwd", "prestep", "after")),
     Pattern("moco", "moco.py", what="DDP + a MoCo-style momentum encoder updated in place inside the model's "
             "forward, a queue buffer enqueued in the forward"),
 )}
@@ -523,6 +537,9 @@ def run_trial(ref: Reference, notice: str, folder: Path, *, seed: int, kind: str
     env = {"EXO_NOTICE": notice, "EXO_NOTICE_RANK": str(rank), "EXO_SEED": str(seed),
            "EXO_NOTICE_SOURCE": rng.choice(("signal", "drill")), "EXO_NOTICE_KIND": kind,
            "EXO_NOTICE_DEADLINE": f"{rng.uniform(20, 30) if kind not in ORDINARY else rng.uniform(60, 120):.1f}"}
+    short = dict(p.env).get("EXO_ORDINARY_DEADLINE")  # a pattern's ordinary notices with a nearer deadline
+    if kind in ORDINARY and short:
+        env["EXO_NOTICE_DEADLINE"] = short
     if kind in ORDINARY:
         env["EXO_NOTICE_SOURCE"] = "drill"  # a signal is always an emergency; ordinary notices come from the daemon
     storage = folder / "ckpt"

@@ -112,6 +112,9 @@ CASES: dict[str, tuple[str, ...]] = {
 MORE_CASES: dict[str, tuple[str, ...]] = {
     "periodic-upload-in-flight-finished": ("ddp_every", "phase:periodic_mid@2"),
     "maintenance-hf-trainer-backward": ("hf_trainer", "phase:bwd@4", "maintenance"),
+    # review of issue 29: a rebalance whose DeepSpeed write outlasts its window (the any-moment path held the
+    # step through the whole write, the hold ran out: exit 75 on an ordinary notice)
+    "deepspeed-rebalance-write-longer-than-window": ("deepspeed_zero2_slow", "phase:bwd@4", "rebalance"),
     # issue 29: ZeRO-3 on the any-moment path, the notice before a forward (which gathers the partitioned
     # parameters): the model file holds DeepSpeed's placeholders, never what a forward in flight gathered
     "deepspeed-zero3-notice-in-forward": ("deepspeed_zero3", "phase:fwd@4"),

@@ -11,7 +11,8 @@ at the step it is finishing) and writes S from the background:
   the bit16 weights (ZeRO-2), the loss scaler, DeepSpeed's scheduler and the
   engine's counters change only inside ``engine.step()``. The step after S is held at
   its start (the wrapper around ``engine.step``) until they are written — an emergency
-  until the exit. Forward and backward of the next iteration go on meanwhile: they
+  until the exit; an ordinary checkpoint only until they are copied to the host (else a
+  write longer than the notice's window ran the hold out: exit 75 on a rebalance). Forward and backward of the next iteration go on meanwhile: they
   touch gradients and ZeRO's reduction buckets, which a checkpoint does not hold.
 - **What moves between steps** (RNG, the ``add_state`` objects: data position,
   samplers; the module's persistent buffers) is copied at the end of every
@@ -52,6 +53,7 @@ from ...storage.base import join_key
 from ..dist import NO_DEADLINE_MS
 from ..save import _Result
 from ..settings import HANDED_OVER, HOLD_SLACK, LEVEL_NONE
+from ..periodic import stage_state_dict
 from ..state import capture_rng, pack
 
 __all__ = ["AnyMomentMixin", "any_moment_refusal"]
@@ -232,9 +234,8 @@ class AnyMomentMixin:
 
     def _save_staged(self, notice: Any, reason: str, step: int, t_end: float, group: Any, *,
                      hold: bool = False) -> _Result:
-        """Wait (bounded) until this rank has ended step S and is held before the next, then write S (the step
-        stays held through the write: an emergency's until the exit, an ordinary one's until the round releases
-        it). After ``_ds_leave`` the notice goes to the boundary path (every rank alike)."""
+        """Wait (bounded) until this rank has ended step S and is held before the next, then write S (an emergency's
+        step stays held through the write until the exit; an ordinary one's until S is copied to the host). After ``_ds_leave`` the notice goes to the boundary path (every rank alike)."""
         if not self._ds_any:
             return _Result(committed=False, peers_ok=True, error=HANDED_OVER)
         t0 = time.monotonic()
@@ -248,31 +249,56 @@ class AnyMomentMixin:
         if small is None or small[0] != step:
             return self._fail(notice, step, f"this rank did not reach the end of step {step} in time", t0,
                               peers_ok=True)
-        return self._save(notice, reason, None, group=group, step=step, write=lambda key: self._ds_write(key, small),
+        if hold:  # an emergency: written from the live state, the step held until the exit
+            return self._save(notice, reason, None, group=group, step=step,
+                              write=lambda key: self._ds_put(key, self._ds_files(small)),
+                              bound=max(1.0, t_end - time.monotonic()))
+        # An ordinary checkpoint copies S to the host and lets training go on (as the plain hook's does): held
+        # through the whole write, a write longer than the notice's window made the hold give up and exit 75.
+        files: Any
+        try:
+            files = stage_state_dict(self._ds_files(small))[0]
+        except Exception as exc:  # noqa: BLE001 - raised in the write: every rank learns it through the save
+            files = exc
+        finally:
+            self._release_hold()
+
+        def write(key: str) -> None:
+            if isinstance(files, Exception):
+                raise files
+            self._ds_put(key, files)
+
+        return self._save(notice, reason, None, group=group, step=step, write=write,
                           bound=max(1.0, t_end - time.monotonic()))
 
-    def _ds_write(self, key: str, small: tuple[int, dict[str, Any], dict[str, Any], dict[str, torch.Tensor],
-                                              Optional[str]]) -> None:
-        """This rank's files of step S in DeepSpeed's layout (as ``save_checkpoint`` names and fills them), no
-        collective; then its spotguard file (RNG and ``add_state`` objects at S's end)."""
+    def _ds_files(self, small: tuple[int, dict[str, Any], dict[str, Any], dict[str, torch.Tensor],
+                                     Optional[str]]) -> dict[str, Any]:
+        """This rank's files of step S in DeepSpeed's layout (as ``save_checkpoint`` names and fills them, no
+        collective) and its spotguard file (RNG and ``add_state`` objects at S's end): {relative name: object}."""
         from deepspeed.git_version_info import version  # noqa: PLC0415 - deepspeed is this adapter's import
 
         step, rng, states, bufs, err = small
         if err is not None:
             raise RuntimeError(err)
         engine = self.engine
-        ce = self._checkpoint_engine(self._storage, key, os.path.join(_ROOT, _TAG))
+        out: dict[str, Any] = {}
         if engine.save_non_zero_checkpoint:
             module = self._ds_module_state(bufs)
-            state = engine._common_checkpoint_state(module, engine.zero_optimization(),
-                                                    engine.zero_optimization_partition_gradients())
-            ce.save(state, engine._get_ckpt_name(_ROOT, _TAG))
+            out[engine._get_ckpt_name(_ROOT, _TAG)] = engine._common_checkpoint_state(
+                module, engine.zero_optimization(), engine.zero_optimization_partition_gradients())
         if engine.save_zero_checkpoint:
-            zero_sd = dict(optimizer_state_dict=engine.optimizer.state_dict(), ds_config=engine.config,
-                           ds_version=version)
-            ce.save(zero_sd, engine._get_zero_ckpt_name(_ROOT, _TAG))
-        self._storage.write_bytes(join_key(key, f"spotguard_rank{self._rank}.pt"),
-                                  pack({"rng": rng, "state": states, "step": step, "world_size": self._world}))
+            out[engine._get_zero_ckpt_name(_ROOT, _TAG)] = dict(
+                optimizer_state_dict=engine.optimizer.state_dict(), ds_config=engine.config, ds_version=version)
+        out[""] = {"rng": rng, "state": states, "step": step, "world_size": self._world}
+        return out
+
+    def _ds_put(self, key: str, files: dict[str, Any]) -> None:
+        """Stream ``_ds_files``' objects into ``key`` through ``SpotguardCheckpointEngine``."""
+        ce = self._checkpoint_engine(self._storage, key, os.path.join(_ROOT, _TAG))
+        for path, obj in files.items():
+            if path:
+                ce.save(obj, path)
+        self._storage.write_bytes(join_key(key, f"spotguard_rank{self._rank}.pt"), pack(files[""]))
 
     def _ds_module_state(self, bufs: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The module's state dict as DeepSpeed's save writes it: ZeRO-3's parameters as the empty placeholders of

@@ -29,6 +29,7 @@ from spotguard import install_preemption_hook  # noqa: E402
 
 ZERO = int(os.environ.get("EXO_ZERO", "2"))
 ACCUM = int(os.environ.get("EXO_ACCUM", "1"))
+EMA = os.environ.get("EXO_EMA", "") == "1"  # review: an EMA of the weights updated after engine.step() (ZeRO-2)
 
 
 class Batches:
@@ -66,6 +67,29 @@ torch.manual_seed(1 + rank)
 random.seed(100 + rank)
 np.random.seed(100 + rank)
 data = Batches(rank)
+
+
+class Ema:
+    """An EMA of the module's weights, updated by the loop after ``engine.step()`` (as diffusion / LLM fine-tuning
+    loops do), given to ``hook.add_state``. ZeRO-2: the module's parameters are whole on every rank."""
+
+    def __init__(self) -> None:
+        self.shadow = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for n, p in engine.module.named_parameters():
+            self.shadow[n].lerp_(p.detach(), 0.1)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in self.shadow.items()}
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        for n, t in sd.items():
+            self.shadow[n].copy_(t)
+
+
+ema = Ema() if EMA else None
 
 
 def params() -> dict[str, torch.Tensor]:
@@ -113,6 +137,9 @@ def step_and_record() -> None:
 engine.step = step_and_record
 hook = install_preemption_hook(engine, storage=_rt.storage())
 hook.add_state("data", data)
+if ema is not None:
+    state["ema"] = lambda: ema.shadow
+    hook.add_state("ema", ema)
 start = hook.resume()
 _rt.resumed(hook, start, state)
 engine.train()
@@ -128,6 +155,8 @@ for i in range(start, _rt.steps()):
         engine.backward(loss)
         _rt.phase("prestep" if m == ACCUM - 1 else "micro")
         engine.step()  # the hook's boundary when it advances global_steps
+    if ema is not None:
+        ema.update()
     _rt.phase("after")  # the iteration's record was written at its engine.step()
 _rt.finished(state, _rt.steps())
 torch.distributed.barrier()

@@ -131,6 +131,7 @@ def test_the_any_moment_writer_writes_what_save_checkpoint_writes(engine: Any, t
     thread): the same file names and, loaded, the same contents as ``save_checkpoint`` of the same step, so
     ``engine.load_checkpoint`` resumes from them as from DeepSpeed's own."""
     from spotguard.hook.adapters.deepspeed import SpotguardCheckpointEngine
+    from spotguard.hook.periodic import stage_state_dict
 
     monkeypatch.setenv("SPOTGUARD_SOCKET", str(tmp_path / "no.sock"))
     hook = install_preemption_hook(engine, storage=str(tmp_path / "ckpt"))
@@ -142,18 +143,22 @@ def test_the_any_moment_writer_writes_what_save_checkpoint_writes(engine: Any, t
             engine.step()
         step = int(engine.global_steps)
         assert hook._ds_small is not None and hook._ds_small[0] == step
-        hook._ds_write("mine", hook._ds_small)
+        hook._ds_put("mine", hook._ds_files(hook._ds_small))  # an emergency's: from the live state
+        # an ordinary notice's: from the host copy taken under the hold (review: training goes on meanwhile)
+        hook._ds_put("staged", stage_state_dict(hook._ds_files(hook._ds_small))[0])
         hook._write("theirs", None)  # the boundary path: engine.save_checkpoint through the CheckpointEngine
     finally:
         hook.close()
     root = tmp_path / "ckpt"
     mine = sorted(p.name for p in (root / "mine").iterdir())
     assert mine == sorted(p.name for p in (root / "theirs").iterdir()), mine
+    assert mine == sorted(p.name for p in (root / "staged").iterdir()), mine
     ce = SpotguardCheckpointEngine(hook.storage, "x", str(tmp_path))
     for name in mine:
         if name.startswith("spotguard_rank"):
             continue
         _same(ce.load(str(root / "mine" / name)), ce.load(str(root / "theirs" / name)), name)
+        _same(ce.load(str(root / "staged" / name)), ce.load(str(root / "theirs" / name)), f"staged {name}")
 
 
 def test_a_scheduler_the_loop_steps_given_to_add_state_is_saved_after_its_step(engine: Any, tmp_path: Path,
