@@ -11,6 +11,7 @@ before D's steps (eval mode, no grad). Switches:
 - ``EXO_GW_SKIP=1``: D's step skipped in every 4th iteration ("D too strong").
 - ``EXO_GW_GP=1``: WGAN-GP's gradient penalty (``torch.autograd.grad(create_graph=True)``) instead of clipping.
 - ``EXO_GW_CLIP_TOP=1``: the clamp before each critic step's forward (the original WGAN code), not after.
+- ``EXO_GW_LOOP``: ``range`` (default), ``step`` (``hook.step()`` at each iteration's end), ``own`` (a plain loop).
 - ``EXO_EVERY``: the hook's ``every=`` (periodic checkpoints).
 """
 
@@ -94,13 +95,22 @@ def iteration(i: int) -> None:
     _rt.end_iteration(i, state)
 
 
-first = True
-for i in hook.range(_rt.steps()):
-    if first:  # the oracle's record of the resumed state (hook.range resumed before yielding)
-        _rt.resumed(hook, i, state)
-        first = False
-    iteration(i)
-if first:  # resumed at the last step: nothing left to train
-    _rt.resumed(hook, _rt.steps(), state)
+loop = os.environ.get("EXO_GW_LOOP", "range")
+if loop == "range":
+    first = True
+    for i in hook.range(_rt.steps()):
+        if first:  # the oracle's record of the resumed state (hook.range resumed before yielding)
+            _rt.resumed(hook, i, state)
+            first = False
+        iteration(i)
+    if first:  # resumed at the last step: nothing left to train
+        _rt.resumed(hook, _rt.steps(), state)
+else:  # "step": hook.resume() and hook.step() at each iteration's end; "own": hook.resume() and a plain loop
+    start = hook.resume()
+    _rt.resumed(hook, start, state)
+    for i in range(start, _rt.steps()):
+        iteration(i)
+        if loop == "step":
+            hook.step()
 _rt.finished(state, _rt.steps())
 torch.distributed.destroy_process_group()
