@@ -800,9 +800,13 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             self._cv.notify_all()
         if give_up is not None:
             self._give_up_hold(give_up)
-        if self._many_opts and self._periodic is not None:  # the periodic vote (collected at the next step)
+        if self._many_opts and self._periodic is not None and not final:
+            # the periodic vote launched at the last boundary is settled here, where the state is this
+            # iteration's end: at the next optimizer step, the loop's work before it (a scheduler stepped at
+            # the iteration's top, a meter, weights clipped before the critic's forward) would be saved as
+            # part of this step
             if self._agree.pending:
-                self._agree.collect()
+                self._boundary()
             self._agree.launch(LEVEL_NONE, NO_DEADLINE_MS, self._periodic_flags())
         self._exit_if_requested()
 
@@ -828,13 +832,10 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         """Several optimizers in an explicit loop: every optimizer's pre-hook. The iteration's first step
         marks "inside the iteration" (a round joining from then on stands at the next boundary); any step
         waits while a round holds the count (``_step_begin``), so no optimizer moves past the state a round
-        reads. The periodic vote launched at the last boundary is settled at the iteration's first step."""
+        reads. The periodic vote launched at the last boundary is settled at the next boundary."""
         if not self._bg_on:
             return
-        first = not self._in_step
         self._step_begin()
-        if first and self._agree.pending:
-            self._boundary()
 
     def _break_clock(self, why: str) -> None:
         """(under ``_cv``) The mapping iteration -> optimizer step is disproven: a round waiting for a step

@@ -124,6 +124,37 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("gan_ncritic", "gan.py", env=(("EXO_LOOP", "range"), ("EXO_NCRITIC", "3")),
             what="WGAN-style n_critic in hook.range: D 3 times (own batches), then G once",
             phases=("load", "fwd", "d_step", "g_step", "after")),
+    # issue 23 review: GAN loops as written in the wild (gan_wild.py: BatchNorm G, clipping, EMA, sampling, a
+    # scheduler at the iteration's top), on the any-moment path or sent back to the boundary path mid-run
+    Pattern("gan_wild", "gan_wild.py", what="WGAN in hook.range: D twice (clamp_ after each), G, EMA of G, "
+            "sched_d at the top, sampling every 3rd", phases=("load", "fwd", "d_step", "g_step", "after", "eval")),
+    Pattern("gan_wild_every", "gan_wild.py", env=(("EXO_EVERY", "0.05"),), check_all=True,
+            what="gan_wild with every=0.05 s (periodic checkpoints)",
+            phases=("load", "fwd", "d_step", "g_step", "after", "eval")),
+    Pattern("gan_wild_cliptop", "gan_wild.py", env=(("EXO_GW_CLIP_TOP", "1"),),
+            what="gan_wild with the original WGAN's clamp_ before each critic step's forward",
+            phases=("load", "fwd", "d_step", "g_step", "after", "eval")),
+    Pattern("gan_wild_step", "gan_wild.py", env=(("EXO_GW_LOOP", "step"),),
+            what="gan_wild in a hook.resume()/hook.step() loop (its first iteration on the implicit path)",
+            phases=("load", "fwd", "d_step", "g_step", "after", "eval"),
+            open_bug="a notice in the first iteration (before the first hook.step()) is acted on at D's second "
+                     "step's pre-hook: the implicit path takes D's step for an iteration's end, commits step 1 = "
+                     "one D step into iteration 0 (phase:d_step@0: 'committed step 1 > iterations completed 0')"),
+    Pattern("gan_wild_own", "gan_wild.py", env=(("EXO_GW_LOOP", "own"),),
+            what="gan_wild in hook.resume() and a plain loop (implicit: the boundary path)",
+            phases=("load", "fwd", "d_step", "g_step", "after", "eval"),
+            open_bug="n_critic > 1 in an implicit loop: the boundary path counts D's steps as iterations and acts "
+                     "at D's next pre-hook, mid-iteration (phase:d_step@3 committed 'step 7' after 3 iterations; "
+                     "hook.resume() then returns 7)"),
+    Pattern("gan_wild_gp", "gan_wild.py", env=(("EXO_GW_GP", "1"),),
+            what="gan_wild with WGAN-GP's gradient penalty (autograd.grad create_graph)",
+            phases=("load", "fwd", "d_step", "g_step", "after", "eval")),
+    Pattern("gan_wild_warmup", "gan_wild.py", env=(("EXO_GW_WARMUP", "2"),),
+            what="gan_wild with n_critic 3 in the first 2 iterations, then 2 (back to the boundary path)",
+            phases=("load", "fwd", "d_step", "g_step", "after", "eval")),
+    Pattern("gan_wild_skip", "gan_wild.py", env=(("EXO_GW_SKIP", "1"),),
+            what="gan_wild with D's step skipped every 4th iteration", phases=("load", "fwd", "d_step", "g_step",
+                                                                              "after", "eval")),
     Pattern("sam", "sam.py", what="SAM: first_step / second_step, SAM.step() never called",
             phases=("load", "fwd", "first", "second", "after")),
     Pattern("readme", "readme.py", what="the README's script as a new user writes it (dropout, AdamW, "
