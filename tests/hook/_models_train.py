@@ -159,6 +159,10 @@ def main() -> int:
                 now = utcnow()
                 hook.notify(Notice(id="drill-models", source="drill", kind="preemption",
                                    deadline=now + timedelta(seconds=args.notice_seconds), received_at=now))
+            if args.also:
+                # the first notices are in every rank's hook before the second one starts a round (a rank that
+                # reached this step late would otherwise join a round its own notice missed)
+                dist.barrier()
             if args.also and int(args.also.split(",")[0]) == rank:
                 _, kind, secs, *later = args.also.split(",")
 
