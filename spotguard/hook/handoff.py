@@ -57,6 +57,7 @@ from ..notice import Notice
 from ..storage.integrity import merge
 from ..timefmt import utcnow
 from . import events as ev
+from .dist import all_max
 from .doomed import writers_record
 from .settings import SAVE_MARGIN, SIGNAL_GRACE
 
@@ -157,9 +158,7 @@ class Handoff:
         return merge(logs), infos
 
     def all_ok(self, ok: bool) -> bool:
-        t = torch.tensor([0 if ok else 1], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.sgroup)
-        return int(t[0]) == 0
+        return all_max(self.sgroup, [0 if ok else 1])[0] == 0
 
     def bcast(self, obj: Any) -> Any:
         box = [obj]
