@@ -492,9 +492,8 @@ class ReplicaGuard:
         of the last committed step must not move under the write; the process leaves from the watchdog)."""
         if threading.current_thread() is self._watchdog:
             return  # DCP's fake step on an optimizer with no state yet, inside the fallback's own save
-        found = self._step_check(optimizer)  # LocalSGD/DiLoCo entered after the guard: refused at this step
-        if found is not None:
-            self._refuse(found)
+        # LocalSGD/DiLoCo entered after the guard: refused by _any_optimizer_step, a global pre-hook torch runs
+        # before this one
         with self._lock:
             if not self._fallback_on:
                 self._phase = "stepping"
