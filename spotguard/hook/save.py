@@ -42,7 +42,7 @@ from .doomed import SafeMark, plan_around_doomed, with_late_notices, writers_rec
 from .handoff import finish_split, split_for
 from .periodic import PERIODIC_SETTLED, stage_state_dict
 from .settings import EMERGENCY_LEAD, HANDED_OVER, HOLD_SLACK, PERIODIC_NOTICE_PREFIX, SAVE_MARGIN
-from .state import Snapshot, clone_buffers, pack
+from .state import Snapshot, clone_buffers, copy_state, pack
 
 #: "the hook's own group" (the training thread's) as a default argument
 _OWN: Any = object()
@@ -847,9 +847,7 @@ class SaveMixin:
 
     def _groups_copy(self) -> dict[str, list[dict[str, Any]]]:
         """Every optimizer's ``param_groups`` as they are now, without ``params`` (a scheduler writes ``lr`` there)."""
-        import copy  # noqa: PLC0415
-
-        return {k: [{n: copy.deepcopy(v) for n, v in g.items() if n != "params"} for g in opt.param_groups]
+        return {k: [{n: copy_state(v) for n, v in g.items() if n != "params"} for g in opt.param_groups]
                 for k, opt in self._objs.optimizers.items()}
 
     def _copy_at_anchor(self, step: int) -> None:
@@ -860,15 +858,13 @@ class SaveMixin:
         ``ANCHOR_COPY_BYTES`` of tensors, decided at the first anchor): an EMA's shadow weights would cost a
         model copy per iteration, and it changes in the post-step work; schedulers change only in ``step()``
         and scalers only in ``update()``, so both are read when a round needs them."""
-        import copy  # noqa: PLC0415
-
         o = self._objs
         try:
             small = getattr(self, "_anchor_small_keys", None)
             if small is None:
                 small = self._anchor_small_keys = [k for k, obj in o.stateful.items()
                                                    if _tensor_bytes(obj.state_dict()) <= ANCHOR_COPY_BYTES]
-            self._anchor_copy = (step, {k: copy.deepcopy(o.stateful[k].state_dict()) for k in small},
+            self._anchor_copy = (step, {k: copy_state(o.stateful[k].state_dict()) for k in small},
                                  self._groups_copy())
         except Exception:  # noqa: BLE001 - the user's object: a round reads it live and reports what raised
             self._anchor_copy = None
