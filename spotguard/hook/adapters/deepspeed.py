@@ -342,6 +342,9 @@ class DeepSpeedHook(AnyMomentMixin, FrameworkHook):
             self._follow(obj)  # the loop steps it after engine.step(): save it as it is after that step
         elif key in self._anchored():
             self._watch_anchor()
+            if self._every is not None:  # the any-moment path's periodic save runs at engine.step()'s end
+                self._ds_leave("every= with an add_state object read at the next iteration's anchor (an EMA, a "
+                               "meter): the periodic checkpoint is taken at that anchor, on the boundary path")
 
     def resume(self) -> int:
         """``Hook.resume`` (newest committed, damaged ones skipped, loaded by ``engine.load_checkpoint``);

@@ -248,7 +248,9 @@ class AnyMomentMixin:
         every ZeRO collective, so holding there blocks no peer that is not about to be held too. The anchor's
         copy comes first: this forward is the anchor a round of S waits for."""
         self._ds_at_anchor()
-        if self._round_action != "emergency" or not self._ds_any:
+        if self._round_action != "emergency" or not self._ds_any or \
+                (not torch.is_grad_enabled() and self._ds_fwd != self._count and self._anchored()):  # an evaluation
+            # the round may wait for that anchor: holding here would keep it from coming
             self._exit_if_requested()
             return
         with self._cv:
