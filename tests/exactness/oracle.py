@@ -241,12 +241,7 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     # review of issue 29's any-moment path: loops the two patterns above did not cover
     Pattern("deepspeed_zero2_ema", "deepspeed_loop.py", env=(*_DS_ENV, ("EXO_EMA", "1")), what="the "
             "deepspeed_zero2 pattern + an EMA of the weights updated after engine.step(), given to add_state",
-            phases=("load", "fwd", "bwd", "prestep", "after"),
-            open_bug="the DeepSpeed adapter copies add_state objects at the end of engine.step(), before the loop's "
-                     "post-step update: the checkpoint of S holds the EMA one update behind and the resumed run "
-                     "never applies update S (final ema differs; reproduced on the any-moment path and, with "
-                     "SPOTGUARD_BACKGROUND_AGREEMENT=0, on the boundary path, which saves inside engine.step(); the "
-                     "plain hook reads such state at the next iteration's anchor)"),
+            phases=("load", "fwd", "bwd", "prestep", "after")),
     Pattern("deepspeed_zero2_slow", "deepspeed_loop.py", env=(*_DS_ENV, ("SPOTGUARD_TEST_SAVE_DELAY", "14"),
                                                            ("EXO_ORDINARY_DEADLINE", "12")),
             what="the deepspeed_zero2 pattern with each write taking 14 s and ordinary notices 12 s ahead (as a "

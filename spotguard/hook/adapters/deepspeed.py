@@ -21,8 +21,13 @@ Two ways to act on a notice (which one: the ``notice_path`` log line, once):
   ``global_steps`` the hook launches the agreement and reads it at once
   (``_framework_boundary``: not at the next step, as the other framework adapters do);
   an agreed notice is written right there: model, ZeRO-partitioned optimizer and
-  scheduler are exactly those of step S, and the RNG, the stateful objects given to
-  ``hook.add_state`` and the engine's counters are those of the end of S.
+  scheduler are exactly those of step S, and the RNG, the ``hook.add_state`` loaders
+  and the engine's counters are those of the end of S. With other ``add_state``
+  objects (an EMA updated after ``engine.step()``, a meter) the boundary of S moves to
+  the *anchor* of iteration S+1, the engine's next training forward (grad enabled),
+  where the loop's post-step work is over: they are read there, the RNG and loaders
+  as copied at S's ``engine.step()``; a job whose loop ends after S acts on it in
+  ``destroy_process_group()``.
 
 Gradient accumulation (boundary path): a notice is acted on at the next accumulation
 boundary, never between micro-batches. Why: ZeRO keeps the partly reduced
@@ -73,7 +78,7 @@ from ...storage.integrity import Checksummer, DamagedCheckpoint
 from ...storage.safeload import SAFE_GLOBALS
 from ...storage.verify import verified_folder
 from ..core import Hook
-from ..state import capture_rng, pack, restore_rng, unpack
+from ..state import capture_rng, copy_state, pack, restore_rng, unpack
 from ._base import FrameworkHook
 from ._files import staging_dir
 from .deepspeed_anymoment import AnyMomentMixin
@@ -302,8 +307,11 @@ class DeepSpeedHook(AnyMomentMixin, FrameworkHook):
         self._extra: dict[str, Any] = {}
         self._outside: list[Any] = []  # follow_schedulers(), add_state(<a torch scheduler>)
         self._stepped: set[int] = set()  # those of _outside stepped since the last engine.step()
-        self._after_sched: Optional[tuple[int, dict[str, Any]]] = None  # (step, RNG at engine.step()) to act on
+        # (step, RNG, loaders at engine.step()) whose boundary waits for a followed scheduler or the next anchor
+        self._after_sched: Optional[tuple[int, dict[str, Any], dict[str, Any]]] = None
         self._rng_at: Optional[dict[str, Any]] = None
+        self._loaders_at: Optional[dict[str, Any]] = None  # loaders as at engine.step(), for a deferred boundary
+        self._anchor_hook = False  # the engine's forward pre-hook serving a deferred boundary is registered
         self._ds_any = False  # the any-moment path (deepspeed_anymoment.py); set when the core arms
         self._ds_small = None  # (step, RNG, add_state objects, buffers, error) at the last engine.step()'s end
         self._ds_buffers: list[str] = list(engine._get_buffer_names())
@@ -322,14 +330,21 @@ class DeepSpeedHook(AnyMomentMixin, FrameworkHook):
     # ------------------------------------------------------------------ public
 
     def add_state(self, key: str, obj: Any) -> None:
-        """Save and restore ``obj`` (``state_dict``/``load_state_dict``: a loader, a sampler) with every
-        checkpoint, per rank, as it is at the step's end. Call before ``resume()`` on every rank."""
+        """Save and restore ``obj`` (``state_dict``/``load_state_dict``) with every checkpoint, per rank: a loader
+        or sampler (iterable) as it is at the end of ``engine.step()``; anything else (an EMA, a meter) as it is
+        at the next iteration's anchor, the engine's first training forward after the step (the loop's post-step
+        work is over). Call before ``resume()`` on every rank."""
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise TypeError(f"add_state({key!r}, ...) needs an object with state_dict() and load_state_dict()")
         self._extra[key] = obj
         if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and obj is not getattr(self.engine, "lr_scheduler",
                                                                                          None):
             self._follow(obj)  # the loop steps it after engine.step(): save it as it is after that step
+        elif key in self._anchored():
+            self._watch_anchor()
+            if self._every is not None:  # the any-moment path's periodic save runs at engine.step()'s end
+                self._ds_leave("every= with an add_state object read at the next iteration's anchor (an EMA, a "
+                               "meter): the periodic checkpoint is taken at that anchor, on the boundary path")
 
     def resume(self) -> int:
         """``Hook.resume`` (newest committed, damaged ones skipped, loaded by ``engine.load_checkpoint``);
@@ -364,8 +379,8 @@ class DeepSpeedHook(AnyMomentMixin, FrameworkHook):
                 return hook._ds_step(orig, args, kwargs)
             out = orig(*args, **kwargs)
             if not (hook._closed or hook._internal):
-                if hook._outside:
-                    hook._after_sched = (int(engine.global_steps), capture_rng())
+                if hook._outside or hook._anchored():  # the boundary waits: a scheduler's step, the next anchor
+                    hook._after_sched = (int(engine.global_steps), capture_rng(), hook._loader_copies())
                     hook._stepped = set()
                 else:
                     hook._framework_boundary(int(engine.global_steps))
@@ -379,7 +394,8 @@ class DeepSpeedHook(AnyMomentMixin, FrameworkHook):
         DeepSpeed does not own; a torch scheduler given to ``add_state`` is followed by itself): saved with every
         checkpoint, and the boundary moves to the end of the step() that steps the last of them (else the
         checkpoint would hold them one step behind), with the RNG as at ``engine.step()``. A step without a
-        scheduler step: the next forward of the engine is the boundary."""
+        scheduler step: the next training forward of the engine is the boundary (always, when ``add_state``
+        holds objects read at the anchor)."""
         for i, sched in enumerate(schedulers):
             self._extra[f"scheduler{i}"] = sched
             self._follow(sched)
@@ -391,23 +407,38 @@ class DeepSpeedHook(AnyMomentMixin, FrameworkHook):
                        "end is where the last of them stepped")
         self._outside.append(sched)
         self._handles.append(_Followed(sched, self._sched_stepped))
-        if len(self._outside) == 1:
-            self._handles.append(self.engine.register_forward_pre_hook(lambda *_: self._pending_boundary()))
+        self._watch_anchor()
+
+    def _watch_anchor(self) -> None:
+        """The engine's training forwards serve a deferred boundary (registered once)."""
+        if not self._anchor_hook:
+            self._anchor_hook = True
+            self._handles.append(self.engine.register_forward_pre_hook(
+                lambda *_: self._pending_boundary() if torch.is_grad_enabled() else None))
 
     def _sched_stepped(self, sched: Any) -> None:
         self._stepped.add(id(sched))
-        if len(self._stepped) >= len(self._outside):
+        if len(self._stepped) >= len(self._outside) and not self._anchored():
             self._pending_boundary()
+
+    def _loader_copies(self) -> dict[str, Any]:
+        return {k: copy_state(self._extra[k].state_dict()) for k in self._ds_loaders()}
 
     def _pending_boundary(self) -> None:
         pending, self._after_sched = self._after_sched, None
         if pending is None or self._closed or self._internal:
             return
-        self._rng_at = pending[1]
+        self._rng_at, self._loaders_at = pending[1], pending[2]
         try:
             self._framework_boundary(pending[0])
         finally:
-            self._rng_at = None
+            self._rng_at = self._loaders_at = None
+
+    def _quiesce(self) -> None:  # exit.py, in destroy_process_group() (every rank)
+        """The loop is over: a boundary still waiting for an anchor that will not come is taken here."""
+        if not (self._torn_down or self._exiting):
+            self._pending_boundary()
+        super()._quiesce()
 
     # ------------------------------------------------------------------ state <-> DeepSpeed
 
@@ -416,8 +447,10 @@ class DeepSpeedHook(AnyMomentMixin, FrameworkHook):
 
     def _write(self, key: str, snap: Any) -> None:
         """Every rank: DeepSpeed's own save, each file streamed to ``key``; then this rank's spotguard file."""
-        per = pack({"rng": self._rng_at or capture_rng(), "state": {k: o.state_dict() for k, o in self._extra.items()},
-                    "step": self._count, "world_size": self._world})
+        state = {k: o.state_dict() for k, o in self._extra.items()}
+        state.update(self._loaders_at or {})  # a deferred boundary: the loaders as at engine.step()
+        per = pack({"rng": self._rng_at or capture_rng(), "state": state, "step": self._count,
+                    "world_size": self._world})
         tmp = staging_dir(f"deepspeed-{self._rank}")  # receives only DeepSpeed's recovery scripts (rank 0)
         try:
             ce = SpotguardCheckpointEngine(self._storage, key, os.path.join(tmp, _TAG))

@@ -14,10 +14,19 @@ at the step it is finishing) and writes S from the background:
   until the exit; an ordinary checkpoint only until they are copied to the host (else a
   write longer than the notice's window ran the hold out: exit 75 on a rebalance). Forward and backward of the next iteration go on meanwhile: they
   touch gradients and ZeRO's reduction buckets, which a checkpoint does not hold.
-- **What moves between steps** (RNG, the ``add_state`` objects: data position,
+- **What moves between steps** (RNG, the ``add_state`` loaders: data position,
   samplers; the module's persistent buffers) is copied at the end of every
   ``engine.step()`` (``_ds_step_end``: microseconds for a data position and the RNG),
   so the round writes it as it was at S's end.
+- **What the loop changes after the step** (the other ``add_state`` objects: an EMA
+  updated right after ``engine.step()``, a meter) is read as at the *anchor* of
+  iteration S+1, the engine's first training forward after S (as the plain hook's
+  ``_copy_at_anchor``): the small ones (``ANCHOR_COPY_BYTES``) are copied there every
+  iteration, a large one (an EMA: a model copy) is read by the round once the anchor
+  has passed (it does not change again before the held ``engine.step()`` after S). A
+  round that starts before the anchor waits for it, or for the end of training
+  (``destroy_process_group()``: the loop's work is over), bounded as the plain hook's
+  ``_small_state``; past that nothing is committed (the state of S's end is not known).
 - **How it is written**: DeepSpeed's own layout and dicts
   (``engine._common_checkpoint_state``, the ZeRO optimizer's ``state_dict()``, the
   file names of ``_get_ckpt_name``/``_get_zero_ckpt_name``) through
@@ -54,7 +63,8 @@ from ..dist import NO_DEADLINE_MS
 from ..save import _Result
 from ..settings import HANDED_OVER, HOLD_SLACK, LEVEL_NONE
 from ..periodic import stage_state_dict
-from ..state import capture_rng, pack
+from ..save import ANCHOR_COPY_BYTES, _tensor_bytes
+from ..state import capture_rng, copy_state, pack
 
 __all__ = ["AnyMomentMixin", "any_moment_refusal"]
 
@@ -100,6 +110,75 @@ class AnyMomentMixin:
     # this mixes into: that module imports this one, so no import back)
     _checkpoint_engine: Callable[..., Any]
     _ds_small: Optional[tuple[int, dict[str, Any], dict[str, Any], dict[str, torch.Tensor], Optional[str]]]
+    _extra: dict[str, Any]
+    _outside: list[Any]
+    _ds_fwd: int = -1  # the step whose anchor (the first training forward after it) has passed
+    _ds_anchor_copy: Optional[tuple[int, Optional[dict[str, Any]]]] = None  # (step, small objects copied there)
+    _ds_small_keys: Optional[list[str]] = None  # the anchored objects copied at every anchor (decided at the first)
+    _ds_ended = False  # destroy_process_group() came: the loop's work is over
+
+    # ------------------------------------------------------------------ which add_state object is read where
+
+    def _ds_loaders(self) -> list[str]:
+        """``add_state`` keys read at the step's end: iterables (a loader, a sampler: the next batch is taken
+        before the next forward), as the plain hook's loaders (``state.classify``)."""
+        return [k for k, o in self._extra.items() if hasattr(o, "__iter__") or hasattr(o, "__next__")]
+
+    def _anchored(self) -> list[str]:
+        """``add_state`` keys read at the anchor of the next iteration (an EMA, a meter): neither a loader nor a
+        scheduler the hook follows (read after its own step)."""
+        loaders = set(self._ds_loaders())
+        return [k for k, o in self._extra.items() if k not in loaders and not any(o is s for s in self._outside)]
+
+    def _ds_at_anchor(self) -> None:
+        """Engine forward pre-hook (training thread): the first training forward (grad enabled) after step S is
+        the end of iteration S's post-step work; copy the small anchored objects as they are here."""
+        if not torch.is_grad_enabled() or self._ds_fwd == self._count:
+            return
+        copies: Optional[dict[str, Any]] = None
+        try:
+            keys = self._ds_small_keys
+            if keys is None:
+                keys = self._ds_small_keys = [k for k in self._anchored()
+                                              if _tensor_bytes(self._extra[k].state_dict()) <= ANCHOR_COPY_BYTES]
+            copies = {k: copy_state(self._extra[k].state_dict()) for k in keys}
+        except Exception:  # noqa: BLE001 - the user's object: a round reads it live and reports what raised
+            copies = None
+        with self._cv:
+            self._ds_fwd = self._count
+            self._ds_anchor_copy = (self._count, copies)
+            self._cv.notify_all()
+
+    def _ds_anchor_states(self, step: int, t_end: float) -> Any:
+        """(training thread held after S) The anchored objects' state dicts as at the anchor of the iteration
+        after ``step`` (or the end of training), read from the round; a str: why not (bounded by ``t_end``)."""
+        keys = self._anchored()
+        if not keys:
+            return {}
+        now = time.monotonic()  # as the plain hook's _small_state: wait while the save still fits, always a little
+        latest = max(now + min(1.0, max(0.0, t_end - now) / 3),
+                     t_end - max(0.5, getattr(self, "_last_save_seconds", 1.0) * 1.5))
+        with self._cv:
+            while self._ds_fwd != step and not self._ds_ended and self._exit_request is None and \
+                    time.monotonic() < latest:
+                self._cv.wait(min(0.1, max(0.0, latest - time.monotonic())))
+            if self._ds_fwd != step and not self._ds_ended:
+                return (f"the loop's work after step {step} was not seen to end (no training forward of the engine "
+                        "and no end of training since) before the save had to start to make the deadline: the "
+                        "add_state objects of the end of that iteration are not known, nothing is committed")
+            got = self._ds_anchor_copy if self._ds_fwd == step else None
+        copies = dict(got[1] or {}) if got is not None and got[0] == step else {}
+        try:
+            live = {k: self._extra[k].state_dict() for k in keys if k not in copies}
+            return {**copies, **copy.deepcopy(live)} if live else copies
+        except Exception as exc:  # noqa: BLE001 - the user's object: the round fails with it
+            return f"state_dict() at the anchor after step {step} raised {type(exc).__name__}: {exc}"
+
+    def _serve_last_round(self, timeout: float) -> None:  # exit.py: destroy_process_group() after the last step
+        with self._cv:
+            self._ds_ended = True  # a round waiting for the next anchor takes the state now: the loop is over
+            self._cv.notify_all()
+        super()._serve_last_round(timeout)  # type: ignore[misc]
 
     # ------------------------------------------------------------------ the path
 
@@ -166,8 +245,12 @@ class AnyMomentMixin:
 
         Why: the iterations after S are thrown away anyway, and a forward/backward started now would take the
         CPU, memory bandwidth and GIL the save needs in the VM's last seconds; the start of a forward is outside
-        every ZeRO collective, so holding there blocks no peer that is not about to be held too."""
-        if self._round_action != "emergency" or not self._ds_any:
+        every ZeRO collective, so holding there blocks no peer that is not about to be held too. The anchor's
+        copy comes first: this forward is the anchor a round of S waits for."""
+        self._ds_at_anchor()
+        if self._round_action != "emergency" or not self._ds_any or \
+                (not torch.is_grad_enabled() and self._ds_fwd != self._count and self._anchored()):  # an evaluation
+            # the round may wait for that anchor: holding here would keep it from coming
             self._exit_if_requested()
             return
         with self._cv:
@@ -218,10 +301,11 @@ class AnyMomentMixin:
 
     def _ds_capture(self, step: int) -> tuple[int, dict[str, Any], dict[str, Any], dict[str, torch.Tensor],
                                               Optional[str]]:
-        """(step, RNG, add_state objects' state dicts, persistent buffers, error): copies, as at the step's end."""
+        """(step, RNG, add_state loaders' state dicts, persistent buffers, error): copies, as at the step's end
+        (the other add_state objects are read at the next anchor: ``_ds_anchor_states``)."""
         rng = capture_rng()
         try:
-            states = copy.deepcopy({k: o.state_dict() for k, o in self._extra.items()})
+            states = {k: copy_state(self._extra[k].state_dict()) for k in self._ds_loaders()}
             bufs = {name: self.engine.module.get_buffer(name).detach().clone() for name in self._ds_buffers}
         except Exception as exc:  # noqa: BLE001 - the user's object: a round for this step fails with it
             return step, rng, {}, {}, f"state_dict() at step {step} raised {type(exc).__name__}: {exc}"
@@ -249,6 +333,11 @@ class AnyMomentMixin:
         if small is None or small[0] != step:
             return self._fail(notice, step, f"this rank did not reach the end of step {step} in time", t0,
                               peers_ok=True)
+        anchored = self._ds_anchor_states(step, t_end)
+        if isinstance(anchored, str):  # as the plain hook's small state: nothing of S is written
+            self._release_hold(keep_target=hold)
+            return self._fail(notice, step, anchored, t0, peers_ok=True)
+        small = (small[0], small[1], {**small[2], **anchored}, small[3], small[4])
         if hold:  # an emergency: written from the live state, the step held until the exit
             return self._save(notice, reason, None, group=group, step=step,
                               write=lambda key: self._ds_put(key, self._ds_files(small)),
@@ -274,7 +363,8 @@ class AnyMomentMixin:
     def _ds_files(self, small: tuple[int, dict[str, Any], dict[str, Any], dict[str, torch.Tensor],
                                      Optional[str]]) -> dict[str, Any]:
         """This rank's files of step S in DeepSpeed's layout (as ``save_checkpoint`` names and fills them, no
-        collective) and its spotguard file (RNG and ``add_state`` objects at S's end): {relative name: object}."""
+        collective) and its spotguard file (RNG and loaders at S's end, the other ``add_state`` objects at the
+        next anchor): {relative name: object}."""
         from deepspeed.git_version_info import version  # noqa: PLC0415 - deepspeed is this adapter's import
 
         step, rng, states, bufs, err = small

@@ -127,10 +127,12 @@ ds_step = engine.step
 def step_and_record() -> None:
     """The iteration ends inside the ``engine.step()`` that advances ``global_steps``, before the hook's boundary
     (installed after this wrapper, so it runs after it): a notice acted on there exits from inside the step, and
-    the step it commits is recorded as trained (as a user callback ahead of spotguard's under Lightning)."""
+    the step it commits is recorded as trained (as a user callback ahead of spotguard's under Lightning). With
+    ``EXO_EMA`` the iteration ends after the loop's EMA update instead (the hook reads add_state objects at the
+    next iteration's first forward)."""
     before = engine.global_steps
     ds_step()
-    if engine.global_steps != before:
+    if engine.global_steps != before and ema is None:
         _rt.end_iteration(int(engine.global_steps) - 1, state)
 
 
@@ -157,6 +159,7 @@ for i in range(start, _rt.steps()):
         engine.step()  # the hook's boundary when it advances global_steps
     if ema is not None:
         ema.update()
+        _rt.end_iteration(int(engine.global_steps) - 1, state)  # the iteration's post-step work is over
     _rt.phase("after")  # the iteration's record was written at its engine.step()
 _rt.finished(state, _rt.steps())
 torch.distributed.barrier()

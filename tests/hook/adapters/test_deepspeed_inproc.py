@@ -161,6 +161,54 @@ def test_the_any_moment_writer_writes_what_save_checkpoint_writes(engine: Any, t
         _same(ce.load(str(root / "staged" / name)), ce.load(str(root / "theirs" / name)), f"staged {name}")
 
 
+def test_every_with_an_ema_updated_after_the_step_saves_it_with_that_update(engine: Any, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``every=`` and an EMA (a non-loader ``add_state`` object) updated right after ``engine.step()``: each periodic
+    checkpoint of step N holds the EMA with update N (taken at the next training forward, on the boundary path:
+    the any-moment path's periodic save runs at the end of ``engine.step()``, before the update), and an
+    evaluation forward under ``no_grad`` in between is not that anchor."""
+    import time
+
+    from spotguard.hook.state import unpack
+    from spotguard.storage import open_storage
+    from spotguard.storage.commit import scan
+
+    class Ema:
+        def __init__(self) -> None:
+            self.shadow = engine.module.weight.detach().clone()
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"w": self.shadow.clone()}
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            self.shadow.copy_(sd["w"])
+
+    monkeypatch.setenv("SPOTGUARD_SOCKET", str(tmp_path / "no.sock"))
+    ema = Ema()
+    hook = install_preemption_hook(engine, storage=str(tmp_path / "ckpt"), every=0.3)
+    after: dict[int, torch.Tensor] = {}
+    try:
+        hook.add_state("ema", ema)
+        hook.resume()
+        for _ in range(8):
+            loss = engine(torch.ones(2, 4)).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            with torch.no_grad():
+                ema.shadow.lerp_(engine.module.weight.detach(), 0.5)
+                engine(torch.ones(2, 4))  # an evaluation's forward: the post-step work goes on
+                ema.shadow.add_(1.0)
+            after[int(engine.global_steps)] = ema.shadow.clone()
+            time.sleep(0.15)
+    finally:
+        hook.close()
+    steps = [c.step for c in scan(open_storage(str(tmp_path / "ckpt"))) if c.committed]
+    assert steps, "no periodic checkpoint"
+    for n in steps:
+        per = unpack((tmp_path / "ckpt" / f"step-{n:08d}" / "spotguard_rank0.pt").read_bytes(), "rank0")
+        assert torch.equal(per["state"]["ema"]["w"], after[n]), (n, per["state"]["ema"]["w"], after[n])
+
+
 def test_a_scheduler_the_loop_steps_given_to_add_state_is_saved_after_its_step(engine: Any, tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A torch scheduler DeepSpeed does not own, stepped by the loop after ``engine.step()`` and handed to
