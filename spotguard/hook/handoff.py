@@ -33,6 +33,26 @@ it was safe. Here, when some (not all) ranks are doomed:
    A SIGTERM that comes earlier bounds the round from its arrival
    (``notices._bound_running_round``).
 
+When nothing in the DCP state is sharded (DDP, one replicated model: no DTensor or
+ShardedTensor, and every rank holds the same items apart from its per-rank
+state, so DCP's dedup gives all of a doomed rank's items to a survivor —
+``Handoff.replicated_only``, one MAX all-reduce at the write), steps 2 and 3
+change: the doomed ranks take no part in ``dcp.save`` at all. Each writes its
+per-rank state as its own DCP data file (``__<rank>_0.distcp``, the name a save
+by every rank gives it; ``write_own``), is safe once that is durable, and joins
+the handoff gather at once with the file's DCP write results; the survivors
+take that gather *before* their write (``survivors_first``), then run
+``dcp.save`` on the survivors' group and write their files directly (nothing
+serialised into memory first: no doomed rank waits in DCP's gather for it). Their
+files keep their rank in the save's group as name and their coordinator
+(the lowest survivor) adds the doomed ranks' per-rank state to ``.metadata``
+(``survivors_writer``), so the checkpoint reads as one written by every rank.
+Why: in DCP's collectives a doomed rank waited for the survivors' serialisation
+(~0.9 s per GiB), and its first evacuation message (8 bytes: "I write my own
+bytes") for a survivor whose receiver thread was kept from the GIL by that
+serialisation; it had kilobytes of its own to write. ``SPOTGUARD_EVACUATE=always``
+keeps steps 2-3 (its per-rank state goes through a survivor).
+
 Rules kept: the commit record is written only when every byte is in storage
 (the survivors' durable barrier follows their uploads; the doomed ranks' bytes
 were durable or held by a survivor before the handoff); a survivor lost before

@@ -10,6 +10,8 @@ uploads were bounded by rank 1's deadline: nothing was committed.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from datetime import datetime
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from spotguard.hook.elastic import rank_key
-from spotguard.storage.commit import step_dir
+from spotguard.storage.commit import COMMIT_NAME, step_dir
 
 from ._torchrun import TorchRun
 from .test_doomed import MODEL_STEPS, MODELS, assert_models_resume_bitwise, files_by_item, record
@@ -101,3 +103,28 @@ def test_ddp_doomed_rank_is_safe_and_hands_over_before_the_survivor_writes(tmp_p
     [row] = [ln for ln in shown.stdout.splitlines() if ln.split()[:1] == [str(stop)]]
     assert f"notice on rank {doomed}: wrote " in row and "evacuated" not in row, row
     assert_models_resume_bitwise(tmp_path, args, pre, stop)
+
+
+def test_ddp_survivor_lost_after_the_doomed_rank_left_commits_nothing(tmp_path: Path) -> None:
+    """The same DDP save, the survivor killed after the doomed rank wrote its per-rank state and handed over,
+    with the survivor's own files and ``.metadata`` written but no commit yet (a test delay before it):
+    nothing is committed, and the doomed rank leaves without claiming a commit."""
+    store = tmp_path / "ckpt"
+    run = TorchRun(tmp_path / "pre.log", ["--variant", "ddp", "--storage", str(store), "--steps", str(MODEL_STEPS),
+                                          "--phase", "pre", "--notify-at", "4", "--notify-rank", "1"],
+                   script=MODELS, env={"SPOTGUARD_TEST_SAVE_DELAY": "30", "SPOTGUARD_TEST_SAVE_DELAY_RANK": "0"})
+    try:
+        run.wait_for(lambda: bool(run.events("checkpoint_started", 0)) and bool(run.events("checkpoint_handed_over", 1))
+                     and (store / step_dir(run.events("checkpoint_started", 0)[0]["step"]) / ".metadata").exists(),
+                     90, "the doomed rank handed over, the survivor's .metadata written")
+        os.kill(run.pid(0), signal.SIGKILL)
+        run.wait(60)
+    finally:
+        run.kill()
+    step = run.events("checkpoint_started", 0)[0]["step"]
+    assert committed(store) == [] and not (store / step_dir(step) / COMMIT_NAME).exists(), run.tail(60)
+    assert not run.events("checkpoint_committed"), run.tail(60)
+    [safe] = run.events("checkpoint_safe", 1)
+    assert 0 < safe["bytes"] < 1 << 20 and "evacuated_to" not in safe, safe  # its own per-rank state only
+    [left] = run.events("exit", 1)
+    assert left["committed"] is False and _at(safe) <= _at(left), left
