@@ -153,10 +153,10 @@ class Handoff:
         """Every rank of the save's group, at its write (one MAX all-reduce): True when no rank's state dict
         holds a sharded tensor and every rank holds the same items besides its own per-rank state ``own_key``
         (DCP's dedup then gives every item of a doomed rank to a survivor), and no rank is told to evacuate
-        (``SPOTGUARD_EVACUATE=always``: its per-rank state goes through a survivor, as before). Then the doomed ranks stay out of
-        ``dcp.save``: each writes its per-rank state only (``write_own``) and the survivors save among
-        themselves — a doomed rank is safe in the time its kilobytes take, not after the survivors'
-        serialisation, whatever the state size."""
+        (``SPOTGUARD_EVACUATE=always``: its per-rank state goes through a survivor, as before). Then the
+        doomed ranks stay out of ``dcp.save``: each writes its per-rank state only (``write_own``) and the
+        survivors save among themselves — a doomed rank is safe in the time its kilobytes take, not after the
+        survivors' serialisation, whatever the state size."""
         from .evacuate import evacuate_mode  # noqa: PLC0415
 
         sharded, digest = layout_of(sd, own_key)
