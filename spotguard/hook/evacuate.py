@@ -54,7 +54,7 @@ from ..storage.dcp_object import _no_crc32
 from ..storage.staging import minimal_storage
 from . import events as ev
 
-__all__ = ["Evacuation", "evacuate_mode", "pair_ranks", "unique_bytes"]
+__all__ = ["Evacuation", "evacuate_mode", "pair_ranks", "unique_bytes", "upload"]
 
 TAG = 0x5E7A  # P2P tag of every evacuation message (never matches another sender's)
 SUFFIX = ".distcp"
@@ -124,6 +124,23 @@ def unique_bytes(plan: SavePlan) -> int:
             n *= int(s)
         total += n * torch.empty((), dtype=td.properties.dtype).element_size()
     return total
+
+
+def upload(storage: Any, key: str, buf: "bytearray | memoryview") -> None:
+    """One serialised file to storage (its checksum noted in the write log): an object store's parallel part
+    upload where there is one (a shard may be far bigger than one PUT should carry), else the store's atomic
+    whole-file write."""
+    opener = getattr(storage, "open_upload", None)
+    if opener is None:
+        storage.write_bytes(key, buf)
+        return
+    stream = opener(key)
+    try:
+        stream.write(memoryview(buf))
+        stream.close()
+    except BaseException:
+        stream.abort()
+        raise
 
 
 def _int(v: int) -> torch.Tensor:
@@ -438,19 +455,7 @@ class Evacuation:
         return got, time.monotonic() - t0
 
     def _upload(self, key: str, buf: "bytearray | memoryview") -> None:
-        """One received file to storage: an object store's parallel part upload where there is one (a shard
-        may be far bigger than one PUT should carry), else the store's atomic whole-file write."""
-        opener = getattr(self.storage, "open_upload", None)
-        if opener is None:
-            self.storage.write_bytes(key, buf)
-            return
-        stream = opener(key)
-        try:
-            stream.write(memoryview(buf))
-            stream.close()
-        except BaseException:
-            stream.abort()
-            raise
+        upload(self.storage, key, buf)
 
     def _send_ack(self, total: int, src: int) -> None:
         dist.send(_int(total), group=self.group, group_dst=src, tag=TAG)

@@ -33,6 +33,26 @@ it was safe. Here, when some (not all) ranks are doomed:
    A SIGTERM that comes earlier bounds the round from its arrival
    (``notices._bound_running_round``).
 
+When nothing in the DCP state is sharded (DDP, one replicated model: no DTensor or
+ShardedTensor, and every rank holds the same items apart from its per-rank
+state, so DCP's dedup gives all of a doomed rank's items to a survivor —
+``Handoff.replicated_only``, one MAX all-reduce at the write), steps 2 and 3
+change: the doomed ranks take no part in ``dcp.save`` at all. Each writes its
+per-rank state as its own DCP data file (``__<rank>_0.distcp``, the name a save
+by every rank gives it; ``write_own``), is safe once that is durable, and joins
+the handoff gather at once with the file's DCP write results; the survivors
+take that gather *before* their write (``survivors_first``), then run
+``dcp.save`` on the survivors' group and write their files directly (nothing
+serialised into memory first: no doomed rank waits in DCP's gather for it). Their
+files keep their rank in the save's group as name and their coordinator
+(the lowest survivor) adds the doomed ranks' per-rank state to ``.metadata``
+(``survivors_writer``), so the checkpoint reads as one written by every rank.
+Why: in DCP's collectives a doomed rank waited for the survivors' serialisation
+(~0.9 s per GiB), and its first evacuation message (8 bytes: "I write my own
+bytes") for a survivor whose receiver thread was kept from the GIL by that
+serialisation; it had kilobytes of its own to write. ``SPOTGUARD_EVACUATE=always``
+keeps steps 2-3 (its per-rank state goes through a survivor).
+
 Rules kept: the commit record is written only when every byte is in storage
 (the survivors' durable barrier follows their uploads; the doomed ranks' bytes
 were durable or held by a survivor before the handoff); a survivor lost before
@@ -45,6 +65,8 @@ this runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import json
 import time
 from datetime import datetime, timedelta
@@ -54,6 +76,7 @@ import torch
 import torch.distributed as dist
 
 from ..notice import Notice
+from ..storage.base import join_key
 from ..storage.integrity import merge
 from ..timefmt import utcnow
 from . import events as ev
@@ -61,7 +84,7 @@ from .dist import all_max
 from .doomed import writers_record
 from .settings import SAVE_MARGIN, SIGNAL_GRACE
 
-__all__ = ["Handoff", "COMMIT_TAG", "split_for", "finish_split"]
+__all__ = ["Handoff", "COMMIT_TAG", "split_for", "finish_split", "layout_of"]
 
 COMMIT_TAG = 0x5E7B  # P2P tag of the survivors' word to a doomed rank (committed, bytes)
 
@@ -80,6 +103,10 @@ class Handoff:
         self.deadline = deadline + timedelta(seconds=SIGNAL_GRACE)
         left = (self.deadline - utcnow()).total_seconds()
         self.t_survivors = time.monotonic() + left - min(SAVE_MARGIN, max(0.0, left) / 2)
+        self.replicated = False  # nothing sharded: the doomed ranks stay out of dcp.save (``replicated_only``)
+        self.own: Any = None  # doomed, replicated: the DCP write results and metadata of my per-rank state
+        self.owns: list[Any] = []  # survivors, replicated: each doomed rank's ``own`` (by rank)
+        self.early: Any = None  # survivors, replicated: the handoff gather's answer, taken before our write
 
     @classmethod
     def create(cls, group: Any, doomed: "Optional[frozenset[int]]", deadline: datetime,
@@ -111,11 +138,83 @@ class Handoff:
 
     def exchange(self, ok: bool, mine: dict[str, Any], info: Any) -> "tuple[bool, list[Any]]":
         """The handoff gather: (every rank's write went well, [(write log, info) of each doomed rank, else
-        None])."""
+        None]). A survivor of a replicated save took it before its write (``survivors_first``): that answer."""
+        if self.early is not None:
+            return self.early
         reports: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(reports, (ok, mine if self.is_doomed else None, info if self.is_doomed else None),
-                               group=self.group)
+        dist.all_gather_object(reports, (ok, mine if self.is_doomed else None, info if self.is_doomed else None,
+                                         self.own if self.is_doomed else None), group=self.group)
+        self.owns = [r[3] if r else None for r in reports]
         return all(bool(r and r[0]) for r in reports), [(r[1], r[2]) if r else None for r in reports]
+
+    # ------------------------------------------------------------------ replicated state (DDP): no doomed bytes in DCP
+
+    def replicated_only(self, sd: dict[str, Any], own_key: str) -> bool:
+        """Every rank of the save's group, at its write (one MAX all-reduce): True when no rank's state dict
+        holds a sharded tensor and every rank holds the same items besides its own per-rank state ``own_key``
+        (DCP's dedup then gives every item of a doomed rank to a survivor), and no rank is told to evacuate
+        (``SPOTGUARD_EVACUATE=always``: its per-rank state goes through a survivor, as before). Then the
+        doomed ranks stay out of ``dcp.save``: each writes its per-rank state only (``write_own``) and the
+        survivors save among themselves — a doomed rank is safe in the time its kilobytes take, not after the
+        survivors' serialisation, whatever the state size."""
+        from .evacuate import evacuate_mode  # noqa: PLC0415
+
+        sharded, digest = layout_of(sd, own_key)
+        forced = evacuate_mode() == "always"  # its per-rank state through a survivor: the evacuation path
+        top = all_max(self.group, [int(sharded or forced), digest, -digest])
+        self.replicated = top[0] == 0 and top[1] == -top[2]
+        return self.replicated
+
+    def write_own(self, storage: Any, key: str, sd: dict[str, Any], own_key: str) -> None:
+        """A doomed rank of a replicated save: its per-rank state as a DCP data file under the name DCP would
+        give it (``__<rank>_0.distcp``), durable on return; the write results and metadata go to the survivors
+        with the handoff, and their coordinator lists them in ``.metadata``."""
+        from torch.distributed.checkpoint import DefaultSavePlanner  # noqa: PLC0415
+        from torch.distributed.checkpoint.filesystem import _StoragePrefix  # noqa: PLC0415
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata  # noqa: PLC0415
+
+        from .evacuate import _serialise, upload  # noqa: PLC0415
+
+        planner = DefaultSavePlanner()
+        planner.set_up_planner({own_key: sd[own_key]}, is_coordinator=False)
+        plan = dataclasses.replace(planner.create_local_plan(), storage_data=_StoragePrefix(f"__{self.rank}_"))
+        results, files = _serialise(plan, planner)
+        for name, data in files.items():  # my write log notes each checksum, as the storage writer would
+            upload(storage, join_key(key, name), data)
+        self.own = (results, {i.index.fqn: BytesStorageMetadata() for i in plan.items}, plan.planner_data)
+
+    def survivors_first(self) -> None:
+        """A survivor of a replicated save, before its write: the handoff gather (the doomed ranks' own
+        results). A doomed rank that failed to write fails the save on every rank, as after a write."""
+        self.early = self.exchange(True, {}, None)  # kept: ``finish_split`` asks again
+        if not self.early[0]:
+            raise RuntimeError("a doomed rank failed to write its per-rank state")
+
+    def survivors_writer(self, writer: Any) -> Any:
+        """``writer`` for the survivors' ``dcp.save`` on their own group: each survivor's files keep the name
+        of its rank in the save's group (``__<rank>_``, not its rank among the survivors: no clash with a
+        doomed rank's file, the layout of a save by every rank), and the coordinator's ``.metadata`` also
+        lists the doomed ranks' per-rank state."""
+        prepare, finish = writer.prepare_global_plan, writer.finish
+
+        def prepare_global_plan(plans: list[Any]) -> list[Any]:
+            out = prepare(plans)
+            return [_renamed(p, i, r) for i, (p, r) in enumerate(zip(out, self.survivors))]
+
+        def finish_with_doomed(metadata: Any, results: list[Any]) -> Any:
+            results = list(results)
+            for own in self.owns:
+                if own is None:
+                    continue
+                res, md, mappings = own
+                results.append(res)
+                metadata.state_dict_metadata.update(md)
+                if isinstance(metadata.planner_data, dict) and isinstance(mappings, dict):
+                    metadata.planner_data.update(mappings)
+            return finish(metadata, results)
+
+        writer.prepare_global_plan, writer.finish = prepare_global_plan, finish_with_doomed
+        return writer
 
     # ------------------------------------------------------------------ doomed
 
@@ -181,6 +280,28 @@ class Handoff:
                 pass
 
 
+def layout_of(sd: dict[str, Any], own_key: str) -> "tuple[bool, int]":
+    """(whether ``sd`` cannot be left to the survivors — a DTensor/ShardedTensor anywhere, or no plain per-rank
+    state under ``own_key`` —, a digest of its DCP item names besides ``own_key``)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor  # noqa: PLC0415
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # noqa: PLC0415
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    flat, _ = flatten_state_dict(sd)
+    sharded = any(isinstance(v, (DTensor, ShardedTensor)) for v in flat.values()) or \
+        own_key not in flat or isinstance(flat[own_key], torch.Tensor)
+    names = "\0".join(sorted(k for k in flat if k != own_key)).encode()
+    return sharded, int.from_bytes(hashlib.blake2b(names, digest_size=7).digest(), "big")
+
+
+def _renamed(plan: Any, i: int, rank: int) -> Any:
+    """A survivor's plan (index ``i`` among the survivors) with DCP's ``__<i>_`` file prefix made ``__<rank>_``."""
+    prefix = getattr(plan.storage_data, "prefix", None)
+    if prefix != f"__{i}_":
+        return plan
+    return dataclasses.replace(plan, storage_data=dataclasses.replace(plan.storage_data, prefix=f"__{rank}_"))
+
+
 # ---------------------------------------------------------------------- the save's side (``save._save``)
 
 
@@ -233,9 +354,10 @@ def finish_split(hook: Any, split: Handoff, notice: Notice, reason: str, step: i
     stage, outcome, writers = "survivors-upload", ("error", ""), None
     try:
         why = hook._evac.wait_uploads(split.t_survivors) if hook._evac is not None else None
+        why = why or err  # (a replicated save's handoff came before our write: it may have failed since)
         stage = "survivors-durable-barrier"
         if not split.all_ok(why is None):
-            raise RuntimeError(why or "another survivor failed to upload its shards")
+            raise RuntimeError(why or "another survivor failed to write or upload its shards")
         stage = "survivors-gather"
         mine = hook._storage.write_log.take(key)
         written, infos = split.commit_inputs(mine, {**hook._safe.info(), "bytes": sum(d.size for d in mine.values())},

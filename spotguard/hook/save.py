@@ -344,13 +344,33 @@ class SaveMixin:
         to let their trainer write its own format. Durability and the commit
         record are ``_save``'s job.
         """
+        self._dcp_save(self._save_state_dict(snap), key, self._group, None)
+
+    def _dcp_save(self, sd: dict[str, Any], key: str, group: Any, cancel: Any) -> None:
+        """``dcp.save`` of ``sd`` under ``key`` on ``group``. A save handed to the survivors (``handoff.py``)
+        whose state nothing shards (DDP: every item replicated, ``Handoff.replicated_only``): a doomed rank
+        writes its per-rank state only, durable on return, and the survivors run ``dcp.save`` on their own
+        group — the doomed ranks have no other bytes DCP would give them, and waiting in its collectives made
+        them wait for the survivors' writes."""
         import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 
-        sd = self._save_state_dict(snap)
-        with warnings.catch_warnings():
+        split, own = getattr(self, "_split", None), self._rank_key(self._rank)
+        mark = getattr(self, "_safe", None)
+        if split is not None and mark is not None and plan_around_doomed() and split.replicated_only(sd, own):
+            mark.evac = self._evac = None  # nothing unique to evacuate; the survivors write as they would
+            mark.planned = "survivors"
+            if split.is_doomed:
+                split.write_own(self._storage, key, sd, own)
+                mark.mark()
+                return
+            split.survivors_first()
+            writer, group, planner = split.survivors_writer(self._dcp_storage_writer(key)), split.sgroup, \
+                _planner(cancel, None)
+        else:
+            writer, planner = self._dcp_storage_writer(key), self._save_planner(cancel)
+        with warnings.catch_warnings():  # a single process: DCP's "assuming a single process" note
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.save(sd, storage_writer=self._dcp_storage_writer(key), process_group=self._group,
-                     planner=self._save_planner(None))
+            dcp.save(sd, storage_writer=writer, process_group=group, planner=planner)
 
     def _doomed_now(self, group: Any) -> "Optional[frozenset[int]]":
         """Every rank, right before the write: when the round doomed some ranks only, ask again (a notice that
@@ -608,12 +628,7 @@ class SaveMixin:
     def _dcp_writer(self, sd: dict[str, Any], group: Any, validate: bool,
                     cancel: Any = None) -> Callable[[str], None]:
         def write(key: str) -> None:
-            import torch.distributed.checkpoint as dcp  # noqa: PLC0415
-
-            with warnings.catch_warnings():  # a single process: DCP's "assuming a single process" note
-                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                dcp.save(sd, storage_writer=self._dcp_storage_writer(key), process_group=group,
-                         planner=self._save_planner(cancel))
+            self._dcp_save(sd, key, group, cancel)
             if validate:  # written from live tensors: still the state of S at the end of the write?
                 why = self._watch.changed(getattr(self, "_live_mark", None))
                 self._live_moved = why

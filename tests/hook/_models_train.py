@@ -3,7 +3,8 @@
 ``--variant two-opts`` (two models, two optimizers, GAN-style), ``compile`` (``torch.compile`` under DDP),
 ``fsdp2`` (``fully_shard`` on a CPU device mesh), ``scaler`` (DDP + ``torch.amp.GradScaler``, whose scale
 starts so high that it overflows and skips ``optimizer.step()`` now and then: the hook's clock is then
-``scaler.update()``; lines carry the scale). ``--phase pre`` first runs the uninterrupted reference
+``scaler.update()``; lines carry the scale), ``ddp`` (plain DDP; ``--frozen-mib`` adds a large frozen
+table to its state). ``--phase pre`` first runs the uninterrupted reference
 loop without spotguard (``{"ref": step, "hex": loss}`` lines), then the same loop with the hook and a
 notice handed to every rank at step ``--notify-at`` (exits 143); ``--phase resume`` resumes and runs to
 ``--steps`` (``{"step": step, "hex": loss}``). Rank 0 prints.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -24,7 +26,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-def build(variant: str) -> tuple[dict[str, Any], Callable[[torch.Tensor], torch.Tensor]]:
+def build(variant: str, frozen_mib: int = 0) -> tuple[dict[str, Any], Callable[[torch.Tensor], torch.Tensor]]:
     torch.manual_seed(0)
     if variant == "two-opts":
         gen, disc = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
@@ -44,9 +46,11 @@ def build(variant: str) -> tuple[dict[str, Any], Callable[[torch.Tensor], torch.
 
         return {"gen": g, "disc": d, "opt_d": opt_d, "opt_g": opt_g}, step
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    if frozen_mib:  # a large replicated state: a frozen table (in the model's state, never trained)
+        net.register_parameter("table", torch.nn.Parameter(torch.randn(frozen_mib * 2**18), requires_grad=False))
     if variant == "compile":
         model: Any = DDP(torch.compile(net, backend="eager"))
-    elif variant == "scaler":
+    elif variant in ("scaler", "ddp"):
         model = DDP(net)
     elif variant == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -116,6 +120,52 @@ def slow_store(root: str, seconds: float, fail: bool = False) -> Any:
     return Slow(root)
 
 
+class _Tee:
+    """stderr (where the hook's JSON lines go), also touching ``marker`` once this rank logs
+    ``checkpoint_handed_over``: what ``--survivor-waits`` waits for."""
+
+    def __init__(self, inner: Any, marker: str) -> None:
+        self.inner, self.marker = inner, marker
+
+    def write(self, text: str) -> int:
+        n = self.inner.write(text)
+        if '"checkpoint_handed_over"' in text:
+            self.inner.flush()
+            open(self.marker, "w").close()
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def waiting_store(root: str, marker: str) -> Any:
+    """A local store whose DCP writer's local plan (``prepare_local_plan``: before this rank's write and the
+    save's gathers) first waits, at most ``HANDOVER_WAIT_S``, for ``marker`` (a doomed rank handed its save
+    over): it prints whether that came before this rank's part of ``dcp.save`` began."""
+    from spotguard.storage.local import LocalStorage
+
+    class Waiting(LocalStorage):
+        def dcp_writer(self, key: str, **kw: Any) -> Any:
+            writer = super().dcp_writer(key, **kw)
+            orig = writer.prepare_local_plan
+
+            def prepare_local_plan(plan: Any) -> Any:
+                t0 = time.monotonic()
+                while not os.path.exists(marker) and time.monotonic() - t0 < HANDOVER_WAIT_S:
+                    time.sleep(0.02)  # polling a file another process creates: nothing to await
+                print(json.dumps({"survivor_write": dist.get_rank(), "handover_before_write": os.path.exists(marker),
+                                  "waited": round(time.monotonic() - t0, 3)}), flush=True)
+                return orig(plan)
+
+            writer.prepare_local_plan = prepare_local_plan
+            return writer
+
+    return Waiting(root)
+
+
+HANDOVER_WAIT_S = 20.0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--variant", required=True)
@@ -129,6 +179,9 @@ def main() -> int:
     p.add_argument("--slow-upload", type=float, default=0.0,
                    help="seconds each whole-file upload of a data file takes (a survivor's, a slow link)")
     p.add_argument("--fail-upload", action="store_true", help="each slow whole-file data upload then fails")
+    p.add_argument("--frozen-mib", type=int, default=0, help="a frozen replicated table of this size in the model")
+    p.add_argument("--survivor-waits", action="store_true",
+                   help="ranks without the notice start their DCP data write only once a doomed rank handed over")
     p.add_argument("--also", default="", help="RANK,KIND,SECONDS[,AFTER]: a second notice to that rank, right after (or AFTER s)")
     args = p.parse_args()
     dist.init_process_group("gloo")
@@ -140,18 +193,25 @@ def main() -> int:
             print(json.dumps(kw), flush=True)
 
     if args.phase == "pre":
-        ref_state, step = build(args.variant)
+        ref_state, step = build(args.variant, args.frozen_mib)
         for i in range(args.steps):
             out(ref=i, hex=step(batch(i, args.variant)).item().hex(), **extra(ref_state))
+        del ref_state
 
     from spotguard import install_preemption_hook
     from spotguard.notice import Notice
     from spotguard.timefmt import utcnow
 
-    state, step = build(args.variant)
-    hook = install_preemption_hook(state, storage=slow_store(args.storage, args.slow_upload, args.fail_upload)
-                                   if args.slow_upload
-                                   else args.storage)
+    state, step = build(args.variant, args.frozen_mib)
+    marker = f"{args.storage}.handed-over"
+    if args.survivor_waits:
+        sys.stderr = _Tee(sys.stderr, marker)  # before the hook configures its log stream
+    store: Any = args.storage
+    if args.slow_upload:
+        store = slow_store(args.storage, args.slow_upload, args.fail_upload)
+    elif args.survivor_waits and args.phase == "pre" and rank not in args.notify_rank:
+        store = waiting_store(args.storage, marker)
+    hook = install_preemption_hook(state, storage=store)
     start = hook.resume()
     for i in range(start, args.steps):
         if args.phase == "pre" and i == args.notify_at:
