@@ -57,6 +57,7 @@ from . import events as ev
 __all__ = ["Evacuation", "evacuate_mode", "pair_ranks", "unique_bytes", "upload"]
 
 TAG = 0x5E7A  # P2P tag of every evacuation message (never matches another sender's)
+POST_WAIT = 1.0  # s: the save goes on after this even if the receiver thread has not posted its receives
 SUFFIX = ".distcp"
 DEFAULT_RATE = 100 * 2**20  # bytes/s assumed for a rank that has not measured its own write yet
 ITEM_SLACK = 64 << 10  # torch.save's framing per item (zip headers, pickle), generously
@@ -310,15 +311,7 @@ class Evacuation:
             if self.deferred:
                 return self._write_deferred(orig, plan, planner)
             errors: list[BaseException] = []
-
-            def run() -> None:
-                try:
-                    self.receive_all()
-                except BaseException as exc:  # noqa: BLE001 - raised on the save's thread below
-                    errors.append(exc)
-
-            t = threading.Thread(target=run, name="spotguard-evac-recv", daemon=True)
-            t.start()
+            t = self._start_receiving(self.receive_all, errors)
             try:
                 fut = orig(plan, planner)
                 fut.wait()
@@ -329,13 +322,49 @@ class Evacuation:
             return fut
         return write_data
 
-    def receive_all(self) -> None:
+    def _start_receiving(self, work: Callable[[dict[int, Any]], None], errors: list[BaseException]) -> threading.Thread:
+        """Start the receiver thread (``work`` gets each source's posted header receive) and return once every
+        header receive is posted. Why: a doomed rank's first message, its 8-byte header, is a gloo send that
+        blocks until the matching receive is posted, and what this thread does next — its own write, which
+        starts by extending a buffer to its whole file in one call that holds the GIL (~0.9 s per GiB here) —
+        kept a receiver that had not posted yet from running: the doomed rank was safe ~1 s later in about
+        half the trials (``benchmarks/doomed_plan.py`` at 1 GiB: 0.2 s or 1.0 s)."""
+        posted = threading.Event()
+
+        def run() -> None:
+            try:
+                heads = self._post_heads()
+                posted.set()
+                work(heads)
+            except BaseException as exc:  # noqa: BLE001 - raised on the save's thread by the caller
+                errors.append(exc)
+            finally:
+                posted.set()
+
+        t = threading.Thread(target=run, name="spotguard-evac-recv", daemon=True)
+        t.start()
+        posted.wait(POST_WAIT)
+        return t
+
+    def _post_heads(self) -> dict[int, "tuple[torch.Tensor, Any]"]:
+        """The receive of every source's header, posted now (each source's 8-byte send completes at once)."""
+        heads = {}
+        for src in self.sources:
+            h = _int(0)
+            heads[src] = (h, self._post_recv(h, src))
+        return heads
+
+    def _post_recv(self, t: torch.Tensor, src: int) -> Any:
+        return dist.irecv(t, group=self.group, group_src=src, tag=TAG)
+
+    def receive_all(self, heads: "Optional[dict[int, tuple[torch.Tensor, Any]]]" = None) -> None:
         """Take every source's files into host memory, acknowledging each on receipt, and only then upload them
         beside my own. Why this order: a source is *safe* at my acknowledgement, and storage is the slow path
         its deadline cannot afford — a second source (two doomed ranks per survivor, or more doomed ranks than
         survivors) must not wait for the upload of the first one's files. The price: every source's files are
         in my host memory at once (the sum of their unique shards) until uploaded."""
-        self._upload_held([(src, *self._receive(src)) for src in self.sources])
+        heads = self._post_heads() if heads is None else heads
+        self._upload_held([(src, *self._receive(src, heads[src])) for src in self.sources])
 
     def _upload_held(self, held: "list[tuple[int, list[tuple[str, bytearray]], float]]") -> None:
         for src, got, received in held:
@@ -364,15 +393,8 @@ class Evacuation:
             self.budget -= own
         held: list[tuple[int, list[tuple[str, bytearray]], float]] = []
         errors: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                held.extend((src, *self._receive(src)) for src in self.sources)
-            except BaseException as exc:  # noqa: BLE001 - raised on the save's thread below
-                errors.append(exc)
-
-        t = threading.Thread(target=run, name="spotguard-evac-recv", daemon=True)
-        t.start()
+        t = self._start_receiving(lambda heads: held.extend((src, *self._receive(src, heads[src]))
+                                                           for src in self.sources), errors)
         files: dict[str, memoryview] = {}
         try:
             results: Any = None
@@ -418,11 +440,11 @@ class Evacuation:
             return f"{type(exc).__name__}: {exc}"
         return None
 
-    def _receive(self, src: int) -> tuple[list[tuple[str, bytearray]], float]:
+    def _receive(self, src: int, posted: "tuple[torch.Tensor, Any]") -> tuple[list[tuple[str, bytearray]], float]:
         """One doomed rank's files in host memory, acknowledged: ([(name, bytes)], seconds to receive them);
-        ([], 0.0) when it writes its own files."""
-        head = _int(0)
-        self._recv(head, src)
+        ([], 0.0) when it writes its own files. ``posted``: its header's receive (``_start_receiving``)."""
+        head, work = posted
+        work.wait()  # as ``dist.recv``: bounded by the group's timeout (the notice's deadline)
         n = int(head[0])
         if n == 0:
             return [], 0.0  # it writes its own files
