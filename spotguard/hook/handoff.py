@@ -149,19 +149,20 @@ class Handoff:
 
     # ------------------------------------------------------------------ replicated state (DDP): no doomed bytes in DCP
 
-    def replicated_only(self, sd: dict[str, Any], own_key: str) -> bool:
+    def replicated_only(self, sd: dict[str, Any], own_key: str, off: bool = False) -> bool:
         """Every rank of the save's group, at its write (one MAX all-reduce): True when no rank's state dict
         holds a sharded tensor and every rank holds the same items besides its own per-rank state ``own_key``
         (DCP's dedup then gives every item of a doomed rank to a survivor), and no rank is told to evacuate
         (``SPOTGUARD_EVACUATE=always``: its per-rank state goes through a survivor, as before). Then the
         doomed ranks stay out of ``dcp.save``: each writes its per-rank state only (``write_own``) and the
         survivors save among themselves — a doomed rank is safe in the time its kilobytes take, not after the
-        survivors' serialisation, whatever the state size."""
+        survivors' serialisation, whatever the state size. ``off`` (this rank's ``SPOTGUARD_SURVIVORS_PLAN=0``)
+        keeps every rank on the old path: the knob is read per process, so it is agreed here, not assumed."""
         from .evacuate import evacuate_mode  # noqa: PLC0415
 
         sharded, digest = layout_of(sd, own_key)
         forced = evacuate_mode() == "always"  # its per-rank state through a survivor: the evacuation path
-        top = all_max(self.group, [int(sharded or forced), digest, -digest])
+        top = all_max(self.group, [int(sharded or forced or off), digest, -digest])
         self.replicated = top[0] == 0 and top[1] == -top[2]
         return self.replicated
 

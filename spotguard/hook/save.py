@@ -356,7 +356,9 @@ class SaveMixin:
 
         split, own = getattr(self, "_split", None), self._rank_key(self._rank)
         mark = getattr(self, "_safe", None)
-        if split is not None and mark is not None and plan_around_doomed() and split.replicated_only(sd, own):
+        # (every rank takes replicated_only's all-reduce: $SPOTGUARD_SURVIVORS_PLAN is read per process, and a rank
+        # that skipped it would meet the others' all-reduce with dcp.save's gather)
+        if split is not None and mark is not None and split.replicated_only(sd, own, off=not plan_around_doomed()):
             mark.evac = self._evac = None  # nothing unique to evacuate; the survivors write as they would
             mark.planned = "survivors"
             if split.is_doomed:

@@ -183,7 +183,12 @@ def main() -> int:
     p.add_argument("--survivor-waits", action="store_true",
                    help="ranks without the notice start their DCP data write only once a doomed rank handed over")
     p.add_argument("--also", default="", help="RANK,KIND,SECONDS[,AFTER]: a second notice to that rank, right after (or AFTER s)")
+    p.add_argument("--rank-env", default="", help="RANK:NAME=VALUE: that env var set on that rank only (a node "
+                   "whose environment differs from the others')")
     args = p.parse_args()
+    if args.rank_env and args.rank_env.split(":", 1)[0] == os.environ.get("RANK"):
+        name, _, value = args.rank_env.split(":", 1)[1].partition("=")
+        os.environ[name] = value
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
