@@ -47,6 +47,7 @@ import copy
 import ctypes
 import io
 import random
+import struct
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional
@@ -213,52 +214,83 @@ def classify(state: Mapping[str, Any], scope: Mapping[str, str] | None = None) -
 
 
 class _NumpyGlobalRng:
-    """``np.random``'s global (legacy) state, captured in ~1 µs while no draw has moved it.
+    """``np.random``'s global (legacy) state, captured in ~1 µs while nothing has moved it.
 
     Why: ``np.random.get_state()`` costs ~45 µs (numpy copies the 624-word MT19937 key one element at a
     time) and the hook captures the RNG after every optimizer step — a third of its per-step cost. The
-    generator's raw state (key + position, read through numpy's own ``ctypes.state_address``) is 2,500
-    bytes compared in ~1 µs: equal to the last capture's means no draw moved it, so that capture still
-    holds. Not while a cached Gaussian is pending (legacy ``randn``/``normal`` hand it out without moving
-    the key), not for another bit generator, and never again if the raw bytes ever disagree with
-    ``get_state()`` (a numpy whose layout differs): then every capture is a full ``get_state()``.
+    whole legacy state is read raw instead and compared with the last capture's: the generator's key and
+    position (2,500 bytes through numpy's own ``ctypes.state_address``) and the ``RandomState``'s cached
+    Gaussian (``has_gauss``, ``gauss``: its ``_aug_state``, found once inside the object by the pointer it
+    holds to the bit generator's state, within the object's size). Equal means ``get_state()`` would return
+    the last capture. A state loaded by ``set_state`` with the same key but a pending Gaussian differs there
+    (the reviewer's case: the hook's own rewind restored such a state and got the older capture back). Every
+    full capture checks the raw read against ``get_state()``; one disagreement (another numpy layout, another
+    bit generator) turns the shortcut off for good. Not while a Gaussian is pending either (conservative).
     """
 
     _RAW = 624 * 4 + 4  # uint32 key[624]; int pos  (numpy/random/src/mt19937/mt19937.h)
+    _P = ctypes.sizeof(ctypes.c_void_p)
 
     def __init__(self) -> None:
         self._raw: Optional[bytes] = None
         self._state: Any = None
         self._usable = True
+        self._aug: Optional[tuple[int, int]] = None  # (id of the RandomState, offset of its _aug_state)
+
+    def _locate_aug(self, rs: Any, state_address: int) -> Optional[int]:
+        """Offset of ``aug_bitgen_t {bitgen_t *bit_generator; int has_gauss; double gauss}`` in ``rs``: right
+        after its ``bitgen_t _bitgen`` (5 pointers, the first being ``state_address``), and pointing back to it."""
+        size, p, base = type(rs).__basicsize__, self._P, id(rs)
+        words = (ctypes.c_size_t * (size // p)).from_address(base)
+        for k in range(size // p):
+            aug = (k + 5) * p
+            if words[k] == state_address and aug + 3 * p <= size and words[k + 5] == base + k * p:
+                return aug
+        return None
 
     def _read_raw(self, np: Any) -> Optional[bytes]:
         if not self._usable:
             return None
         try:
-            bg = np.random.get_state.__self__._bit_generator
+            rs = np.random.get_state.__self__
+            bg = rs._bit_generator
             if type(bg).__name__ != "MT19937":
                 return None
-            return ctypes.string_at(bg.ctypes.state_address, self._RAW)
+            addr = bg.ctypes.state_address
+            if self._aug is None or self._aug[0] != id(rs):
+                aug = self._locate_aug(rs, addr)
+                if aug is None:
+                    self._usable = False
+                    return None
+                self._aug = (id(rs), aug)
+            base = id(rs) + self._aug[1]
+            return ctypes.string_at(addr, self._RAW) + \
+                ctypes.c_int.from_address(base + self._P).value.to_bytes(4, sys.byteorder, signed=True) + \
+                ctypes.string_at(base + 2 * self._P, 8)
         except Exception:  # noqa: BLE001 - no such attribute in this numpy: the full path always
             self._usable = False
             return None
+
+    def _agrees(self, raw: bytes, st: Any) -> bool:
+        try:
+            n = self._RAW
+            return bool(st[0] == "MT19937" and raw[: n - 4] == st[1].tobytes()
+                        and int.from_bytes(raw[n - 4:n], sys.byteorder, signed=True) == int(st[2])
+                        and int.from_bytes(raw[n:n + 4], sys.byteorder, signed=True) == int(st[3])
+                        and raw[n + 4:] == struct.pack("=d", float(st[4])))
+        except Exception:  # noqa: BLE001
+            return False
 
     def capture(self, np: Any) -> Any:
         raw = self._read_raw(np)  # before get_state: a draw in between only makes the next capture a full one
         if raw is not None and raw == self._raw and self._state is not None and not self._state[3]:
             return self._state
         st = np.random.get_state()
-        if raw is not None:
-            try:
-                agrees = (st[0] == "MT19937" and raw[: self._RAW - 4] == st[1].tobytes()
-                          and int.from_bytes(raw[self._RAW - 4:], sys.byteorder, signed=True) == int(st[2]))
-            except Exception:  # noqa: BLE001
-                agrees = False
-            if not agrees:  # moved by another thread in between, or a layout we do not know: decide once more
-                raw = self._read_raw(np)
-                self._usable = raw is not None and raw[: self._RAW - 4] == st[1].tobytes() and \
-                    int.from_bytes(raw[self._RAW - 4:], sys.byteorder, signed=True) == int(st[2])
-                raw = raw if self._usable else None
+        st[1].setflags(write=False)  # one capture may be returned many times: nobody may write into it
+        if raw is not None and not self._agrees(raw, st):
+            raw = self._read_raw(np)  # moved by another thread in between, or a layout we do not know
+            self._usable = raw is not None and self._agrees(raw, st)
+            raw = raw if self._usable else None
         self._raw, self._state = raw, st
         return st
 

@@ -108,3 +108,63 @@ def test_copy_state_is_a_deep_copy(value) -> None:
                 if isinstance(v, (dict, list)):
                     assert got[k] is not v  # nested containers are copied too (deepcopy's path)
     assert got == copy.deepcopy(value)
+
+
+def test_a_state_loaded_with_a_pending_gaussian_and_the_same_key_is_not_the_old_capture() -> None:
+    """Review: set_state of a state whose key/position equal the last capture's but with a cached Gaussian
+    pending (has_gauss 1) returned the older capture (has_gauss 0): the next randn() differed."""
+    np.random.randn()
+    saved = np.random.get_state()
+    assert saved[3] == 1
+    np.random.randn()  # consumes the cached one: same key, has_gauss 0
+    assert capture_rng()["numpy"][3] == 0
+    np.random.set_state(saved)
+    got = capture_rng()["numpy"]
+    assert _same(got, saved)
+    want = np.random.randn()
+    restore_rng({"numpy": got})
+    assert np.random.randn() == want
+
+
+def test_the_hooks_rewind_keeps_the_pending_gaussian_of_step_s() -> None:
+    """The hook's own path (Lightning's rewind: rng_and_buffers_at, then a capture for the checkpoint) with a loop
+    that draws an odd number of np.random.normal() per step."""
+    np.random.normal()
+    at_rng = capture_rng()  # step S: a Gaussian pending
+    want = np.random.normal()
+    np.random.set_state(at_rng["numpy"])
+    np.random.normal()  # step S+1 consumes it
+    with state.rng_and_buffers_at(at_rng, {}, {}):
+        ckpt = capture_rng()
+    restore_rng(ckpt)
+    assert ckpt["numpy"][3] == 1 and np.random.normal() == want
+
+
+def test_the_cached_gaussian_value_is_part_of_the_state() -> None:
+    st = np.random.get_state()
+    capture_rng()
+    np.random.set_state((st[0], st[1], st[2], 0, 0.7))  # no pending Gaussian, but another stored value
+    assert _same(capture_rng()["numpy"], np.random.get_state())
+
+
+def test_a_capture_returned_twice_cannot_be_written_into() -> None:
+    a = capture_rng()["numpy"]
+    b = capture_rng()["numpy"]
+    assert a is b
+    with pytest.raises(ValueError):
+        a[1][0] ^= 1
+    np.random.set_state(a)  # numpy and torch.save take the read-only key
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(a, buf)
+    assert state._NUMPY_RNG._usable
+
+
+def test_the_shortcut_is_on_with_this_numpy() -> None:
+    """If numpy's layout changed under us the shortcut turns itself off (safe): this says so loudly."""
+    capture_rng()
+    capture_rng()
+    assert state._NUMPY_RNG._usable and state._NUMPY_RNG._aug is not None
