@@ -68,7 +68,7 @@ def test_preempted_worker_restarted_by_failure_config_resumes_exactly(tmp_path: 
                  "--out", str(tmp_path / "ref.pt"), "--step-time", "0")]
     try:
         runs.append(_Ray(tmp_path, "preempted", "--steps", str(STEPS), "--storage", str(store),
-                         "--preempt-at", "8", "--out", str(tmp_path / "resumed.pt"), "--step-time", "0"))
+                         "--preempt-at", "8", "--out", str(tmp_path / "resumed.pt"), "--step-time", "0.1"))
         (rc, ref_lines, out), (rc_pre, lines, out_pre) = (r.result() for r in runs)
     finally:
         for r in runs:
