@@ -5,9 +5,13 @@ ranks hold one (each rank says so in the round's gather), and the save plan
 then gives every replicated item to the ranks without one
 (``storage/survivors.py``): the doomed ranks write only their per-rank state.
 A doomed rank is *safe* the moment its own bytes are durable (its DCP
-``write_data`` returned); it then stays in the save's collectives until the
-commit or its deadline — leaving earlier would make the launcher restart the
-survivors while they still write. That moment, and the bytes every rank wrote,
+``write_data`` returned, or a survivor holds them: ``evacuate.py``); it then
+leaves the save's collectives and waits idle for the survivors' word that
+the commit landed, or for its own deadline (``handoff.py``; a DDP doomed rank
+takes no part in ``dcp.save`` at all) — exiting earlier would make the launcher
+restart the survivors while they still write. Where no hand-off is planned
+(every rank doomed, ``SPOTGUARD_SURVIVORS_PLAN=0``) it stays in the save's
+collectives until the commit. That moment, and the bytes every rank wrote,
 go into the ``checkpoint_safe``/``checkpoint_committed`` lines and the commit
 record (``extra["writers"]``), which ``spotguard checkpoints`` shows.
 """
@@ -93,7 +97,8 @@ class SafeMark:
             self.bytes = sum(d.size for d in self.storage.write_log.peek(self.key).values())
         if self.doomed:  # evacuated: ``bytes`` is ~0 and the survivor holds ``evacuated_bytes``
             self.log.info(ev.CHECKPOINT_SAFE, bytes=self.bytes, seconds=self.seconds, at=self.at,
-                          waits_for="the commit or the deadline (leaving earlier would restart the survivors)",
+                          waits_for="the commit (the survivors' word after a hand-off) or its deadline: exiting "
+                                    "earlier would restart the survivors",
                           **self._evac_info(), **self.fields)
 
     def _evac_info(self) -> dict[str, Any]:
