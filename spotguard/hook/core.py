@@ -244,6 +244,14 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                 self._opt_key.setdefault(id(base), name)
         self._iter_steps: dict[str, int] = {}
         self._step_pattern: Optional[dict[str, int]] = None
+        # Several optimizers in an implicit loop (no hook.range()/hook.step()): an iteration starts at a step
+        # of the clock (the first optimizer that stepped) that follows another optimizer's step; the clock's
+        # further steps before that (WGAN's n_critic) are inside the iteration: never counted, never a boundary.
+        self._clock_seen = False
+        self._cycle_start = False  # the clock's step in flight starts an iteration (pre-hook -> post-hook)
+        self._cycle_others: dict[str, int] = {}  # the other optimizers' steps in the current iteration
+        self._cycle_pattern: Optional[dict[str, int]] = None
+        self._cycle_warned = False
         self._bwd_since_step = False  # a backward reached the clock's parameters since the last step
         self._train_fwd_seq = 0  # training forwards (train mode, grad enabled) so far
         self._last_fwd_training = False
@@ -644,6 +652,12 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             self._clock = optimizer
         if optimizer is not self._clock:
             return
+        if self._many_opts:
+            self._cycle_start = not self._clock_seen or bool(self._cycle_others)
+            if not self._cycle_start:
+                return  # the clock again before any other optimizer (n_critic): inside the iteration
+            if self._clock_seen:
+                self._check_cycle()
         if not self._bg_on and self._bg is not None and not self._explicit_intent and not self._many_opts:
             self._enable_background()  # no hook.resume(): the first step is where training shows itself
         if self._bg_on and self._scaler is None:  # with a scaler, its step() wrapper is the begin
@@ -664,10 +678,32 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                 return  # the explicit loop's boundary ends the iteration
         if self._scaler is not None:
             return  # GradScaler.update() is the clock
-        if optimizer is self._clock:
+        if optimizer is self._clock and not (self._many_opts and not self._cycle_start):
+            if self._many_opts:
+                self._cycle_start, self._clock_seen, self._cycle_others = False, True, {}
             self._decide()
         elif self._many_opts:
+            if optimizer is not self._clock:
+                name = self._opt_key.get(id(optimizer), "?")
+                self._cycle_others[name] = self._cycle_others.get(name, 0) + 1
             self._snap = Snapshot.take(self._objs.loaders)
+
+    def _check_cycle(self) -> None:
+        """An implicit loop's iteration with several optimizers ended: the other optimizers stepped as often as in
+        the first one, or the count of iterations is no longer proven (said once, with the fix)."""
+        got = dict(self._cycle_others)
+        if self._cycle_pattern is None:
+            self._cycle_pattern = got
+        elif got != self._cycle_pattern and not self._cycle_warned:
+            self._cycle_warned = True
+            self._log.warning(ev.ITERATIONS_UNPROVEN, step=self._count, steps=got, first=self._cycle_pattern,
+                              why="several optimizers in a loop without hook.range()/hook.step(): the hook counts "
+                                  "an iteration at each step of the first optimizer that follows another "
+                                  f"optimizer's; the others stepped {got} in iteration {self._count}, "
+                                  f"{self._cycle_pattern} in the first (a skipped or an extra step), so the "
+                                  "iteration count the checkpoints carry may differ from the loop's",
+                              fix="for i in hook.range(total) (or hook.step() at each iteration's end): the "
+                                  "loop's own boundaries count its iterations")
 
     def _tick(self) -> None:
         """An iteration boundary: how long the iteration took (the boundary path's warning at a notice)."""

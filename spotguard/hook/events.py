@@ -49,6 +49,10 @@ is known, ``notice_id``. Fields per event:
 - ``exit``: notice_id, code (143 / ``exit_code=`` when nothing was lost, 75 when the save failed), step,
   committed (bool: a checkpoint of this run's state at ``step`` is committed), nothing_to_save (bool: the
   notice came before the first step and no checkpoint exists), seconds_since_notice, seconds_left
+- ``iterations_unproven`` (warning, once): step, steps, first, why, fix — several optimizers in a loop without
+  ``hook.range()``/``hook.step()``: an iteration starts at a step of the first optimizer after another
+  optimizer's (WGAN's n_critic steps of D are one iteration); an iteration whose other optimizers stepped
+  otherwise than in the first one makes the count unproven
 - ``not_resumed``: uri, committed_step, step, fix (rank 0, once: training started without ``hook.resume()``
   while the storage already holds a committed checkpoint)
 - ``notice_after_last_step``: notice_id, step (the job finished its work; exit code unchanged)
@@ -82,6 +86,9 @@ RNG_REALIGNED = "rng_realigned"
 #: gradients were discarded without an optimizer step (a NaN guard): the implicit clock counts steps, not
 #: iterations, so hook.resume() would not match the loop's own counter (the fix: hook.range()/hook.step())
 OPTIMIZER_STEP_SKIPPED = "optimizer_step_skipped"
+#: several optimizers in an implicit loop: an iteration's other-optimizer steps differ from the first one's
+#: (a skipped or an extra step), so the learned iteration count may not be the loop's (the fix: hook.range())
+ITERATIONS_UNPROVEN = "iterations_unproven"
 DEADLINE_AT_RISK = "deadline_at_risk"
 CHECKPOINT_LATE = "checkpoint_late"
 DRILL_VERDICT = "drill_verdict"

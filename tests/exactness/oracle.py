@@ -135,17 +135,15 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             what="gan_wild with the original WGAN's clamp_ before each critic step's forward",
             phases=("load", "fwd", "d_step", "g_step", "after", "eval")),
     Pattern("gan_wild_step", "gan_wild.py", env=(("EXO_GW_LOOP", "step"),),
-            what="gan_wild in a hook.resume()/hook.step() loop (its first iteration on the implicit path)",
-            phases=("load", "fwd", "d_step", "g_step", "after", "eval"),
-            open_bug="a notice in the first iteration (before the first hook.step()) is acted on at D's second "
-                     "step's pre-hook: the implicit path takes D's step for an iteration's end, commits step 1 = "
-                     "one D step into iteration 0 (phase:d_step@0: 'committed step 1 > iterations completed 0')"),
-    Pattern("gan_wild_own", "gan_wild.py", env=(("EXO_GW_LOOP", "own"),),
-            what="gan_wild in hook.resume() and a plain loop (implicit: the boundary path)",
-            phases=("load", "fwd", "d_step", "g_step", "after", "eval"),
-            open_bug="n_critic > 1 in an implicit loop: the boundary path counts D's steps as iterations and acts "
-                     "at D's next pre-hook, mid-iteration (phase:d_step@3 committed 'step 7' after 3 iterations; "
-                     "hook.resume() then returns 7)"),
+            what="gan_wild in a hook.resume()/hook.step() loop (its first iteration on the implicit path: a "
+                 "notice in it is acted on at the first boundary, never at D's second step)",
+            phases=("load", "fwd", "d_step", "g_step", "after", "eval")),
+    # an own loop: n_critic D steps are one iteration (the clock's steps before another optimizer's); sched_d
+    # at the iteration's end, since a scheduler at the top is every implicit loop's documented limit
+    Pattern("gan_wild_own", "gan_wild.py", env=(("EXO_GW_LOOP", "own"), ("EXO_GW_SCHED_TOP", "0")),
+            what="gan_wild in hook.resume() and a plain loop, D twice per iteration, sched_d at the iteration's "
+                 "end (implicit: the boundary path at the next iteration's first D step)",
+            phases=("load", "fwd", "d_step", "g_step", "after", "eval")),
     Pattern("gan_wild_gp", "gan_wild.py", env=(("EXO_GW_GP", "1"),),
             what="gan_wild with WGAN-GP's gradient penalty (autograd.grad create_graph)",
             phases=("load", "fwd", "d_step", "g_step", "after", "eval")),

@@ -13,6 +13,9 @@ before D's steps (eval mode, no grad). Switches:
 - ``EXO_GW_CLIP_TOP=1``: the clamp before each critic step's forward (the original WGAN code), not after.
 - ``EXO_GW_LOOP``: ``range`` (default), ``step`` (``hook.step()`` at each iteration's end), ``own`` (a plain loop).
 - ``EXO_EVERY``: the hook's ``every=`` (periodic checkpoints).
+- ``EXO_GW_SCHED_TOP=0``: ``sched_d`` steps at the iteration's end instead of its top — for the ``own`` loop,
+  where a scheduler stepped at an iteration's top, before its forward, is the documented limit of every loop
+  without ``hook.range()``/``hook.step()`` (docs/api.md: it counts into the previous iteration).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ warmup = int(os.environ.get("EXO_GW_WARMUP", "0"))
 skip = os.environ.get("EXO_GW_SKIP") == "1"
 gp = os.environ.get("EXO_GW_GP") == "1"
 clip_top = os.environ.get("EXO_GW_CLIP_TOP") == "1"
+sched_top = os.environ.get("EXO_GW_SCHED_TOP", "1") == "1"
 torch.manual_seed(0)
 gen_net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
 disc_net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LeakyReLU(0.2), torch.nn.Linear(16, 1))
@@ -74,7 +78,7 @@ def critic_step(i: int, c: int) -> None:
 
 def iteration(i: int) -> None:
     _rt.begin_iteration(i)
-    if i > 0:
+    if i > 0 and sched_top:
         sched_d.step()  # D's lr decays per iteration, stepped at the top
     if i % 3 == 0:
         _rt.phase("eval")
@@ -91,6 +95,8 @@ def iteration(i: int) -> None:
     opt_g.step()
     ema_g.update_parameters(gen_net)
     sched_g.step()
+    if not sched_top:
+        sched_d.step()
     _rt.phase("after")
     _rt.end_iteration(i, state)
 
