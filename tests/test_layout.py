@@ -31,9 +31,6 @@ LONG_ALLOWED: dict[str, str] = {
                               "part 2 (composition instead of six mixins), which splits it along those owners",
     "spotguard/hook/save.py": "the save mixin of Hook; split with issue 28 part 2 (state at S as an object)",
     "spotguard/hook/agreement.py": "the agreement mixin of Hook; split with issue 28 part 2",
-    "spotguard/hook/adapters/deepspeed.py": "the DeepSpeed adapter (boundary path, resume, the add_state anchor "
-                                            "read of issue 29); its any-moment path is apart already, the rest "
-                                            "splits with issue 28 part 2 (state at S as an object)",
     "spotguard/daemon/actions/__init__.py": "ActionRunner: one state machine per notice (start, outcome, restart "
                                             "after a daemon kill); the per-action modules are apart already",
     "spotguard/daemon/server.py": "the Unix socket server: accept, SO_PEERCRED, the bounded reader and the "

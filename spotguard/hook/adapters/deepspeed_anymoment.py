@@ -65,6 +65,7 @@ from ..settings import HANDED_OVER, HOLD_SLACK, LEVEL_NONE
 from ..periodic import stage_state_dict
 from ..save import ANCHOR_COPY_BYTES, _tensor_bytes
 from ..state import capture_rng, copy_state, pack
+from .deepspeed_files import SpotguardCheckpointEngine
 
 __all__ = ["AnyMomentMixin", "any_moment_refusal"]
 
@@ -106,9 +107,6 @@ class AnyMomentMixin:
 
     engine: Any
     _ds_any: bool
-    # DeepSpeed's file writer pointed at a spotguard folder (deepspeed.SpotguardCheckpointEngine, set by the class
-    # this mixes into: that module imports this one, so no import back)
-    _checkpoint_engine: Callable[..., Any]
     _ds_small: Optional[tuple[int, dict[str, Any], dict[str, Any], dict[str, torch.Tensor], Optional[str]]]
     _extra: dict[str, Any]
     _outside: list[Any]
@@ -384,7 +382,7 @@ class AnyMomentMixin:
 
     def _ds_put(self, key: str, files: dict[str, Any]) -> None:
         """Stream ``_ds_files``' objects into ``key`` through ``SpotguardCheckpointEngine``."""
-        ce = self._checkpoint_engine(self._storage, key, os.path.join(_ROOT, _TAG))
+        ce = SpotguardCheckpointEngine(self._storage, key, os.path.join(_ROOT, _TAG))
         for path, obj in files.items():
             if path:
                 ce.save(obj, path)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import random
+import sys
+from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -69,27 +71,14 @@ np.random.seed(100 + rank)
 data = Batches(rank)
 
 
-class Ema:
-    """An EMA of the module's weights, updated by the loop after ``engine.step()`` (as diffusion / LLM fine-tuning
-    loops do), given to ``hook.add_state``. ZeRO-2: the module's parameters are whole on every rank."""
+ema = None
+if EMA:  # an EMA of the module's weights, updated by the loop after engine.step() (as diffusion / LLM fine-tuning
+    # loops do), given to hook.add_state; ZeRO-2: the module's parameters are whole on every rank. The class is
+    # the adapter test's (tests/hook/adapters/deepspeed_ema_train.py: its training runs only as __main__)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "hook" / "adapters"))
+    from deepspeed_ema_train import Ema  # noqa: E402
 
-    def __init__(self) -> None:
-        self.shadow = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-
-    @torch.no_grad()
-    def update(self) -> None:
-        for n, p in engine.module.named_parameters():
-            self.shadow[n].lerp_(p.detach(), 0.1)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {n: t.clone() for n, t in self.shadow.items()}
-
-    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        for n, t in sd.items():
-            self.shadow[n].copy_(t)
-
-
-ema = Ema() if EMA else None
+    ema = Ema(engine.module)
 
 
 def params() -> dict[str, torch.Tensor]:
