@@ -72,7 +72,16 @@ def main() -> int:
                    help="iteration ITER steps the optimizer twice (a second backward/step after the first), "
                         "with --notice-at ITER: the notice comes between the two steps (--gan: a second "
                         "generator step)")
+    p.add_argument("--d-skip", default="",
+                   help="--gan: comma-separated iterations whose discriminator does not step (a warm-up of G, "
+                        "D skipped when too strong); the notice then comes at the iteration's top")
+    p.add_argument("--g-every", default="1:0",
+                   help="--gan K:P: the generator steps only in iterations i with i %% K == P (PyTorch-GAN's "
+                        "wgan.py: D every batch, G every n_critic batches)")
+    p.add_argument("--g-first", action="store_true", help="--gan: the generator's step before D's")
     a = p.parse_args()
+    d_skip = {int(x) for x in a.d_skip.split(",") if x}
+    g_every, g_phase = (int(x) for x in a.g_every.split(":"))
 
     rank = 0
     if not a.single:
@@ -117,7 +126,12 @@ def main() -> int:
     def gan_iteration(i: int) -> None:
         """D ``--gan`` times (real vs. generated), then G once; the slow part in D's first pass."""
         bce = torch.nn.BCEWithLogitsLoss()
-        for c in range(a.gan):
+        g_steps = i % g_every == g_phase
+        if a.g_first and g_steps:
+            g_step(i, bce)
+        if i in d_skip:
+            notify(i)
+        for c in range(0 if i in d_skip else a.gan):
             x, _ = next(loader)
             x = x + 0.01 * float(np.random.randn())
             fake = gmodel(torch.randn(8, 16))
@@ -130,6 +144,14 @@ def main() -> int:
             opt.zero_grad(set_to_none=True)
             loss_d.backward()
             opt.step()
+        if g_steps and not a.g_first:
+            g_step(i, bce)
+        sched.step()
+        if rank == 0:
+            print(json.dumps({"step": i, "loss": float(loss_d) if i not in d_skip else 0.0, "t": time.time()}),
+                  flush=True)
+
+    def g_step(i: int, bce: torch.nn.Module) -> None:
         loss_g = bce(model(gmodel(torch.randn(8, 16))), torch.ones(8, 1))
         opt_g.zero_grad(set_to_none=True)
         loss_g.backward()
@@ -138,9 +160,6 @@ def main() -> int:
             opt_g.zero_grad(set_to_none=True)
             bce(model(gmodel(torch.randn(8, 16))), torch.ones(8, 1)).backward()
             opt_g.step()
-        sched.step()
-        if rank == 0:
-            print(json.dumps({"step": i, "loss": float(loss_d), "t": time.time()}), flush=True)
 
     def iteration(i: int) -> None:
         if a.gan:
