@@ -106,3 +106,21 @@ def test_pytorch_gan_wgan_generator_every_n_critic_batches(tmp_path: Path) -> No
 def test_pytorch_gan_generator_every_n_critic_batches_from_the_last(tmp_path: Path) -> None:
     """PyTorch-GAN's wgan.py with G's first step at batch n_critic-1: indistinguishable from n_critic."""
     _exact_or_warned(tmp_path, ["--gan", "1", "--g-every", "3:2", "--steps", "12"], 5)
+
+
+def test_a_second_notice_after_a_resume_relearns_the_iterations(tmp_path: Path) -> None:
+    """WGAN n_critic=3, preempted at iteration 1 (committed 2), resumed and preempted again at iteration 4 (the
+    third iteration after the resume): the clock and its pattern are learned anew from the resume's first D step
+    (an iteration's start), the second checkpoint is the end of iteration 4, and a third run ends bitwise."""
+    extra = ["--gan", "3"]
+    ref = reference(tmp_path, True, extra)
+    first, store = _preempted(tmp_path, extra, 1)
+    assert [e["step"] for e in first.events("checkpoint_committed")] == [2], first.tail()
+    second = launch(tmp_path, "preempted-again", True, ["--loop", "plain", "--storage", str(store), "--notice-at",
+                                                        "4", "--deadline", "30", *extra])
+    assert second.wait(120) == 143, second.tail()
+    assert [e["step"] for e in second.events("resumed")] == [2], second.tail()
+    assert [e["step"] for e in second.lines() if "loss" in e] == [2, 3, 4], second.tail()
+    assert [e["step"] for e in second.events("checkpoint_committed")] == [5], second.tail()
+    assert not second.events("iterations_unproven"), second.events("iterations_unproven")
+    resumed_equals(tmp_path, True, "plain", store, 5, ref, extra)
