@@ -79,6 +79,9 @@ def main() -> int:
                    help="--gan K:P: the generator steps only in iterations i with i %% K == P (PyTorch-GAN's "
                         "wgan.py: D every batch, G every n_critic batches)")
     p.add_argument("--g-first", action="store_true", help="--gan: the generator's step before D's")
+    p.add_argument("--notice-late", action="store_true",
+                   help="--gan: the notice at the iteration's end (after G's step and the scheduler), not in D's "
+                        "first pass")
     a = p.parse_args()
     d_skip = {int(x) for x in a.d_skip.split(",") if x}
     g_every, g_phase = (int(x) for x in a.g_every.split(":"))
@@ -129,14 +132,14 @@ def main() -> int:
         g_steps = i % g_every == g_phase
         if a.g_first and g_steps:
             g_step(i, bce)
-        if i in d_skip:
+        if i in d_skip and not a.notice_late:
             notify(i)
         for c in range(0 if i in d_skip else a.gan):
             x, _ = next(loader)
             x = x + 0.01 * float(np.random.randn())
             fake = gmodel(torch.randn(8, 16))
             real_out = model(x)
-            if c == 0:
+            if c == 0 and not a.notice_late:
                 notify(i)
                 if i >= a.slow_from:
                     time.sleep(a.iter_s)  # the workload: a long forward/backward (not a synchronisation)
@@ -147,6 +150,8 @@ def main() -> int:
         if g_steps and not a.g_first:
             g_step(i, bce)
         sched.step()
+        if a.notice_late:
+            notify(i)
         if rank == 0:
             print(json.dumps({"step": i, "loss": float(loss_d) if i not in d_skip else 0.0, "t": time.time()}),
                   flush=True)
