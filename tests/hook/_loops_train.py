@@ -79,6 +79,9 @@ def main() -> int:
                    help="--gan K:P: the generator steps only in iterations i with i %% K == P (PyTorch-GAN's "
                         "wgan.py: D every batch, G every n_critic batches)")
     p.add_argument("--g-first", action="store_true", help="--gan: the generator's step before D's")
+    p.add_argument("--scaler", action="store_true",
+                   help="--gan: a CPU GradScaler in the dict, scaler.step(opt); scaler.update() after each D and G "
+                        "backward (an AMP WGAN as written after the AMP examples' one-optimizer loop)")
     p.add_argument("--notice-late", action="store_true",
                    help="--gan: the notice at the iteration's end (after G's step and the scheduler), not in D's "
                         "first pass")
@@ -108,6 +111,19 @@ def main() -> int:
         gmodel: Any = gnet if a.single else torch.nn.parallel.DistributedDataParallel(gnet)
         opt_g = torch.optim.Adam(gmodel.parameters(), lr=2e-3, betas=(0.5, 0.999))
         state = {"model": model, "gen": gmodel, "opt_d": opt, "opt_g": opt_g, "scheduler": sched, "loader": loader}
+        if a.scaler:
+            state["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+
+    def stepped(o: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+        """backward and step, through the GradScaler with --scaler"""
+        sc = state.get("scaler")
+        if sc is None:
+            loss.backward()
+            o.step()
+            return
+        sc.scale(loss).backward()
+        sc.step(o)
+        sc.update()
         torch.manual_seed(10 + rank)
     hook = None
     if not a.no_hook:
@@ -145,8 +161,7 @@ def main() -> int:
                     time.sleep(a.iter_s)  # the workload: a long forward/backward (not a synchronisation)
             loss_d = bce(real_out, torch.ones(8, 1)) + bce(model(fake.detach()), torch.zeros(8, 1))
             opt.zero_grad(set_to_none=True)
-            loss_d.backward()
-            opt.step()
+            stepped(opt, loss_d)
         if g_steps and not a.g_first:
             g_step(i, bce)
         sched.step()
@@ -159,8 +174,7 @@ def main() -> int:
     def g_step(i: int, bce: torch.nn.Module) -> None:
         loss_g = bce(model(gmodel(torch.randn(8, 16))), torch.ones(8, 1))
         opt_g.zero_grad(set_to_none=True)
-        loss_g.backward()
-        opt_g.step()
+        stepped(opt_g, loss_g)
         if i == a.double_at:  # an irregular iteration: a second generator step
             opt_g.zero_grad(set_to_none=True)
             bce(model(gmodel(torch.randn(8, 16))), torch.ones(8, 1)).backward()
