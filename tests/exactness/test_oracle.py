@@ -42,6 +42,9 @@ CASES: dict[str, tuple[str, ...]] = {
     "averaged-model-notice-inside-last-step": ("swa", "phase:step@9"),
     "spectral-norm-after-next-forward": ("specnorm", "phase:bwd@5"),
     "gan-between-d-and-g-step": ("gan", "phase:g_step@4"),
+    # issue 23: a hook.step() loop's first iteration runs on the implicit path until the first hook.step(): a
+    # notice before D's first step was acted on at D's second (committed "step 1", one D step into iteration 0)
+    "wgan-hook-step-notice-in-the-first-iteration": ("gan_wild_step", "phase:d_step@0"),
     "sam-between-first-and-second-step": ("sam", "phase:second@4"),
     "readme-script-dropout-global-rng-loader": ("readme", "phase:fwd@4"),
     "readme-script-loader-generator": ("readme_fixed", "phase:fwd@4"),
@@ -110,6 +113,10 @@ CASES: dict[str, tuple[str, ...]] = {
 }
 # Longer cases kept out of `make test`'s time (EXO_MORE=1 adds them; `make exactness` draws these moments too).
 MORE_CASES: dict[str, tuple[str, ...]] = {
+    # issue 23: an own loop (hook.resume(), a plain for), D twice per iteration: each D step was counted as an
+    # iteration and the notice acted on at D's second step (committed "step 7" after 3 iterations); its single-
+    # process sibling in make test: tests/hook/test_implicit_cycles.py
+    "wgan-own-loop-notice-before-the-critic-steps": ("gan_wild_own", "phase:d_step@3"),
     "periodic-upload-in-flight-finished": ("ddp_every", "phase:periodic_mid@2"),
     "maintenance-hf-trainer-backward": ("hf_trainer", "phase:bwd@4", "maintenance"),
     # review of issue 29: a rebalance whose DeepSpeed write outlasts its window (the any-moment path held the
