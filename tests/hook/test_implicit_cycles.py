@@ -92,9 +92,13 @@ def _exact_or_warned(tmp: Path, extra: list[str], notice_at: int, single: bool =
     resumed_equals(tmp, single, "plain", store, step, ref, extra)
 
 
-def test_generator_first_then_three_critic_steps(tmp_path: Path) -> None:
-    """G steps before D's n_critic=3 steps: G is the clock; held."""
-    _exact_or_warned(tmp_path, ["--gan", "3", "--g-first"], 3)
+@pytest.mark.parametrize("extra,notice_at", [(["--gan", "3", "--g-first"], 3), (["--gan", "5"], 2),
+                                             (["--gan", "1", "--d-skip", "2"], 1)],
+                         ids=["generator-first-n-critic-3", "n-critic-5", "d-skipped-the-commit-at-the-warning"])
+def test_held_loops(tmp_path: Path, extra: list[str], notice_at: int) -> None:
+    """Held: G before D's 3 steps (G is the clock); n_critic 5; D skipped in iteration 2 with the notice in 1 (the
+    commit comes at the very pre-hook whose comparison finds the merged iteration: the warning first)."""
+    _exact_or_warned(tmp_path, extra, notice_at)
 
 
 def test_generator_warm_up_before_the_discriminator_trains(tmp_path: Path) -> None:
