@@ -9,6 +9,7 @@ Single processes (``_loops_train.py --single``): the rule is the same under torc
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,8 @@ def test_an_iteration_with_an_extra_generator_step_is_said_and_still_counted(tmp
 
 
 # --- review (ganrev): loops whose iterations the rule cannot see; each must be exact or warned before the commit
+# Cases that held (no defect to keep fixed) run with EXO_MORE=1 only, as the oracle's longer cases: `make test`'s time.
+MORE = pytest.mark.skipif(os.environ.get("EXO_MORE", "") != "1", reason="held in review ganrev; EXO_MORE=1 runs it")
 
 
 def _exact_or_warned(tmp: Path, extra: list[str], notice_at: int, single: bool = True) -> None:
@@ -92,6 +95,7 @@ def _exact_or_warned(tmp: Path, extra: list[str], notice_at: int, single: bool =
     resumed_equals(tmp, single, "plain", store, step, ref, extra)
 
 
+@MORE
 @pytest.mark.parametrize("extra,notice_at", [(["--gan", "3", "--g-first"], 3), (["--gan", "5"], 2),
                                              (["--gan", "1", "--d-skip", "2"], 1)],
                          ids=["generator-first-n-critic-3", "n-critic-5", "d-skipped-the-commit-at-the-warning"])
@@ -112,7 +116,7 @@ def test_discriminator_skipped_in_the_second_iteration(tmp_path: Path) -> None:
     _exact_or_warned(tmp_path, ["--gan", "1", "--d-skip", "1"], 0)
 
 
-@pytest.mark.parametrize("single", [True, False], ids=["single-process", "two-ranks"])
+@pytest.mark.parametrize("single", [True, pytest.param(False, marks=MORE)], ids=["single-process", "two-ranks"])
 def test_pytorch_gan_wgan_generator_every_n_critic_batches(tmp_path: Path, single: bool) -> None:
     """PyTorch-GAN's wgan.py: one batch per iteration, D every batch, G when ``i % n_critic == 0``."""
     _exact_or_warned(tmp_path, ["--gan", "1", "--g-every", "3:0", "--steps", "12"], 5, single)
@@ -128,6 +132,7 @@ def test_pytorch_gan_generator_every_n_critic_batches_from_the_last(tmp_path: Pa
     _exact_or_warned(tmp_path, ["--gan", "1", "--g-every", "3:2", "--steps", "12"], 5)
 
 
+@MORE
 def test_a_second_notice_after_a_resume_relearns_the_iterations(tmp_path: Path) -> None:
     """WGAN n_critic=3, preempted at iteration 1 (committed 2), resumed and preempted again at iteration 4 (the
     third iteration after the resume): the clock and its pattern are learned anew from the resume's first D step
