@@ -250,8 +250,11 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         self._clock_seen = False
         self._cycle_start = False  # the clock's step in flight starts an iteration (pre-hook -> post-hook)
         self._cycle_others: dict[str, int] = {}  # the other optimizers' steps in the current iteration
-        self._cycle_pattern: Optional[dict[str, int]] = None
+        self._cycle_clock = 0  # the clock's steps in the current iteration (n_critic)
+        self._cycle_pattern: Optional[tuple[int, dict[str, int]]] = None  # the first iteration's (clock, others)
+        self._cycle_confirmed = False  # a later iteration stepped like the first one
         self._cycle_warned = False
+        self._cycle_unconfirmed_warned = False
         self._bwd_since_step = False  # a backward reached the clock's parameters since the last step
         self._train_fwd_seq = 0  # training forwards (train mode, grad enabled) so far
         self._last_fwd_training = False
@@ -680,10 +683,12 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             return  # GradScaler.update() is the clock
         if optimizer is self._clock and not (self._many_opts and not self._cycle_start):
             if self._many_opts:
-                self._cycle_start, self._clock_seen, self._cycle_others = False, True, {}
+                self._cycle_start, self._clock_seen, self._cycle_others, self._cycle_clock = False, True, {}, 1
             self._decide()
         elif self._many_opts:
-            if optimizer is not self._clock:
+            if optimizer is self._clock:
+                self._cycle_clock += 1
+            else:
                 name = self._opt_key.get(id(optimizer), "?")
                 self._cycle_others[name] = self._cycle_others.get(name, 0) + 1
             self._snap = Snapshot.take(self._objs.loaders)
@@ -693,14 +698,22 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         the first one, or the count of iterations is no longer proven (said once, with the fix)."""
         got = dict(self._cycle_others)
         if self._cycle_pattern is None:
-            self._cycle_pattern = got
-        elif got != self._cycle_pattern and not self._cycle_warned:
+            self._cycle_pattern = (self._cycle_clock, got)
+            return
+        first_clock, first = self._cycle_pattern
+        if (self._cycle_clock, got) == self._cycle_pattern:
+            self._cycle_confirmed = True
+        elif not self._cycle_warned:
+            # the clock's own steps count too: a G warm-up (G alone, then D, G) or PyTorch-GAN's wgan.py (G every
+            # n_critic batches, the first at batch 0) differ there only (review ganrev)
             self._cycle_warned = True
-            self._log.warning(ev.ITERATIONS_UNPROVEN, step=self._count, steps=got, first=self._cycle_pattern,
+            self._log.warning(ev.ITERATIONS_UNPROVEN, step=self._count, steps=got, first=first,
+                              clock_steps=self._cycle_clock, clock_first=first_clock,
                               why="several optimizers in a loop without hook.range()/hook.step(): the hook counts "
                                   "an iteration at each step of the first optimizer that follows another "
                                   f"optimizer's; the others stepped {got} in iteration {self._count}, "
-                                  f"{self._cycle_pattern} in the first (a skipped or an extra step), so the "
+                                  f"{first} in the first (the clock {self._cycle_clock} and {first_clock} "
+                                  "times: a skipped or an extra step), so the "
                                   "iteration count the checkpoints carry may differ from the loop's",
                               fix="for i in hook.range(total) (or hook.step() at each iteration's end): the "
                                   "loop's own boundaries count its iterations")
@@ -740,9 +753,29 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         level, deadline_ms = self._local_level()
         self._agree.launch(level, deadline_ms, self._periodic_flags())
 
+    def _unconfirmed_cycle(self) -> None:
+        """A commit at an implicit loop's boundary with several optimizers before any iteration stepped like the
+        first one: the count rests on one iteration (D skipped in iteration 1 merges 0 and 1 unseen), so say so
+        before the commit (once; review ganrev)."""
+        if (not self._many_opts or self._explicit or self._range_clock or self._scaler is not None
+                or self._cycle_confirmed or self._cycle_warned or self._cycle_unconfirmed_warned):
+            return
+        self._cycle_unconfirmed_warned = True
+        clock, first = self._cycle_pattern if self._cycle_pattern is not None else (0, {})
+        self._log.warning(ev.ITERATIONS_UNPROVEN, step=self._count, steps=first, first=first, clock_steps=clock,
+                          clock_first=clock, confirmed=False,
+                          why="several optimizers in a loop without hook.range()/hook.step(): the checkpoint's "
+                              "iteration count rests on the first iteration alone (no later one has stepped like "
+                              "it yet), so a skipped or an extra step there would go unseen",
+                          fix="for i in hook.range(total) (or hook.step() at each iteration's end): the "
+                              "loop's own boundaries count its iterations")
+
     def _boundary(self) -> None:
         res = self._agree.collect()
         self._implicit_counted = False
+        if res is not None and (res[0] > 0 or (self._periodic is not None and self._agree.flags[0]
+                                               and not self._agree.flags[1])):  # a commit comes
+            self._unconfirmed_cycle()
         if res is not None and res[0] > 0:
             self._act(res[0], res[1], snap=self._snap, final=False)
         elif res is not None:

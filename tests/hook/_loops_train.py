@@ -72,7 +72,22 @@ def main() -> int:
                    help="iteration ITER steps the optimizer twice (a second backward/step after the first), "
                         "with --notice-at ITER: the notice comes between the two steps (--gan: a second "
                         "generator step)")
+    p.add_argument("--d-skip", default="",
+                   help="--gan: comma-separated iterations whose discriminator does not step (a warm-up of G, "
+                        "D skipped when too strong); the notice then comes at the iteration's top")
+    p.add_argument("--g-every", default="1:0",
+                   help="--gan K:P: the generator steps only in iterations i with i %% K == P (PyTorch-GAN's "
+                        "wgan.py: D every batch, G every n_critic batches)")
+    p.add_argument("--g-first", action="store_true", help="--gan: the generator's step before D's")
+    p.add_argument("--scaler", action="store_true",
+                   help="--gan: a CPU GradScaler in the dict, scaler.step(opt); scaler.update() after each D and G "
+                        "backward (an AMP WGAN as written after the AMP examples' one-optimizer loop)")
+    p.add_argument("--notice-late", action="store_true",
+                   help="--gan: the notice at the iteration's end (after G's step and the scheduler), not in D's "
+                        "first pass")
     a = p.parse_args()
+    d_skip = {int(x) for x in a.d_skip.split(",") if x}
+    g_every, g_phase = (int(x) for x in a.g_every.split(":"))
 
     rank = 0
     if not a.single:
@@ -96,6 +111,19 @@ def main() -> int:
         gmodel: Any = gnet if a.single else torch.nn.parallel.DistributedDataParallel(gnet)
         opt_g = torch.optim.Adam(gmodel.parameters(), lr=2e-3, betas=(0.5, 0.999))
         state = {"model": model, "gen": gmodel, "opt_d": opt, "opt_g": opt_g, "scheduler": sched, "loader": loader}
+        if a.scaler:
+            state["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+
+    def stepped(o: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+        """backward and step, through the GradScaler with --scaler"""
+        sc = state.get("scaler")
+        if sc is None:
+            loss.backward()
+            o.step()
+            return
+        sc.scale(loss).backward()
+        sc.step(o)
+        sc.update()
         torch.manual_seed(10 + rank)
     hook = None
     if not a.no_hook:
@@ -117,30 +145,40 @@ def main() -> int:
     def gan_iteration(i: int) -> None:
         """D ``--gan`` times (real vs. generated), then G once; the slow part in D's first pass."""
         bce = torch.nn.BCEWithLogitsLoss()
-        for c in range(a.gan):
+        g_steps = i % g_every == g_phase
+        if a.g_first and g_steps:
+            g_step(i, bce)
+        if i in d_skip and not a.notice_late:
+            notify(i)
+        for c in range(0 if i in d_skip else a.gan):
             x, _ = next(loader)
             x = x + 0.01 * float(np.random.randn())
             fake = gmodel(torch.randn(8, 16))
             real_out = model(x)
-            if c == 0:
+            if c == 0 and not a.notice_late:
                 notify(i)
                 if i >= a.slow_from:
                     time.sleep(a.iter_s)  # the workload: a long forward/backward (not a synchronisation)
             loss_d = bce(real_out, torch.ones(8, 1)) + bce(model(fake.detach()), torch.zeros(8, 1))
             opt.zero_grad(set_to_none=True)
-            loss_d.backward()
-            opt.step()
+            stepped(opt, loss_d)
+        if g_steps and not a.g_first:
+            g_step(i, bce)
+        sched.step()
+        if a.notice_late:
+            notify(i)
+        if rank == 0:
+            print(json.dumps({"step": i, "loss": float(loss_d) if i not in d_skip else 0.0, "t": time.time()}),
+                  flush=True)
+
+    def g_step(i: int, bce: torch.nn.Module) -> None:
         loss_g = bce(model(gmodel(torch.randn(8, 16))), torch.ones(8, 1))
         opt_g.zero_grad(set_to_none=True)
-        loss_g.backward()
-        opt_g.step()
+        stepped(opt_g, loss_g)
         if i == a.double_at:  # an irregular iteration: a second generator step
             opt_g.zero_grad(set_to_none=True)
             bce(model(gmodel(torch.randn(8, 16))), torch.ones(8, 1)).backward()
             opt_g.step()
-        sched.step()
-        if rank == 0:
-            print(json.dumps({"step": i, "loss": float(loss_d), "t": time.time()}), flush=True)
 
     def iteration(i: int) -> None:
         if a.gan:
