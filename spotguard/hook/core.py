@@ -699,6 +699,8 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         got = dict(self._cycle_others)
         if self._cycle_pattern is None:
             self._cycle_pattern = (self._cycle_clock, got)
+            if self._cycle_clock > 1:
+                self._ambiguous_cycle(got)
             return
         first_clock, first = self._cycle_pattern
         if (self._cycle_clock, got) == self._cycle_pattern:
@@ -717,6 +719,22 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                                   "iteration count the checkpoints carry may differ from the loop's",
                               fix="for i in hook.range(total) (or hook.step() at each iteration's end): the "
                                   "loop's own boundaries count its iterations")
+
+    def _ambiguous_cycle(self, others: dict[str, int]) -> None:
+        """The first iteration stepped the clock more than once before another optimizer: WGAN's n_critic D steps
+        of one iteration, or one D step per iteration with G every n-th (PyTorch-GAN's wgan.py, G at
+        ``i % n == n - 1``) — the optimizer hooks see the same sequence. The hook counts the former; said once, at
+        the end of the first iteration, before any commit (review ganrev)."""
+        n = self._cycle_clock
+        self._log.warning(ev.ITERATIONS_UNPROVEN, step=self._count, steps=others, first=others, clock_steps=n,
+                          clock_first=n, ambiguous=True,
+                          why=f"several optimizers in a loop without hook.range()/hook.step(): the first optimizer "
+                              f"stepped {n} times before the others stepped {others}; the hook counts that as one "
+                              f"iteration (WGAN's n_critic), but a loop whose iteration is one step of it, with the "
+                              f"others every {n}th iteration, looks the same, and its checkpoints would carry "
+                              f"{n} times fewer iterations than the loop ran",
+                          fix="for i in hook.range(total) (or hook.step() at each iteration's end): the loop's own "
+                              "boundaries count its iterations")
 
     def _tick(self) -> None:
         """An iteration boundary: how long the iteration took (the boundary path's warning at a notice)."""

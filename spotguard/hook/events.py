@@ -49,10 +49,13 @@ is known, ``notice_id``. Fields per event:
 - ``exit``: notice_id, code (143 / ``exit_code=`` when nothing was lost, 75 when the save failed), step,
   committed (bool: a checkpoint of this run's state at ``step`` is committed), nothing_to_save (bool: the
   notice came before the first step and no checkpoint exists), seconds_since_notice, seconds_left
-- ``iterations_unproven`` (warning, once): step, steps, first, why, fix — several optimizers in a loop without
-  ``hook.range()``/``hook.step()``: an iteration starts at a step of the first optimizer after another
-  optimizer's (WGAN's n_critic steps of D are one iteration); an iteration whose other optimizers stepped
-  otherwise than in the first one makes the count unproven
+- ``iterations_unproven`` (warning): step, steps, first, clock_steps, clock_first, why, fix, and ``ambiguous``
+  or ``confirmed`` — several optimizers in a loop without ``hook.range()``/``hook.step()``: an iteration starts at
+  a step of the first optimizer (the clock) after another optimizer's (WGAN's n_critic D steps and G are one
+  iteration). Said once each: ``ambiguous: true`` at the end of the first iteration when the clock stepped more
+  than once in it (n_critic and "G every n-th iteration" look alike); an iteration whose steps (the clock's or
+  the others') differ from the first one's; ``confirmed: false`` before a commit when no iteration since the
+  first has stepped like it
 - ``not_resumed``: uri, committed_step, step, fix (rank 0, once: training started without ``hook.resume()``
   while the storage already holds a committed checkpoint)
 - ``notice_after_last_step``: notice_id, step (the job finished its work; exit code unchanged)
