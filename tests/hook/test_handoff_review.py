@@ -54,6 +54,10 @@ def _pre(tmp_path: Path, notify: str, upload: float, *more: str, nproc: int = 2)
     return run, args, store
 
 
+@pytest.mark.long(reason="sibling in make test: test_doomed_node_sigkilled_after_handing_over (rank 0, DCP's "
+                         "coordinator, doomed: its FSDP2 shards evacuated to rank 1, which commits; resume bitwise) "
+                         "and test_doomed_handoff.py::test_commit_lands_after_the_doomed_rank_left (the doomed rank "
+                         "exits 75 by its deadline, the commit lands after it, not late)")
 def test_doomed_rank_0_hands_over_to_rank_1(tmp_path: Path) -> None:
     """Rank 0 (DCP's coordinator, writes ``.metadata``) doomed: rank 1 commits after rank 0 left."""
     pre, args, store = _pre(tmp_path, "0", UPLOAD_S)
@@ -183,6 +187,9 @@ def _ordinary(tmp_path: Path, rebalance_s: float, upload_s: float) -> "tuple[Tor
     return pre, store
 
 
+@pytest.mark.long(reason="sibling in make test: test_ordinary_split_whose_commit_outlasts_the_doomed_ranks_wait "
+                         "(the same split ordinary save with a far-off notice pending: committed, every rank trains "
+                         "on to the end, nobody leaves; there with a tighter rebalance bound)")
 def test_ordinary_checkpoint_with_a_far_off_notice_pending_keeps_every_rank(tmp_path: Path) -> None:
     """Rank 1 holds a far-off preemption (beyond ``SPOTGUARD_EMERGENCY_LEAD``: training goes on) when a
     rebalance to rank 0 asks for an ordinary checkpoint: rank 1 counts as doomed for the save plan, yet this
