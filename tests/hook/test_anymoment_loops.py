@@ -91,7 +91,11 @@ def any_moment(run: TorchRun, ranks: set[int], loop: str) -> None:
 
 
 @pytest.mark.parametrize("single,loop", [
-    (True, "plain"), (True, "range"), (True, "step"),
+    (True, "plain"), (True, "range"),
+    pytest.param(True, "step", marks=pytest.mark.long(
+        reason="sibling in make test: [single-process-hook-range] (one process acting at any moment inside a "
+               "declared loop) and test_gan_commits_mid_iteration[two-ranks-wgan-ncritic-3-hook-step] "
+               "(hook.step()'s any-moment path)")),
     pytest.param(False, "range", marks=pytest.mark.long(
         reason="sibling in make test: [single-process-hook-range] (hook.range()'s any-moment path) and "
                "test_gan_commits_mid_iteration[two-ranks-wgan-ncritic-3-hook-step] (two ranks agreeing in the "
