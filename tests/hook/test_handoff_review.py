@@ -187,9 +187,6 @@ def _ordinary(tmp_path: Path, rebalance_s: float, upload_s: float) -> "tuple[Tor
     return pre, store
 
 
-@pytest.mark.long(reason="sibling in make test: test_ordinary_split_whose_commit_outlasts_the_doomed_ranks_wait "
-                         "(the same split ordinary save with a far-off notice pending: committed, every rank trains "
-                         "on to the end, nobody leaves; there with a tighter rebalance bound)")
 def test_ordinary_checkpoint_with_a_far_off_notice_pending_keeps_every_rank(tmp_path: Path) -> None:
     """Rank 1 holds a far-off preemption (beyond ``SPOTGUARD_EMERGENCY_LEAD``: training goes on) when a
     rebalance to rank 0 asks for an ordinary checkpoint: rank 1 counts as doomed for the save plan, yet this
