@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all setup test test-fast demo bench clean chaos exactness
+.PHONY: all setup test test-fast test-long demo bench clean chaos exactness
 
 all: test
 
@@ -20,7 +20,12 @@ $(STAMP): $(PY) pyproject.toml requirements-dev.txt
 setup: $(STAMP)
 
 test: $(STAMP) deploy-tools storage-tools frameworks-tools torchft-tools deepspeed-tools browser-tools
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not long" $(PYTEST_ARGS)
+
+# The tests marked `long`: parametrizations and scenarios whose product code path a sibling in `make test`
+# already covers (each names its sibling in its marker's reason), kept out of `make test`'s time.
+test-long: $(STAMP) deploy-tools storage-tools frameworks-tools torchft-tools deepspeed-tools
+	$(PY) -m pytest -q -p no:cacheprovider -m long $(PYTEST_ARGS)
 
 test-fast: $(STAMP) deploy-tools storage-tools frameworks-tools torchft-tools deepspeed-tools
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)

@@ -90,9 +90,17 @@ def any_moment(run: TorchRun, ranks: set[int], loop: str) -> None:
     assert not [e for e in paths if e["path"] == "boundary"], paths
 
 
-@pytest.mark.parametrize("single,loop", [(True, "plain"), (True, "range"), (True, "step"), (False, "range")],
-                         ids=["single-process-own-loop", "single-process-hook-range", "single-process-hook-step",
-                              "two-ranks-hook-range"])
+@pytest.mark.parametrize("single,loop", [
+    (True, "plain"), (True, "range"),
+    pytest.param(True, "step", marks=pytest.mark.long(
+        reason="sibling in make test: [single-process-hook-range] (one process acting at any moment inside a "
+               "declared loop) and test_gan_commits_mid_iteration[two-ranks-wgan-ncritic-3-hook-step] "
+               "(hook.step()'s any-moment path)")),
+    pytest.param(False, "range", marks=pytest.mark.long(
+        reason="sibling in make test: [single-process-hook-range] (hook.range()'s any-moment path) and "
+               "test_gan_commits_mid_iteration[two-ranks-wgan-ncritic-3-hook-step] (two ranks agreeing in the "
+               "background inside a declared loop, committed within a fraction of an iteration)")),
+], ids=["single-process-own-loop", "single-process-hook-range", "single-process-hook-step", "two-ranks-hook-range"])
 def test_long_iterations_commit_within_a_third_of_an_iteration(tmp_path: Path, single: bool, loop: str) -> None:
     ranks = {0} if single else {0, 1}
     ref = reference(tmp_path, single, [])
@@ -156,8 +164,13 @@ def test_round_for_a_step_no_boundary_proved_hands_its_notice_to_the_boundary_pa
 GAN_ITER = 3.0  # seconds of the slow discriminator pass (each iteration's own length is a little more)
 
 
-@pytest.mark.parametrize("single,critic,loop", [(True, 1, "range"), (False, 3, "step")],
-                         ids=["single-process-gan-hook-range", "two-ranks-wgan-ncritic-3-hook-step"])
+@pytest.mark.parametrize("single,critic,loop", [
+    pytest.param(True, 1, "range", marks=pytest.mark.long(
+        reason="sibling in make test: [two-ranks-wgan-ncritic-3-hook-step] (the same two-optimizer boundary "
+               "proof and mid-iteration commit) and test_long_iterations_commit_within_a_third_of_an_iteration"
+               "[single-process-hook-range] (hook.range() in one process)")),
+    (False, 3, "step"),
+], ids=["single-process-gan-hook-range", "two-ranks-wgan-ncritic-3-hook-step"])
 def test_gan_commits_mid_iteration(tmp_path: Path, single: bool, critic: int, loop: str) -> None:
     """Two optimizers in ``hook.range``/``hook.step()`` (a GAN: D ``critic`` times, then G): the notice lands
     during iteration 3's slow discriminator pass, before any optimizer step of that iteration. The boundaries

@@ -85,7 +85,16 @@ def resume_bitwise(tmp: Path, store: Path, step: int, ref: Path, extra: list[str
     assert diff is None, f"resumed run differs from the uninterrupted one at {diff}"
 
 
-@pytest.mark.parametrize("phase,rank,expect", [("fwd", 0, 2), ("step", 1, 3), ("after", 0, 3)])
+@pytest.mark.parametrize("phase,rank,expect", [
+    pytest.param("fwd", 0, 2, marks=pytest.mark.long(
+        reason="sibling in make test: test_ten_second_iteration_commits_long_before_it_ends (a notice in iteration "
+               "2's forward: step 2 committed within 1 s + the save, before the iteration ends; resume bitwise)")),
+    ("step", 1, 3),
+    pytest.param("after", 0, 3, marks=pytest.mark.long(
+        reason="sibling in make test: [step-1-3] (the round stands at step 3, committed within 1 s + the save "
+               "before iteration 3 ends; resume bitwise) and tests/exactness/test_oracle.py"
+               "[ddp-after-step-before-scheduler] (a notice after optimizer.step(), before the scheduler: exact)")),
+], ids=["fwd-0-2", "step-1-3", "after-0-3"])
 def test_mid_iteration_notice_commits_within_a_second(ref_plain: Path, tmp_path: Path, phase: str, rank: int,
                                                       expect: int) -> None:
     """1.5 s iterations, a notice at one phase of iteration 2: S is the last completed step (3 once the
@@ -122,7 +131,12 @@ def test_ten_second_iteration_commits_long_before_it_ends(ref_plain: Path, tmp_p
     resume_bitwise(tmp_path, store, 2, ref_plain, [])
 
 
-@pytest.mark.parametrize("case", ["eval", "accum", "stall", "warmup"])
+@pytest.mark.parametrize("case", [
+    pytest.param("eval", marks=pytest.mark.long(
+        reason="sibling in make test: [stall] (post-step work: read at the next training forward, committed in "
+               "time) and test_ema_swapped_in_for_evaluation_is_never_committed_as_the_model (a notice during an "
+               "evaluation, read at the next training forward, resume bitwise)")),
+    "accum", "stall", "warmup"])
 def test_notice_outside_optimizer_steps(ref_plain: Path, ref_accum: Path, tmp_path: Path, case: str) -> None:
     """A 10 s notice during a 4 s evaluation / a 16-micro-batch accumulation / a 4 s loader stall right after
     a step / a 30 s warm-up: committed checkpoint of the last completed step (nothing to save before the first

@@ -65,7 +65,13 @@ def test_commit_lands_after_the_doomed_rank_left(tmp_path: Path) -> None:
 FROZEN_MIB = 64  # a large-ish replicated state: the survivor's write of it takes a while
 
 
-@pytest.mark.parametrize("doomed", [1, 0])
+@pytest.mark.parametrize("doomed", [
+    pytest.param(1, marks=pytest.mark.long(
+        reason="sibling in make test: [0] (the same DDP hand-over before the survivor's write; rank 0 doomed, "
+               "the survivor DCP's coordinator) and test_doomed.py::"
+               "test_notice_to_one_rank_the_doomed_rank_writes_only_its_own_state (rank 1 doomed under DDP "
+               "writes only its per-rank state, safe, the commit reaches it, resume bitwise)")),
+    0])
 def test_ddp_doomed_rank_is_safe_and_hands_over_before_the_survivor_writes(tmp_path: Path, doomed: int) -> None:
     """DDP (nothing sharded: every item but the per-rank state is replicated), a notice to one rank: the doomed
     rank takes no part in ``dcp.save``. It writes its per-rank state, is safe and hands the save over before the

@@ -42,6 +42,9 @@ def committed_steps(uri: str) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.long(reason="sibling in make test: test_hook_before_init_process_group_is_refused_in_process (its short "
+                         "version: the launcher's WORLD_SIZE without a process group refused at install, nothing "
+                         "written)")
 def test_hook_before_init_process_group_is_refused_under_torchrun(tmp_path: Path) -> None:
     store = tmp_path / "ckpt"
     run = first(tmp_path, "early", ["--install-before-init", "--storage", str(store)])
@@ -91,6 +94,10 @@ def test_plain_paths_and_known_uris_stay_allowed(ok: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long(reason="sibling in make test: test_storage_uri_typo_is_a_value_error_naming_the_fix (the same "
+                         "check_uri refusal naming the fix, no local folder made of the typo) and "
+                         "test_unwritable_local_storage_fails_at_install_not_at_the_emergency (an install failure "
+                         "under torchrun reported by both ranks before any step)")
 def test_storage_uri_typo_under_torchrun_fails_at_install_and_writes_nothing(tmp_path: Path) -> None:
     run = first(tmp_path, "typo", ["--storage", "s3:/bucket/run"])
     assert run.wait(90) != 0, run.tail()

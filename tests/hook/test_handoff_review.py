@@ -54,6 +54,10 @@ def _pre(tmp_path: Path, notify: str, upload: float, *more: str, nproc: int = 2)
     return run, args, store
 
 
+@pytest.mark.long(reason="sibling in make test: test_doomed_node_sigkilled_after_handing_over (rank 0, DCP's "
+                         "coordinator, doomed: its FSDP2 shards evacuated to rank 1, which commits; resume bitwise) "
+                         "and test_doomed_handoff.py::test_commit_lands_after_the_doomed_rank_left (the doomed rank "
+                         "exits 75 by its deadline, the commit lands after it, not late)")
 def test_doomed_rank_0_hands_over_to_rank_1(tmp_path: Path) -> None:
     """Rank 0 (DCP's coordinator, writes ``.metadata``) doomed: rank 1 commits after rank 0 left."""
     pre, args, store = _pre(tmp_path, "0", UPLOAD_S)

@@ -46,7 +46,14 @@ def losses(run: TorchRun) -> dict[int, str]:
 WITH_DROPOUT = "torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1))"
 
 
-@pytest.mark.parametrize("model", ["as-written", "with-dropout"])
+@pytest.mark.parametrize("model", [
+    "as-written",
+    pytest.param("with-dropout", marks=pytest.mark.long(
+        reason="sibling in make test: [as-written] (the README's script itself, preempted and resumed bitwise) "
+               "and tests/exactness/test_oracle.py[readme-script-dropout-global-rng-loader] and "
+               "[readme-script-loader-generator] (the README's loop with dropout drawing from the global RNG, "
+               "without and with the loader's generator=, each notice ending exact)")),
+])
 def test_readme_script_runs_is_preempted_and_resumes_bitwise(tmp_path: Path, model: str) -> None:
     """``with-dropout``: the README's script with the user's own model drawing from the global RNG every
     step (issue 22: the resumed run's DataLoader iterator, built after the RNG was restored, drew from it

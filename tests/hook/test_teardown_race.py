@@ -95,6 +95,10 @@ def test_many_short_jobs_destroy_right_after_last_step(tmp_path: Path, mode: lis
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+@pytest.mark.long(reason="sibling in make test: test_many_short_jobs_destroy_right_after_last_step[barrier] (20 "
+                         "rounds a process of steps with no step time, barrier, destroy right after the last step: "
+                         "exit 0) and every resumed example job of test_torchrun.py (no step time, its barrier + "
+                         "destroy at the end, exit 0 asserted)")
 def test_short_torchrun_jobs_exit_zero(tmp_path: Path) -> None:
     """The example under torchrun with no step time (barrier + destroy at the end), twice: exit 0 each time."""
     for i in range(2):

@@ -21,6 +21,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, str],
     return reference_run(SCRIPT, tmp_path_factory.mktemp("acc-ref"), STEPS)
 
 
+@pytest.mark.long(reason="sibling in make test: test_sigterm_to_rank0_resumes_bitwise (a notice to one rank: both "
+                         "save at one step, resume bitwise) and test_notice_during_accumulation_commits_at_the_next_"
+                         "micro_batch (SIGUSR1 to rank 1, random_states_1.pkl saved, resume bitwise)")
 def test_usr1_to_one_rank_resumes_bitwise(reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
     preempt_and_resume(SCRIPT, tmp_path, reference, STEPS, 6, "usr1-rank1", marker="random_states_1.pkl")
 
@@ -29,6 +32,10 @@ def test_sigterm_to_rank0_resumes_bitwise(reference: tuple[dict[int, str], Path]
     preempt_and_resume(SCRIPT, tmp_path, reference, STEPS, 13, "term-rank0", marker="optimizer.bin")
 
 
+@pytest.mark.long(reason="sibling in make test: tests/hook/test_torchrun.py::test_sigterm_to_torchrun_without_daemon "
+                         "(torchrun forwards SIGTERM to every rank, both agree one step, commit, resume exact) and "
+                         "this file's test_sigterm_to_rank0_resumes_bitwise (this adapter's save and resume after a "
+                         "signal)")
 def test_sigterm_to_torchrun_reaches_both_ranks(reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
     preempt_and_resume(SCRIPT, tmp_path, reference, STEPS, 19, "term-torchrun", marker="random_states_0.pkl")
 

@@ -20,7 +20,8 @@ from ._jobs import Job, losses
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 CASES = [
-    pytest.param("lightning_train.py", "lightning.ckpt", "lightning", (), id="lightning"),
+    pytest.param("lightning_train.py", "lightning.ckpt", "lightning", (), id="lightning", marks=pytest.mark.long(
+        reason="sibling in make test: [lightning-accumulate] (the same Lightning every= path, micro-batches on top)")),
     # micro-batches are agreement points too (issue 23): their reductions carry the periodic votes to the step
     pytest.param("lightning_train.py", "lightning.ckpt", "lightning", ("--accumulate", "2", "--batches-per-epoch", "40"),
                  id="lightning-accumulate"),

@@ -21,6 +21,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, str],
     return reference_run(SCRIPT, tmp_path_factory.mktemp("hf-ref"), STEPS)
 
 
+@pytest.mark.long(reason="sibling in make test: test_save_only_model_still_gets_a_full_checkpoint (the same SIGUSR1 to "
+                         "rank 1 at step 8: both ranks save at one step, resume_from_checkpoint=hook.latest(), "
+                         "bitwise) and test_sigterm_to_one_rank_with_jit_checkpoint_enabled")
 def test_usr1_to_one_rank_resumes_bitwise(reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
     """The notice reaches rank 1 only; both ranks save at one step; resume_from_checkpoint=hook.latest()."""
     preempt_and_resume(SCRIPT, tmp_path, reference, STEPS, 8, "usr1-rank1", marker="trainer_state.json")
@@ -42,6 +45,10 @@ def test_save_only_model_still_gets_a_full_checkpoint(reference: tuple[dict[int,
                        extra_args=("--save-only-model",))
 
 
+@pytest.mark.long(reason="sibling in make test: tests/hook/test_torchrun.py::test_sigterm_to_torchrun_without_daemon "
+                         "(torchrun forwards SIGTERM to every rank, both agree one step, commit, resume exact) and "
+                         "this file's test_sigterm_to_one_rank_with_jit_checkpoint_enabled (this adapter's save and "
+                         "resume after a signal)")
 def test_sigterm_to_torchrun_reaches_both_ranks(reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
     preempt_and_resume(SCRIPT, tmp_path, reference, STEPS, 20, "term-torchrun", marker="optimizer.pt")
 
