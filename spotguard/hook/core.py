@@ -681,7 +681,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                 return  # the explicit loop's boundary ends the iteration
         if self._scaler is not None:
             return  # GradScaler.update() is the clock
-        if optimizer is self._clock and not (self._many_opts and not self._cycle_start):
+        if optimizer is self._clock and (self._cycle_start or not self._many_opts):
             if self._many_opts:
                 self._cycle_start, self._clock_seen, self._cycle_others, self._cycle_clock = False, True, {}, 1
             self._decide()
@@ -709,16 +709,21 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             # the clock's own steps count too: a G warm-up (G alone, then D, G) or PyTorch-GAN's wgan.py (G every
             # n_critic batches, the first at batch 0) differ there only (review ganrev)
             self._cycle_warned = True
-            self._log.warning(ev.ITERATIONS_UNPROVEN, step=self._count, steps=got, first=first,
-                              clock_steps=self._cycle_clock, clock_first=first_clock,
-                              why="several optimizers in a loop without hook.range()/hook.step(): the hook counts "
-                                  "an iteration at each step of the first optimizer that follows another "
-                                  f"optimizer's; the others stepped {got} in iteration {self._count}, "
-                                  f"{first} in the first (the clock {self._cycle_clock} and {first_clock} "
-                                  "times: a skipped or an extra step), so the "
-                                  "iteration count the checkpoints carry may differ from the loop's",
-                              fix="for i in hook.range(total) (or hook.step() at each iteration's end): the "
-                                  "loop's own boundaries count its iterations")
+            self._iterations_unproven(
+                got, first, self._cycle_clock, first_clock,
+                "the hook counts an iteration at each step of the first optimizer that follows another "
+                f"optimizer's; the others stepped {got} in iteration {self._count}, {first} in the first (the "
+                f"clock {self._cycle_clock} and {first_clock} times: a skipped or an extra step), so the iteration "
+                "count the checkpoints carry may differ from the loop's")
+
+    def _iterations_unproven(self, steps: dict[str, int], first: dict[str, int], clock_steps: int,
+                             clock_first: int, why: str, **kind: Any) -> None:
+        """The ``iterations_unproven`` warning (each of its kinds is said once by its caller)."""
+        self._log.warning(ev.ITERATIONS_UNPROVEN, step=self._count, steps=steps, first=first,
+                          clock_steps=clock_steps, clock_first=clock_first, **kind,
+                          why="several optimizers in a loop without hook.range()/hook.step(): " + why,
+                          fix="for i in hook.range(total) (or hook.step() at each iteration's end): the loop's own "
+                              "boundaries count its iterations")
 
     def _ambiguous_cycle(self, others: dict[str, int]) -> None:
         """The first iteration stepped the clock more than once before another optimizer: WGAN's n_critic D steps
@@ -726,15 +731,12 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         ``i % n == n - 1``) — the optimizer hooks see the same sequence. The hook counts the former; said once, at
         the end of the first iteration, before any commit (review ganrev)."""
         n = self._cycle_clock
-        self._log.warning(ev.ITERATIONS_UNPROVEN, step=self._count, steps=others, first=others, clock_steps=n,
-                          clock_first=n, ambiguous=True,
-                          why=f"several optimizers in a loop without hook.range()/hook.step(): the first optimizer "
-                              f"stepped {n} times before the others stepped {others}; the hook counts that as one "
-                              f"iteration (WGAN's n_critic), but a loop whose iteration is one step of it, with the "
-                              f"others every {n}th iteration, looks the same, and its checkpoints would carry "
-                              f"{n} times fewer iterations than the loop ran",
-                          fix="for i in hook.range(total) (or hook.step() at each iteration's end): the loop's own "
-                              "boundaries count its iterations")
+        self._iterations_unproven(
+            others, others, n, n,
+            f"the first optimizer stepped {n} times before the others stepped {others}; the hook counts that as "
+            f"one iteration (WGAN's n_critic), but a loop whose iteration is one step of it, with the others every "
+            f"{n}th iteration, looks the same, and its checkpoints would carry {n} times fewer iterations than the "
+            "loop ran", ambiguous=True)
 
     def _tick(self) -> None:
         """An iteration boundary: how long the iteration took (the boundary path's warning at a notice)."""
@@ -780,19 +782,15 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             return
         self._cycle_unconfirmed_warned = True
         clock, first = self._cycle_pattern if self._cycle_pattern is not None else (0, {})
-        self._log.warning(ev.ITERATIONS_UNPROVEN, step=self._count, steps=first, first=first, clock_steps=clock,
-                          clock_first=clock, confirmed=False,
-                          why="several optimizers in a loop without hook.range()/hook.step(): the checkpoint's "
-                              "iteration count rests on the first iteration alone (no later one has stepped like "
-                              "it yet), so a skipped or an extra step there would go unseen",
-                          fix="for i in hook.range(total) (or hook.step() at each iteration's end): the "
-                              "loop's own boundaries count its iterations")
+        self._iterations_unproven(
+            first, first, clock, clock,
+            "the checkpoint's iteration count rests on the first iteration alone (no later one has stepped like "
+            "it yet), so a skipped or an extra step there would go unseen", confirmed=False)
 
     def _boundary(self) -> None:
         res = self._agree.collect()
         self._implicit_counted = False
-        if res is not None and (res[0] > 0 or (self._periodic is not None and self._agree.flags[0]
-                                               and not self._agree.flags[1])):  # a commit comes
+        if res is not None and (res[0] > 0 or self._periodic_due()):  # a commit comes
             self._unconfirmed_cycle()
         if res is not None and res[0] > 0:
             self._act(res[0], res[1], snap=self._snap, final=False)

@@ -89,8 +89,9 @@ RNG_REALIGNED = "rng_realigned"
 #: gradients were discarded without an optimizer step (a NaN guard): the implicit clock counts steps, not
 #: iterations, so hook.resume() would not match the loop's own counter (the fix: hook.range()/hook.step())
 OPTIMIZER_STEP_SKIPPED = "optimizer_step_skipped"
-#: several optimizers in an implicit loop: an iteration's other-optimizer steps differ from the first one's
-#: (a skipped or an extra step), so the learned iteration count may not be the loop's (the fix: hook.range())
+#: several optimizers in an implicit loop: the iteration count learned from the optimizer steps may not be the
+#: loop's (ambiguous first iteration, an iteration unlike the first, a commit before any confirmed one; the fix:
+#: hook.range())
 ITERATIONS_UNPROVEN = "iterations_unproven"
 DEADLINE_AT_RISK = "deadline_at_risk"
 CHECKPOINT_LATE = "checkpoint_late"

@@ -462,13 +462,17 @@ class SaveMixin:
             return 0, 0
         return p.flags()
 
-    def _maybe_periodic(self, snap: Optional[Snapshot]) -> None:
-        """At a boundary with no notice: start the agreed periodic save (every rank sees the same flags)."""
-        p = self._periodic
-        if p is None or self._torn_down or self._closed:
-            return
+    def _periodic_due(self) -> bool:
+        """The boundary reduction just collected agreed on a periodic save (every rank sees the same flags)."""
+        if self._periodic is None or self._torn_down or self._closed:
+            return False
         due, busy = self._agree.flags[:2]
-        if not due or busy:
+        return bool(due) and not busy
+
+    def _maybe_periodic(self, snap: Optional[Snapshot]) -> None:
+        """At a boundary with no notice: start the agreed periodic save."""
+        p = self._periodic
+        if p is None or not self._periodic_due():
             return
         self._internal = True
         try:
