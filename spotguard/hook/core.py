@@ -961,15 +961,20 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             return
         if not clocked and self._implicit_why() is not None:
             return  # said in the second iteration (a hook.step() loop declares itself at the first's end)
-        self._bg_on = True
         if not clocked:
             self._log_path("any-moment", "implicit", "one optimizer: its step hooks mark each iteration's end")
+        self._turn_on_background()
+
+    def _turn_on_background(self) -> None:
+        """Notices wake the agreement thread from now on; those that came before training started (warm-up,
+        resume) wake it now."""
+        self._bg_on = True
         with self._lock:
             notices = list(self._pending.values())
-        for n in notices:  # notices that came before training started (warm-up, resume)
+        for n in notices:
             self._arm_wake(n)
 
-    def _step_begin(self) -> None:
+    def _step_begin(self, enter: Optional[Callable[[], None]] = None) -> None:
         """Clock pre-hook (background mode): mark "inside optimizer.step", unless a round holds this step.
 
         While a round runs (``_freeze``: the count this rank said it will stand at)
@@ -977,14 +982,18 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         until the tensors of S are copied — for an emergency, until the exit (the
         small state of S is captured here first when this thread arrives before
         the copy is done). Bounded: past the round's deadline without a decision,
-        a copy or an exit, the process exits 75.
+        a copy or an exit, the process exits 75. ``enter``: called under ``_cv``
+        instead of marking "inside optimizer.step" (an adapter's other hold point).
         """
         give_up = None
         with self._cv:
             while self._exit_request is None:
                 key = self._target if self._target is not None else self._freeze
                 if key is None or self._count < key:
-                    self._in_step = True
+                    if enter is None:
+                        self._in_step = True
+                    else:
+                        enter()
                     return
                 if self._count == key and not self._anchor_ok(key):
                     # an explicit loop's second optimizer step in one iteration: no boundary proved `key`
@@ -1004,6 +1013,17 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         if give_up is not None:
             self._give_up_hold(give_up)
         self._exit_if_requested()
+
+    def _wait_step_end(self, step: int, t_end: float) -> bool:
+        """(agreement thread) Wait, bounded by ``t_end``, until this rank has ended ``step`` and is outside a
+        step (held before the next); True when it has."""
+        with self._cv:
+            while (self._count != step or self._in_step) and self._exit_request is None:
+                left = t_end - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(min(0.5, left))
+            return self._count == step and not self._in_step
 
     def _give_up_hold(self, step: int) -> None:
         """Training thread, held past the round's bound (outside ``_cv``): leave with 75 rather than train on."""

@@ -210,11 +210,7 @@ class AnyMomentMixin:
         self._bg_ready.set()
         if not self._ds_any or self._bg is None or not self._bg.ok or self._bg_on or self._torn_down:
             return
-        self._bg_on = True
-        with self._lock:
-            notices = list(self._pending.values())
-        for n in notices:  # notices that came before training started (warm-up, resume)
-            self._arm_wake(n)
+        self._turn_on_background()
 
     def _begin_explicit(self, loop: str, start: int) -> None:  # hook.range(): the loop's boundary decides
         self._ds_leave(f"{loop}: the loop's own boundary counts iterations")
@@ -321,13 +317,7 @@ class AnyMomentMixin:
         if not self._ds_any:
             return _Result(committed=False, peers_ok=True, error=HANDED_OVER)
         t0 = time.monotonic()
-        with self._cv:
-            while (self._count != step or self._in_step) and self._exit_request is None:
-                left = t_end - time.monotonic()
-                if left <= 0:
-                    break
-                self._cv.wait(min(0.5, left))
-            small = self._ds_small if self._count == step and not self._in_step else None
+        small = self._ds_small if self._wait_step_end(step, t_end) else None
         if small is None or small[0] != step:
             return self._fail(notice, step, f"this rank did not reach the end of step {step} in time", t0,
                               peers_ok=True)

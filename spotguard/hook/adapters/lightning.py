@@ -69,7 +69,7 @@ import signal
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -82,6 +82,7 @@ from ..state import capture_rng, pack, restore_rng, rng_and_buffers_at, unpack
 from ..watch import SNAPSHOT_ALL_BUFFERS, model_snapshot_buffers
 from ._base import FrameworkHook
 from ._files import report_local, staging_dir, upload_dir
+from .lightning_anymoment import AnyMomentMixin
 
 __all__ = ["LightningHook", "install", "CKPT_NAME"]
 
@@ -119,13 +120,26 @@ def _make_callback(base: type, hook: "LightningHook") -> Any:
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             hook._reclaim_signals()
             hook._started(int(trainer.global_step), trainer.ckpt_path)
+            hook._lt_begin()  # lightning_anymoment.py: the optimizers exist now
+
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            hook._lt_step_begin()  # the any-moment path's hold: the weights of the next step do not change yet
+
+        def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+            hook._lt_unsafe("validation ran since the last optimizer step", hold=False)
+
+        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            hook._lt_unsafe("an epoch ended since the last optimizer step", hold=True)
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             hook._restore_rng_once()
+            hook._exit_if_requested()
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             step = int(trainer.global_step)
             final = trainer.max_steps is not None and trainer.max_steps > 0 and step >= trainer.max_steps
+            if hook._lt_step_end(step, final, hook._snapshot):
+                return  # the any-moment path: the agreement thread acts
             if hook._last_boundary is not None and step == hook._last_boundary and not final:
                 hook._microbatch()  # accumulation: no optimizer step in this batch
                 return
@@ -134,6 +148,9 @@ def _make_callback(base: type, hook: "LightningHook") -> Any:
 
         def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
                                     dataloader_idx: int = 0) -> None:
+            if hook._lt_any:
+                hook._exit_if_requested()
+                return
             if (trainer.training or getattr(trainer.state, "fn", None) == "fit") and hook._may_act_now():
                 hook._framework_eval_batch()
 
@@ -182,7 +199,7 @@ def _copy_containers(obj: Any, budget: list[int]) -> Any:
     return copy.deepcopy(obj)
 
 
-class LightningHook(FrameworkHook):
+class LightningHook(AnyMomentMixin, FrameworkHook):
     framework = "lightning"
 
     def __init__(self, trainer: Any, storage: str | Storage | None = None, *, socket: str | None = None,
@@ -284,14 +301,19 @@ class LightningHook(FrameworkHook):
         if final or int(getattr(trainer, "accumulate_grad_batches", 1) or 1) <= 1:
             self._at_step = None  # no micro-batches to act in: nothing to pay per step
             return
+        self._at_step = self._snapshot(step)
+
+    def _snapshot(self, step: int) -> Optional[_AtStep]:
+        """What moves between this step's end and the next step's weights change, copied (None: another
+        Lightning, whose loops' state this cannot take: act at the step boundary only, every rank alike)."""
+        trainer = self.trainer
         conn = getattr(trainer, "_checkpoint_connector", None)
         loops_of = getattr(conn, "_get_loops_state_dict", None)
-        if loops_of is None:  # another Lightning: act at the step boundary only (every rank alike)
-            self._at_step = None
-            return
+        if loops_of is None:
+            return None
         module = trainer.lightning_module
         budget = [SNAPSHOT_ALL_BUFFERS]
-        self._at_step = _AtStep(
+        return _AtStep(
             step=step, epoch=int(trainer.current_epoch), rng=capture_rng(),
             buffers={n: b.detach().clone() for n, b in model_snapshot_buffers(module).items()},
             loops=_copy_containers(loops_of(), budget),
@@ -346,6 +368,15 @@ class LightningHook(FrameworkHook):
 
     def _write(self, key: str, snap: Any) -> None:
         """All ranks call ``trainer.save_checkpoint`` (rank 0 writes, Lightning barriers)."""
+        self._saving = True
+        try:
+            self._place(key, lambda target: self.trainer.save_checkpoint(str(target)))
+        finally:
+            self._saving = False
+
+    def _place(self, key: str, save: Callable[[pathlib.Path], Any]) -> None:
+        """``save(path)`` writes ``lightning.ckpt`` in place (a local store) or into a staging folder that rank 0
+        uploads; rank 0 reports what it wrote for the commit record."""
         local = self._storage.local_path(key)
         stage = None
         if local is not None:
@@ -353,11 +384,7 @@ class LightningHook(FrameworkHook):
         else:
             stage = staging_dir(f"lightning-{self._rank}")
             target = stage / CKPT_NAME
-        self._saving = True
-        try:
-            self.trainer.save_checkpoint(str(target))
-        finally:
-            self._saving = False
+        save(target)
         if stage is not None:
             try:
                 if self._rank == 0:

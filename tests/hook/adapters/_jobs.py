@@ -12,14 +12,14 @@ import json
 import os
 import subprocess
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from spotguard.storage import open_storage
 from spotguard.storage.commit import scan
 
 from .._torchrun import REPO, TORCHRUN, TorchRun, first_difference, job_tmpdir, load_out
 
-__all__ = ["Job", "Reference", "read_log", "preempt_in_accumulation", "resume_and_compare", "ACCUM_STEPS", "ACCUM_ARGS", "losses", "committed", "assert_agreed_exit", "assert_same_losses", "first_difference", "load_out"]
+__all__ = ["Job", "drill_beside_reference", "Reference", "read_log", "preempt_in_accumulation", "resume_and_compare", "ACCUM_STEPS", "ACCUM_ARGS", "losses", "committed", "assert_agreed_exit", "assert_same_losses", "first_difference", "load_out"]
 
 HUB_OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONWARNINGS": "ignore"}
@@ -191,3 +191,21 @@ class Reference:
             assert sorted(ref) == list(range(self.steps)), self.run.tail()
             self._result = (ref, self.out)
         return self._result
+
+
+def drill_beside_reference(ref: Job, run: Job, socket: str, fired: Callable[[], bool], deadline: float,
+                           drill: Callable[..., str]) -> str:
+    """Drill ``run`` once ``fired()`` (both ranks subscribed to the daemon at ``socket``), wait for it and for the
+    uninterrupted ``ref`` that runs beside it (no sleeps: it costs no wall time of its own); the notice id."""
+    from .._daemons import wait_subscribed  # noqa: PLC0415 - the daemon tests' helpers
+
+    try:
+        wait_subscribed(socket, {0, 1}, run, timeout=120)
+        run.wait_for(fired, 120, "the moment of the notice")
+        notice_id = drill(socket, deadline_in=deadline)
+        run.wait(60)
+        assert ref.wait(180) == 0, ref.tail()
+    finally:
+        run.kill()
+        ref.kill()
+    return notice_id

@@ -20,9 +20,9 @@ from spotguard.daemon.client import request_sync
 from spotguard.launch import DaemonProc
 from spotguard.protocol import DrillCancel
 
-from .._daemons import drill, wait_subscribed
+from .._daemons import drill
 from .._torchrun import TorchRun, first_difference, load_out
-from ._jobs import Job, committed
+from ._jobs import Job, committed, drill_beside_reference
 
 pytest.importorskip("lightning")
 
@@ -51,15 +51,7 @@ def _preempt_and_resume(tmp_path: Path, daemon: DaemonProc, args: list[str], ref
     store = tmp_path / "ckpt"
     run = Job(SCRIPT, tmp_path / "preempted.log", [*ARGS, *args, "--storage", str(store)],
               env={"SPOTGUARD_SOCKET": daemon.socket})
-    try:
-        wait_subscribed(daemon.socket, {0, 1}, run, timeout=120)
-        run.wait_for(lambda: fired(run), 120, "the moment of the notice")
-        notice_id = drill(daemon.socket, deadline_in=deadline)
-        run.wait(60)
-        assert ref.wait(180) == 0, ref.tail()
-    finally:
-        run.kill()
-        ref.kill()
+    notice_id = drill_beside_reference(ref, run, daemon.socket, lambda: fired(run), deadline, drill)
     request_sync(daemon.socket, DrillCancel(id=notice_id))  # the restarted job must not get it replayed
     reference = _micro(ref)
     assert len(reference) == STEPS * ACCUM, ref.tail()

@@ -1,0 +1,257 @@
+"""Lightning's any-moment path: a notice is agreed and written while the training step goes on.
+
+Why: on the boundary path (``lightning.py``) a notice waits for the next
+``on_train_batch_end`` — the step in flight, seconds to minutes on a real model —
+before anything is agreed, because Lightning writes its checkpoint on the training
+thread. Here, as in the plain hook (``agreement.py``) and DeepSpeed's engine
+(``deepspeed_anymoment.py``), every rank's agreement thread (its own gloo group,
+woken through the c10d store) decides the step S = the last completed optimizer
+step (MAX of the ranks' stands) and writes S from the background:
+
+- **What cannot move**: the weights, the optimizer's state, the step-interval
+  schedulers and the precision plugin's scaler change only between Lightning's
+  ``on_before_optimizer_step`` (called from ``Precision._after_closure``: forward and
+  backward of the step are done, the weights not yet changed) and the step's
+  ``on_train_batch_end`` (the scheduler has stepped). The step after S is HELD at
+  its ``on_before_optimizer_step`` until they are written (an emergency: until the
+  exit; an ordinary checkpoint: until they are copied to the host). Forward and
+  backward of S+1 go on meanwhile: they touch gradients, not the checkpoint.
+- **What moves between steps** — this rank's RNG, the module's persistent buffers
+  (BatchNorm's running statistics), Lightning's loop progress and the callbacks'
+  ``state_dict``s — is copied at every step's ``on_train_batch_end`` (the accumulation
+  path's ``_AtStep``: the values a save at S's end would write) and substituted into
+  the dict; the live objects are never rewound (the training thread uses them).
+- **How it is written**: Lightning's own dict (``_checkpoint_connector.dump_checkpoint``:
+  model state through ``strategy.lightning_module_state_dict()``, ``optimizer_state``,
+  the schedulers, the precision plugin, hparams, datamodule, the ``on_save_checkpoint``
+  hooks — no collective for ``DDPStrategy``/``SingleDeviceStrategy``) with S's copies
+  put in, written by rank 0 through ``strategy.checkpoint_io`` into ``step-S/lightning.ckpt``
+  — never ``trainer.save_checkpoint``, whose ``strategy.barrier()`` runs on the
+  training process group the background thread must not touch. The RNG of every rank
+  is gathered on the round's own group. Lightning's resume is unchanged
+  (``trainer.ckpt_path``).
+- **Validation and epoch ends**: an epoch end (``on_train_epoch_end``) is held like a
+  step while a round runs (the epoch-interval schedulers step after it). A round whose
+  S is followed, on some rank, by a validation loop or an epoch end hands its notice
+  to the boundary path (every rank alike: the reason travels in the gathered entries)
+  and the process stays on the boundary path from its next batch end on.
+
+Configurations not proven exact keep the boundary path, said once in the
+``notice_path`` line (``lightning_any_moment_refusal``): a strategy other than
+``DDPStrategy``/``SingleDeviceStrategy`` (FSDP, DeepSpeed, ...), manual optimization,
+several optimizers, ``accumulate_grad_batches`` > 1 (the micro-batch path of
+``lightning.py`` acts one micro-batch after the notice), a precision plugin other than
+``Precision``/``MixedPrecision``, ``every=``, and ``SPOTGUARD_BACKGROUND_AGREEMENT=0``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Optional
+
+from ..save import _Result
+from ..settings import HANDED_OVER
+from ..periodic import stage_state_dict
+from ..state import pack
+
+__all__ = ["AnyMomentMixin", "lightning_any_moment_refusal", "static_refusal"]
+
+_STRATEGIES = ("DDPStrategy", "SingleDeviceStrategy")
+_PRECISIONS = ("Precision", "MixedPrecision")
+
+
+def static_refusal(trainer: Any, every: Optional[float]) -> Optional[str]:
+    """What is known when the core arms (``setup``: before ``configure_optimizers``); None: maybe any-moment."""
+    if os.environ.get("SPOTGUARD_BACKGROUND_AGREEMENT", "1").strip() == "0":
+        return "SPOTGUARD_BACKGROUND_AGREEMENT=0"
+    name = type(getattr(trainer, "strategy", None)).__name__
+    if name not in _STRATEGIES:
+        return f"strategy {name}: the any-moment path is proven for DDPStrategy and SingleDeviceStrategy only"
+    if every is not None:
+        return "every=: the periodic checkpoint is written at the step boundary"
+    if int(getattr(trainer, "accumulate_grad_batches", 1) or 1) > 1:
+        return ("accumulate_grad_batches > 1: the micro-batch path acts one micro-batch after the notice "
+                "(the any-moment path is proven without accumulation)")
+    return None
+
+
+def lightning_any_moment_refusal(trainer: Any, every: Optional[float] = None) -> Optional[str]:
+    """None when the Trainer's checkpoint can be written from the background exactly (at ``on_train_start``:
+    the optimizers exist); else why not."""
+    why = static_refusal(trainer, every)
+    if why is not None:
+        return why
+    if not hasattr(getattr(trainer, "_checkpoint_connector", None), "_get_loops_state_dict"):
+        return "this Lightning's loop progress cannot be copied at a step's end"
+    module = trainer.lightning_module
+    if not getattr(module, "automatic_optimization", True):
+        return "manual optimization: the module steps its optimizers itself, no hook marks a step's start"
+    opts = list(getattr(trainer, "optimizers", []) or [])
+    if len(opts) != 1:
+        return f"{len(opts)} optimizers: the any-moment path is proven for one"
+    if type(opts[0]).__name__ == "ZeroRedundancyOptimizer":
+        return "ZeroRedundancyOptimizer: its state dict is consolidated by a collective on the training group"
+    prec = type(getattr(trainer, "precision_plugin", None)).__name__
+    if prec not in _PRECISIONS:
+        return f"precision plugin {prec}: the any-moment path is proven for Precision and MixedPrecision only"
+    return None
+
+
+class AnyMomentMixin:
+    """Part of ``LightningHook`` (``lightning.py``); see the module docstring."""
+
+    trainer: Any
+    _lt_any = False  # this process acts at any moment (decided at arming, confirmed at on_train_start)
+    _lt_at: Any = None  # the _AtStep of the last optimizer step's end (every step on this path)
+    _lt_leave = False  # a round handed its notice over: the boundary path from the next batch end on
+
+    # ------------------------------------------------------------------ which path
+
+    def _why_not_background(self) -> Optional[str]:  # core.Hook: creates the agreement thread when None
+        why = static_refusal(self.trainer, getattr(self, "_every", None))
+        self._lt_any = why is None
+        return why and f"{why} (the boundary path: a notice is acted on at the next optimizer step's end)"
+
+    def _lt_begin(self) -> None:
+        """``on_train_start`` (every rank, after the resume): the optimizers exist; announce the path."""
+        if not self._lt_any:
+            return
+        why = lightning_any_moment_refusal(self.trainer, getattr(self, "_every", None))
+        if why is None and (self._bg is None or not self._bg.ok):
+            why = "the background agreement is not available"
+        if why is not None:
+            self._lt_any = False
+            self._log_path("boundary", "lightning", why)
+            return
+        with self._cv:  # no step of this run has ended: a notice before it waits for the boundary path
+            self._range_broken = "no optimizer step of this run has ended yet"
+        self._log_path("any-moment", "lightning", "weights, optimizer and schedulers change only between "
+                                                  "on_before_optimizer_step and on_train_batch_end: the step "
+                                                  "after S is held there until S is written")
+        self._enable_background()
+
+    def _enable_background(self, clocked: bool = False) -> None:  # core: resume() and the first step call it
+        self._bg_ready.set()
+        if not self._lt_any or self._bg is None or not self._bg.ok or self._bg_on or self._torn_down:
+            return
+        self._turn_on_background()
+
+    def _hand_over(self, step: int, why: str) -> None:  # agreement.py: every rank alike
+        super()._hand_over(step, why)  # type: ignore[misc]
+        self._lt_leave = True
+
+    def _capture_small_for(self, step: int, where: str) -> None:
+        """core's pre-hook asks for the small state of the held step: here it is copied at every step's end."""
+
+    # ------------------------------------------------------------------ the training thread
+
+    def _lt_step_begin(self) -> None:
+        """``on_before_optimizer_step``: held while a round needs S's weights, then "inside the step"."""
+        if self._lt_any and self._bg_on:
+            self._step_begin()
+
+    def _lt_step_end(self, step: int, final: bool, snapshot: Callable[[int], Any]) -> bool:
+        """``on_train_batch_end`` on this path: copy what moves between steps, count the step, leave "inside
+        the step". False: this process is (now) on the boundary path, the caller goes on as before."""
+        if not self._lt_any:
+            return False
+        if self._lt_leave:  # a round handed over: every rank switches at the same batch end
+            self._lt_any = self._bg_on = False
+            with self._cv:
+                self._in_step = False
+                self._cv.notify_all()
+            self._log_path("boundary", "lightning", "a notice came after validation or an epoch end since the "
+                                                    "last optimizer step: the boundary path from here on")
+            return False
+        at = snapshot(step)
+        with self._cv:
+            self._count = self._last_boundary = step
+            self._lt_at = at
+            self._in_step = False
+            if self._range_broken is not None:
+                self._range_broken = None  # S's state is known again
+            self._cv.notify_all()
+        self._finished = final
+        self._tick()
+        if not self._fresh_checked:
+            self._warn_unresumed()
+        self._exit_if_requested()
+        return True
+
+    def _lt_unsafe(self, why: str, *, hold: bool) -> None:
+        """Validation start / epoch end: from here until the next step's end the state is not S's end, which a
+        round learns from ``_range_broken`` (set atomically with passing the hold: a round joining later hands
+        over). ``hold``: first wait while a round writes S, as at a step's start (core's ``_step_begin``)."""
+        if not (self._lt_any and self._bg_on):
+            return
+
+        def dirty() -> None:  # under _cv
+            if self._range_broken is None:
+                self._range_broken = why
+
+        if hold:
+            self._step_begin(enter=dirty)
+        else:
+            with self._cv:
+                dirty()
+
+    # ------------------------------------------------------------------ the agreement thread
+
+    def _save_staged(self, notice: Any, reason: str, step: int, t_end: float, group: Any, *,
+                     hold: bool = False) -> _Result:
+        """Wait (bounded) until this rank has ended step S, then write S: Lightning's dict with S's copies (an
+        emergency's step stays held through the write until the exit; an ordinary one's until it is copied)."""
+        if not self._lt_any:
+            return _Result(committed=False, peers_ok=True, error=HANDED_OVER)
+        t0 = time.monotonic()
+        at = self._lt_at if self._wait_step_end(step, t_end) else None
+        # every rank takes part in the gather, whatever it found: the others wait in it
+        mine = at.rng if at is not None and at.step == step else None
+        allv = self._bg.gather(mine, max(0.5, t_end - time.monotonic()))
+        if any(v is None for v in allv):
+            self._release_hold(keep_target=hold)
+            return self._fail(notice, step, f"a rank did not reach the end of step {step} in time", t0,
+                              peers_ok=True)
+        ckpt: Any
+        try:
+            ckpt = self._lt_dump(at, allv)
+            if not hold:  # an ordinary checkpoint: copied to the host, then training goes on
+                ckpt = stage_state_dict(ckpt)[0]
+        except Exception as exc:  # noqa: BLE001 - a user hook raised: every rank learns it through the save
+            ckpt = exc
+        finally:
+            if not hold:
+                self._release_hold()
+
+        def write(key: str) -> None:
+            if isinstance(ckpt, Exception):
+                raise ckpt
+            self._lt_put(key, ckpt)
+
+        return self._save(notice, reason, None, group=group, step=step, write=write,
+                          bound=max(1.0, t_end - time.monotonic()))
+
+    def _lt_dump(self, at: Any, rngs: list[Any]) -> dict[str, Any]:
+        """Lightning's checkpoint dict for step S: its own ``dump_checkpoint`` (live weights, optimizer and
+        schedulers: unchanged since S while the next step is held), with what moved since S replaced by S's
+        copies: buffers, loops, callbacks, every rank's RNG (spotguard's entry, as the boundary path writes)."""
+        from .lightning import STATE_KEY  # noqa: PLC0415 - lightning.py imports this module
+
+        ckpt = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        sd = ckpt["state_dict"]
+        for name, t in at.buffers.items():
+            if name in sd:
+                sd[name] = t
+        ckpt["loops"] = at.loops
+        if "callbacks" in ckpt:
+            ckpt["callbacks"] = at.callbacks
+        ckpt[STATE_KEY] = {"rng": pack(rngs), "world_size": self._world}
+        return ckpt
+
+    def _lt_put(self, key: str, ckpt: dict[str, Any]) -> None:
+        """Rank 0 writes the dict through the strategy's ``checkpoint_io`` (no barrier: not ``save_checkpoint``)."""
+        if self._rank != 0:
+            return
+        io = self.trainer.strategy.checkpoint_io
+        self._place(key, lambda target: io.save_checkpoint(ckpt, str(target)))

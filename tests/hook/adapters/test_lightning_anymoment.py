@@ -1,0 +1,85 @@
+"""Issue 23 (time to safe, Lightning without accumulation): a notice in the middle of a long step is written from
+the background for the last completed optimizer step S (``spotguard/hook/adapters/lightning_anymoment.py``).
+
+Real torchrun (2 ranks, DDP/gloo, CPU), a real ``spotguard daemon``, 4 s training steps and a drill with a 3 s
+deadline landing inside step S+1. Before, the notice waited for the step's end (``on_train_batch_end``, up to 4 s
+later, then the save): committed late or not at all. Now every rank commits S well within the deadline, exit 143,
+and the restarted job ends bitwise equal to an uninterrupted run (every batch's loss, final weights, optimizer).
+A configuration that is not proven exact (accumulation) keeps the old path and says so in ``notice_path``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from spotguard.daemon.client import request_sync
+from spotguard.launch import DaemonProc
+from spotguard.protocol import DrillCancel
+
+from .._daemons import drill
+from .._torchrun import first_difference, load_out
+from ._jobs import Job, committed, drill_beside_reference
+
+pytest.importorskip("lightning")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+SCRIPT = "lightning_train.py"
+STEPS = 4
+S = 1  # the notice comes inside step S+1 (global_step == S at its training_step)
+ARGS = ["--steps", str(STEPS), "--batches-per-epoch", "40"]
+DEADLINE = 3.0  # shorter than a step: only the any-moment path makes it
+
+
+def _losses(run: Job) -> dict[int, str]:
+    """global step at the batch -> its loss as ``float.hex`` (rank 0's lines)."""
+    return {e["step"]: e["hex"] for e in run.lines() if "hex" in e and "batch" in e}
+
+
+def test_notice_mid_step_commits_last_step_within_deadline_and_resumes_bitwise(
+        tmp_path: Path, daemon: DaemonProc) -> None:
+    ref = Job(SCRIPT, tmp_path / "ref.log", [*ARGS, "--no-hook", "--out", str(tmp_path / "ref.pt")])
+    store = tmp_path / "ckpt"
+    run = Job(SCRIPT, tmp_path / "preempted.log", [*ARGS, "--step-time", "4", "--storage", str(store)],
+              env={"SPOTGUARD_SOCKET": daemon.socket})
+    notice_id = drill_beside_reference(ref, run, daemon.socket, lambda: S in _losses(run), DEADLINE, drill)
+    request_sync(daemon.socket, DrillCancel(id=notice_id))  # the restarted job must not get it replayed
+    for name in ("agreed", "checkpoint_committed"):
+        got = {e["rank"]: e["step"] for e in run.events(name) if e.get("notice_id") == notice_id}
+        assert got == {0: S, 1: S}, (name, got, run.tail())
+    assert {e.get("via") for e in run.events("agreed")} == {"background"}
+    assert not run.events("checkpoint_late"), run.events("checkpoint_late")
+    for e in run.events("checkpoint_committed"):
+        assert e["seconds_left"] > 1.0, e  # well within the deadline, not at the step's end (4 s steps)
+    exits = {e["rank"]: e for e in run.events("exit")}
+    assert set(exits) == {0, 1}, run.tail()
+    for e in exits.values():
+        assert e["code"] == 143 and e["committed"] and not e["late"] and e["notice_id"] == notice_id, e
+    assert max(_losses(run)) == S, "a step after S+1 started: the notice was not acted on inside S+1"
+    assert committed(store) == [S]
+    paths = {(e["path"], e["loop"]) for e in run.events("notice_path")}
+    assert ("any-moment", "lightning") in paths, (paths, run.tail())
+
+    resumed = Job(SCRIPT, tmp_path / "resumed.log", [*ARGS, "--storage", str(store), "--out",
+                                                      str(tmp_path / "resumed.pt")])
+    assert resumed.wait(180) == 0, resumed.tail()
+    assert {e["rank"]: e["step"] for e in resumed.events("resumed")} == {0: S, 1: S}, resumed.tail()
+    reference, again = _losses(ref), _losses(resumed)
+    assert sorted(again) == [k for k in sorted(reference) if k >= S], sorted(again)
+    diff = [(k, reference[k], again[k]) for k in sorted(again) if reference[k] != again[k]]
+    assert not diff, f"resumed losses differ from the uninterrupted run (step, ref, resumed): {diff[:4]}"
+    for what in ("model", "optimizer"):
+        d = first_difference(load_out(tmp_path / "ref.pt")[what], load_out(tmp_path / "resumed.pt")[what])
+        assert d is None, f"final {what} state differs at {d}"
+
+
+def test_accumulation_keeps_the_boundary_path_and_says_so(tmp_path: Path) -> None:
+    """``accumulate_grad_batches`` > 1 is not proven on the any-moment path: the micro-batch path stays, and the
+    ``notice_path`` line says why (before: a generic 'the framework writes the checkpoint itself')."""
+    run = Job(SCRIPT, tmp_path / "accum.log", [*ARGS, "--accumulate", "2", "--storage", str(tmp_path / "ckpt")])
+    assert run.wait(180) == 0, run.tail()
+    why = [e["why"] for e in run.events("notice_path") if e["path"] == "boundary"]
+    assert why and all("accumulate_grad_batches > 1" in w for w in why), (why, run.tail())
+    assert not [e for e in run.events("notice_path") if e["path"] == "any-moment"]
