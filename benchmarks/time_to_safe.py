@@ -53,6 +53,9 @@ a random phase of a step, and each trial also records the micro-batch index at t
 commit came after the drill's deadline (``late``). Default cell 64 MiB, 10 s steps, 20 trials; ``--quick``:
 1 MiB, 1.2 s steps, 2 trials. No overhead job (``bench_adapters.py`` measures the adapters' per-step cost).
 ``make bench-time-to-safe-frameworks`` runs the full framework set (~35 min on 2 shared cores).
+``--accumulate N`` sets ``ACCUM`` (1: no accumulation, one batch a step); ``--compare-boundary`` runs every
+trial twice in a row, the second with ``SPOTGUARD_BACKGROUND_AGREEMENT=0`` (the boundary path the adapters had
+before their any-moment path), and summarises each path (``by_path``) from the same interleaved run.
 
 ``python -m benchmarks.time_to_safe [--quick] [--label NAME] [--cells MIB:SECONDS:TRIALS,...] [--framework F,...]``
 writes ``benchmarks/results/time_to_safe-<label>.json``; ``--quick`` is a
@@ -93,6 +96,8 @@ CELLS = [(64, 1.5, 20), (64, 10.0, 20), (1024, 1.5, 20), (1024, 10.0, 12)]
 QUICK_CELLS = [(16, 0.6, 2)]
 FRAMEWORK_CELLS = [(64, 10.0, 20)]  # one optimizer step = 8 micro-batches of 1.25 s
 FRAMEWORK_QUICK_CELLS = [(1, 1.2, 2)]
+#: --compare-boundary: each trial on the adapter's any-moment path, then on the boundary path it had before
+PATHS = {"any-moment": {}, "boundary": {"SPOTGUARD_BACKGROUND_AGREEMENT": "0"}}
 TRIAL_PREFIX = "TTS_TRIAL "
 OVERHEAD_PREFIX = "TTS_OVERHEAD "
 
@@ -406,13 +411,14 @@ def _emit(prefix: str, obj: dict[str, Any]) -> None:
 
 
 def _trial(sock: str, work: Path, mib: float, period: float, phase: float,
-           framework: Optional[str] = None) -> dict[str, Any]:
+           framework: Optional[str] = None, extra: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """One job, one drill; ``framework``: a ``_tts_frameworks`` worker (the loop is the framework's)."""
     store = Path(tempfile.mkdtemp(prefix="ckpt-", dir=work))
     env = {"SG_TTS_STATE_MIB": str(mib), "SG_TTS_ITER_S": str(period), "SG_TTS_PHASE": repr(phase),
            "SG_TTS_STORAGE": str(store), "SPOTGUARD_SOCKET": sock}
     if framework:
         env["SG_TTS_FRAMEWORK"] = framework
+        env.update(extra or {})
     else:
         env["SG_TTS_MODEL"] = os.environ.get("SG_TTS_MODEL", "ddp")
         env.update({k: os.environ[k] for k in ("SG_TTS_SINGLE", "SG_TTS_LOOP", "SG_TTS_BUSY_AT", "SG_TTS_GAN") if k in os.environ})
@@ -504,10 +510,15 @@ def _cell(sock: str, work: Path, mib: float, period: float, trials: int, rng: ra
           framework: Optional[str] = None) -> dict[str, Any]:
     runs = []
     name = f"{framework + '/' if framework else ''}{mib:g}MiB/{period:g}s"
+    paths = PATHS if framework and os.environ.get("SG_TTS_COMPARE") == "1" else {"": {}}
     for i in range(trials):
-        r = _trial(sock, work, mib, period, rng.random(), framework)
-        runs.append(r)
-        print(json.dumps({"cell": name, "trial": i, **{k: v for k, v in r.items() if k != "tail"}}), flush=True)
+        phase = rng.random()  # both paths at the same phase of the step
+        for label, extra in paths.items():
+            r = _trial(sock, work, mib, period, phase, framework, extra)
+            if label:
+                r["path"] = label
+            runs.append(r)
+            print(json.dumps({"cell": name, "trial": i, **{k: v for k, v in r.items() if k != "tail"}}), flush=True)
     ok = [r for r in runs if "notice_to_committed_s" in r]
     cell: dict[str, Any] = {"framework": framework} if framework else {}
     if framework:
@@ -527,6 +538,11 @@ def _cell(sock: str, work: Path, mib: float, period: float, trials: int, rng: ra
            if framework else {}),
         "runs": runs,
     })
+    if len(paths) > 1:
+        cell["by_path"] = {p: {"trials": sum(r.get("path") == p for r in runs),
+                               "late": sum(bool(r.get("late")) for r in runs if r.get("path") == p),
+                               "notice_to_committed_s": _summary([r["notice_to_committed_s"] for r in ok
+                                                                  if r.get("path") == p])} for p in paths}
     if mib <= 64:
         cell["meets_target_p99_1s"] = bool(ok) and cell["notice_to_committed_s"]["p99"] <= 1.0
     return cell
@@ -547,7 +563,8 @@ def bench(cells: list[tuple[float, float, int]], *, overhead_blocks: int, overhe
         shape = "1 plain process, no torch.distributed" if os.environ.get("SG_TTS_SINGLE") == "1" else \
             "2 ranks torchrun gloo CPU"
         if frameworks != (None,):
-            shape += f"; frameworks {', '.join(f or 'plain' for f in frameworks)}, 8-micro-batch accumulation, " \
+            shape += f"; frameworks {', '.join(f or 'plain' for f in frameworks)}, " \
+                     f"{os.environ.get('SG_TTS_ACCUM', '8')}-micro-batch accumulation, " \
                      "the drill at a random phase of an optimizer step"
         out: dict[str, Any] = {
             "what": "notice_seen -> checkpoint_committed (hook log timestamps), drill through a real daemon at a "
@@ -621,7 +638,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "(its own optimizer); the drill lands at a random phase of the whole iteration")
     ap.add_argument("--framework", help="lightning,hf,accelerate (comma-separated) or all: the framework owns the "
                                         "loop, 8-micro-batch gradient accumulation; SECONDS of a cell = one step")
+    ap.add_argument("--accumulate", type=int, default=None, metavar="N",
+                    help="--framework: micro-batches a step (default 8; 1: no accumulation)")
+    ap.add_argument("--compare-boundary", action="store_true",
+                    help="--framework: every trial also on the boundary path (SPOTGUARD_BACKGROUND_AGREEMENT=0)")
     a = ap.parse_args(argv)
+    if a.accumulate is not None:
+        os.environ["SG_TTS_ACCUM"] = str(a.accumulate)
+    if a.compare_boundary:
+        os.environ["SG_TTS_COMPARE"] = "1"
     frameworks: tuple[Optional[str], ...] = (None,)
     if a.framework:
         from benchmarks._tts_frameworks import FRAMEWORKS

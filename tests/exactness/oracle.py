@@ -204,6 +204,11 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("lightning_accum4", "lightning_loop.py", env=(("EXO_ACCUM", "4"),), what="the lightning pattern with "
             "accumulate_grad_batches=4 over 10-batch epochs (4, 4, then a short 2)",
             phases=("load", "micro", "step", "fwd", "bwd", "prestep", "after")),
+    # issue 23: no accumulation: the any-moment path (lightning_anymoment.py), the step after S held at its
+    # on_before_optimizer_step while S is written from the background
+    Pattern("lightning_noaccum", "lightning_loop.py", env=(("EXO_ACCUM", "1"),), what="the lightning pattern "
+            "without accumulation (one batch a step): the any-moment path",
+            phases=("load", "step", "fwd", "bwd", "prestep", "after")),
     Pattern("hf_trainer_specnorm", "hf_trainer.py", env=(("EXO_ACCUM", "6"), ("EXO_SPECNORM", "1")),
             what="the hf_trainer_accum6 pattern with parametrizations.spectral_norm on fc1",
             phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),

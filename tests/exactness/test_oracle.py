@@ -75,6 +75,9 @@ CASES: dict[str, tuple[str, ...]] = {
     "lightning-meter-callback-micro-batch": ("lightning_meter", "phase:micro@2"),
     # accumulate_grad_batches=4 over 10-batch epochs: a micro-batch of an epoch's second step, rewound to step 4
     "lightning-accum4-micro-batch-mid-epoch": ("lightning_accum4", "phase:load@4"),
+    # issue 23: no accumulation, the notice inside step 5's backward: S = 4 written from the background while
+    # the backward goes on, step 5 held at its on_before_optimizer_step
+    "lightning-noaccum-notice-in-backward": ("lightning_noaccum", "phase:bwd@4"),
     "hf-trainer-specnorm-micro-batch": ("hf_trainer_specnorm", "phase:micro@1"),
     "accelerate-accum-specnorm-micro-batch": ("accelerate_accum_specnorm", "phase:micro@4"),
     "hf-trainer-accum-substep-epoch-end": ("hf_trainer", "phase:micro@3"),

@@ -394,9 +394,9 @@ class LightningHook(AnyMomentMixin, FrameworkHook):
         elif self._rank == 0:  # written in place (rank 0 writes): report it for the commit record
             report_local(self._storage, key, select=lambda rel: rel == CKPT_NAME)
 
-    def _exit(self, notice: Notice, result: Any) -> Any:
+    def _exit(self, notice: Notice, result: Any, step: Optional[int] = None) -> Any:
         self.trainer.should_stop = True
-        return super()._exit(notice, result)
+        return super()._exit(notice, result, step)
 
 
 def uses_deepspeed(trainer: Any) -> bool:

@@ -10,6 +10,7 @@ A configuration that is not proven exact (accumulation) keeps the old path and s
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,8 @@ def test_notice_mid_step_commits_last_step_within_deadline_and_resumes_bitwise(
     assert set(exits) == {0, 1}, run.tail()
     for e in exits.values():
         assert e["code"] == 143 and e["committed"] and not e["late"] and e["notice_id"] == notice_id, e
+    raised = re.findall(r'File "[^"]*/spotguard/[^"]*".*', run.log.read_text())
+    assert not raised, raised  # nothing raised through spotguard (the held training thread leaves cleanly)
     assert max(_losses(run)) == S, "a step after S+1 started: the notice was not acted on inside S+1"
     assert committed(store) == [S]
     paths = {(e["path"], e["loop"]) for e in run.events("notice_path")}
