@@ -116,6 +116,9 @@ CASES: dict[str, tuple[str, ...]] = {
 }
 # Longer cases kept out of `make test`'s time (EXO_MORE=1 adds them; `make exactness` draws these moments too).
 MORE_CASES: dict[str, tuple[str, ...]] = {
+    # issue 23: Lightning without accumulation, the notice in the run's last step (one rank already inside it): S is
+    # the last step, which the any-moment path leaves to the boundary path (training is over: not acted on)
+    "lightning-noaccum-notice-in-the-last-step": ("lightning_noaccum", "phase:bwd@9"),
     # issue 23: an own loop (hook.resume(), a plain for), D twice per iteration: each D step was counted as an
     # iteration and the notice acted on at D's second step (committed "step 7" after 3 iterations); its single-
     # process sibling in make test: tests/hook/test_implicit_cycles.py

@@ -14,7 +14,15 @@ Life cycle (every rank):
   below), logs ``resumed`` and agrees once (replayed notice -> exit at once).
 - ``on_train_batch_start`` (first batch after a resume): restores this rank's
   RNG states saved in the checkpoint (Lightning does not save RNG).
-- ``on_train_batch_end``: the iteration boundary (optimizer and step-interval
+- Without accumulation (DDP or one device, one optimizer, automatic optimization;
+  ``lightning_anymoment.py``): **any moment**. ``on_before_optimizer_step`` holds
+  the next step while the agreement thread writes the last completed step S from
+  the background (Lightning's own dict with S's step-end copies of RNG, buffers,
+  loops and callbacks); ``on_train_batch_end`` only copies and counts. Anything
+  else (accumulation, FSDP/DeepSpeed, manual optimization, several optimizers,
+  ``every=``, a notice after validation or an epoch end since S) takes the
+  boundary path below and says why in ``notice_path``.
+- ``on_train_batch_end`` (boundary path): the iteration boundary (optimizer and step-interval
   schedulers have stepped, exactly where Lightning's ``ModelCheckpoint`` saves
   mid-epoch): the agreement launched one boundary earlier is waited; if any
   rank asked, ``trainer.save_checkpoint`` writes ``step-N/lightning.ckpt``

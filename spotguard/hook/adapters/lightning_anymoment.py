@@ -202,7 +202,10 @@ class AnyMomentMixin:
                      hold: bool = False) -> _Result:
         """Wait (bounded) until this rank has ended step S, then write S: Lightning's dict with S's copies (an
         emergency's step stays held through the write until the exit; an ordinary one's until it is copied)."""
-        if not self._lt_any:
+        last = int(getattr(self.trainer, "max_steps", -1) or -1)
+        if not self._lt_any or 0 < last <= step:
+            # the run's last step: as on the boundary path, a notice after the last optimizer step is not acted on
+            # (training is over; the run ends with its own exit code) — every rank alike (same S, same max_steps)
             return _Result(committed=False, peers_ok=True, error=HANDED_OVER)
         t0 = time.monotonic()
         at = self._lt_at if self._wait_step_end(step, t_end) else None
