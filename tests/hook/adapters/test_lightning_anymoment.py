@@ -5,13 +5,15 @@ Real torchrun (2 ranks, DDP/gloo, CPU), a real ``spotguard daemon``, 4 s trainin
 deadline landing inside step S+1. Before, the notice waited for the step's end (``on_train_batch_end``, up to 4 s
 later, then the save): committed late or not at all. Now every rank commits S well within the deadline, exit 143,
 and the restarted job ends bitwise equal to an uninterrupted run (every batch's loss, final weights, optimizer).
-A configuration that is not proven exact (accumulation) keeps the old path and says so in ``notice_path``.
+Configurations that are not proven exact (accumulation, manual optimization) keep the old path and say so in
+``notice_path`` (one process, in-process: seconds).
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any, Optional
 
 import pytest
 
@@ -23,9 +25,9 @@ from .._daemons import drill
 from .._torchrun import first_difference, load_out
 from ._jobs import Job, committed, drill_beside_reference
 
-pytest.importorskip("lightning")
+pl = pytest.importorskip("lightning.pytorch")
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.timeout(300)]
 
 SCRIPT = "lightning_train.py"
 STEPS = 4
@@ -39,6 +41,7 @@ def _losses(run: Job) -> dict[int, str]:
     return {e["step"]: e["hex"] for e in run.lines() if "hex" in e and "batch" in e}
 
 
+@pytest.mark.slow
 def test_notice_mid_step_commits_last_step_within_deadline_and_resumes_bitwise(
         tmp_path: Path, daemon: DaemonProc) -> None:
     ref = Job(SCRIPT, tmp_path / "ref.log", [*ARGS, "--no-hook", "--out", str(tmp_path / "ref.pt")])
@@ -78,11 +81,53 @@ def test_notice_mid_step_commits_last_step_within_deadline_and_resumes_bitwise(
         assert d is None, f"final {what} state differs at {d}"
 
 
-def test_accumulation_keeps_the_boundary_path_and_says_so(tmp_path: Path) -> None:
-    """``accumulate_grad_batches`` > 1 is not proven on the any-moment path: the micro-batch path stays, and the
-    ``notice_path`` line says why (before: a generic 'the framework writes the checkpoint itself')."""
-    run = Job(SCRIPT, tmp_path / "accum.log", [*ARGS, "--accumulate", "2", "--storage", str(tmp_path / "ckpt")])
-    assert run.wait(180) == 0, run.tail()
-    why = [e["why"] for e in run.events("notice_path") if e["path"] == "boundary"]
-    assert why and all("accumulate_grad_batches > 1" in w for w in why), (why, run.tail())
-    assert not [e for e in run.events("notice_path") if e["path"] == "any-moment"]
+@pytest.mark.parametrize("config, why", [
+    ({"accumulate_grad_batches": 2}, "accumulate_grad_batches > 1"),
+    ({"manual": True}, "manual optimization"),
+    ({}, None),
+])
+def test_unproven_configurations_keep_the_boundary_path_and_say_so(
+        config: dict[str, Any], why: Optional[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Accumulation and manual optimization are not proven on the any-moment path: the process keeps the boundary
+    path and its ``notice_path`` line says why (before: a generic 'the framework writes the checkpoint itself' for
+    every Lightning run); a plain configuration takes the any-moment path. One process, one device, 3 steps."""
+    import torch
+
+    from spotguard import install_preemption_hook
+
+    monkeypatch.setenv("SPOTGUARD_SOCKET", str(tmp_path / "no.sock"))
+    manual = bool(config.pop("manual", False))
+
+    class M(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+            self.automatic_optimization = not manual
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = self.lin(batch).pow(2).mean()
+            if manual:
+                opt = self.optimizers()
+                opt.zero_grad()
+                self.manual_backward(loss)
+                opt.step()
+                return None
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                         **config)
+    hook = install_preemption_hook(trainer, storage=str(tmp_path / "ckpt"))
+    said: list[tuple[str, str, str]] = []
+    log_path = hook._log_path
+    hook._log_path = lambda path, loop, w: (said.append((path, loop, w)), log_path(path, loop, w))[1]
+    trainer.fit(M(), train_dataloaders=torch.utils.data.DataLoader(torch.ones(16, 4), batch_size=2))
+    boundary = [w for path, _, w in said if path == "boundary"]
+    if why is None:
+        assert [(p, loop) for p, loop, _ in said] == [("any-moment", "lightning")], said
+    else:
+        assert boundary and all(why in w for w in boundary), said
+        assert not [x for x in said if x[0] == "any-moment"], said
