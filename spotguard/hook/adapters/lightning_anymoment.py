@@ -34,7 +34,9 @@ step (MAX of the ranks' stands) and writes S from the background:
   step while a round runs (the epoch-interval schedulers step after it). A round whose
   S is followed, on some rank, by a validation loop or an epoch end hands its notice
   to the boundary path (every rank alike: the reason travels in the gathered entries)
-  and the process stays on the boundary path from its next batch end on.
+  and the process stays on the boundary path from its next batch end on. So does a
+  notice before the run's first step ends (no step-end copy yet) and one whose S is
+  the run's last step (as on the boundary path, not acted on: training is over).
 
 Configurations not proven exact keep the boundary path, said once in the
 ``notice_path`` line (``lightning_any_moment_refusal``): a strategy other than
