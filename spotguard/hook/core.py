@@ -489,8 +489,13 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             orig_step, orig_update = sc.step, sc.update
             hook = self
 
+            stepped: list[Any] = []  # the optimizers given to step() since the last update(), in order
+
             def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
                 if not (hook._internal or hook._explicit or hook._closed):
+                    stepped.append(optimizer)
+                    if hook._many_opts and not hook._cycle_begins(optimizer):
+                        return orig_step(optimizer, *args, **kwargs)  # inside an iteration (n_critic, G)
                     if hook._bg_on:
                         hook._step_begin()
                     if hook._agree.pending:
@@ -501,7 +506,14 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                 out = orig_update(*args, **kwargs)
                 if not (hook._internal or hook._explicit or hook._closed):
                     hook._post_seq += 1
-                    hook._decide()
+                    done = stepped[:]
+                    stepped.clear()
+                    # several optimizers: the implicit cycle rule over the steps this update() closes (an AMP
+                    # WGAN must update() after each D step: a second step(opt_d) before it raises), so each
+                    # update() is no iteration of its own
+                    ends = [hook._cycle_ends(o) for o in done] if hook._many_opts else [True]
+                    if any(ends):
+                        hook._decide()
                 return out
 
             sc.step, sc.update = step, update
@@ -651,16 +663,13 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         if self._range_clock and self._many_opts:
             self._multi_step_begin()
             return
-        if self._clock is None:
+        if self._many_opts:
+            if self._scaler is not None or not self._cycle_begins(optimizer):
+                return  # the scaler's step() wrapper counts (it sees steps the scaler skips); inside the iteration
+        elif self._clock is None:
             self._clock = optimizer
         if optimizer is not self._clock:
             return
-        if self._many_opts:
-            self._cycle_start = not self._clock_seen or bool(self._cycle_others)
-            if not self._cycle_start:
-                return  # the clock again before any other optimizer (n_critic): inside the iteration
-            if self._clock_seen:
-                self._check_cycle()
         if not self._bg_on and self._bg is not None and not self._explicit_intent and not self._many_opts:
             self._enable_background()  # no hook.resume(): the first step is where training shows itself
         if self._bg_on and self._scaler is None:  # with a scaler, its step() wrapper is the begin
@@ -681,17 +690,39 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                 return  # the explicit loop's boundary ends the iteration
         if self._scaler is not None:
             return  # GradScaler.update() is the clock
-        if optimizer is self._clock and (self._cycle_start or not self._many_opts):
-            if self._many_opts:
-                self._cycle_start, self._clock_seen, self._cycle_others, self._cycle_clock = False, True, {}, 1
-            self._decide()
-        elif self._many_opts:
+        if not self._many_opts:
             if optimizer is self._clock:
-                self._cycle_clock += 1
-            else:
-                name = self._opt_key.get(id(optimizer), "?")
-                self._cycle_others[name] = self._cycle_others.get(name, 0) + 1
-            self._snap = Snapshot.take(self._objs.loaders)
+                self._decide()
+        elif self._cycle_ends(optimizer):
+            self._decide()
+
+    def _cycle_begins(self, optimizer: Any) -> bool:
+        """Several optimizers, implicit loop: does this step of ``optimizer`` start an iteration? A step of the
+        clock (the first optimizer that stepped) after another optimizer's does; the clock again before any other
+        (WGAN's n_critic) is inside the iteration. Called where a step begins: the optimizer's pre-hook, or the
+        scaler's ``step(optimizer)`` (which sees the steps it skips on inf/nan)."""
+        if self._clock is None:
+            self._clock = optimizer
+        if optimizer is not self._clock:
+            return False
+        self._cycle_start = not self._clock_seen or bool(self._cycle_others)
+        if self._cycle_start and self._clock_seen:
+            self._check_cycle()
+        return self._cycle_start
+
+    def _cycle_ends(self, optimizer: Any) -> bool:
+        """Several optimizers, implicit loop: a step of ``optimizer`` ended (its post-hook, or the scaler's
+        ``update()``); True when it is the iteration's first clock step, where the hook decides (``_decide``)."""
+        if optimizer is self._clock and self._cycle_start:
+            self._cycle_start, self._clock_seen, self._cycle_others, self._cycle_clock = False, True, {}, 1
+            return True
+        if optimizer is self._clock:
+            self._cycle_clock += 1
+        else:
+            name = self._opt_key.get(id(optimizer), "?")
+            self._cycle_others[name] = self._cycle_others.get(name, 0) + 1
+        self._snap = Snapshot.take(self._objs.loaders)
+        return False
 
     def _check_cycle(self) -> None:
         """An implicit loop's iteration with several optimizers ended: the other optimizers stepped as often as in
@@ -777,7 +808,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         """A commit at an implicit loop's boundary with several optimizers before any iteration stepped like the
         first one: the count rests on one iteration (D skipped in iteration 1 merges 0 and 1 unseen), so say so
         before the commit (once; review ganrev)."""
-        if (not self._many_opts or self._explicit or self._range_clock or self._scaler is not None
+        if (not self._many_opts or self._explicit or self._range_clock
                 or self._cycle_confirmed or self._cycle_warned or self._cycle_unconfirmed_warned):
             return
         self._cycle_unconfirmed_warned = True
