@@ -144,6 +144,11 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             what="gan_wild in hook.resume() and a plain loop, D twice per iteration, sched_d at the iteration's "
                  "end (implicit: the boundary path at the next iteration's first D step)",
             phases=("load", "fwd", "d_step", "g_step", "after", "eval")),
+    Pattern("gan_wild_own_amp", "gan_wild.py", env=(("EXO_GW_LOOP", "own"), ("EXO_GW_SCHED_TOP", "0"),
+                                                    ("EXO_GW_AMP", "1")),
+            what="gan_wild_own with a GradScaler updated after each D and G step (the scaler's step()/update() "
+                 "follow the implicit cycle rule)",
+            phases=("load", "fwd", "d_step", "g_step", "after", "eval")),
     # review ganrev: periodic checkpoints in an own GAN loop (each labelled with the loop's count of iterations)
     Pattern("gan_wild_own_every", "gan_wild.py", env=(("EXO_GW_LOOP", "own"), ("EXO_GW_SCHED_TOP", "0"),
                                                       ("EXO_EVERY", "0.05")), check_all=True,
