@@ -117,6 +117,8 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     # iteration and the notice acted on at D's second step (committed "step 7" after 3 iterations); its single-
     # process sibling in make test: tests/hook/test_implicit_cycles.py
     "wgan-own-loop-notice-before-the-critic-steps": ("gan_wild_own", "phase:d_step@3"),
+    # the same loop with a GradScaler updated after each D and G step: each update() counted as an iteration
+    "amp-wgan-own-loop-notice-at-the-critic-step": ("gan_wild_own_amp", "phase:d_step@3"),
     "periodic-upload-in-flight-finished": ("ddp_every", "phase:periodic_mid@2"),
     "maintenance-hf-trainer-backward": ("hf_trainer", "phase:bwd@4", "maintenance"),
     # review of issue 29: a rebalance whose DeepSpeed write outlasts its window (the any-moment path held the
