@@ -72,6 +72,7 @@ from ..state import capture_rng, clone_buffers, rng_and_buffers_at
 from ..watch import model_snapshot_buffers
 from ._base import FrameworkHook
 from ._files import upload_dir
+from .hf_anymoment import HFAnyMomentMixin
 
 __all__ = ["HFTrainerHook", "install"]
 
@@ -103,6 +104,8 @@ def _make_callback(hook: "HFTrainerHook") -> Any:
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
             hook._arm()
             hook._on_train_begin(int(state.global_step))
+            if hook._hf_any:
+                hook._enable_background()
             return control
 
         def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -111,10 +114,23 @@ def _make_callback(hook: "HFTrainerHook") -> Any:
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
             hook._capture(int(state.global_step), epoch_start=False)
+            if hook._hf_any and hook._armed:
+                hook._hf_step_begin(int(state.global_step))
+            return control
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if hook._hf_any and hook._armed and not (hook._closed or hook._internal or hook._torn_down):
+                hook._hf_pre_optimizer()
+            return control
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if hook._armed:
+                hook._hf_train_end()
             return control
 
         def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-            hook._framework_microbatch()
+            if not hook._hf_any:
+                hook._framework_microbatch()
             return control
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -126,13 +142,14 @@ def _make_callback(hook: "HFTrainerHook") -> Any:
             return control
 
         def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-            hook._framework_eval_batch()
+            if not hook._hf_any:
+                hook._framework_eval_batch()
             return control
 
     return SpotguardTrainerCallback()
 
 
-class HFTrainerHook(FrameworkHook):
+class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
     framework = "transformers"
 
     def __init__(self, trainer: Any, storage: str | Storage | None = None, *, socket: str | None = None,
@@ -194,7 +211,7 @@ class HFTrainerHook(FrameworkHook):
         (``on_epoch_begin``) at an epoch start, after the step's batches are fetched (``on_step_begin``) otherwise:
         the first capture of an epoch's first step is kept. Right after a resume the Trainer restores the RNG
         only after these callbacks: the resumed folder's RNG files stand for it."""
-        if not self._accumulating or not self._armed:
+        if not (self._accumulating or self._hf_any) or not self._armed:
             return
         if self._at is not None and self._at.step == step and self._at.epoch_start:
             return
@@ -209,6 +226,10 @@ class HFTrainerHook(FrameworkHook):
 
     def _on_step_end(self, state: Any, control: Any) -> None:
         if self._closed or self._exiting:
+            return
+        if self._hf_any:  # the any-moment path (hf_anymoment.py): the background rounds act, not this boundary
+            self._tick()
+            self._exit_if_requested()
             return
         step = int(state.global_step)
         final = bool(state.max_steps) and state.max_steps > 0 and step >= state.max_steps
@@ -336,6 +357,10 @@ class HFTrainerHook(FrameworkHook):
         folder = self._checkpoint_folder()
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"the Trainer did not write {folder}")
+        self._upload(folder, key)
+
+    def _upload(self, folder: str, key: str) -> None:
+        """This rank's share of a ``checkpoint-N`` folder into ``key``."""
         rank = self._rank
 
         def mine(rel: str) -> bool:  # each rank its RNG file and (DeepSpeed ZeRO) its partition files
