@@ -1,6 +1,17 @@
 """Hugging Face ``transformers.Trainer`` adapter: one ``TrainerCallback``.
 
-Life cycle (every rank):
+**Two paths**, said once per process in the ``notice_path`` line:
+
+- *any moment* (``hf_anymoment.py``; the default for DDP or one process, with or without gradient
+  accumulation): the agreement thread decides S = the last completed optimizer step and writes the
+  Trainer's own ``checkpoint-S`` files from the background while the forward/backward of S+1 go on;
+  the training thread is held in ``on_pre_optimizer_step`` (right before ``optimizer.step()``). The
+  callbacks below then only take the state of each step's end (``_capture`` at ``on_step_begin``) and
+  mark the hold point; ``on_step_end`` / ``on_substep_end`` / ``on_save`` do nothing.
+- *the step boundary* (the callbacks below): DeepSpeed, FSDP, ``eval_strategy`` other than ``"no"``,
+  ``every=``, ``save_only_model``, ``SPOTGUARD_BACKGROUND_AGREEMENT=0`` (``any_moment_refusal``).
+
+Life cycle on the boundary path (every rank):
 
 - ``install_preemption_hook(trainer)`` adds ``SpotguardTrainerCallback``
   (``trainer.add_callback``) and arms the core at once when the Trainer has
