@@ -135,8 +135,8 @@ def _make_callback(hook: "HFTrainerHook") -> Any:
             return control
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-            if hook._armed:
-                hook._hf_train_end()
+            if hook._hf_any and hook._armed and not (hook._closed or hook._torn_down):
+                hook._hf_train_end(int(state.global_step))
             return control
 
         def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:

@@ -38,8 +38,9 @@ Configurations this is not proven exact for keep the boundary path, said once in
 training (``eval_strategy`` other than ``"no"``: an evaluation between S and the
 notice is acted on per batch by the boundary path), ``every=`` (periodic saves are
 the Trainer's, at its boundary), ``save_only_model``, and
-``SPOTGUARD_BACKGROUND_AGREEMENT=0``. A notice after the last step's end (no
-``on_step_begin`` follows) commits nothing.
+``SPOTGUARD_BACKGROUND_AGREEMENT=0``. The last step is complete at ``on_train_end`` (no
+``on_step_begin`` follows): a round of it is served there, and a notice after ``trainer.train()``
+returned commits that last step from the live state.
 """
 
 from __future__ import annotations
@@ -137,10 +138,18 @@ class HFAnyMomentMixin:
             self._enable_background()
         self._step_begin()
 
-    def _hf_train_end(self) -> None:
+    def _hf_train_end(self, step: int) -> None:
+        """``on_train_end``: the last step is complete now (no ``on_step_begin`` follows): its end state is taken
+        here, a round of it is served (an emergency holds this thread until the exit, as at a step's start), and
+        a later round writes it from the live state (the loop's work is over)."""
+        self._capture(step, epoch_start=False)  # type: ignore[attr-defined]
+        self._hf_step_begin(step)
+        self._step_begin()
         with self._cv:
             self._hf_ended = True
+            self._in_step = False
             self._cv.notify_all()
+        self._exit_if_requested()
 
     # ------------------------------------------------------------------ the agreement thread
 
@@ -160,9 +169,8 @@ class HFAnyMomentMixin:
             at = self._at if self._count == step and not self._in_step else None
         if at is None or at.step != step:
             self._release_hold(keep_target=hold)
-            why = "training ended" if self._hf_ended else "this rank did not reach the end of step"
-            return self._fail(notice, step, f"{why} {step} in time" if not self._hf_ended else
-                              f"training ended before step {step}'s end state was taken", t0, peers_ok=True)
+            return self._fail(notice, step, f"training ended at step {self._count}, not {step}" if self._hf_ended
+                              else f"this rank did not reach the end of step {step} in time", t0, peers_ok=True)
         folder: Any
         try:
             folder = self._hf_folder(at, t_end)
