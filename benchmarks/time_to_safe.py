@@ -412,7 +412,10 @@ def _trial(sock: str, work: Path, mib: float, period: float, phase: float,
     env = {"SG_TTS_STATE_MIB": str(mib), "SG_TTS_ITER_S": str(period), "SG_TTS_PHASE": repr(phase),
            "SG_TTS_STORAGE": str(store), "SPOTGUARD_SOCKET": sock}
     if framework:
-        env["SG_TTS_FRAMEWORK"] = framework
+        base, _, path = framework.partition("@")  # hf@boundary: the same worker on the boundary path
+        env["SG_TTS_FRAMEWORK"] = base
+        if path == "boundary":
+            env["SPOTGUARD_BACKGROUND_AGREEMENT"] = "0"
     else:
         env["SG_TTS_MODEL"] = os.environ.get("SG_TTS_MODEL", "ddp")
         env.update({k: os.environ[k] for k in ("SG_TTS_SINGLE", "SG_TTS_LOOP", "SG_TTS_BUSY_AT", "SG_TTS_GAN") if k in os.environ})
@@ -620,14 +623,23 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="a GAN: the model is the discriminator (N steps per iteration), then a generator step "
                          "(its own optimizer); the drill lands at a random phase of the whole iteration")
     ap.add_argument("--framework", help="lightning,hf,accelerate (comma-separated) or all: the framework owns the "
-                                        "loop, 8-micro-batch gradient accumulation; SECONDS of a cell = one step")
+                                        "loop, 8-micro-batch gradient accumulation; SECONDS of a cell = one step; "
+                                        "NAME@boundary: the same with SPOTGUARD_BACKGROUND_AGREEMENT=0 (the "
+                                        "boundary path), e.g. hf,hf@boundary")
+    ap.add_argument("--accum", type=int, default=None, help="--framework: micro-batches an optimizer step "
+                                                            "(default 8; 1: no gradient accumulation)")
     a = ap.parse_args(argv)
     frameworks: tuple[Optional[str], ...] = (None,)
+    if a.accum is not None:
+        if not a.framework or a.accum < 1:
+            ap.error("--accum N (>= 1): with --framework only")
+        os.environ["SG_TTS_ACCUM"] = str(a.accum)  # before _tts_frameworks is imported (its ACCUM)
     if a.framework:
         from benchmarks._tts_frameworks import FRAMEWORKS
 
         frameworks = FRAMEWORKS if a.framework == "all" else tuple(a.framework.split(","))
-        if set(frameworks) - set(FRAMEWORKS):
+        if {f.partition("@")[0] for f in frameworks} - set(FRAMEWORKS) or \
+                {f.partition("@")[2] for f in frameworks} - {"", "boundary"}:
             ap.error(f"--framework: one or more of {', '.join(FRAMEWORKS)}, or all")
         if a.single or a.model != "ddp" or a.loop != "plain" or a.busy_at != "before":
             ap.error("--framework: the framework owns the loop (2 ranks, DDP): no --single/--model/--loop/--busy-at")

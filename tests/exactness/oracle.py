@@ -223,6 +223,11 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("hf_trainer_accum6", "hf_trainer.py", env=(("EXO_ACCUM", "6"),), what="the hf_trainer pattern with "
             "gradient_accumulation_steps=6: 10 micro-batches an epoch (6, then 4)",
             phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),
+    # issue 23: no accumulation: the any-moment path (hf_anymoment.py) writes the last completed optimizer step from
+    # the background while the next step's forward/backward go on (held in on_pre_optimizer_step)
+    Pattern("hf_trainer_noaccum", "hf_trainer.py", steps=12, env=(("EXO_ACCUM", "1"),), what="the hf_trainer "
+            "pattern without gradient accumulation: 10 steps an epoch (one micro-batch each), an epoch end at 10",
+            phases=("load", "fwd", "bwd", "prestep", "step", "after")),
     # review of issue 22 (rev22): loops the patterns above did not cover
     Pattern("meter", "meter.py", what="DDP + a user stateful object (running-loss meter, samples seen) updated "
             "between the forward and optimizer.step(); clip_grad_norm_, zero_grad(set_to_none=False)"),
