@@ -53,7 +53,7 @@ a random phase of a step, and each trial also records the micro-batch index at t
 commit came after the drill's deadline (``late``). Default cell 64 MiB, 10 s steps, 20 trials; ``--quick``:
 1 MiB, 1.2 s steps, 2 trials. No overhead job (``bench_adapters.py`` measures the adapters' per-step cost).
 ``make bench-time-to-safe-frameworks`` runs the full framework set (~35 min on 2 shared cores).
-``--accumulate N`` sets ``ACCUM`` (1: no accumulation, one batch a step); ``--compare-boundary`` runs every
+``--compare-boundary`` runs every
 trial twice in a row, the second with ``SPOTGUARD_BACKGROUND_AGREEMENT=0`` (the boundary path the adapters had
 before their any-moment path), and summarises each path (``by_path``) from the same interleaved run.
 
@@ -417,7 +417,10 @@ def _trial(sock: str, work: Path, mib: float, period: float, phase: float,
     env = {"SG_TTS_STATE_MIB": str(mib), "SG_TTS_ITER_S": str(period), "SG_TTS_PHASE": repr(phase),
            "SG_TTS_STORAGE": str(store), "SPOTGUARD_SOCKET": sock}
     if framework:
-        env["SG_TTS_FRAMEWORK"] = framework
+        base, _, path = framework.partition("@")  # hf@boundary: the same worker on the boundary path
+        env["SG_TTS_FRAMEWORK"] = base
+        if path == "boundary":
+            env["SPOTGUARD_BACKGROUND_AGREEMENT"] = "0"
         env.update(extra or {})
     else:
         env["SG_TTS_MODEL"] = os.environ.get("SG_TTS_MODEL", "ddp")
@@ -637,22 +640,28 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="a GAN: the model is the discriminator (N steps per iteration), then a generator step "
                          "(its own optimizer); the drill lands at a random phase of the whole iteration")
     ap.add_argument("--framework", help="lightning,hf,accelerate (comma-separated) or all: the framework owns the "
-                                        "loop, 8-micro-batch gradient accumulation; SECONDS of a cell = one step")
-    ap.add_argument("--accumulate", type=int, default=None, metavar="N",
-                    help="--framework: micro-batches a step (default 8; 1: no accumulation)")
+                                        "loop, 8-micro-batch gradient accumulation; SECONDS of a cell = one step; "
+                                        "NAME@boundary: the same with SPOTGUARD_BACKGROUND_AGREEMENT=0 (the "
+                                        "boundary path), e.g. hf,hf@boundary")
+    ap.add_argument("--accum", type=int, default=None, help="--framework: micro-batches an optimizer step "
+                                                            "(default 8; 1: no gradient accumulation)")
     ap.add_argument("--compare-boundary", action="store_true",
-                    help="--framework: every trial also on the boundary path (SPOTGUARD_BACKGROUND_AGREEMENT=0)")
+                    help="--framework: every trial run twice at the same phase, the second with "
+                         "SPOTGUARD_BACKGROUND_AGREEMENT=0 (the boundary path), summarised per path (by_path)")
     a = ap.parse_args(argv)
-    if a.accumulate is not None:
-        os.environ["SG_TTS_ACCUM"] = str(a.accumulate)
     if a.compare_boundary:
         os.environ["SG_TTS_COMPARE"] = "1"
     frameworks: tuple[Optional[str], ...] = (None,)
+    if a.accum is not None:
+        if not a.framework or a.accum < 1:
+            ap.error("--accum N (>= 1): with --framework only")
+        os.environ["SG_TTS_ACCUM"] = str(a.accum)  # before _tts_frameworks is imported (its ACCUM)
     if a.framework:
         from benchmarks._tts_frameworks import FRAMEWORKS
 
         frameworks = FRAMEWORKS if a.framework == "all" else tuple(a.framework.split(","))
-        if set(frameworks) - set(FRAMEWORKS):
+        if {f.partition("@")[0] for f in frameworks} - set(FRAMEWORKS) or \
+                {f.partition("@")[2] for f in frameworks} - {"", "boundary"}:
             ap.error(f"--framework: one or more of {', '.join(FRAMEWORKS)}, or all")
         if a.single or a.model != "ddp" or a.loop != "plain" or a.busy_at != "before":
             ap.error("--framework: the framework owns the loop (2 ranks, DDP): no --single/--model/--loop/--busy-at")

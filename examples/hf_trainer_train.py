@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-every", type=int, default=6, help="evaluate every N steps (with --eval-batches)")
     p.add_argument("--eval-batches", type=int, default=0, help="evaluation batches (default 0: no evaluation)")
     p.add_argument("--eval-step-time", type=float, default=0.0, help="seconds each evaluation batch takes")
+    p.add_argument("--save-steps", type=int, default=0, help="the Trainer's own checkpoint every N steps (default 0: "
+                   "none; a reference for what spotguard's checkpoint of a step must hold)")
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         output_dir=args.output_dir or tempfile.mkdtemp(prefix="hf-out-"),
         per_device_train_batch_size=4, gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=5e-3,
         lr_scheduler_type="linear", warmup_steps=3, weight_decay=0.01,
-        logging_strategy="no", save_strategy="no", report_to=[], disable_tqdm=True,
+        logging_strategy="no", save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, report_to=[], disable_tqdm=True,
         seed=args.seed, use_cpu=True, ddp_backend="gloo", ddp_find_unused_parameters=False, dataloader_num_workers=0,
         enable_jit_checkpoint=args.jit, save_only_model=args.save_only_model, **evaluation, **ds,
     )

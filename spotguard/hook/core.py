@@ -96,6 +96,7 @@ from ..storage import Storage, StorageError, open_storage
 from ..timefmt import utcnow
 from . import events as ev
 from .agreement import AgreementMixin, BackgroundAgreement, LocalAgreement, agreed_notice
+from .cycle import ImplicitCycle
 from .dist import (
     NO_DEADLINE_MS,
     Agreement,
@@ -244,17 +245,8 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                 self._opt_key.setdefault(id(base), name)
         self._iter_steps: dict[str, int] = {}
         self._step_pattern: Optional[dict[str, int]] = None
-        # Several optimizers in an implicit loop (no hook.range()/hook.step()): an iteration starts at a step
-        # of the clock (the first optimizer that stepped) that follows another optimizer's step; the clock's
-        # further steps before that (WGAN's n_critic) are inside the iteration: never counted, never a boundary.
-        self._clock_seen = False
-        self._cycle_start = False  # the clock's step in flight starts an iteration (pre-hook -> post-hook)
-        self._cycle_others: dict[str, int] = {}  # the other optimizers' steps in the current iteration
-        self._cycle_clock = 0  # the clock's steps in the current iteration (n_critic)
-        self._cycle_pattern: Optional[tuple[int, dict[str, int]]] = None  # the first iteration's (clock, others)
-        self._cycle_confirmed = False  # a later iteration stepped like the first one
-        self._cycle_warned = False
-        self._cycle_unconfirmed_warned = False
+        # several optimizers in an implicit loop (no hook.range()/hook.step()): where an iteration starts (cycle.py)
+        self._cycle = ImplicitCycle(lambda o: self._opt_key.get(id(o), "?"), self._iterations_unproven)
         self._bwd_since_step = False  # a backward reached the clock's parameters since the last step
         self._train_fwd_seq = 0  # training forwards (train mode, grad enabled) so far
         self._last_fwd_training = False
@@ -489,8 +481,13 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             orig_step, orig_update = sc.step, sc.update
             hook = self
 
+            stepped: list[Any] = []  # the optimizers given to step() since the last update(), in order
+
             def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
                 if not (hook._internal or hook._explicit or hook._closed):
+                    stepped.append(optimizer)
+                    if hook._many_opts and not hook._cycle.begins(optimizer, hook._count):
+                        return orig_step(optimizer, *args, **kwargs)  # inside an iteration (n_critic, G)
                     if hook._bg_on:
                         hook._step_begin()
                     if hook._agree.pending:
@@ -501,7 +498,14 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                 out = orig_update(*args, **kwargs)
                 if not (hook._internal or hook._explicit or hook._closed):
                     hook._post_seq += 1
-                    hook._decide()
+                    done = stepped[:]
+                    stepped.clear()
+                    # several optimizers: the implicit cycle rule over the steps this update() closes (an AMP
+                    # WGAN must update() after each D step: a second step(opt_d) before it raises), so each
+                    # update() is no iteration of its own
+                    ends = [hook._cycle_end(o) for o in done] if hook._many_opts else [True]
+                    if any(ends):
+                        hook._decide()
                 return out
 
             sc.step, sc.update = step, update
@@ -651,16 +655,14 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         if self._range_clock and self._many_opts:
             self._multi_step_begin()
             return
-        if self._clock is None:
-            self._clock = optimizer
-        if optimizer is not self._clock:
-            return
         if self._many_opts:
-            self._cycle_start = not self._clock_seen or bool(self._cycle_others)
-            if not self._cycle_start:
-                return  # the clock again before any other optimizer (n_critic): inside the iteration
-            if self._clock_seen:
-                self._check_cycle()
+            if self._scaler is not None or not self._cycle.begins(optimizer, self._count):
+                return  # the scaler's step() wrapper counts (it sees steps the scaler skips); inside the iteration
+        else:
+            if self._clock is None:
+                self._clock = optimizer
+            if optimizer is not self._clock:
+                return
         if not self._bg_on and self._bg is not None and not self._explicit_intent and not self._many_opts:
             self._enable_background()  # no hook.resume(): the first step is where training shows itself
         if self._bg_on and self._scaler is None:  # with a scaler, its step() wrapper is the begin
@@ -681,40 +683,19 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                 return  # the explicit loop's boundary ends the iteration
         if self._scaler is not None:
             return  # GradScaler.update() is the clock
-        if optimizer is self._clock and (self._cycle_start or not self._many_opts):
-            if self._many_opts:
-                self._cycle_start, self._clock_seen, self._cycle_others, self._cycle_clock = False, True, {}, 1
-            self._decide()
-        elif self._many_opts:
+        if not self._many_opts:
             if optimizer is self._clock:
-                self._cycle_clock += 1
-            else:
-                name = self._opt_key.get(id(optimizer), "?")
-                self._cycle_others[name] = self._cycle_others.get(name, 0) + 1
-            self._snap = Snapshot.take(self._objs.loaders)
+                self._decide()
+        elif self._cycle_end(optimizer):
+            self._decide()
 
-    def _check_cycle(self) -> None:
-        """An implicit loop's iteration with several optimizers ended: the other optimizers stepped as often as in
-        the first one, or the count of iterations is no longer proven (said once, with the fix)."""
-        got = dict(self._cycle_others)
-        if self._cycle_pattern is None:
-            self._cycle_pattern = (self._cycle_clock, got)
-            if self._cycle_clock > 1:
-                self._ambiguous_cycle(got)
-            return
-        first_clock, first = self._cycle_pattern
-        if (self._cycle_clock, got) == self._cycle_pattern:
-            self._cycle_confirmed = True
-        elif not self._cycle_warned:
-            # the clock's own steps count too: a G warm-up (G alone, then D, G) or PyTorch-GAN's wgan.py (G every
-            # n_critic batches, the first at batch 0) differ there only (review ganrev)
-            self._cycle_warned = True
-            self._iterations_unproven(
-                got, first, self._cycle_clock, first_clock,
-                "the hook counts an iteration at each step of the first optimizer that follows another "
-                f"optimizer's; the others stepped {got} in iteration {self._count}, {first} in the first (the "
-                f"clock {self._cycle_clock} and {first_clock} times: a skipped or an extra step), so the iteration "
-                "count the checkpoints carry may differ from the loop's")
+    def _cycle_end(self, optimizer: Any) -> bool:
+        """Several optimizers, implicit loop: a step ended; True at the iteration's first clock step (decide),
+        else the snapshot follows the iteration's end so far."""
+        if self._cycle.ends(optimizer):
+            return True
+        self._snap = Snapshot.take(self._objs.loaders)
+        return False
 
     def _iterations_unproven(self, steps: dict[str, int], first: dict[str, int], clock_steps: int,
                              clock_first: int, why: str, **kind: Any) -> None:
@@ -724,19 +705,6 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                           why="several optimizers in a loop without hook.range()/hook.step(): " + why,
                           fix="for i in hook.range(total) (or hook.step() at each iteration's end): the loop's own "
                               "boundaries count its iterations")
-
-    def _ambiguous_cycle(self, others: dict[str, int]) -> None:
-        """The first iteration stepped the clock more than once before another optimizer: WGAN's n_critic D steps
-        of one iteration, or one D step per iteration with G every n-th (PyTorch-GAN's wgan.py, G at
-        ``i % n == n - 1``) — the optimizer hooks see the same sequence. The hook counts the former; said once, at
-        the end of the first iteration, before any commit (review ganrev)."""
-        n = self._cycle_clock
-        self._iterations_unproven(
-            others, others, n, n,
-            f"the first optimizer stepped {n} times before the others stepped {others}; the hook counts that as "
-            f"one iteration (WGAN's n_critic), but a loop whose iteration is one step of it, with the others every "
-            f"{n}th iteration, looks the same, and its checkpoints would carry {n} times fewer iterations than the "
-            "loop ran", ambiguous=True)
 
     def _tick(self) -> None:
         """An iteration boundary: how long the iteration took (the boundary path's warning at a notice)."""
@@ -764,7 +732,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         self._count += 1
         self._implicit_counted = True
         if self._many_opts and not self._explicit_intent and ("boundary", "implicit") not in self._path_logged:
-            clock = self._opt_key.get(id(self._clock))
+            clock = self._opt_key.get(id(self._cycle.clock))
             if any(n > 0 for k, n in self._iter_steps.items() if k != clock):
                 # the clock steps again after another optimizer did: past the first iteration, where a
                 # hook.step() loop would have declared itself
@@ -774,18 +742,9 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         self._agree.launch(level, deadline_ms, self._periodic_flags())
 
     def _unconfirmed_cycle(self) -> None:
-        """A commit at an implicit loop's boundary with several optimizers before any iteration stepped like the
-        first one: the count rests on one iteration (D skipped in iteration 1 merges 0 and 1 unseen), so say so
-        before the commit (once; review ganrev)."""
-        if (not self._many_opts or self._explicit or self._range_clock or self._scaler is not None
-                or self._cycle_confirmed or self._cycle_warned or self._cycle_unconfirmed_warned):
-            return
-        self._cycle_unconfirmed_warned = True
-        clock, first = self._cycle_pattern if self._cycle_pattern is not None else (0, {})
-        self._iterations_unproven(
-            first, first, clock, clock,
-            "the checkpoint's iteration count rests on the first iteration alone (no later one has stepped like "
-            "it yet), so a skipped or an extra step there would go unseen", confirmed=False)
+        """Before a commit at an implicit loop's boundary with several optimizers: ImplicitCycle.before_commit."""
+        if self._many_opts and not self._explicit and not self._range_clock:
+            self._cycle.before_commit()
 
     def _boundary(self) -> None:
         res = self._agree.collect()

@@ -379,6 +379,11 @@ class ExitMixin:
             leaving = self._exiting or self._exit_request is not None
             if not leaving:
                 self._serve_last_round(QUIESCE_AGREEMENT_TIMEOUT / 2)
+                if self._exit_request is not None and not self._exiting:
+                    # the round it served committed: leave now, from this thread (teardown, Preempted out of
+                    # destroy_process_group(); its own destroy finds this hook torn down), not after the agreement
+                    # thread's EXIT_GRACE (~1 s later)
+                    self._exit_if_requested()
             self._bg.close(0.0 if leaving else QUIESCE_AGREEMENT_TIMEOUT / 2)
             if not self._bg.busy.is_set():
                 destroy_group(self._bg.group)

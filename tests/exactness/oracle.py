@@ -144,6 +144,11 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             what="gan_wild in hook.resume() and a plain loop, D twice per iteration, sched_d at the iteration's "
                  "end (implicit: the boundary path at the next iteration's first D step)",
             phases=("load", "fwd", "d_step", "g_step", "after", "eval")),
+    Pattern("gan_wild_own_amp", "gan_wild.py", env=(("EXO_GW_LOOP", "own"), ("EXO_GW_SCHED_TOP", "0"),
+                                                    ("EXO_GW_AMP", "1")),
+            what="gan_wild_own with a GradScaler updated after each D and G step (the scaler's step()/update() "
+                 "follow the implicit cycle rule)",
+            phases=("load", "fwd", "d_step", "g_step", "after", "eval")),
     # review ganrev: periodic checkpoints in an own GAN loop (each labelled with the loop's count of iterations)
     Pattern("gan_wild_own_every", "gan_wild.py", env=(("EXO_GW_LOOP", "own"), ("EXO_GW_SCHED_TOP", "0"),
                                                       ("EXO_EVERY", "0.05")), check_all=True,
@@ -223,6 +228,11 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("hf_trainer_accum6", "hf_trainer.py", env=(("EXO_ACCUM", "6"),), what="the hf_trainer pattern with "
             "gradient_accumulation_steps=6: 10 micro-batches an epoch (6, then 4)",
             phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),
+    # issue 23: no accumulation: the any-moment path (hf_anymoment.py) writes the last completed optimizer step from
+    # the background while the next step's forward/backward go on (held in on_pre_optimizer_step)
+    Pattern("hf_trainer_noaccum", "hf_trainer.py", steps=12, env=(("EXO_ACCUM", "1"),), what="the hf_trainer "
+            "pattern without gradient accumulation: 10 steps an epoch (one micro-batch each), an epoch end at 10",
+            phases=("load", "fwd", "bwd", "prestep", "step", "after")),
     # review of issue 22 (rev22): loops the patterns above did not cover
     Pattern("meter", "meter.py", what="DDP + a user stateful object (running-loss meter, samples seen) updated "
             "between the forward and optimizer.step(); clip_grad_norm_, zero_grad(set_to_none=False)"),

@@ -86,6 +86,9 @@ CASES: dict[str, tuple[str, ...]] = {
     # the epoch's iterator drew)
     "hf-trainer-accum6-micro-batch-in-last-short-accumulation": ("hf_trainer_accum6", "phase:micro@1"),
     "hf-trainer-accum6-micro-batch-epoch-start": ("hf_trainer_accum6", "phase:micro@2"),
+    # issue 23: no accumulation, the notice in the backward of step 5: agreed and written from the background for
+    # S = 4 (the Trainer's files, RNG/counters as at step 5's on_step_begin), the optimizer step of 5 held
+    "hf-trainer-no-accum-backward": ("hf_trainer_noaccum", "phase:bwd@4"),
     # every=: a periodic upload in flight: before its first byte (aborted for the emergency) and half written
     # (finished, then the emergency's own checkpoint): every commit is checked
     "periodic-upload-in-flight-aborted": ("ddp_every", "phase:periodic@2"),
@@ -123,8 +126,13 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     # iteration and the notice acted on at D's second step (committed "step 7" after 3 iterations); its single-
     # process sibling in make test: tests/hook/test_implicit_cycles.py
     "wgan-own-loop-notice-before-the-critic-steps": ("gan_wild_own", "phase:d_step@3"),
+    # the same loop with a GradScaler updated after each D and G step: each update() counted as an iteration
+    "amp-wgan-own-loop-notice-at-the-critic-step": ("gan_wild_own_amp", "phase:d_step@3"),
     "periodic-upload-in-flight-finished": ("ddp_every", "phase:periodic_mid@2"),
     "maintenance-hf-trainer-backward": ("hf_trainer", "phase:bwd@4", "maintenance"),
+    # issue 23: the notice as the first batch of an epoch is fetched (S = 10: the Trainer's epoch end and the next
+    # epoch's iterator between S and the held step): the RNG as at the epoch's start
+    "hf-trainer-no-accum-epoch-start-load": ("hf_trainer_noaccum", "phase:load@10"),
     # review of issue 29: a rebalance whose DeepSpeed write outlasts its window (the any-moment path held the
     # step through the whole write, the hold ran out: exit 75 on an ordinary notice)
     "deepspeed-rebalance-write-longer-than-window": ("deepspeed_zero2_slow", "phase:bwd@4", "rebalance"),

@@ -79,6 +79,9 @@ def main() -> int:
                    help="--gan K:P: the generator steps only in iterations i with i %% K == P (PyTorch-GAN's "
                         "wgan.py: D every batch, G every n_critic batches)")
     p.add_argument("--g-first", action="store_true", help="--gan: the generator's step before D's")
+    p.add_argument("--scaler-once", action="store_true",
+                   help="--gan 1 --scaler: one scaler.update() per iteration, after G's step (scaler.step(opt_d), "
+                        "scaler.step(opt_g), scaler.update(): PyTorch's AMP recipe for several optimizers)")
     p.add_argument("--scaler", action="store_true",
                    help="--gan: a CPU GradScaler in the dict, scaler.step(opt); scaler.update() after each D and G "
                         "backward (an AMP WGAN as written after the AMP examples' one-optimizer loop)")
@@ -113,6 +116,7 @@ def main() -> int:
         state = {"model": model, "gen": gmodel, "opt_d": opt, "opt_g": opt_g, "scheduler": sched, "loader": loader}
         if a.scaler:
             state["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        torch.manual_seed(10 + rank)  # the generator's init drew from seed 1: back to this rank's stream
 
     def stepped(o: torch.optim.Optimizer, loss: torch.Tensor) -> None:
         """backward and step, through the GradScaler with --scaler"""
@@ -123,8 +127,9 @@ def main() -> int:
             return
         sc.scale(loss).backward()
         sc.step(o)
-        sc.update()
-        torch.manual_seed(10 + rank)
+        if not (a.scaler_once and o is opt):
+            sc.update()
+
     hook = None
     if not a.no_hook:
         from spotguard import install_preemption_hook  # noqa: PLC0415

@@ -1,6 +1,17 @@
 """Hugging Face ``transformers.Trainer`` adapter: one ``TrainerCallback``.
 
-Life cycle (every rank):
+**Two paths**, said once per process in the ``notice_path`` line:
+
+- *any moment* (``hf_anymoment.py``; the default for DDP or one process, with or without gradient
+  accumulation): the agreement thread decides S = the last completed optimizer step and writes the
+  Trainer's own ``checkpoint-S`` files from the background while the forward/backward of S+1 go on;
+  the training thread is held in ``on_pre_optimizer_step`` (right before ``optimizer.step()``). The
+  callbacks below then only take the state of each step's end (``_capture`` at ``on_step_begin``) and
+  mark the hold point; ``on_step_end`` / ``on_substep_end`` / ``on_save`` do nothing.
+- *the step boundary* (the callbacks below): DeepSpeed, FSDP, ``eval_strategy`` other than ``"no"``,
+  ``every=``, ``save_only_model``, ``SPOTGUARD_BACKGROUND_AGREEMENT=0`` (``any_moment_refusal``).
+
+Life cycle on the boundary path (every rank):
 
 - ``install_preemption_hook(trainer)`` adds ``SpotguardTrainerCallback``
   (``trainer.add_callback``) and arms the core at once when the Trainer has
@@ -72,6 +83,7 @@ from ..state import capture_rng, clone_buffers, rng_and_buffers_at
 from ..watch import model_snapshot_buffers
 from ._base import FrameworkHook
 from ._files import upload_dir
+from .hf_anymoment import HFAnyMomentMixin
 
 __all__ = ["HFTrainerHook", "install"]
 
@@ -103,6 +115,8 @@ def _make_callback(hook: "HFTrainerHook") -> Any:
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
             hook._arm()
             hook._on_train_begin(int(state.global_step))
+            if hook._hf_any:
+                hook._enable_background()
             return control
 
         def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -111,10 +125,23 @@ def _make_callback(hook: "HFTrainerHook") -> Any:
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
             hook._capture(int(state.global_step), epoch_start=False)
+            if hook._hf_any and hook._armed:
+                hook._hf_step_begin(int(state.global_step))
+            return control
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if hook._hf_any and hook._armed and not (hook._closed or hook._internal or hook._torn_down):
+                hook._hf_pre_optimizer()
+            return control
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if hook._hf_any and hook._armed and not (hook._closed or hook._torn_down):
+                hook._hf_train_end(int(state.global_step))
             return control
 
         def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-            hook._framework_microbatch()
+            if not hook._hf_any:
+                hook._framework_microbatch()
             return control
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -126,13 +153,14 @@ def _make_callback(hook: "HFTrainerHook") -> Any:
             return control
 
         def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-            hook._framework_eval_batch()
+            if not hook._hf_any:
+                hook._framework_eval_batch()
             return control
 
     return SpotguardTrainerCallback()
 
 
-class HFTrainerHook(FrameworkHook):
+class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
     framework = "transformers"
 
     def __init__(self, trainer: Any, storage: str | Storage | None = None, *, socket: str | None = None,
@@ -194,7 +222,7 @@ class HFTrainerHook(FrameworkHook):
         (``on_epoch_begin``) at an epoch start, after the step's batches are fetched (``on_step_begin``) otherwise:
         the first capture of an epoch's first step is kept. Right after a resume the Trainer restores the RNG
         only after these callbacks: the resumed folder's RNG files stand for it."""
-        if not self._accumulating or not self._armed:
+        if not (self._accumulating or self._hf_any) or not self._armed:
             return
         if self._at is not None and self._at.step == step and self._at.epoch_start:
             return
@@ -209,6 +237,10 @@ class HFTrainerHook(FrameworkHook):
 
     def _on_step_end(self, state: Any, control: Any) -> None:
         if self._closed or self._exiting:
+            return
+        if self._hf_any:  # the any-moment path (hf_anymoment.py): the background rounds act, not this boundary
+            self._tick()
+            self._exit_if_requested()
             return
         step = int(state.global_step)
         final = bool(state.max_steps) and state.max_steps > 0 and step >= state.max_steps
@@ -336,6 +368,10 @@ class HFTrainerHook(FrameworkHook):
         folder = self._checkpoint_folder()
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"the Trainer did not write {folder}")
+        self._upload(folder, key)
+
+    def _upload(self, folder: str, key: str) -> None:
+        """This rank's share of a ``checkpoint-N`` folder into ``key``."""
         rank = self._rank
 
         def mine(rel: str) -> bool:  # each rank its RNG file and (DeepSpeed ZeRO) its partition files

@@ -11,6 +11,8 @@ before D's steps (eval mode, no grad). Switches:
 - ``EXO_GW_SKIP=1``: D's step skipped in every 4th iteration ("D too strong").
 - ``EXO_GW_GP=1``: WGAN-GP's gradient penalty (``torch.autograd.grad(create_graph=True)``) instead of clipping.
 - ``EXO_GW_CLIP_TOP=1``: the clamp before each critic step's forward (the original WGAN code), not after.
+- ``EXO_GW_AMP=1``: a CPU ``GradScaler`` in the dict, ``scaler.step(opt); scaler.update()`` after each D and G
+  backward (as AMP requires with n_critic: a second ``scaler.step(opt_d)`` before ``update()`` raises).
 - ``EXO_GW_LOOP``: ``range`` (default), ``step`` (``hook.step()`` at each iteration's end), ``own`` (a plain loop).
 - ``EXO_EVERY``: the hook's ``every=`` (periodic checkpoints).
 - ``EXO_GW_SCHED_TOP=0``: ``sched_d`` steps at the iteration's end instead of its top — for the ``own`` loop,
@@ -34,6 +36,7 @@ skip = os.environ.get("EXO_GW_SKIP") == "1"
 gp = os.environ.get("EXO_GW_GP") == "1"
 clip_top = os.environ.get("EXO_GW_CLIP_TOP") == "1"
 sched_top = os.environ.get("EXO_GW_SCHED_TOP", "1") == "1"
+amp = os.environ.get("EXO_GW_AMP") == "1"
 torch.manual_seed(0)
 gen_net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
 disc_net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LeakyReLU(0.2), torch.nn.Linear(16, 1))
@@ -46,8 +49,23 @@ sched_d = torch.optim.lr_scheduler.ExponentialLR(opt_d, gamma=0.9)
 sched_g = torch.optim.lr_scheduler.StepLR(opt_g, step_size=3, gamma=0.5)
 state = {"gen": g, "disc": d, "ema_g": ema_g, "opt_d": opt_d, "opt_g": opt_g, "sched_d": sched_d,
          "sched_g": sched_g}
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if amp else None
+if scaler is not None:
+    state["scaler"] = scaler
 hook = install_preemption_hook(state, storage=_rt.store(), every=_rt.every(), keep=_rt.keep())
 fixed_z = torch.randn(4, 8, generator=torch.Generator().manual_seed(7))
+
+
+def backward(loss: torch.Tensor) -> None:
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+
+
+def step(opt: torch.optim.Optimizer) -> None:
+    if scaler is None:
+        opt.step()
+        return
+    scaler.step(opt)
+    scaler.update()
 
 
 def critic_step(i: int, c: int) -> None:
@@ -66,11 +84,11 @@ def critic_step(i: int, c: int) -> None:
         mix = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
         grad, = torch.autograd.grad(d(mix).sum(), mix, create_graph=True)
         loss_d = loss_d + 10.0 * ((grad.norm(2, dim=1) - 1) ** 2).mean()
-    loss_d.backward()
+    backward(loss_d)
     if skip and i % 4 == 2:
         return  # D too strong: no D step this iteration
     _rt.phase("d_step")
-    opt_d.step()
+    step(opt_d)
     if not gp and not clip_top:
         for p in d.parameters():
             p.data.clamp_(-0.05, 0.05)
@@ -90,9 +108,9 @@ def iteration(i: int) -> None:
         critic_step(i, c)
     opt_g.zero_grad()
     loss_g = -d(g(torch.randn(8, 8))).mean()
-    loss_g.backward()
+    backward(loss_g)
     _rt.phase("g_step")
-    opt_g.step()
+    step(opt_g)
     ema_g.update_parameters(gen_net)
     sched_g.step()
     if not sched_top:

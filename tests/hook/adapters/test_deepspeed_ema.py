@@ -77,7 +77,8 @@ def test_a_notice_after_the_last_step_is_read_at_destroy_process_group_with_the_
     The round (any-moment) or the boundary (boundary path) waits for the anchor of the next iteration, which never
     comes: ``destroy_process_group()`` is where the loop's work is known to be over, and the last step is committed
     there with the EMA and meter as the loop left them (equal to the job's own final state, bitwise), promptly,
-    nothing else written, exit 143 on both ranks. Broken (``_quiesce`` serving nothing): no commit."""
+    nothing else written, exit 143 on both ranks, from ``destroy_process_group()`` by the training thread. Broken
+    (``_quiesce`` serving nothing): no commit."""
     steps, store, final = 4, tmp_path / "ckpt", tmp_path / "final.pt"
     run = Job(SCRIPT, tmp_path / "preempted.log", ["--steps", str(steps), "--storage", str(store), "--out",
                                                     str(final), "--notice-after", str(steps - 1)],
@@ -90,6 +91,10 @@ def test_a_notice_after_the_last_step_is_read_at_destroy_process_group_with_the_
     assert assert_agreed_exit(run) == steps  # 143, committed, on both ranks
     took = [e["seconds_since_notice"] for e in run.events("checkpoint_committed")]
     assert took and max(took) < 6.0, took  # read at destroy_process_group(), not at a give-up bound (~8 s)
+    # and left from there at once, by the training thread (before: the agreement thread's os._exit after
+    # SPOTGUARD_EXIT_GRACE, ~1 s after the commit)
+    exits = run.events("exit")
+    assert {e["by"] for e in exits} == {"training-thread"}, exits
     assert [(c.step, c.committed) for c in scan(open_storage(str(store)))] == [(steps, True)]
     _assert_holds(store / f"step-{steps:08d}", load_out(final)["model"])  # rank 0's state after the loop
 
