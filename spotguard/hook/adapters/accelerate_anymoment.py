@@ -114,6 +114,14 @@ class AccelerateAnyMoment:
         return {"model0": acc._models[0].state_dict(),
                 "optimizer0": getattr(acc._optimizers[0], "optimizer", acc._optimizers[0]).state_dict()}
 
+    def _per_rank_state(self, step: int, snap: Any) -> dict[str, Any]:
+        """The core's per-rank state of ``step`` (read at its anchor) and ``accelerator.step`` as recorded at that
+        step's optimizer post-hook: an ordinary checkpoint is written after training went on past it."""
+        per = super()._per_rank_state(step, snap)  # type: ignore[misc]
+        if self._acc_step is not None and self._acc_step[0] == step:
+            per["accelerator_step"] = self._acc_step[1]
+        return per
+
     def _dcp_save(self, sd: dict[str, Any], key: str, group: Any, cancel: Any) -> None:
         """The core's write of the staged save (``_dcp_writer``: checked against the watch after it when written
         from live tensors): Accelerate's files of S instead of ``dcp.save``, no collective."""
@@ -127,7 +135,7 @@ class AccelerateAnyMoment:
 
         acc, step, out = self.accelerator, int(per["step"]), Path(target)
         out.mkdir(parents=True, exist_ok=True)
-        if self._acc_step is None or self._acc_step[0] != step:
+        if "accelerator_step" not in per:
             raise RuntimeError(f"accelerator.step of step {step} was not recorded at its optimizer step")
         model = OrderedDict(sd["model0"])  # an OrderedDict: save() drops shared tensors for safetensors then
         for name, t in per["buffers"].get("model0", {}).items():  # BatchNorm statistics as at S's end
@@ -139,7 +147,7 @@ class AccelerateAnyMoment:
             for i in range(len(getattr(acc, "_schedulers", []))):
                 save(per["schedulers"][f"scheduler{i}"], out / ("scheduler.bin" if i == 0 else f"scheduler_{i}.bin"))
         rng = per["rng"]
-        states: dict[str, Any] = {"step": self._acc_step[1], "random_state": rng["python"],
+        states: dict[str, Any] = {"step": per["accelerator_step"], "random_state": rng["python"],
                                   "numpy_random_seed": rng["numpy"], "torch_manual_seed": rng["torch"]}
         if torch.cuda.is_available():
             states["torch_cuda_manual_seed"] = rng.get("cuda", torch.cuda.get_rng_state_all())
