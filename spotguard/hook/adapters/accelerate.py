@@ -14,9 +14,10 @@ background in ``save_state``'s files while step S+1 goes on (held before its
 optimizer step): ``accelerate_anymoment.py``; measured notice -> committed p50 /
 p99 0.42 / 0.52 s with 64 MiB and 10 s steps (the boundary path: 16.8 / 19.0 s). Where
 that path refuses (FSDP, DeepSpeed, accumulation, a GradScaler, custom objects,
-...: said in ``notice_path``), the boundary path below. On it, exactly like the
-plain-PyTorch hook's boundary path (same code): the ranks decide at each real ``optimizer.step()`` (the post-hook of
-the torch optimizer inside Accelerate's wrapper, so gradient-accumulation
+...: said in ``notice_path``), the boundary path below. On it, exactly like
+the plain-PyTorch hook's boundary path (same code): the ranks decide at each
+real ``optimizer.step()`` (the post-hook of the torch optimizer inside
+Accelerate's wrapper, so gradient-accumulation
 micro-steps, where Accelerate skips the step, never count), launching the
 flag's all-reduce on the hook's own gloo group; at the next step's pre-hook
 (the end of the deciding iteration: the scheduler has stepped) the reduction

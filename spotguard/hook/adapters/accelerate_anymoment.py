@@ -36,7 +36,8 @@ gradient accumulation (its micro-batch path acts at the next micro-batch), sever
 models or optimizers, a GradScaler (fp16), objects registered with
 ``register_for_checkpointing`` (their state is not proven read at S), a stateful or
 ``IterableDatasetShard`` data loader (its position moves between steps), save-state
-pre-hooks, ``every=`` and ``SPOTGUARD_BACKGROUND_AGREEMENT=0``.
+pre-hooks, ``every=``, ``hook.range()`` / ``hook.step()`` loops (from their first boundary) and
+``SPOTGUARD_BACKGROUND_AGREEMENT=0``.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def any_moment_refusal(accelerator: Any, every: Optional[float]) -> Optional[str
 
 
 class AccelerateAnyMoment:
-    """Part of ``AccelerateHook`` (``accelerate.py``), before ``FrameworkHook`` in its bases; see the module docstring."""
+    """Part of ``AccelerateHook`` (``accelerate.py``), before ``FrameworkHook`` in its bases (module docstring)."""
 
     accelerator: Any
     _acc_why: Optional[str] = "not decided"
@@ -91,6 +92,10 @@ class AccelerateAnyMoment:
     _watch: Any
     _every: Optional[float]
     _write_into: Callable[..., None]
+    _explicit: bool
+    _range_clock: bool
+    _log_path: Callable[[str, str, str], None]
+    _enter_explicit: Callable[[], None]
 
     def _any_moment_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """Decide the path (before the core is armed); on the any-moment path the core's dict also holds the
@@ -106,6 +111,15 @@ class AccelerateAnyMoment:
             return f"{self._acc_why} (the boundary path: a notice is acted on at the next optimizer step)"
         self._background_capable = True  # type: ignore[misc] - this instance: its files are written here
         return super()._why_not_background()  # type: ignore[misc]
+
+    def _begin_explicit(self, loop: str, start: int) -> None:  # core: hook.range() / the first hook.step()
+        """An explicit loop keeps the boundary path (said once): this writer is not proven on the core's clocked
+        path, whose boundaries read the small state."""
+        if self._explicit or self._range_clock:
+            return
+        self._log_path("boundary", loop, f"{loop} with Accelerate: the any-moment writer is proven for the "
+                                         "implicit loop only; the loop's boundary acts")
+        self._enter_explicit()
 
     def _tensor_state(self) -> dict[str, Any]:
         """The prepared model's and the torch optimizer's own state dicts (``save_state``'s keys: a DDP model's
