@@ -164,5 +164,6 @@ class AccelerateAnyMoment:
         states: dict[str, Any] = {"step": per["accelerator_step"], "random_state": rng["python"],
                                   "numpy_random_seed": rng["numpy"], "torch_manual_seed": rng["torch"]}
         if torch.cuda.is_available():
-            states["torch_cuda_manual_seed"] = rng.get("cuda", torch.cuda.get_rng_state_all())
+            # S's (captured once CUDA is initialised); before that the generators are untouched: as save_state reads
+            states["torch_cuda_manual_seed"] = rng["cuda"] if "cuda" in rng else torch.cuda.get_rng_state_all()
         torch.save(states, out / f"random_states_{acc.process_index}.pkl")
