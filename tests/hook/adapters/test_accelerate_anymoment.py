@@ -66,3 +66,37 @@ def test_gradient_accumulation_keeps_the_boundary_path_and_says_why(tmp_path: Pa
     paths = read_log(tmp_path / "accum.log").events("notice_path")
     assert [e["path"] for e in paths] == ["boundary"], paths
     assert "gradient accumulation" in paths[0]["why"], paths
+
+
+def test_refusal_names_each_unproven_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The configurations not proven exact from the background are refused, each with its reason (milliseconds:
+    a stand-in accelerator; the end-to-end refusal is the accumulation test's notice_path check)."""
+    from types import SimpleNamespace
+
+    from spotguard.hook.adapters.accelerate_anymoment import any_moment_refusal
+
+    def acc(**kw: object) -> SimpleNamespace:
+        base: dict[str, object] = dict(distributed_type=SimpleNamespace(value="MULTI_CPU"),
+                                       gradient_accumulation_steps=1, _models=[object()], _optimizers=[object()],
+                                       scaler=None, _custom_objects=[], _dataloaders=[],
+                                       _save_model_state_pre_hook={})
+        return SimpleNamespace(**{**base, **kw})
+
+    monkeypatch.delenv("SPOTGUARD_BACKGROUND_AGREEMENT", raising=False)
+    assert any_moment_refusal(acc(), None) is None
+    cases = {
+        "FSDP": acc(distributed_type=SimpleNamespace(value="FSDP")),
+        "DEEPSPEED": acc(distributed_type=SimpleNamespace(value="DEEPSPEED")),
+        "gradient accumulation": acc(gradient_accumulation_steps=4),
+        "one prepared model and one optimizer": acc(_optimizers=[object(), object()]),
+        "GradScaler": acc(scaler=object()),
+        "register_for_checkpointing": acc(_custom_objects=[object()]),
+        "stateful": acc(_dataloaders=[SimpleNamespace(use_stateful_dataloader=True)]),
+        "pre-hooks": acc(_save_model_state_pre_hook={1: print}),
+    }
+    for word, a in cases.items():
+        why = any_moment_refusal(a, None)
+        assert why is not None and word in why, (word, why)
+    assert "every=" in (any_moment_refusal(acc(), 900.0) or "")
+    monkeypatch.setenv("SPOTGUARD_BACKGROUND_AGREEMENT", "0")
+    assert any_moment_refusal(acc(), None) == "SPOTGUARD_BACKGROUND_AGREEMENT=0"
