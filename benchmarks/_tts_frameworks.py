@@ -37,7 +37,7 @@ from benchmarks._util import busy
 from benchmarks.time_to_safe import AFTER, DEADLINE_S, LAYERS, TRIAL_PREFIX, WARMUP, _emit, _wait_subscribed
 
 FRAMEWORKS = ("lightning", "hf", "accelerate")
-ACCUM = int(os.environ.get("SG_TTS_ACCUM", "8"))  # time_to_safe.py --accumulate (1: no accumulation)
+ACCUM = int(os.environ.get("SG_TTS_ACCUM", "8"))  # time_to_safe.py --accum (1: no accumulation)
 STEPS = WARMUP + 1 + AFTER  # optimizer steps a job may run: the warm-up, the one with the notice, AFTER more
 
 

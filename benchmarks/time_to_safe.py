@@ -411,8 +411,9 @@ def _trial(sock: str, work: Path, mib: float, period: float, phase: float,
     store = Path(tempfile.mkdtemp(prefix="ckpt-", dir=work))
     env = {"SG_TTS_STATE_MIB": str(mib), "SG_TTS_ITER_S": str(period), "SG_TTS_PHASE": repr(phase),
            "SG_TTS_STORAGE": str(store), "SPOTGUARD_SOCKET": sock}
-    if framework:  # "NAME@boundary": today's boundary path (the any-moment one refused), in the same run
-        env["SG_TTS_FRAMEWORK"], _, path = framework.partition("@")
+    if framework:
+        base, _, path = framework.partition("@")  # hf@boundary: the same worker on the boundary path
+        env["SG_TTS_FRAMEWORK"] = base
         if path == "boundary":
             env["SPOTGUARD_BACKGROUND_AGREEMENT"] = "0"
     else:
@@ -549,9 +550,7 @@ def bench(cells: list[tuple[float, float, int]], *, overhead_blocks: int, overhe
         shape = "1 plain process, no torch.distributed" if os.environ.get("SG_TTS_SINGLE") == "1" else \
             "2 ranks torchrun gloo CPU"
         if frameworks != (None,):
-            accum = os.environ.get("SG_TTS_ACCUM", "8")
-            shape += f"; frameworks {', '.join(f or 'plain' for f in frameworks)}, " \
-                     f"{accum + '-micro-batch accumulation' if accum != '1' else 'no gradient accumulation'}, " \
+            shape += f"; frameworks {', '.join(f or 'plain' for f in frameworks)}, 8-micro-batch accumulation, " \
                      "the drill at a random phase of an optimizer step"
         out: dict[str, Any] = {
             "what": "notice_seen -> checkpoint_committed (hook log timestamps), drill through a real daemon at a "
@@ -625,19 +624,23 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "(its own optimizer); the drill lands at a random phase of the whole iteration")
     ap.add_argument("--framework", help="lightning,hf,accelerate (comma-separated) or all: the framework owns the "
                                         "loop, 8-micro-batch gradient accumulation; SECONDS of a cell = one step; "
-                                        "NAME@boundary: that framework on today's boundary path (the same run)")
-    ap.add_argument("--accumulate", type=int, default=8, metavar="N",
-                    help="--framework: micro-batches an optimizer step (1: no gradient accumulation)")
+                                        "NAME@boundary: the same with SPOTGUARD_BACKGROUND_AGREEMENT=0 (the "
+                                        "boundary path), e.g. hf,hf@boundary")
+    ap.add_argument("--accum", type=int, default=None, help="--framework: micro-batches an optimizer step "
+                                                            "(default 8; 1: no gradient accumulation)")
     a = ap.parse_args(argv)
-    os.environ["SG_TTS_ACCUM"] = str(a.accumulate)  # before _tts_frameworks is imported (its ACCUM)
     frameworks: tuple[Optional[str], ...] = (None,)
+    if a.accum is not None:
+        if not a.framework or a.accum < 1:
+            ap.error("--accum N (>= 1): with --framework only")
+        os.environ["SG_TTS_ACCUM"] = str(a.accum)  # before _tts_frameworks is imported (its ACCUM)
     if a.framework:
         from benchmarks._tts_frameworks import FRAMEWORKS
 
         frameworks = FRAMEWORKS if a.framework == "all" else tuple(a.framework.split(","))
         if {f.partition("@")[0] for f in frameworks} - set(FRAMEWORKS) or \
                 {f.partition("@")[2] for f in frameworks} - {"", "boundary"}:
-            ap.error(f"--framework: one or more of {', '.join(FRAMEWORKS)} (each may end in @boundary), or all")
+            ap.error(f"--framework: one or more of {', '.join(FRAMEWORKS)}, or all")
         if a.single or a.model != "ddp" or a.loop != "plain" or a.busy_at != "before":
             ap.error("--framework: the framework owns the loop (2 ranks, DDP): no --single/--model/--loop/--busy-at")
     os.environ["SG_TTS_MODEL"] = a.model
