@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--storage", default=None)
     p.add_argument("--every", default=None, help="safety-net checkpoints, e.g. 15m (default: none)")
     p.add_argument("--step-time", type=float, default=0.0)
+    p.add_argument("--compute-time", type=float, default=0.0,
+                   help="seconds slept inside each micro-batch, between backward and optimizer.step() (a long step)")
     p.add_argument("--out", default=None, help="rank 0 writes the final model+optimizer state here")
     p.add_argument("--no-hook", action="store_true", help="uninterrupted reference run without spotguard")
     p.add_argument("--seed", type=int, default=1234)
@@ -110,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                 noise = 1.0 + 0.01 * (random.random() + float(np.random.rand()))  # python + numpy RNG in the math
                 loss = F.mse_loss(model(x) * noise, y)
                 accelerator.backward(loss)
+                if args.compute_time > 0:
+                    time.sleep(args.compute_time)
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)

@@ -172,7 +172,8 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             what="the README's script with DataLoader(generator=torch.Generator())",
             phases=("load", "fwd", "bwd", "after")),
     Pattern("accelerate", "accelerate_loop.py", what="Accelerate on 2 ranks: accelerator.backward, AdamW, "
-            "StepLR; the framework's save_state at the boundary", phases=("load", "fwd", "bwd", "prestep", "after")),
+            "StepLR; save_state's files written from the background for the last completed step (accelerate_anymoment.py)",
+            phases=("load", "fwd", "bwd", "prestep", "after")),
     # issue 23: accelerator.accumulate over 4 micro-batches; a notice is acted on at the next micro-batch's forward
     Pattern("accelerate_accum", "accelerate_loop.py", env=(("EXO_ACCUM", "4"),), what="the accelerate pattern "
             "with gradient_accumulation_steps=4 (accelerator.accumulate; opt/sched.step() on every micro-batch)",

@@ -122,6 +122,9 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     # issue 23: Lightning without accumulation, the notice in the run's last step (one rank already inside it): S is
     # the last step, which the any-moment path leaves to the boundary path (training is over: not acted on)
     "lightning-noaccum-notice-in-the-last-step": ("lightning_noaccum", "phase:bwd@9"),
+    # issue 23: Accelerate's any-moment path, the notice between the optimizer step and the scheduler's: the round
+    # waits for the anchor (the next forward) and writes scheduler.bin / lr as the loop left them after step 2
+    "accelerate-any-moment-after-step-before-scheduler": ("accelerate", "phase:after@2"),
     # issue 23: an own loop (hook.resume(), a plain for), D twice per iteration: each D step was counted as an
     # iteration and the notice acted on at D's second step (committed "step 7" after 3 iterations); its single-
     # process sibling in make test: tests/hook/test_implicit_cycles.py

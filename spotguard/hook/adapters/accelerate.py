@@ -7,9 +7,17 @@ optimizers), on every process::
     hook = install_preemption_hook(accelerator, storage="s3://bucket/run")
     start = hook.resume()          # accelerator.load_state(<newest committed>) -> its step, 0 if none
 
-The user's loop stays as it is. Exactly like the plain-PyTorch hook (same
-code): the ranks decide at each real ``optimizer.step()`` (the post-hook of
-the torch optimizer inside Accelerate's wrapper, so gradient-accumulation
+The user's loop stays as it is. Without gradient accumulation (one model, one
+optimizer, DDP or one process) a notice is acted on **at any moment**, as the
+plain hook's: the last completed optimizer step S is written from the
+background in ``save_state``'s files while step S+1 goes on (held before its
+optimizer step): ``accelerate_anymoment.py``; measured notice -> committed p50 /
+p99 0.42 / 0.52 s with 64 MiB and 10 s steps (the boundary path: 16.8 / 19.0 s). Where
+that path refuses (FSDP, DeepSpeed, accumulation, a GradScaler, custom objects,
+...: said in ``notice_path``), the boundary path below. On it, exactly like
+the plain-PyTorch hook's boundary path (same code): the ranks decide at each
+real ``optimizer.step()`` (the post-hook of the torch optimizer inside
+Accelerate's wrapper, so gradient-accumulation
 micro-steps, where Accelerate skips the step, never count), launching the
 flag's all-reduce on the hook's own gloo group; at the next step's pre-hook
 (the end of the deciding iteration: the scheduler has stepped) the reduction
@@ -55,6 +63,7 @@ from ...storage import Storage
 from ..core import Hook
 from ..state import Snapshot, rng_and_buffers_at
 from ._base import FrameworkHook
+from .accelerate_anymoment import AccelerateAnyMoment
 from ...storage.integrity import DamagedCheckpoint
 from ...storage.verify import verified_folder
 from ._files import report_local, staging_dir, upload_dir
@@ -74,7 +83,7 @@ def _prepared_state(accelerator: Any) -> dict[str, Any]:
     return state
 
 
-class AccelerateHook(FrameworkHook):
+class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
     framework = "accelerate"
 
     # The loop is the user's: the plain hook's resume/range apply (FrameworkHook forbids them).
@@ -102,7 +111,7 @@ class AccelerateHook(FrameworkHook):
         # kwargs): as at the end of the step (the first forward after it)
         self._sched_at: Optional[tuple[int, list[tuple[Any, int]]]] = None
         self._signal_model = state.get("model0")
-        self._arm(state)
+        self._arm(self._any_moment_state(state))
 
     # ------------------------------------------------------------- gradient accumulation
 
@@ -111,7 +120,7 @@ class AccelerateHook(FrameworkHook):
         first accumulation after the resume is acted on between micro-batches as well)."""
         step = Hook.resume(self)
         if self._count > 0:
-            self._snap = Snapshot.take(self._objs.loaders)
+            self._snap, self._snap_count = Snapshot.take(self._objs.loaders), self._count
             self._acc_step = (self._count, int(self.accelerator.step))
         return step
 
@@ -192,6 +201,15 @@ class AccelerateHook(FrameworkHook):
                 cfg.automatic_checkpoint_naming = True
 
     def _write(self, key: str, snap: Optional[Snapshot]) -> None:
+        def fill(target: str) -> None:
+            with self._as_of(snap), self._explicit_dirs():
+                self.accelerator.save_state(target)
+
+        self._write_into(key, fill)
+
+    def _write_into(self, key: str, fill: Any) -> None:
+        """``fill(folder)`` writes Accelerate's files into the store's folder (local) or a staging folder that
+        is uploaded; this rank's files (rank 0 the shared ones) are reported for the commit record."""
         local = self._storage.local_path(key)
         stage = None
         if local is not None:
@@ -200,8 +218,7 @@ class AccelerateHook(FrameworkHook):
             stage = staging_dir(f"accelerate-{self._rank}")
             target = str(stage)
         try:
-            with self._as_of(snap), self._explicit_dirs():
-                self.accelerator.save_state(target)
+            fill(target)
             rank = self._rank
 
             def mine(rel: str) -> bool:

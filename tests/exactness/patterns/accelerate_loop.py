@@ -1,6 +1,7 @@
 """Accelerate on 2 ranks (gloo, CPU): ``install_preemption_hook(accelerator)`` after ``prepare``, its training
-step (``accelerator.backward``), dropout, AdamW, StepLR. The framework writes its own checkpoint
-(``save_state``) at the step boundary.
+step (``accelerator.backward``), dropout, AdamW, StepLR. Without accumulation a notice is written from the
+background for the last completed step, in ``save_state``'s files (``accelerate_anymoment.py``); with it, by
+``save_state`` at the next micro-batch.
 
 ``EXO_ACCUM=N`` (pattern ``accelerate_accum``): ``Accelerator(gradient_accumulation_steps=N)`` and N micro-batches
 an iteration inside ``accelerator.accumulate(model)``; ``opt.step()``/``sched.step()`` are called on every one

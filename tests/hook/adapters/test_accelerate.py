@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("accelerate")
 
-from ._jobs import preempt_and_resume, preempt_in_accumulation, reference_run
+from ._jobs import preempt_and_resume, preempt_in_accumulation, read_log, reference_run
 
 STEPS = 30
 SCRIPT = "accelerate_train.py"
@@ -44,3 +44,6 @@ def test_notice_during_accumulation_commits_at_the_next_micro_batch(tmp_path: Pa
     """Issue 23: ``accelerator.accumulate``; the next micro-batch's forward saves step 2 (RNG, BatchNorm statistics
     and ``accelerator.step`` as at the step); the old next-real-step path committed 11 s after the notice."""
     preempt_in_accumulation(SCRIPT, tmp_path, "random_states_1.pkl")
+    # not the any-moment path (accelerate_anymoment.py refuses accumulation), and said so once a rank
+    paths = read_log(tmp_path / "preempted.log").events("notice_path")
+    assert len(paths) == 2 and all(e["path"] == "boundary" and "gradient accumulation" in e["why"] for e in paths), paths
