@@ -21,7 +21,9 @@ Life cycle (every rank):
   loops and callbacks); ``on_train_batch_end`` only copies and counts. Anything
   else (accumulation, FSDP/DeepSpeed, manual optimization, several optimizers,
   ``every=``, a notice after validation or an epoch end since S) takes the
-  boundary path below and says why in ``notice_path``.
+  boundary path below and says why in ``notice_path``. Notice -> committed, 2 ranks,
+  64 MiB, 10 s steps: p50 / p99 0.38 / 0.88 s (8 trials; the step boundary 14.95 /
+  22.02 s; docs/performance.md).
 - ``on_train_batch_end`` (boundary path): the iteration boundary (optimizer and step-interval
   schedulers have stepped, exactly where Lightning's ``ModelCheckpoint`` saves
   mid-epoch): the agreement launched one boundary earlier is waited; if any
