@@ -92,12 +92,11 @@ from ..state import capture_rng, pack, restore_rng, rng_and_buffers_at, unpack
 from ..watch import SNAPSHOT_ALL_BUFFERS, model_snapshot_buffers
 from ._base import FrameworkHook
 from ._files import report_local, staging_dir, upload_dir
-from .lightning_anymoment import AnyMomentMixin
+from .lightning_anymoment import STATE_KEY, AnyMomentMixin
 
 __all__ = ["LightningHook", "install", "CKPT_NAME"]
 
 CKPT_NAME = "lightning.ckpt"
-STATE_KEY = "spotguard"
 
 
 def _root_package(trainer: Any) -> str:

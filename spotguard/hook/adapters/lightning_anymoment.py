@@ -61,6 +61,8 @@ from ..settings import HANDED_OVER
 from ..periodic import stage_state_dict
 from ..state import pack
 
+STATE_KEY = "spotguard"  # spotguard's entry in Lightning's checkpoint dict (lightning.py re-exports it)
+
 __all__ = ["AnyMomentMixin", "lightning_any_moment_refusal", "static_refusal"]
 
 _STRATEGIES = ("DDPStrategy", "SingleDeviceStrategy")
@@ -259,8 +261,6 @@ class AnyMomentMixin:
         """Lightning's checkpoint dict for step S: its own ``dump_checkpoint`` (live weights, optimizer and
         schedulers: unchanged since S while the next step is held), with what moved since S replaced by S's
         copies: buffers, loops, callbacks, every rank's RNG (spotguard's entry, as the boundary path writes)."""
-        from .lightning import STATE_KEY  # noqa: PLC0415 - lightning.py imports this module
-
         ckpt = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         sd = ckpt["state_dict"]
         for name, t in at.buffers.items():
