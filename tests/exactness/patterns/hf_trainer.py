@@ -44,6 +44,8 @@ from _common import Net, _rt, setup  # noqa: E402
 from spotguard import install_preemption_hook  # noqa: E402
 
 rank = int(os.environ.get("RANK", "0"))
+AUGMENT = os.environ.get("EXO_AUGMENT") == "1"  # review of issue 23: random augmentation in __getitem__
+OWN_SAVES = os.environ.get("EXO_OWN_SAVES") == "1"  # review of issue 23: the Trainer's own logging + saves
 setup(distributed=False)  # TrainingArguments creates the process group itself
 
 
@@ -80,6 +82,8 @@ class Samples(torch.utils.data.Dataset):
         return len(self.x)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if AUGMENT:  # a user's augmentation in the main process (dataloader_num_workers=0): the global torch RNG
+            return {"x": self.x[i] + 0.05 * torch.randn(16), "labels": self.y[i]}
         return {"x": self.x[i], "labels": self.y[i]}
 
 
@@ -96,6 +100,9 @@ def _record_resumed(step: int) -> None:
 class PhaseTrainer(Trainer):
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
         _rt.begin_iteration(self.state.global_step)
+        if AUGMENT and RESUME is not None:  # resumed mid-epoch: this fetch draws the augmentation's noise, so the
+            _record_resumed(self.state.global_step)  # RNG must be the uninterrupted run's before it (the
+            # Trainer's _load_rng_state comes after it; at an epoch start it came first and recorded)
         _rt.phase("load")
         return super().get_batch_samples(epoch_iterator, num_batches, device)
 
@@ -143,7 +150,9 @@ sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 _rt.inside_step(opt)
 targs = TrainingArguments(
     output_dir=os.environ.get("EXO_OUT", "exo") + "-hf-out", per_device_train_batch_size=4,
-    gradient_accumulation_steps=int(os.environ.get("EXO_ACCUM", "2")), max_steps=_rt.steps(), logging_strategy="no", save_strategy="no",
+    gradient_accumulation_steps=int(os.environ.get("EXO_ACCUM", "2")), max_steps=_rt.steps(),
+    logging_strategy="steps" if OWN_SAVES else "no", logging_steps=1, save_strategy="steps" if OWN_SAVES else "no",
+    save_steps=2, max_grad_norm=0.05 if OWN_SAVES else 1.0,
     report_to=[], disable_tqdm=True, seed=0, use_cpu=True, ddp_backend="gloo",
     ddp_find_unused_parameters=False, dataloader_num_workers=0,
 )
