@@ -240,6 +240,10 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("hf_trainer_own_saves", "hf_trainer.py", steps=12, env=(("EXO_ACCUM", "1"), ("EXO_OWN_SAVES", "1")),
             what="the hf_trainer_noaccum pattern with logging_steps=1, save_steps=2, max_grad_norm=0.05",
             phases=("load", "fwd", "bwd", "prestep", "step", "after")),
+    Pattern("hf_trainer_meter", "hf_trainer.py", env=(("EXO_METER", "1"),), what="the hf_trainer pattern (accumulation "
+            "2) with a user's stateful callback (ExportableState: steps begun, micro-batches seen), restored by "
+            "restore_callback_states_from_checkpoint", phases=("load", "fwd", "bwd", "micro", "prestep", "step",
+                                                                "after")),
     # review of issue 22 (rev22): loops the patterns above did not cover
     Pattern("meter", "meter.py", what="DDP + a user stateful object (running-loss meter, samples seen) updated "
             "between the forward and optimizer.step(); clip_grad_norm_, zero_grad(set_to_none=False)"),

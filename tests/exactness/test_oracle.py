@@ -89,6 +89,9 @@ CASES: dict[str, tuple[str, ...]] = {
     # review of issue 23 (hfrev): random augmentation in Dataset.__getitem__ (main process, global torch RNG): open,
     # a strict xfail (KNOWN_WRONG says why)
     "hf-trainer-augmenting-dataset-backward": ("hf_trainer_augment", "phase:bwd@4"),
+    # review of issue 23 (hfrev): a user's stateful callback (trainer_state.json's stateful_callbacks) moved by the
+    # next step's on_step_begin and micro-batch (on_substep_end) before the background write reads it
+    "hf-trainer-stateful-callback-micro-batch": ("hf_trainer_meter", "phase:bwd@3"),
     # every=: a periodic upload in flight: before its first byte (aborted for the emergency) and half written
     # (finished, then the emergency's own checkpoint): every commit is checked
     "periodic-upload-in-flight-aborted": ("ddp_every", "phase:periodic@2"),
