@@ -149,6 +149,7 @@ class HFAnyMomentMixin:
         """``on_train_end``: the last step is complete now (no ``on_step_begin`` follows): its end state is taken
         here, a round of it is served (an emergency holds this thread until the exit, as at a step's start), and
         a later round writes it from the live state (the loop's work is over)."""
+        self._capture_callbacks()  # the last one was taken before the last step began
         self._capture(step, epoch_start=False)  # type: ignore[attr-defined]
         self._hf_step_begin(step)
         self._step_begin()
