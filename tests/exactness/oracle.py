@@ -234,6 +234,21 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("hf_trainer_noaccum", "hf_trainer.py", steps=12, env=(("EXO_ACCUM", "1"),), what="the hf_trainer "
             "pattern without gradient accumulation: 10 steps an epoch (one micro-batch each), an epoch end at 10",
             phases=("load", "fwd", "bwd", "prestep", "step", "after")),
+    # review of issue 23 (hfrev): the no-accumulation Trainer with a user's random augmentation in __getitem__
+    # (global torch RNG, in the main process), and with the Trainer's own logging (every step), saves (every 2nd)
+    # and tight gradient clipping around the notice
+    Pattern("hf_trainer_augment", "hf_trainer.py", steps=12, env=(("EXO_ACCUM", "1"), ("EXO_AUGMENT", "1")),
+            what="the hf_trainer_noaccum pattern with random noise added to each sample in Dataset.__getitem__",
+            phases=("load", "fwd", "bwd", "prestep", "step", "after"),
+            open_bug="a resume mid-epoch draws the next batch's augmentation from a fresh RNG (accelerate fetches "
+                     "one batch ahead; the Trainer loads rng_state after that fetch): test_oracle.KNOWN_WRONG"),
+    Pattern("hf_trainer_own_saves", "hf_trainer.py", steps=12, env=(("EXO_ACCUM", "1"), ("EXO_OWN_SAVES", "1")),
+            what="the hf_trainer_noaccum pattern with logging_steps=1, save_steps=2, max_grad_norm=0.05",
+            phases=("load", "fwd", "bwd", "prestep", "step", "after")),
+    Pattern("hf_trainer_meter", "hf_trainer.py", env=(("EXO_METER", "1"),), what="the hf_trainer pattern (accumulation "
+            "2) with a user's stateful callback (ExportableState: steps begun, micro-batches seen), restored by "
+            "restore_callback_states_from_checkpoint", phases=("load", "fwd", "bwd", "micro", "prestep", "step",
+                                                                "after")),
     # review of issue 22 (rev22): loops the patterns above did not cover
     Pattern("meter", "meter.py", what="DDP + a user stateful object (running-loss meter, samples seen) updated "
             "between the forward and optimizer.step(); clip_grad_norm_, zero_grad(set_to_none=False)"),

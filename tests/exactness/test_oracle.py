@@ -89,6 +89,15 @@ CASES: dict[str, tuple[str, ...]] = {
     # issue 23: no accumulation, the notice in the backward of step 5: agreed and written from the background for
     # S = 4 (the Trainer's files, RNG/counters as at step 5's on_step_begin), the optimizer step of 5 held
     "hf-trainer-no-accum-backward": ("hf_trainer_noaccum", "phase:bwd@4"),
+    # review of issue 23 (hfrev): the notice after the run's last optimizer step (12 = max_steps, mid-epoch): open,
+    # a strict xfail (KNOWN_WRONG says why)
+    "hf-trainer-no-accum-after-the-last-optimizer-step": ("hf_trainer_noaccum", "phase:after@11"),
+    # review of issue 23 (hfrev): random augmentation in Dataset.__getitem__ (main process, global torch RNG): open,
+    # a strict xfail (KNOWN_WRONG says why)
+    "hf-trainer-augmenting-dataset-backward": ("hf_trainer_augment", "phase:bwd@4"),
+    # review of issue 23 (hfrev): a user's stateful callback (trainer_state.json's stateful_callbacks) moved by the
+    # next step's on_step_begin and micro-batch (on_substep_end) before the background write reads it
+    "hf-trainer-stateful-callback-micro-batch": ("hf_trainer_meter", "phase:bwd@3"),
     # every=: a periodic upload in flight: before its first byte (aborted for the emergency) and half written
     # (finished, then the emergency's own checkpoint): every commit is checked
     "periodic-upload-in-flight-aborted": ("ddp_every", "phase:periodic@2"),
@@ -136,6 +145,12 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     # issue 23: the notice as the first batch of an epoch is fetched (S = 10: the Trainer's epoch end and the next
     # epoch's iterator between S and the held step): the RNG as at the epoch's start
     "hf-trainer-no-accum-epoch-start-load": ("hf_trainer_noaccum", "phase:load@10"),
+    # review of issue 23 (hfrev): the Trainer's any-moment path near its own logging/save of step 4 (the notice
+    # as step 4's optimizer.step() returns: S = 4, written once the Trainer's own save is over), a rebalance that
+    # must let training go on bitwise, and a notice in the run's last step
+    "hf-trainer-no-accum-own-save-logging-clipping": ("hf_trainer_own_saves", "phase:after@3"),
+    "rebalance-hf-trainer-no-accum-backward": ("hf_trainer_noaccum", "phase:bwd@4", "rebalance"),
+    "hf-trainer-no-accum-last-step": ("hf_trainer_noaccum", "phase:bwd@11"),
     # review of issue 29: a rebalance whose DeepSpeed write outlasts its window (the any-moment path held the
     # step through the whole write, the hold ran out: exit 75 on an ordinary notice)
     "deepspeed-rebalance-write-longer-than-window": ("deepspeed_zero2_slow", "phase:bwd@4", "rebalance"),
@@ -207,7 +222,22 @@ def results(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
         shutil.rmtree(work, ignore_errors=True)  # kept when a case is wrong: its logs are named in the failure
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# Cases that are known to end ``wrong`` (open defects): strict xfails, so a fix shows up as XPASS.
+KNOWN_WRONG: dict[str, str] = {
+    "hf-trainer-no-accum-after-the-last-optimizer-step":
+        "review of issue 23 (hfrev): the any-moment path commits step max_steps for a notice after the last "
+        "optimizer step (the boundary path logs notice_after_last_step and lets the job finish); transformers "
+        "5.24 resumed from global_step == max_steps in the middle of an epoch trains one more step (13 of 12)",
+    "hf-trainer-augmenting-dataset-backward":
+        "review of issue 23 (hfrev): a Dataset/collator drawing from the global RNG in the main process is not "
+        "replayed on resume mid-epoch (any-moment and boundary paths alike): accelerate's DataLoaderShard fetches "
+        "one batch ahead, so batch S+1's noise was drawn during step S's fetch; the resumed Trainer draws it from "
+        "a fresh RNG and only then loads rng_state (restoring the RNG before the resumed fetch is not enough)",
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c, marks=pytest.mark.xfail(strict=True, reason=KNOWN_WRONG[c]))
+                                  if c in KNOWN_WRONG else c for c in CASES])
 def test_notice_never_yields_a_wrong_checkpoint(case: str, results: dict[str, Any]) -> None:
     if _missing(case):
         pytest.skip(_missing(case))

@@ -104,6 +104,9 @@ class _AtStep:
     flos: float  # Trainer.current_flos + state.total_flos: _save_checkpoint folds one into the other
     total_flos: float
     tokens: Any  # state.num_input_tokens_seen
+    # the stateful callbacks' state() (ExportableState, TrainerControl) before any callback's on_step_begin /
+    # on_epoch_begin of the next step (hf_anymoment.callback_states); None: read them at the write
+    callbacks: Optional[list[tuple[str, Any]]] = None
 
 
 def _make_callback(hook: "HFTrainerHook") -> Any:
@@ -160,6 +163,24 @@ def _make_callback(hook: "HFTrainerHook") -> Any:
     return SpotguardTrainerCallback()
 
 
+def _make_front_callback(hook: "HFTrainerHook") -> Any:
+    """The first callback of the Trainer's list: the stateful callbacks' state as at the end of the last step,
+    before a user's ``on_step_begin`` / ``on_epoch_begin`` of the next one moves it (spotguard's own callback runs
+    last: its capture would take the next step's begun)."""
+    from transformers import TrainerCallback
+
+    class SpotguardCallbackStates(TrainerCallback):  # type: ignore[misc]
+        def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            hook._capture_callbacks()
+            return control
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            hook._capture_callbacks()
+            return control
+
+    return SpotguardCallbackStates()
+
+
 class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
     framework = "transformers"
 
@@ -180,6 +201,10 @@ class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
         self._jit_disabled = self._disable_jit_checkpoint()
         self.callback = _make_callback(self)
         trainer.add_callback(self.callback)
+        self._cb_states: Optional[list[tuple[str, Any]]] = None  # _capture_callbacks
+        handler = getattr(trainer, "callback_handler", None)
+        if handler is not None and isinstance(getattr(handler, "callbacks", None), list):
+            handler.callbacks.insert(0, _make_front_callback(self))
         if dist.is_available() and dist.is_initialized():
             self._arm()
         if self._jit_disabled:
@@ -233,7 +258,7 @@ class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
         self._at = _AtStep(step, epoch_start, None if resumed_here else capture_rng(),
                            clone_buffers(self._snap_bufs) if self._snap_bufs["model"] else {},
                            float(getattr(tr, "current_flos", 0.0)), float(tr.state.total_flos),
-                           tr.state.num_input_tokens_seen)
+                           tr.state.num_input_tokens_seen, self._cb_states if self._hf_any else None)
 
     def _on_step_end(self, state: Any, control: Any) -> None:
         if self._closed or self._exiting:

@@ -26,8 +26,9 @@ is finishing) and writes S from the background:
 - **How it is written**: the Trainer's own files of ``checkpoint-S`` (``_save`` for
   the weights and ``training_args.bin``, ``optimizer.pt``, ``scheduler.pt``,
   ``scaler.pt``, ``rng_state[_<rank>].pth``, ``trainer_state.json`` with the
-  stateful callbacks) into a local staging folder, without ``_save_checkpoint``: that
-  one all-gathers the FLOP count (``store_flos``) and may ``dist.barrier()`` on the
+  stateful callbacks as at S's end: taken by a callback put first in the Trainer's list, before a
+  user's ``on_step_begin``/``on_substep_end`` of S+1 moves them) into a local staging folder, without
+  ``_save_checkpoint``: that one all-gathers the FLOP count (``store_flos``) and may ``dist.barrier()`` on the
   training group, which the background thread must never touch (the training thread
   may be in DDP's all-reduce of the next backward). The FLOP count is summed as
   ``store_flos`` does, each rank's value passed through the c10d store. The resume is
@@ -119,6 +120,12 @@ class HFAnyMomentMixin:
         for n in notices:  # notices that came before training started
             self._arm_wake(n)
 
+    def _capture_callbacks(self) -> None:
+        """At the front of ``on_epoch_begin`` / ``on_step_begin``: what the stateful callbacks hold at the end of the
+        last step (``_capture`` attaches it to the step's capture); a user's callback may count at those events, or
+        at each micro-batch (``on_substep_end``), before the background write reads it."""
+        self._cb_states = callback_states(self.trainer) if self._hf_any and getattr(self, "_armed", False) else None
+
     def _capture_small_for(self, step: int, where: str) -> None:
         """core's pre-hook asks for the small state of the held step: here it is taken at each step's start."""
 
@@ -142,6 +149,7 @@ class HFAnyMomentMixin:
         """``on_train_end``: the last step is complete now (no ``on_step_begin`` follows): its end state is taken
         here, a round of it is served (an emergency holds this thread until the exit, as at a step's start), and
         a later round writes it from the live state (the loop's work is over)."""
+        self._capture_callbacks()  # the last one was taken before the last step began
         self._capture(step, epoch_start=False)  # type: ignore[attr-defined]
         self._hf_step_begin(step)
         self._step_begin()
@@ -215,8 +223,6 @@ class HFAnyMomentMixin:
         """This rank's files of ``checkpoint-S`` as ``Trainer._save_checkpoint`` writes them (no collective), in a
         fresh local folder; returns it."""
         from transformers.trainer import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME  # noqa
-        from transformers.trainer_callback import ExportableState  # noqa: PLC0415
-
         tr = self.trainer
         folder = staging_dir("hf-any")
         out = str(folder)
@@ -234,12 +240,11 @@ class HFAnyMomentMixin:
                 torch.save(scaler.state_dict(), os.path.join(out, SCALER_NAME))
             state = copy.deepcopy(tr.state)
             state.total_flos, state.num_input_tokens_seen = flos, at.tokens
-            for cb in [c for c in tr.callback_handler.callbacks + [tr.control] if isinstance(c, ExportableState)]:
-                name = cb.__class__.__name__
-                if isinstance(state.stateful_callbacks.get(name), list):
-                    state.stateful_callbacks[name].append(cb.state())
+            for name, st in at.callbacks if at.callbacks is not None else callback_states(tr):
+                if isinstance(state.stateful_callbacks.get(name), list):  # as _save_checkpoint merges them
+                    state.stateful_callbacks[name].append(st)
                 else:
-                    state.stateful_callbacks[name] = cb.state()
+                    state.stateful_callbacks[name] = st
             state.save_to_json(os.path.join(out, TRAINER_STATE_NAME))
         rng_name = "rng_state.pth" if tr.args.world_size <= 1 else f"rng_state_{tr.args.process_index}.pth"
         if at.rng is not None:
@@ -249,6 +254,15 @@ class HFAnyMomentMixin:
         else:
             raise RuntimeError(f"the RNG of step {at.step} is not known (resumed from an unknown folder)")
         return out
+
+
+def callback_states(tr: Any) -> list[tuple[str, Any]]:
+    """(class name, a copy of ``state()``) of each stateful callback and the ``TrainerControl``, in the order
+    ``_save_checkpoint`` reads them."""
+    from transformers.trainer_callback import ExportableState  # noqa: PLC0415
+
+    return [(cb.__class__.__name__, copy.deepcopy(cb.state()))
+            for cb in tr.callback_handler.callbacks + [tr.control] if isinstance(cb, ExportableState)]
 
 
 def _trainer_rng(rng: dict[str, Any], args: Any) -> dict[str, Any]:

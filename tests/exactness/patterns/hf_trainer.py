@@ -39,11 +39,15 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers.trainer_callback import ExportableState  # noqa: E402
 
 from _common import Net, _rt, setup  # noqa: E402
 from spotguard import install_preemption_hook  # noqa: E402
 
 rank = int(os.environ.get("RANK", "0"))
+AUGMENT = os.environ.get("EXO_AUGMENT") == "1"  # review of issue 23: random augmentation in __getitem__
+OWN_SAVES = os.environ.get("EXO_OWN_SAVES") == "1"  # review of issue 23: the Trainer's own logging + saves
+METER = os.environ.get("EXO_METER") == "1"  # review of issue 23: a stateful callback (ExportableState)
 setup(distributed=False)  # TrainingArguments creates the process group itself
 
 
@@ -80,6 +84,8 @@ class Samples(torch.utils.data.Dataset):
         return len(self.x)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if AUGMENT:  # a user's augmentation in the main process (dataloader_num_workers=0): the global torch RNG
+            return {"x": self.x[i] + 0.05 * torch.randn(16), "labels": self.y[i]}
         return {"x": self.x[i], "labels": self.y[i]}
 
 
@@ -96,6 +102,9 @@ def _record_resumed(step: int) -> None:
 class PhaseTrainer(Trainer):
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
         _rt.begin_iteration(self.state.global_step)
+        if AUGMENT and RESUME is not None:  # resumed mid-epoch: this fetch draws the augmentation's noise, so the
+            _record_resumed(self.state.global_step)  # RNG must be the uninterrupted run's before it (the
+            # Trainer's _load_rng_state comes after it; at an epoch start it came first and recorded)
         _rt.phase("load")
         return super().get_batch_samples(epoch_iterator, num_batches, device)
 
@@ -136,6 +145,31 @@ class Phases(TrainerCallback):
         return control
 
 
+class Meter(TrainerCallback, ExportableState):
+    """A user's stateful callback (saved in trainer_state.json, restored with
+    ``restore_callback_states_from_checkpoint``): steps begun and micro-batches seen."""
+
+    def __init__(self, steps: int = 0, micro: int = 0) -> None:
+        self.steps, self.micro = steps, micro
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+        self.steps += 1
+        return control
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+        self.micro += 1
+        return control
+
+    def state(self) -> dict[str, Any]:
+        return {"args": {"steps": self.steps, "micro": self.micro}, "attributes": {}}
+
+
+def meter_state() -> dict[str, int]:
+    """The Meter the Trainer holds now (a resume replaces the instance)."""
+    m = [c for c in trainer.callback_handler.callbacks if isinstance(c, Meter)]
+    return {"steps": m[0].steps, "micro": m[0].micro} if m else {}
+
+
 torch.manual_seed(0)
 model = Model()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -143,12 +177,14 @@ sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 _rt.inside_step(opt)
 targs = TrainingArguments(
     output_dir=os.environ.get("EXO_OUT", "exo") + "-hf-out", per_device_train_batch_size=4,
-    gradient_accumulation_steps=int(os.environ.get("EXO_ACCUM", "2")), max_steps=_rt.steps(), logging_strategy="no", save_strategy="no",
+    gradient_accumulation_steps=int(os.environ.get("EXO_ACCUM", "2")), max_steps=_rt.steps(),
+    logging_strategy="steps" if OWN_SAVES else "no", logging_steps=1, save_strategy="steps" if OWN_SAVES else "no",
+    save_steps=2, max_grad_norm=0.05 if OWN_SAVES else 1.0,
     report_to=[], disable_tqdm=True, seed=0, use_cpu=True, ddp_backend="gloo",
-    ddp_find_unused_parameters=False, dataloader_num_workers=0,
+    ddp_find_unused_parameters=False, dataloader_num_workers=0, restore_callback_states_from_checkpoint=METER,
 )
 trainer = PhaseTrainer(model=model, args=targs, train_dataset=Samples(), optimizers=(opt, sched),
-                       callbacks=[Phases()])
+                       callbacks=[Phases(), Meter()] if METER else [Phases()])
 # the Trainer seeded every rank alike (set_seed(args.seed)): per-rank streams, as a user's augmentation has
 random.seed(100 + rank)
 np.random.seed(100 + rank)
@@ -158,7 +194,8 @@ torch.manual_seed(1 + rank)
 def digest_state() -> dict[str, Any]:
     """What a resume must restore: weights, optimizer, scheduler, the Trainer's position (RNG: ``_rt``)."""
     return {"model": model, "optimizer": opt, "scheduler": sched,
-            "position": lambda: {"global_step": trainer.state.global_step, "epoch": trainer.state.epoch}}
+            "position": lambda: {"global_step": trainer.state.global_step, "epoch": trainer.state.epoch,
+                                 **({"meter": meter_state()} if METER else {})}}
 
 
 hook = install_preemption_hook(trainer, storage=_rt.storage())

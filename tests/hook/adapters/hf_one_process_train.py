@@ -16,7 +16,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers.trainer_callback import ExportableState  # noqa: E402
 
 from spotguard import install_preemption_hook  # noqa: E402
 
@@ -29,6 +30,20 @@ class Paced(Trainer):
         return out
 
 
+class Meter(TrainerCallback, ExportableState):
+    """A user's stateful callback (``METER=1``): the steps begun, in ``trainer_state.json``'s stateful_callbacks."""
+
+    def __init__(self, steps: int = 0) -> None:
+        self.steps = steps
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+        self.steps += 1
+        return control
+
+    def state(self) -> dict[str, Any]:
+        return {"args": {"steps": self.steps}, "attributes": {}}
+
+
 def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -37,7 +52,8 @@ def main() -> None:
     args = TrainingArguments(output_dir=sys.argv[1] + "-out", max_steps=int(os.environ.get("STEPS", "2")),
                              per_device_train_batch_size=2, save_strategy="no", logging_strategy="no", report_to=[],
                              use_cpu=True, disable_tqdm=True)
-    trainer = Paced(model=GPT2LMHeadModel(cfg), args=args, train_dataset=data)
+    trainer = Paced(model=GPT2LMHeadModel(cfg), args=args, train_dataset=data,
+                    callbacks=[Meter()] if os.environ.get("METER") == "1" else None)
     hook = install_preemption_hook(trainer, storage=sys.argv[1])
     trainer.train(resume_from_checkpoint=hook.latest())
     print(json.dumps({"trained": trainer.state.global_step}), flush=True)

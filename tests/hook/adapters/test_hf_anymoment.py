@@ -158,7 +158,7 @@ def test_one_process_notice_after_train_returned_commits_the_last_step(tmp_path:
     store = str(tmp_path / "ckpt")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
            "SPOTGUARD_SOCKET": str(tmp_path / "no-daemon.sock"), "SPOTGUARD_CACHE": str(tmp_path / "cache"),
-           "SPOTGUARD_SIGNAL_GRACE": "5", "STEPS": "2", "AFTER": "60"}
+           "SPOTGUARD_SIGNAL_GRACE": "5", "STEPS": "2", "AFTER": "60", "METER": "1"}
     log = tmp_path / "one.log"
     with open(log, "wb") as f:
         proc = subprocess.Popen([sys.executable, str(script), store], stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -175,6 +175,9 @@ def test_one_process_notice_after_train_returned_commits_the_last_step(tmp_path:
     assert [e["path"] for e in run.events("notice_path")] == ["any-moment"], run.tail()
     assert [e["step"] for e in run.events("checkpoint_committed")] == [2], run.tail()
     assert committed(tmp_path / "ckpt") == [2]
+    # a user's stateful callback as at the last step's end (review: it was the state before the last step began)
+    saved = json.loads((tmp_path / "ckpt" / f"step-{2:08d}" / "trainer_state.json").read_text())
+    assert saved["stateful_callbacks"]["Meter"]["args"] == {"steps": 2}, saved["stateful_callbacks"]
     again = subprocess.run([sys.executable, str(script), store], env={**env, "AFTER": "0"}, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, timeout=90)
     assert again.returncode == 0, again.stdout[-3000:]
