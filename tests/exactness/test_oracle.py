@@ -89,8 +89,9 @@ CASES: dict[str, tuple[str, ...]] = {
     # issue 23: no accumulation, the notice in the backward of step 5: agreed and written from the background for
     # S = 4 (the Trainer's files, RNG/counters as at step 5's on_step_begin), the optimizer step of 5 held
     "hf-trainer-no-accum-backward": ("hf_trainer_noaccum", "phase:bwd@4"),
-    # review of issue 23 (hfrev): the notice after the run's last optimizer step (12 = max_steps, mid-epoch): open,
-    # a strict xfail (KNOWN_WRONG says why)
+    # review of issue 23 (hfrev): the notice after the run's last optimizer step (12 = max_steps, mid-epoch): the
+    # any-moment path committed step 12 and the resumed Trainer trained a 13th step; now, as the boundary path,
+    # nothing is committed (notice_after_last_step) and the run ends as the reference
     "hf-trainer-no-accum-after-the-last-optimizer-step": ("hf_trainer_noaccum", "phase:after@11"),
     # review of issue 23 (hfrev): random augmentation in Dataset.__getitem__ (main process, global torch RNG): open,
     # a strict xfail (KNOWN_WRONG says why)
@@ -224,10 +225,6 @@ def results(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
 
 # Cases that are known to end ``wrong`` (open defects): strict xfails, so a fix shows up as XPASS.
 KNOWN_WRONG: dict[str, str] = {
-    "hf-trainer-no-accum-after-the-last-optimizer-step":
-        "review of issue 23 (hfrev): the any-moment path commits step max_steps for a notice after the last "
-        "optimizer step (the boundary path logs notice_after_last_step and lets the job finish); transformers "
-        "5.24 resumed from global_step == max_steps in the middle of an epoch trains one more step (13 of 12)",
     "hf-trainer-augmenting-dataset-backward":
         "review of issue 23 (hfrev): a Dataset/collator drawing from the global RNG in the main process is not "
         "replayed on resume mid-epoch (any-moment and boundary paths alike): accelerate's DataLoaderShard fetches "

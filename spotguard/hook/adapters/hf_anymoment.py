@@ -39,9 +39,10 @@ Configurations this is not proven exact for keep the boundary path, said once in
 training (``eval_strategy`` other than ``"no"``: an evaluation between S and the
 notice is acted on per batch by the boundary path), ``every=`` (periodic saves are
 the Trainer's, at its boundary), ``save_only_model``, and
-``SPOTGUARD_BACKGROUND_AGREEMENT=0``. The last step is complete at ``on_train_end`` (no
-``on_step_begin`` follows): a round of it is served there, and a notice after ``trainer.train()``
-returned commits that last step from the live state.
+``SPOTGUARD_BACKGROUND_AGREEMENT=0``. A round for the run's last step (``state.max_steps``) commits nothing:
+training is over, as on the boundary path the notice is named (``notice_after_last_step``) and the run ends with its
+own code (a checkpoint of max_steps made the restarted Trainer, transformers 5.24, train one step more). The last
+step is complete at ``on_train_end`` (no ``on_step_begin`` follows): a round waiting for it is served there.
 """
 
 from __future__ import annotations
@@ -165,7 +166,12 @@ class HFAnyMomentMixin:
                      hold: bool = False) -> _Result:
         """Wait (bounded) until this rank has completed step S and is before the next optimizer step, write S's
         files to local disk (held), then upload and commit them (an emergency stays held until the exit)."""
-        if not self._hf_any:
+        last = int(getattr(getattr(self.trainer, "state", None), "max_steps", 0) or 0)
+        if not self._hf_any or 0 < last <= step:
+            # the run's last step (review hfrev): as on the boundary path (and Lightning's), a notice after the last
+            # optimizer step is not acted on — training is over, the run ends with its own code; a commit of it
+            # made the restarted Trainer (transformers 5.24, resumed at global_step == max_steps) train one more
+            # step. Every rank alike (same S, same max_steps)
             return _Result(committed=False, peers_ok=True, error=HANDED_OVER)
         t0 = time.monotonic()
         with self._cv:

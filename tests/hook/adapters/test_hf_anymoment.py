@@ -145,10 +145,12 @@ def test_evaluation_keeps_the_boundary_path_and_says_so(tmp_path: Path) -> None:
                          "on_step_end" in e["why"] for e in paths), paths
 
 
-def test_one_process_notice_after_train_returned_commits_the_last_step(tmp_path: Path) -> None:
-    """No torch.distributed (a local round: no collective, no store): the last step is complete at ``on_train_end``,
-    so a notice in the user's work after ``trainer.train()`` returned commits it (exit 143); the restarted job
-    resumes there (before this: the round waited for an ``on_step_begin`` that never came, committed nothing)."""
+def test_one_process_notice_after_train_returned_is_named_and_commits_nothing(tmp_path: Path) -> None:
+    """No torch.distributed (a local round: no collective, no store): a notice in the user's work after
+    ``trainer.train()`` returned comes after the run's last optimizer step — training is over, so nothing is
+    committed (a checkpoint of max_steps made the restarted Trainer, transformers 5.24, train one step more: review
+    hfrev), ``notice_after_last_step`` names it and the job ends with its own code, as on the boundary path (and
+    Lightning's any-moment path). Before the review's round: committed step 2, exit 143."""
     import os
     import subprocess
     import sys
@@ -158,7 +160,7 @@ def test_one_process_notice_after_train_returned_commits_the_last_step(tmp_path:
     store = str(tmp_path / "ckpt")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
            "SPOTGUARD_SOCKET": str(tmp_path / "no-daemon.sock"), "SPOTGUARD_CACHE": str(tmp_path / "cache"),
-           "SPOTGUARD_SIGNAL_GRACE": "5", "STEPS": "2", "AFTER": "60", "METER": "1"}
+           "SPOTGUARD_SIGNAL_GRACE": "5", "STEPS": "2", "AFTER": "5", "METER": "1"}
     log = tmp_path / "one.log"
     with open(log, "wb") as f:
         proc = subprocess.Popen([sys.executable, str(script), store], stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -168,19 +170,11 @@ def test_one_process_notice_after_train_returned_commits_the_last_step(tmp_path:
                 time.monotonic() < end:
             time.sleep(0.1)
         proc.send_signal(signal.SIGUSR1)
-        assert proc.wait(30) == 143, log.read_text()[-3000:]
+        code = proc.wait(60)
     finally:
         proc.kill()
     run = read_log(log)
     assert [e["path"] for e in run.events("notice_path")] == ["any-moment"], run.tail()
-    assert [e["step"] for e in run.events("checkpoint_committed")] == [2], run.tail()
-    assert committed(tmp_path / "ckpt") == [2]
-    # a user's stateful callback as at the last step's end (review: it was the state before the last step began)
-    saved = json.loads((tmp_path / "ckpt" / f"step-{2:08d}" / "trainer_state.json").read_text())
-    assert saved["stateful_callbacks"]["Meter"]["args"] == {"steps": 2}, saved["stateful_callbacks"]
-    again = subprocess.run([sys.executable, str(script), store], env={**env, "AFTER": "0"}, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, timeout=90)
-    assert again.returncode == 0, again.stdout[-3000:]
-    resumed = [json.loads(x) for x in again.stdout.splitlines() if '"event": "resumed"' in x]
-    assert [e["step"] for e in resumed] == [2], again.stdout[-3000:]
-    # (transformers 5.24 itself trains one more step after resuming from a checkpoint of max_steps: not checked)
+    assert run.events("checkpoint_committed") == [] and committed(tmp_path / "ckpt") == [], run.tail()
+    assert [e["step"] for e in run.events("notice_after_last_step")] == [2], run.tail()
+    assert code == 0, (code, run.tail())
