@@ -174,6 +174,10 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("accelerate", "accelerate_loop.py", what="Accelerate on 2 ranks: accelerator.backward, AdamW, "
             "StepLR; save_state's files written from the background for the last completed step (accelerate_anymoment.py)",
             phases=("load", "fwd", "bwd", "prestep", "after")),
+    # issue 23 review: an Accelerate fine-tuning loop as written in the wild, every part accepted by any_moment_refusal
+    Pattern("accelerate_wild", "accelerate_wild.py", what="Accelerate: BatchNorm, bf16, clip_grad_norm_, warmup "
+            "LambdaLR, augmentation, eval every 3rd, the user's own save_state every 4th",
+            phases=("load", "fwd", "bwd", "prestep", "after", "eval", "ownsave")),
     # issue 23: accelerator.accumulate over 4 micro-batches; a notice is acted on at the next micro-batch's forward
     Pattern("accelerate_accum", "accelerate_loop.py", env=(("EXO_ACCUM", "4"),), what="the accelerate pattern "
             "with gradient_accumulation_steps=4 (accelerator.accumulate; opt/sched.step() on every micro-batch)",
