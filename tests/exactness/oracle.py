@@ -178,6 +178,11 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("accelerate_wild", "accelerate_wild.py", what="Accelerate: BatchNorm, bf16, clip_grad_norm_, warmup "
             "LambdaLR, augmentation, eval every 3rd, the user's own save_state every 4th",
             phases=("load", "fwd", "bwd", "prestep", "after", "eval", "ownsave")),
+    Pattern("accelerate_wild_loader", "accelerate_wild.py", env=(("EXO_AW_LOADER", "1"), ("EXO_AW_NORM", "ln"),
+                                                                  ("EXO_AW_NOSAVE", "1")),
+            what="accelerate_wild with a prepared shuffled DataLoader resumed mid-epoch by skip_first_batches "
+                 "(its iterator draws a base seed from the global torch RNG), LayerNorm",
+            phases=("load", "fwd", "bwd", "prestep", "after", "eval")),
     # issue 23: accelerator.accumulate over 4 micro-batches; a notice is acted on at the next micro-batch's forward
     Pattern("accelerate_accum", "accelerate_loop.py", env=(("EXO_ACCUM", "4"),), what="the accelerate pattern "
             "with gradient_accumulation_steps=4 (accelerator.accumulate; opt/sched.step() on every micro-batch)",

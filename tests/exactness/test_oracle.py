@@ -113,12 +113,18 @@ CASES: dict[str, tuple[str, ...]] = {
     # engine.step() in the background and streams DeepSpeed's files of it while the backward goes on (the next
     # engine.step() held), committed, resumed exact on both ranks
     "deepspeed-zero2-notice-in-backward": ("deepspeed_zero2", "phase:bwd@4"),
+    # issue 23 review: Accelerate resumed mid-epoch with skip_first_batches (the adapter's documented recipe): its
+    # iterator drew a base seed from the global torch RNG that the uninterrupted run drew before S, so every
+    # dropout mask after the resume differed; the any-moment writer now saves rng_at_forward for the realign
+    "accelerate-any-moment-mid-epoch-skip-first-batches": ("accelerate_wild_loader", "phase:bwd@7"),
 }
 # Longer cases kept out of `make test`'s time (EXO_MORE=1 adds them; `make exactness` draws these moments too).
 MORE_CASES: dict[str, tuple[str, ...]] = {
     # issue 23: Accelerate's any-moment path, the notice between the optimizer step and the scheduler's: the round
     # waits for the anchor (the next forward) and writes scheduler.bin / lr as the loop left them after step 2
     "accelerate-any-moment-after-step-before-scheduler": ("accelerate", "phase:after@2"),
+    # issue 23 review: BatchNorm, bf16, clip_grad_norm_, warmup, eval and the user's own save_state (held)
+    "accelerate-any-moment-wild-loop-at-own-save-state": ("accelerate_wild", "phase:ownsave@3"),
     # issue 23: an own loop (hook.resume(), a plain for), D twice per iteration: each D step was counted as an
     # iteration and the notice acted on at D's second step (committed "step 7" after 3 iterations); its single-
     # process sibling in make test: tests/hook/test_implicit_cycles.py

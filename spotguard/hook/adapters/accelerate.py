@@ -70,7 +70,7 @@ from ._files import report_local, staging_dir, upload_dir
 
 __all__ = ["AccelerateHook", "install"]
 
-_RANK_FILE = re.compile(r"^random_states_(\d+)\.pkl$")
+_RANK_FILE = re.compile(r"^(?:random_states_(\d+)\.pkl|spotguard_rng_at_forward_(\d+)\.pt)$")  # one a rank
 
 
 def _prepared_state(accelerator: Any) -> dict[str, Any]:
@@ -223,7 +223,7 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
 
             def mine(rel: str) -> bool:
                 m = _RANK_FILE.match(rel)
-                return int(m.group(1)) == rank if m else rank == 0
+                return int(m.group(1) or m.group(2)) == rank if m else rank == 0
 
             if stage is not None:
                 upload_dir(self._storage, stage, key, select=mine)
@@ -244,6 +244,7 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
             return damage or DamagedCheckpoint(f"{self._storage.uri}/{dirkey}", "another rank found it damaged")
         with self._explicit_dirs():
             self.accelerator.load_state(os.fspath(folder))
+        self._realign_at_load(os.fspath(folder))
         return None
 
 

@@ -8,7 +8,10 @@ The inputs are the same on both ranks (the noise goes to the targets), so that B
 ``save_state`` writes rank 0's model only, so with per-rank inputs rank 1's statistics at S are rank 0's after the
 resume on either path (DDP's ``broadcast_buffers`` puts rank 0's in at the next forward: the run ends bitwise).
 
-``EXO_AW_NOSAVE=1``: without the user's own ``save_state``.
+``EXO_AW_NOSAVE=1``: without the user's own ``save_state``. ``EXO_AW_LOADER=1``: a prepared, shuffled
+``DataLoader`` (``use_seedable_sampler``, ``set_epoch``), resumed mid-epoch with ``accelerator.skip_first_batches`` as
+the Accelerate docs and the adapter's docstring say (per-rank batches: with ``EXO_AW_NORM=ln`` a LayerNorm instead
+of the BatchNorm). ``EXO_AW_TAIL=SECONDS``: slow post-training work after the loop (phase ``tail``).
 """
 
 from __future__ import annotations
@@ -16,11 +19,14 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration
+from torch.utils.data import DataLoader, TensorDataset
 
 from _common import _rt, setup
 from spotguard import install_preemption_hook
@@ -32,7 +38,8 @@ class BNNet(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fc1 = torch.nn.Linear(16, 32)
-        self.bn = torch.nn.BatchNorm1d(32)
+        # per-rank batches (EXO_AW_LOADER): LayerNorm, see the module docstring
+        self.bn = torch.nn.LayerNorm(32) if os.environ.get("EXO_AW_NORM") == "ln" else torch.nn.BatchNorm1d(32)
         self.drop = torch.nn.Dropout(0.2)
         self.fc2 = torch.nn.Linear(32, 1)
 
@@ -41,13 +48,18 @@ class BNNet(torch.nn.Module):
 
 
 setup(distributed=False)
-accelerator = Accelerator(cpu=True, mixed_precision=os.environ.get("EXO_AW_MP", "bf16"))
+LOADER = os.environ.get("EXO_AW_LOADER") == "1"
+accelerator = Accelerator(cpu=True, mixed_precision=os.environ.get("EXO_AW_MP", "bf16"),
+                          dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
 rank = accelerator.process_index
 torch.manual_seed(0)
 net = BNNet()
 opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))  # warmup
-model, opt, sched = accelerator.prepare(net, opt, sched)
+gd = torch.Generator().manual_seed(1234)
+xs = torch.randn(80, 16, generator=gd)
+loader = DataLoader(TensorDataset(xs, xs.sum(dim=1, keepdim=True) * 0.1), batch_size=8, shuffle=True)
+model, opt, sched, loader = accelerator.prepare(net, opt, sched, loader)
 torch.manual_seed(1 + rank)
 state = {"model": model, "optimizer": opt, "scheduler": sched}
 hook = install_preemption_hook(accelerator, storage=_rt.storage())
@@ -56,12 +68,20 @@ _rt.resumed(hook, start, state)
 own = tempfile.mkdtemp(prefix="aw-own-")
 x_eval = torch.randn(16, 16, generator=torch.Generator().manual_seed(7))
 model.train()
+it = None
 for i in range(start, _rt.steps()):
     _rt.begin_iteration(i)
     _rt.phase("load")
-    g = torch.Generator().manual_seed(i * 2)  # the same inputs on both ranks: see the module docstring
-    x = torch.randn(8, 16, generator=g)
-    y = x.sum(dim=1, keepdim=True) * 0.1
+    if LOADER:  # the Accelerate docs' resume: skip_first_batches in the first (partial) epoch; 5 batches an epoch
+        n = len(loader)
+        if it is None or i % n == 0:
+            loader.set_epoch(i // n)
+            it = iter(accelerator.skip_first_batches(loader, i % n) if it is None and i % n else loader)
+        x, y = next(it)
+    else:
+        g = torch.Generator().manual_seed(i * 2)  # the same inputs on both ranks: see the module docstring
+        x = torch.randn(8, 16, generator=g)
+        y = x.sum(dim=1, keepdim=True) * 0.1
     y = y + 0.01 * torch.from_numpy(np.random.randn(*y.shape).astype(np.float32)) * random.random()
     _rt.phase("fwd")
     loss = F.mse_loss(model(x).float(), y)
@@ -85,4 +105,10 @@ for i in range(start, _rt.steps()):
         accelerator.save_state(own)
     _rt.end_iteration(i, state)
 _rt.finished(state, _rt.steps())
+if os.environ.get("EXO_AW_TAIL"):  # after the loop: the final model saved, then slow post-training work
+    accelerator.wait_for_everyone()
+    _rt.phase("tail")
+    if accelerator.is_main_process:
+        torch.save(accelerator.unwrap_model(model).state_dict(), os.path.join(own, "final.pt"))
+    time.sleep(float(os.environ["EXO_AW_TAIL"]))
 accelerator.end_training()
