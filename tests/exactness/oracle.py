@@ -183,6 +183,11 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             what="accelerate_wild with a prepared shuffled DataLoader resumed mid-epoch by skip_first_batches "
                  "(its iterator draws a base seed from the global torch RNG), LayerNorm",
             phases=("load", "fwd", "bwd", "prestep", "after", "eval")),
+    Pattern("accelerate_wild_loader_boundary", "accelerate_wild.py",
+            env=(("EXO_AW_LOADER", "1"), ("EXO_AW_NORM", "ln"), ("EXO_AW_NOSAVE", "1"),
+                 ("SPOTGUARD_BACKGROUND_AGREEMENT", "0")),
+            what="accelerate_wild_loader on the boundary path (save_state at the next optimizer step)",
+            phases=("load", "fwd", "bwd", "prestep", "after", "eval")),
     # issue 23: accelerator.accumulate over 4 micro-batches; a notice is acted on at the next micro-batch's forward
     Pattern("accelerate_accum", "accelerate_loop.py", env=(("EXO_ACCUM", "4"),), what="the accelerate pattern "
             "with gradient_accumulation_steps=4 (accelerator.accumulate; opt/sched.step() on every micro-batch)",

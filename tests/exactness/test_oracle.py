@@ -125,6 +125,9 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     "accelerate-any-moment-after-step-before-scheduler": ("accelerate", "phase:after@2"),
     # issue 23 review: BatchNorm, bf16, clip_grad_norm_, warmup, eval and the user's own save_state (held)
     "accelerate-any-moment-wild-loop-at-own-save-state": ("accelerate_wild", "phase:ownsave@3"),
+    # the same mid-epoch resume on the boundary path (a refused configuration): save_state's files had no
+    # rng_at_forward either; the adapter records it at the first training forward after each step
+    "accelerate-boundary-mid-epoch-skip-first-batches": ("accelerate_wild_loader_boundary", "phase:bwd@7"),
     # issue 23: an own loop (hook.resume(), a plain for), D twice per iteration: each D step was counted as an
     # iteration and the notice acted on at D's second step (committed "step 7" after 3 iterations); its single-
     # process sibling in make test: tests/hook/test_implicit_cycles.py

@@ -63,7 +63,7 @@ from ...storage import Storage
 from ..core import Hook
 from ..state import Snapshot, rng_and_buffers_at
 from ._base import FrameworkHook
-from .accelerate_anymoment import AccelerateAnyMoment
+from .accelerate_anymoment import RNG_AT_FORWARD, AccelerateAnyMoment
 from ...storage.integrity import DamagedCheckpoint
 from ...storage.verify import verified_folder
 from ._files import report_local, staging_dir, upload_dir
@@ -110,6 +110,9 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
         # when its gradient state says adjust_scheduler (never in 1.15: the plugin drops the default True from its
         # kwargs): as at the end of the step (the first forward after it)
         self._sched_at: Optional[tuple[int, list[tuple[Any, int]]]] = None
+        # the torch RNG at the first training forward after each step, saved beside save_state's files for the
+        # resume's realign (``_realign_at_load``): the any-moment writer has the core's ``rng_at_forward``
+        self._acc_fwd_rng: Optional[tuple[int, torch.Tensor]] = None
         self._signal_model = state.get("model0")
         self._arm(self._any_moment_state(state))
 
@@ -140,6 +143,7 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
         if self._mb_seq != self._post_seq:
             self._mb_seq = self._post_seq  # the first forward after a step: the step itself was the boundary
             self._sched_at = (self._count, self._sched_counts())
+            self._acc_fwd_rng = (self._count, torch.get_rng_state())  # the boundary path's rng_at_forward
             return
         if self.accelerator.gradient_accumulation_steps > 1 and self._count > 0:
             self._last_boundary = self._count  # FrameworkHook's "training started" mark
@@ -204,6 +208,9 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
         def fill(target: str) -> None:
             with self._as_of(snap), self._explicit_dirs():
                 self.accelerator.save_state(target)
+            fwd = self._acc_fwd_rng
+            if snap is not None and fwd is not None and fwd[0] == self._count:
+                torch.save(fwd[1], os.path.join(target, f"{RNG_AT_FORWARD}_{self.accelerator.process_index}.pt"))
 
         self._write_into(key, fill)
 
