@@ -227,3 +227,25 @@ def test_notice_never_yields_a_wrong_checkpoint(case: str, results: dict[str, An
         f"{res.phase}@{res.iter}): "
         f"{res.verdict}: {res.why}\ncommitted step {res.step}, trained {res.trained}, exit codes {res.codes}; "
         f"runs in {res.folder}")
+
+
+# Reproduced, not fixed: each must stay wrong until fixed (then move it to CASES). The pattern's ``open_bug`` says why.
+OPEN_BUG_CASES: dict[str, tuple[str, str]] = {
+    "accelerate-scheduler-stepped-at-the-iteration-top": ("accelerate_sched_top", "phase:load@4"),
+}
+
+
+@pytest.mark.long(reason="sibling in make test: accelerate-training-step-backward (the same adapter and path); an "
+                         "open bug's reproduction, kept out of make test's time")
+@pytest.mark.xfail(strict=True, reason="open bug: see oracle.PATTERNS['accelerate_sched_top'].open_bug")
+@pytest.mark.parametrize("case", list(OPEN_BUG_CASES))
+def test_open_bug_is_still_reproduced(case: str) -> None:
+    os.environ.setdefault("EXO_LAUNCHER", "zygote")
+    os.environ.setdefault("EXO_FAST_WITHOUT_NOTICE", "1")
+    oracle.LAUNCHER = os.environ["EXO_LAUNCHER"]
+    pattern, notice = OPEN_BUG_CASES[case]
+    work = Path(tempfile.mkdtemp(prefix="sg-exact-"))
+    res = run_trial(reference(PATTERNS[pattern], work / "ref"), notice, work / case, seed=sum(map(ord, case)))
+    assert res.phase != "none", f"{case}: the notice never fired; runs in {work}"
+    assert res.verdict in ("exact", "honest-no-commit"), f"{case}: {res.verdict}: {res.why}; runs in {work}"
+    shutil.rmtree(work, ignore_errors=True)

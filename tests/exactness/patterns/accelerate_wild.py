@@ -49,6 +49,7 @@ class BNNet(torch.nn.Module):
 
 setup(distributed=False)
 LOADER = os.environ.get("EXO_AW_LOADER") == "1"
+SCHED_TOP = os.environ.get("EXO_AW_SCHED_TOP") == "1"
 accelerator = Accelerator(cpu=True, mixed_precision=os.environ.get("EXO_AW_MP", "bf16"),
                           dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
 rank = accelerator.process_index
@@ -71,6 +72,8 @@ model.train()
 it = None
 for i in range(start, _rt.steps()):
     _rt.begin_iteration(i)
+    if SCHED_TOP:  # the pre-1.1 PyTorch order: the scheduler stepped at the iteration's top
+        sched.step()
     _rt.phase("load")
     if LOADER:  # the Accelerate docs' resume: skip_first_batches in the first (partial) epoch; 5 batches an epoch
         n = len(loader)
@@ -91,7 +94,8 @@ for i in range(start, _rt.steps()):
     _rt.phase("prestep")
     opt.step()
     _rt.phase("after")
-    sched.step()
+    if not SCHED_TOP:
+        sched.step()
     opt.zero_grad()
     accelerator.gather(loss.detach()).mean().item()  # logging
     if i % 3 == 2:
