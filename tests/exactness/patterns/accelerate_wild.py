@@ -61,8 +61,11 @@ gd = torch.Generator().manual_seed(1234)
 xs = torch.randn(80, 16, generator=gd)
 loader = DataLoader(TensorDataset(xs, xs.sum(dim=1, keepdim=True) * 0.1), batch_size=8, shuffle=True)
 model, opt, sched, loader = accelerator.prepare(net, opt, sched, loader)
+sched2 = None
+if os.environ.get("EXO_AW_TWO_SCHED") == "1":  # a second prepared scheduler on the same optimizer: scheduler_1.bin
+    sched2 = accelerator.prepare(torch.optim.lr_scheduler.ExponentialLR(opt.optimizer, gamma=0.9))
 torch.manual_seed(1 + rank)
-state = {"model": model, "optimizer": opt, "scheduler": sched}
+state = {"model": model, "optimizer": opt, "scheduler": sched, **({"scheduler2": sched2} if sched2 else {})}
 hook = install_preemption_hook(accelerator, storage=_rt.storage())
 start = hook.resume()
 _rt.resumed(hook, start, state)
@@ -96,6 +99,8 @@ for i in range(start, _rt.steps()):
     _rt.phase("after")
     if not SCHED_TOP:
         sched.step()
+    if sched2 is not None:
+        sched2.step()
     opt.zero_grad()
     accelerator.gather(loss.detach()).mean().item()  # logging
     if i % 3 == 2:
