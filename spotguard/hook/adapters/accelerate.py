@@ -193,9 +193,12 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
 
     @contextlib.contextmanager
     def _explicit_dirs(self) -> Iterator[None]:
-        """``save_state``/``load_state`` ignore their folder under automatic_checkpoint_naming: switch it off meanwhile."""
+        """``save_state``/``load_state`` ignore their folder under automatic_checkpoint_naming: switch it off meanwhile;
+        and ``save_state`` counts ``project_configuration.iteration`` up whatever its folder: put it back, so that the
+        user's own automatically named checkpoints keep the uninterrupted run's numbers (an ordinary notice)."""
         cfg = getattr(self.accelerator, "project_configuration", None)
         auto = bool(getattr(cfg, "automatic_checkpoint_naming", False))
+        iteration = getattr(cfg, "iteration", None)
         if auto:
             cfg.automatic_checkpoint_naming = False
         try:
@@ -203,6 +206,8 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
         finally:
             if auto:
                 cfg.automatic_checkpoint_naming = True
+            if isinstance(iteration, int):
+                cfg.iteration = iteration
 
     def _write(self, key: str, snap: Optional[Snapshot]) -> None:
         def fill(target: str) -> None:

@@ -142,3 +142,31 @@ class TestObjectStore:
             assert diff is None, f"final weights differ at {diff}"
         finally:
             reference.run.kill()
+
+
+def test_boundary_save_keeps_the_users_automatic_checkpoint_numbering(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review of issue 23: ``save_state`` bumps ``project_configuration.iteration`` whatever its folder; the boundary
+    path's save (a refused configuration) must not, or after an ordinary notice (training goes on) the user's own
+    ``save_state()`` under ``automatic_checkpoint_naming`` writes ``checkpoint_<n+1>`` where the uninterrupted run
+    wrote ``checkpoint_<n>`` (and ``total_limit`` prunes by those numbers). One process, milliseconds."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    from spotguard.hook.adapters.accelerate import AccelerateHook
+
+    monkeypatch.setenv("SPOTGUARD_BACKGROUND_AGREEMENT", "0")
+    monkeypatch.setenv("SPOTGUARD_SOCKET", str(tmp_path / "no-daemon.sock"))
+    monkeypatch.setenv("SPOTGUARD_CACHE", str(tmp_path / "cache"))
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=str(tmp_path / "proj"),
+                                                                    automatic_checkpoint_naming=True))
+    net = torch.nn.Linear(2, 1)
+    model, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    hook = AccelerateHook(acc, str(tmp_path / "ckpt"))
+    try:
+        hook._write("step-00000001", None)
+    finally:
+        hook.close()
+    assert (tmp_path / "ckpt" / "step-00000001" / "model.safetensors").is_file()
+    assert acc.project_configuration.iteration == 0
+    assert acc.project_configuration.automatic_checkpoint_naming
