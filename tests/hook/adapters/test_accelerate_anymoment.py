@@ -167,6 +167,10 @@ def test_boundary_save_keeps_the_users_automatic_checkpoint_numbering(tmp_path: 
         hook._write("step-00000001", None)
     finally:
         hook.close()
+        from accelerate.state import AcceleratorState, GradientState  # in-process singletons: leave none behind
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
     assert (tmp_path / "ckpt" / "step-00000001" / "model.safetensors").is_file()
     assert acc.project_configuration.iteration == 0
     assert acc.project_configuration.automatic_checkpoint_naming
