@@ -46,7 +46,11 @@ but not a position inside the epoch; continue with
 ``accelerator.skip_first_batches(loader, (start * N) % len(loader))`` (``start``
 counts optimizer steps, N micro-batches each; or a ``use_stateful_dataloader``
 loader, whose position is saved as it is at the save, not rewound), as the
-Accelerate docs describe.
+Accelerate docs describe. That iterator draws a base seed from the global torch
+RNG, which the uninterrupted run drew at the epoch's start: the torch RNG at the
+first training forward after S is saved beside Accelerate's files
+(``spotguard_rng_at_forward_<rank>.pt``) and set back there after the resume
+(``core._realign_rng``, logged ``rng_realigned``).
 """
 
 from __future__ import annotations
