@@ -174,6 +174,26 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("accelerate", "accelerate_loop.py", what="Accelerate on 2 ranks: accelerator.backward, AdamW, "
             "StepLR; save_state's files written from the background for the last completed step (accelerate_anymoment.py)",
             phases=("load", "fwd", "bwd", "prestep", "after")),
+    # issue 23 review: an Accelerate fine-tuning loop as written in the wild, every part accepted by any_moment_refusal
+    Pattern("accelerate_wild", "accelerate_wild.py", what="Accelerate: BatchNorm, bf16, clip_grad_norm_, warmup "
+            "LambdaLR, augmentation, eval every 3rd, the user's own save_state every 4th",
+            phases=("load", "fwd", "bwd", "prestep", "after", "eval", "ownsave")),
+    Pattern("accelerate_wild_loader", "accelerate_wild.py", env=(("EXO_AW_LOADER", "1"), ("EXO_AW_NORM", "ln"),
+                                                                  ("EXO_AW_NOSAVE", "1")),
+            what="accelerate_wild with a prepared shuffled DataLoader resumed mid-epoch by skip_first_batches "
+                 "(its iterator draws a base seed from the global torch RNG), LayerNorm",
+            phases=("load", "fwd", "bwd", "prestep", "after", "eval")),
+    Pattern("accelerate_wild_loader_boundary", "accelerate_wild.py",
+            env=(("EXO_AW_LOADER", "1"), ("EXO_AW_NORM", "ln"), ("EXO_AW_NOSAVE", "1"),
+                 ("SPOTGUARD_BACKGROUND_AGREEMENT", "0")),
+            what="accelerate_wild_loader on the boundary path (save_state at the next optimizer step)",
+            phases=("load", "fwd", "bwd", "prestep", "after", "eval")),
+    Pattern("accelerate_sched_top", "accelerate_wild.py", env=(("EXO_AW_SCHED_TOP", "1"), ("EXO_AW_NOSAVE", "1")),
+            what="accelerate_wild with the scheduler stepped at the iteration's top (the pre-1.1 PyTorch order)",
+            phases=("load", "fwd", "bwd", "prestep", "after", "eval"),
+            open_bug="an implicit loop's end of iteration S is read at the first training forward after S: a "
+                     "scheduler stepped at the top of iteration S+1 (before that forward) is saved stepped, and the "
+                     "resumed loop steps it again at its top (both paths: SPOTGUARD_BACKGROUND_AGREEMENT=0 too)"),
     # issue 23: accelerator.accumulate over 4 micro-batches; a notice is acted on at the next micro-batch's forward
     Pattern("accelerate_accum", "accelerate_loop.py", env=(("EXO_ACCUM", "4"),), what="the accelerate pattern "
             "with gradient_accumulation_steps=4 (accelerator.accumulate; opt/sched.step() on every micro-batch)",

@@ -126,6 +126,10 @@ CASES: dict[str, tuple[str, ...]] = {
     # engine.step() in the background and streams DeepSpeed's files of it while the backward goes on (the next
     # engine.step() held), committed, resumed exact on both ranks
     "deepspeed-zero2-notice-in-backward": ("deepspeed_zero2", "phase:bwd@4"),
+    # issue 23 review: Accelerate resumed mid-epoch with skip_first_batches (the adapter's documented recipe): its
+    # iterator drew a base seed from the global torch RNG that the uninterrupted run drew before S, so every
+    # dropout mask after the resume differed; the any-moment writer now saves rng_at_forward for the realign
+    "accelerate-any-moment-mid-epoch-skip-first-batches": ("accelerate_wild_loader", "phase:bwd@7"),
 }
 # Longer cases kept out of `make test`'s time (EXO_MORE=1 adds them; `make exactness` draws these moments too).
 MORE_CASES: dict[str, tuple[str, ...]] = {
@@ -135,6 +139,11 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     # issue 23: Accelerate's any-moment path, the notice between the optimizer step and the scheduler's: the round
     # waits for the anchor (the next forward) and writes scheduler.bin / lr as the loop left them after step 2
     "accelerate-any-moment-after-step-before-scheduler": ("accelerate", "phase:after@2"),
+    # issue 23 review: BatchNorm, bf16, clip_grad_norm_, warmup, eval and the user's own save_state (held)
+    "accelerate-any-moment-wild-loop-at-own-save-state": ("accelerate_wild", "phase:ownsave@3"),
+    # the same mid-epoch resume on the boundary path (a refused configuration): save_state's files had no
+    # rng_at_forward either; the adapter records it at the first training forward after each step
+    "accelerate-boundary-mid-epoch-skip-first-batches": ("accelerate_wild_loader_boundary", "phase:bwd@7"),
     # issue 23: an own loop (hook.resume(), a plain for), D twice per iteration: each D step was counted as an
     # iteration and the notice acted on at D's second step (committed "step 7" after 3 iterations); its single-
     # process sibling in make test: tests/hook/test_implicit_cycles.py
@@ -251,3 +260,26 @@ def test_notice_never_yields_a_wrong_checkpoint(case: str, results: dict[str, An
         f"{res.phase}@{res.iter}): "
         f"{res.verdict}: {res.why}\ncommitted step {res.step}, trained {res.trained}, exit codes {res.codes}; "
         f"runs in {res.folder}")
+
+
+# Reproduced, not fixed: each must stay wrong until fixed (then move it to CASES). The pattern's ``open_bug`` says why.
+OPEN_BUG_CASES: dict[str, tuple[str, str]] = {
+    "accelerate-scheduler-stepped-at-the-iteration-top": ("accelerate_sched_top", "phase:load@4"),
+}
+
+
+@pytest.mark.long(reason="sibling in make test: accelerate-training-step-backward (the same adapter and path); an "
+                         "open bug's reproduction, kept out of make test's time")
+@pytest.mark.xfail(strict=True, reason="open bug: see oracle.PATTERNS['accelerate_sched_top'].open_bug")
+# parameter not named "case": _selected() collects those for the module fixture
+@pytest.mark.parametrize("open_case", list(OPEN_BUG_CASES))
+def test_open_bug_is_still_reproduced(open_case: str) -> None:
+    os.environ.setdefault("EXO_LAUNCHER", "zygote")
+    os.environ.setdefault("EXO_FAST_WITHOUT_NOTICE", "1")
+    oracle.LAUNCHER = os.environ["EXO_LAUNCHER"]
+    pattern, notice = OPEN_BUG_CASES[open_case]
+    work = Path(tempfile.mkdtemp(prefix="sg-exact-"))
+    res = run_trial(reference(PATTERNS[pattern], work / "ref"), notice, work / open_case, seed=sum(map(ord, open_case)))
+    assert res.phase != "none", f"{open_case}: the notice never fired; runs in {work}"
+    assert res.verdict in ("exact", "honest-no-commit"), f"{open_case}: {res.verdict}: {res.why}; runs in {work}"
+    shutil.rmtree(work, ignore_errors=True)

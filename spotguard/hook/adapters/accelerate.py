@@ -46,7 +46,11 @@ but not a position inside the epoch; continue with
 ``accelerator.skip_first_batches(loader, (start * N) % len(loader))`` (``start``
 counts optimizer steps, N micro-batches each; or a ``use_stateful_dataloader``
 loader, whose position is saved as it is at the save, not rewound), as the
-Accelerate docs describe.
+Accelerate docs describe. That iterator draws a base seed from the global torch
+RNG, which the uninterrupted run drew at the epoch's start: the torch RNG at the
+first training forward after S is saved beside Accelerate's files
+(``spotguard_rng_at_forward_<rank>.pt``) and set back there after the resume
+(``core._realign_rng``, logged ``rng_realigned``).
 """
 
 from __future__ import annotations
@@ -63,14 +67,14 @@ from ...storage import Storage
 from ..core import Hook
 from ..state import Snapshot, rng_and_buffers_at
 from ._base import FrameworkHook
-from .accelerate_anymoment import AccelerateAnyMoment
+from .accelerate_anymoment import RNG_AT_FORWARD, AccelerateAnyMoment
 from ...storage.integrity import DamagedCheckpoint
 from ...storage.verify import verified_folder
 from ._files import report_local, staging_dir, upload_dir
 
 __all__ = ["AccelerateHook", "install"]
 
-_RANK_FILE = re.compile(r"^random_states_(\d+)\.pkl$")
+_RANK_FILE = re.compile(r"^(?:random_states_(\d+)\.pkl|spotguard_rng_at_forward_(\d+)\.pt)$")  # one a rank
 
 
 def _prepared_state(accelerator: Any) -> dict[str, Any]:
@@ -110,6 +114,9 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
         # when its gradient state says adjust_scheduler (never in 1.15: the plugin drops the default True from its
         # kwargs): as at the end of the step (the first forward after it)
         self._sched_at: Optional[tuple[int, list[tuple[Any, int]]]] = None
+        # the torch RNG at the first training forward after each step, saved beside save_state's files for the
+        # resume's realign (``_realign_at_load``): the any-moment writer has the core's ``rng_at_forward``
+        self._acc_fwd_rng: Optional[tuple[int, torch.Tensor]] = None
         self._signal_model = state.get("model0")
         self._arm(self._any_moment_state(state))
 
@@ -140,6 +147,7 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
         if self._mb_seq != self._post_seq:
             self._mb_seq = self._post_seq  # the first forward after a step: the step itself was the boundary
             self._sched_at = (self._count, self._sched_counts())
+            self._acc_fwd_rng = (self._count, torch.get_rng_state())  # the boundary path's rng_at_forward
             return
         if self.accelerator.gradient_accumulation_steps > 1 and self._count > 0:
             self._last_boundary = self._count  # FrameworkHook's "training started" mark
@@ -189,9 +197,12 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
 
     @contextlib.contextmanager
     def _explicit_dirs(self) -> Iterator[None]:
-        """``save_state``/``load_state`` ignore their folder under automatic_checkpoint_naming: switch it off meanwhile."""
+        """``save_state``/``load_state`` ignore their folder under automatic_checkpoint_naming: switch it off meanwhile;
+        and ``save_state`` counts ``project_configuration.iteration`` up whatever its folder: put it back, so that the
+        user's own automatically named checkpoints keep the uninterrupted run's numbers (an ordinary notice)."""
         cfg = getattr(self.accelerator, "project_configuration", None)
         auto = bool(getattr(cfg, "automatic_checkpoint_naming", False))
+        iteration = getattr(cfg, "iteration", None)
         if auto:
             cfg.automatic_checkpoint_naming = False
         try:
@@ -199,11 +210,16 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
         finally:
             if auto:
                 cfg.automatic_checkpoint_naming = True
+            if isinstance(iteration, int):
+                cfg.iteration = iteration
 
     def _write(self, key: str, snap: Optional[Snapshot]) -> None:
         def fill(target: str) -> None:
             with self._as_of(snap), self._explicit_dirs():
                 self.accelerator.save_state(target)
+            fwd = self._acc_fwd_rng
+            if snap is not None and fwd is not None and fwd[0] == self._count:
+                torch.save(fwd[1], os.path.join(target, f"{RNG_AT_FORWARD}_{self.accelerator.process_index}.pt"))
 
         self._write_into(key, fill)
 
@@ -223,7 +239,7 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
 
             def mine(rel: str) -> bool:
                 m = _RANK_FILE.match(rel)
-                return int(m.group(1)) == rank if m else rank == 0
+                return int(m.group(1) or m.group(2)) == rank if m else rank == 0
 
             if stage is not None:
                 upload_dir(self._storage, stage, key, select=mine)
@@ -244,6 +260,7 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
             return damage or DamagedCheckpoint(f"{self._storage.uri}/{dirkey}", "another rank found it damaged")
         with self._explicit_dirs():
             self.accelerator.load_state(os.fspath(folder))
+        self._realign_at_load(os.fspath(folder))
         return None
 
 

@@ -25,7 +25,8 @@ adapter's resume) is unchanged.
   S), as the plain hook reads its schedulers.
 - **How it is written**: ``save_state``'s files with those values — ``model.safetensors``
   (``accelerate.utils.save``, as ``save_accelerator_state``), ``optimizer.bin``,
-  ``scheduler.bin``, ``random_states_<rank>.pkl`` (with ``step``) — without
+  ``scheduler.bin``, ``random_states_<rank>.pkl`` (with ``step``), and the plain hook's ``rng_at_forward`` in
+  ``spotguard_rng_at_forward_<rank>.pt`` (Accelerate ignores it; the resume realigns the torch RNG with it) — without
   ``save_state``: it reads the live RNG and ``accelerator.step`` and, for automatic
   checkpoint naming, runs ``wait_for_everyone()`` on the training group, which the
   background thread must never touch.
@@ -51,7 +52,10 @@ import torch
 
 from ..state import unpack
 
-__all__ = ["AccelerateAnyMoment", "any_moment_refusal"]
+__all__ = ["AccelerateAnyMoment", "any_moment_refusal", "RNG_AT_FORWARD"]
+
+#: ``<this>_<rank>.pt``: the torch RNG at the first training forward after S (``_realign_at_load``)
+RNG_AT_FORWARD = "spotguard_rng_at_forward"
 
 
 def any_moment_refusal(accelerator: Any, every: Optional[float]) -> Optional[str]:
@@ -167,3 +171,14 @@ class AccelerateAnyMoment:
             # S's (captured once CUDA is initialised); before that the generators are untouched: as save_state reads
             states["torch_cuda_manual_seed"] = rng["cuda"] if "cuda" in rng else torch.cuda.get_rng_state_all()
         torch.save(states, out / f"random_states_{acc.process_index}.pkl")
+        if isinstance(per.get("rng_at_forward"), torch.Tensor):  # not Accelerate's: _realign_at_load reads it
+            torch.save(per["rng_at_forward"], out / f"{RNG_AT_FORWARD}_{acc.process_index}.pt")
+
+    def _realign_at_load(self, folder: str) -> None:
+        """After ``load_state``: this rank's torch RNG at the interrupted run's first training forward after S,
+        when the writer above saved it, for ``core._realign_rng`` (the plain hook's ``rng_at_forward``): the
+        Accelerate docs' mid-epoch resume, ``skip_first_batches``, builds a DataLoader iterator that draws a base
+        seed from the global torch RNG, which the uninterrupted run drew at the epoch's start, before S."""
+        f = Path(folder) / f"{RNG_AT_FORWARD}_{self._rank}.pt"
+        saved = torch.load(f, weights_only=True) if f.is_file() else None
+        self._realign = saved if isinstance(saved, torch.Tensor) else None  # type: ignore[attr-defined]

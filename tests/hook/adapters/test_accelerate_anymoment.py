@@ -10,7 +10,9 @@ import torch
 
 pytest.importorskip("accelerate")
 
-from ._jobs import Job, Reference, first_difference, load_out, preempt_and_resume, read_log
+from .._stores import Store, servers, store  # noqa: F401 - fixtures (moto server, bucket, env)
+from ._jobs import (Job, Reference, assert_agreed_exit, assert_same_losses, first_difference, load_out, losses,
+                    preempt_and_resume, read_log)
 
 SCRIPT = "accelerate_train.py"
 STEPS = 6
@@ -100,3 +102,75 @@ def test_refusal_names_each_unproven_configuration(monkeypatch: pytest.MonkeyPat
     assert "every=" in (any_moment_refusal(acc(), 900.0) or "")
     monkeypatch.setenv("SPOTGUARD_BACKGROUND_AGREEMENT", "0")
     assert any_moment_refusal(acc(), None) == "SPOTGUARD_BACKGROUND_AGREEMENT=0"
+
+
+class TestObjectStore:
+    """Review of issue 23: the any-moment writer into an object store (moto S3): staged per rank, uploaded from the
+    agreement thread, committed, resumed from S3 bitwise."""
+
+    kind = "s3"
+
+    @pytest.mark.long(reason="sibling in make test: test_notice_mid_step_is_committed_from_the_background_and_"
+                             "resumes_bitwise (the same path into a folder); S3 staging: test_storage_integration")
+    def test_notice_mid_step_into_s3_resumes_bitwise(self, store: Store, tmp_path: Path) -> None:
+        import signal
+
+        from spotguard.storage import open_storage
+        from spotguard.storage.commit import scan
+
+        reference = Reference(SCRIPT, tmp_path, STEPS)
+        try:
+            run = Job(SCRIPT, tmp_path / "preempted.log", ["--steps", str(STEPS), "--step-time", "0", "--storage",
+                                                           store.uri, *LONG_STEP], env={"SPOTGUARD_SIGNAL_GRACE": "3"})
+            try:
+                run.wait_step(0, 90)
+                run.signal_rank(1, signal.SIGUSR1)
+                assert run.wait(90) != 0
+            finally:
+                run.kill()
+            stop = assert_agreed_exit(run)
+            assert {e["path"] for e in run.events("notice_path")} == {"any-moment"}, run.tail()
+            assert all(e["via"] == "background" for e in run.events("agreed")), run.events("agreed")
+            assert [c.step for c in scan(open_storage(store.uri)) if c.committed] == [stop]
+            resumed = Job(SCRIPT, tmp_path / "resumed.log",
+                          ["--steps", str(STEPS), "--storage", store.uri, "--out", str(tmp_path / "resumed.pt")])
+            assert resumed.wait(120) == 0, resumed.tail()
+            assert {e["rank"]: e["step"] for e in resumed.events("resumed")} == {0: stop, 1: stop}, resumed.tail()
+            ref, ref_out = reference.result()
+            assert_same_losses(ref, losses(resumed), stop, STEPS)
+            diff = first_difference(load_out(ref_out)["model"], load_out(tmp_path / "resumed.pt")["model"])
+            assert diff is None, f"final weights differ at {diff}"
+        finally:
+            reference.run.kill()
+
+
+def test_boundary_save_keeps_the_users_automatic_checkpoint_numbering(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review of issue 23: ``save_state`` bumps ``project_configuration.iteration`` whatever its folder; the boundary
+    path's save (a refused configuration) must not, or after an ordinary notice (training goes on) the user's own
+    ``save_state()`` under ``automatic_checkpoint_naming`` writes ``checkpoint_<n+1>`` where the uninterrupted run
+    wrote ``checkpoint_<n>`` (and ``total_limit`` prunes by those numbers). One process, milliseconds."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    from spotguard.hook.adapters.accelerate import AccelerateHook
+
+    monkeypatch.setenv("SPOTGUARD_BACKGROUND_AGREEMENT", "0")
+    monkeypatch.setenv("SPOTGUARD_SOCKET", str(tmp_path / "no-daemon.sock"))
+    monkeypatch.setenv("SPOTGUARD_CACHE", str(tmp_path / "cache"))
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=str(tmp_path / "proj"),
+                                                                    automatic_checkpoint_naming=True))
+    net = torch.nn.Linear(2, 1)
+    model, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    hook = AccelerateHook(acc, str(tmp_path / "ckpt"))
+    try:
+        hook._write("step-00000001", None)
+    finally:
+        hook.close()
+        from accelerate.state import AcceleratorState, GradientState  # in-process singletons: leave none behind
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    assert (tmp_path / "ckpt" / "step-00000001" / "model.safetensors").is_file()
+    assert acc.project_configuration.iteration == 0
+    assert acc.project_configuration.automatic_checkpoint_naming
