@@ -115,11 +115,7 @@ class HFAnyMomentMixin:
         self._bg_ready.set()
         if not self._hf_any or self._bg is None or not self._bg.ok or self._bg_on or self._torn_down:
             return
-        self._bg_on = True
-        with self._lock:
-            notices = list(self._pending.values())
-        for n in notices:  # notices that came before training started
-            self._arm_wake(n)
+        self._turn_on_background()  # core: notices that came before training started wake the round now
 
     def _capture_callbacks(self) -> None:
         """At the front of ``on_epoch_begin`` / ``on_step_begin``: what the stateful callbacks hold at the end of the
