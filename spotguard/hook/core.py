@@ -485,9 +485,10 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
 
             def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
                 if not (hook._internal or hook._explicit or hook._closed):
-                    stepped.append(optimizer)
-                    if hook._many_opts and not hook._cycle.begins(optimizer, hook._count):
-                        return orig_step(optimizer, *args, **kwargs)  # inside an iteration (n_critic, G)
+                    if hook._many_opts:
+                        stepped.append(optimizer)
+                        if not hook._cycle.begins(optimizer, hook._count):
+                            return orig_step(optimizer, *args, **kwargs)  # inside an iteration (n_critic, G)
                     if hook._bg_on:
                         hook._step_begin()
                     if hook._agree.pending:
