@@ -124,7 +124,10 @@ def test_unproven_configurations_keep_the_boundary_path_and_say_so(
     said: list[tuple[str, str, str]] = []
     log_path = hook._log_path
     hook._log_path = lambda path, loop, w: (said.append((path, loop, w)), log_path(path, loop, w))[1]
-    trainer.fit(M(), train_dataloaders=torch.utils.data.DataLoader(torch.ones(16, 4), batch_size=2))
+    try:
+        trainer.fit(M(), train_dataloaders=torch.utils.data.DataLoader(torch.ones(16, 4), batch_size=2))
+    finally:
+        hook.close()  # its StateWatch patches Parameter.data until closed (test_watch.py checks it is gone)
     boundary = [w for path, _, w in said if path == "boundary"]
     if why is None:
         assert [(p, loop) for p, loop, _ in said] == [("any-moment", "lightning")], said
