@@ -225,7 +225,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         self._closed = False
         self._exiting = False
         self._snap: Optional[Snapshot] = None
-        self._clock: Optional[torch.optim.Optimizer] = None
+        self._clock: Optional[torch.optim.Optimizer] = None  # one optimizer: its steps (several: cycle.py)
         self._buffers = {k: tracked_buffers(m) for k, m in self._objs.models.items()}
         self._buffers = {k: b for k, b in self._buffers.items() if b}
         # Version marks behind the exact any-moment path (watch.py); its ``tracked`` buffers are the snapshot's.

@@ -146,6 +146,35 @@ class SaveMixin:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group if group is _OWN else group)
         return int(t[0]) == 0
 
+    def _save_built(self, notice: Notice, reason: str, step: int, group: Any, t_end: float, *,
+                    build: Callable[[], Any], put: Callable[[str, Any], None], release: bool,
+                    done: Optional[Callable[[Any], None]] = None) -> _Result:
+        """A framework adapter's background write of step S (agreement thread): ``build`` makes what is written
+        (in the framework's own format) while the next step is held; the hold is released after it when
+        ``release``; ``put`` writes it under the step's key inside ``_save``, where an exception ``build`` raised
+        is raised again, so that every rank learns of it through the save; ``done`` cleans up what ``build``
+        made, after the save."""
+        made: Any
+        try:
+            made = build()
+        except Exception as exc:  # noqa: BLE001 - raised in the write: every rank learns it through the save
+            made = exc
+        finally:
+            if release:
+                self._release_hold()
+
+        def write(key: str) -> None:
+            if isinstance(made, Exception):
+                raise made
+            put(key, made)
+
+        try:
+            return self._save(notice, reason, None, group=group, step=step, write=write,
+                              bound=max(1.0, t_end - time.monotonic()))
+        finally:
+            if done is not None and not isinstance(made, Exception):
+                done(made)
+
     def _save(self, notice: Notice, reason: str, snap: Optional[Snapshot], *, group: Any = _OWN,
               step: Optional[int] = None, write: Optional[Callable[[str], None]] = None,
               bound: Optional[float] = None) -> _Result:

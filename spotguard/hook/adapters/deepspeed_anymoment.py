@@ -332,21 +332,9 @@ class AnyMomentMixin:
                               bound=max(1.0, t_end - time.monotonic()))
         # An ordinary checkpoint copies S to the host and lets training go on (as the plain hook's does): held
         # through the whole write, a write longer than the notice's window made the hold give up and exit 75.
-        files: Any
-        try:
-            files = stage_state_dict(self._ds_files(small))[0]
-        except Exception as exc:  # noqa: BLE001 - raised in the write: every rank learns it through the save
-            files = exc
-        finally:
-            self._release_hold()
-
-        def write(key: str) -> None:
-            if isinstance(files, Exception):
-                raise files
-            self._ds_put(key, files)
-
-        return self._save(notice, reason, None, group=group, step=step, write=write,
-                          bound=max(1.0, t_end - time.monotonic()))
+        return self._save_built(notice, reason, step, group, t_end,
+                                build=lambda: stage_state_dict(self._ds_files(small))[0], put=self._ds_put,
+                                release=True)
 
     def _ds_files(self, small: tuple[int, dict[str, Any], dict[str, Any], dict[str, torch.Tensor],
                                      Optional[str]]) -> dict[str, Any]:

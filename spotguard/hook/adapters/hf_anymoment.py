@@ -181,26 +181,9 @@ class HFAnyMomentMixin:
             self._release_hold(keep_target=hold)
             return self._fail(notice, step, f"training ended at step {self._count}, not {step}" if self._hf_ended
                               else f"this rank did not reach the end of step {step} in time", t0, peers_ok=True)
-        folder: Any
-        try:
-            folder = self._hf_folder(at, t_end)
-        except Exception as exc:  # noqa: BLE001 - raised in the write: every rank learns it through the save
-            folder = exc
-        finally:
-            if not hold:
-                self._release_hold()
-
-        def write(key: str) -> None:
-            if isinstance(folder, Exception):
-                raise folder
-            self._upload(str(folder), key)
-
-        try:
-            return self._save(notice, reason, None, group=group, step=step, write=write,
-                              bound=max(1.0, t_end - time.monotonic()))
-        finally:
-            if not isinstance(folder, Exception):
-                shutil.rmtree(folder, ignore_errors=True)
+        return self._save_built(notice, reason, step, group, t_end, build=lambda: self._hf_folder(at, t_end),
+                                put=lambda key, folder: self._upload(str(folder), key), release=not hold,
+                                done=lambda folder: shutil.rmtree(folder, ignore_errors=True))
 
     def _hf_flos(self, at: Any, t_end: float) -> float:
         """``state.total_flos`` as ``store_flos`` would have made it at S's save: every rank's FLOPs since the

@@ -238,24 +238,12 @@ class AnyMomentMixin:
             self._release_hold(keep_target=hold)
             return self._fail(notice, step, f"a rank did not reach the end of step {step} in time", t0,
                               peers_ok=True)
-        ckpt: Any
-        try:
+        def build() -> dict[str, Any]:
             ckpt = self._lt_dump(at, allv)
-            if not hold:  # an ordinary checkpoint: copied to the host, then training goes on
-                ckpt = stage_state_dict(ckpt)[0]
-        except Exception as exc:  # noqa: BLE001 - a user hook raised: every rank learns it through the save
-            ckpt = exc
-        finally:
-            if not hold:
-                self._release_hold()
+            return ckpt if hold else stage_state_dict(ckpt)[0]  # an ordinary one: on the host, training goes on
 
-        def write(key: str) -> None:
-            if isinstance(ckpt, Exception):
-                raise ckpt
-            self._lt_put(key, ckpt)
-
-        return self._save(notice, reason, None, group=group, step=step, write=write,
-                          bound=max(1.0, t_end - time.monotonic()))
+        return self._save_built(notice, reason, step, group, t_end, build=build, put=self._lt_put,
+                                release=not hold)
 
     def _lt_dump(self, at: Any, rngs: list[Any]) -> dict[str, Any]:
         """Lightning's checkpoint dict for step S: its own ``dump_checkpoint`` (live weights, optimizer and
