@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 opt.zero_grad(set_to_none=True)
             if rank == 0:
                 v = loss.item()
-                print(json.dumps({"step": step, "loss": v, "hex": v.hex()}), flush=True)
+                print(json.dumps({"step": step, "micro": micro, "loss": v, "hex": v.hex()}), flush=True)
             if args.step_time > 0:
                 time.sleep(args.step_time)
 

@@ -31,10 +31,20 @@ adapter's resume) is unchanged.
   checkpoint naming, runs ``wait_for_everyone()`` on the training group, which the
   background thread must never touch.
 
+Gradient accumulation (``Accelerator(gradient_accumulation_steps=N)`` + ``accelerator.accumulate``,
+``opt.step()``/``sched.step()`` called on every micro-batch or only when ``sync_gradients``): the clock
+is the torch optimizer's step hooks inside ``AcceleratedOptimizer``, which calls ``step()`` only on a
+micro-batch that syncs (and its scheduler wrapper steps only then), so S is the last optimizer step
+that really ran; the micro-batches after it only add to ``.grad`` (not saved: zeroed at S) and move
+the RNG, the running statistics and ``accelerator.step``, all taken as at S above (the anchor is the
+first micro-batch's forward); they are thrown away and recomputed after the resume. The hold is
+S+1's real step, N micro-batches on; the commit does not wait for it. The micro-batch path
+(``accelerate.py``: ``save_state`` at the next micro-batch's forward) stays for refused configurations.
+
 Configurations not proven exact keep the boundary path, said once in the
-``notice_path`` line (``any_moment_refusal``): FSDP / DeepSpeed / Megatron-LM / XLA,
-gradient accumulation (its micro-batch path acts at the next micro-batch), several
-models or optimizers, a GradScaler (fp16), objects registered with
+``notice_path`` line (``any_moment_refusal``): FSDP / DeepSpeed / Megatron-LM / XLA, several
+models or optimizers, a GradScaler (fp16), DDP with ``broadcast_buffers=False`` (``save_state``
+writes rank 0's model: the other ranks' BatchNorm statistics are lost on either path), objects registered with
 ``register_for_checkpointing`` (their state is not proven read at S), a stateful or
 ``IterableDatasetShard`` data loader (its position moves between steps), save-state
 pre-hooks, ``every=``, ``hook.range()`` / ``hook.step()`` loops (from their first boundary) and
@@ -65,8 +75,6 @@ def any_moment_refusal(accelerator: Any, every: Optional[float]) -> Optional[str
     kind = str(getattr(getattr(accelerator, "distributed_type", None), "value", accelerator.distributed_type))
     if kind.upper() in ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"):
         return f"distributed type {kind}: its checkpoint is written by collectives on the training group"
-    if int(getattr(accelerator, "gradient_accumulation_steps", 1)) != 1:
-        return "gradient accumulation: acted on at the next micro-batch instead"
     if len(getattr(accelerator, "_models", [])) != 1 or len(getattr(accelerator, "_optimizers", [])) != 1:
         return "not exactly one prepared model and one optimizer"
     if getattr(accelerator, "scaler", None) is not None:
@@ -78,11 +86,23 @@ def any_moment_refusal(accelerator: Any, every: Optional[float]) -> Optional[str
         if getattr(dl, "use_stateful_dataloader", False) or type(getattr(dl, "dataset", None)).__name__ == \
                 "IterableDatasetShard":
             return "a stateful / IterableDatasetShard data loader: its saved position moves between steps"
+    if _unbroadcast_buffers(accelerator):
+        return ("DDP with broadcast_buffers=False: save_state writes rank 0's model only, so the other ranks' buffers "
+                "(BatchNorm statistics) would come back as rank 0's")
     if getattr(accelerator, "_save_model_state_pre_hook", None):
         return "save_state pre-hooks: they run inside save_state, on the training thread"
     if every is not None:
         return "every=: the periodic checkpoint is written by save_state at the step boundary"
     return None
+
+
+def _unbroadcast_buffers(accelerator: Any) -> bool:
+    """A DDP model with buffers that DDP does not broadcast from rank 0: each rank's differ (known open point)."""
+    for m in getattr(accelerator, "_models", []):
+        if getattr(m, "broadcast_buffers", True) is False and isinstance(m, torch.nn.Module) and \
+                next(m.buffers(), None) is not None and int(getattr(accelerator, "num_processes", 1)) > 1:
+            return True
+    return False
 
 
 class AccelerateAnyMoment:
