@@ -202,6 +202,11 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("accelerate_accum_synconly", "accelerate_loop.py", env=(("EXO_ACCUM", "4"), ("EXO_ACC_SYNC_ONLY", "1")),
             what="the accelerate_accum pattern stepping only if accelerator.sync_gradients",
             phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
+    Pattern("accelerate_accum_boundary", "accelerate_loop.py",
+            env=(("EXO_ACCUM", "4"), ("SPOTGUARD_BACKGROUND_AGREEMENT", "0")),
+            what="the accelerate_accum pattern on the boundary path (save_state at the next micro-batch's forward, "
+                 "rewound to the last optimizer step: the path of refused configurations)",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
     Pattern("fsdp2", "fsdp2.py", what="FSDP2 fully_shard on 2 ranks, Adam, StepLR",
             phases=("load", "fwd", "bwd", "prestep", "step", "after")),
     # issue 26: the notice reaches one rank; its unique shards stream to the other rank's host memory, which

@@ -60,6 +60,7 @@ import contextlib
 import os
 import re
 import shutil
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
@@ -68,14 +69,14 @@ from ...storage import Storage
 from ..core import Hook
 from ..state import Snapshot, rng_and_buffers_at
 from ._base import FrameworkHook
-from .accelerate_anymoment import RNG_AT_FORWARD, AccelerateAnyMoment
+from .accelerate_anymoment import RNG_AT_FORWARD, AccelerateAnyMoment, save_rank_buffers
 from ...storage.integrity import DamagedCheckpoint
 from ...storage.verify import verified_folder
 from ._files import report_local, staging_dir, upload_dir
 
 __all__ = ["AccelerateHook", "install"]
 
-_RANK_FILE = re.compile(r"^(?:random_states_(\d+)\.pkl|spotguard_rng_at_forward_(\d+)\.pt)$")  # one a rank
+_RANK_FILE = re.compile(r"^(?:random_states_(\d+)\.pkl|spotguard_(?:rng_at_forward|buffers)_(\d+)\.pt)$")  # one a rank
 
 
 def _prepared_state(accelerator: Any) -> dict[str, Any]:
@@ -218,6 +219,7 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
         def fill(target: str) -> None:
             with self._as_of(snap), self._explicit_dirs():
                 self.accelerator.save_state(target)
+                save_rank_buffers(self.accelerator, Path(target), self.accelerator._models[0].state_dict())
             fwd = self._acc_fwd_rng
             if snap is not None and fwd is not None and fwd[0] == self._count:
                 torch.save(fwd[1], os.path.join(target, f"{RNG_AT_FORWARD}_{self.accelerator.process_index}.pt"))
