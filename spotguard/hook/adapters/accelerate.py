@@ -79,6 +79,10 @@ __all__ = ["AccelerateHook", "install"]
 _RANK_FILE = re.compile(r"^(?:random_states_(\d+)\.pkl|spotguard_(?:rng_at_forward|buffers)_(\d+)\.pt)$")  # one a rank
 
 
+def _nothing() -> None:
+    """``_step_begin``'s ``enter`` at a micro-batch's forward: past the hold, nothing is marked (not a step)."""
+
+
 def _prepared_state(accelerator: Any) -> dict[str, Any]:
     """``{"model0": ..., "optimizer0": <torch optimizer inside the wrapper>, ...}`` for the step hooks."""
     state: dict[str, Any] = {}
@@ -141,7 +145,10 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
         """The core's forward pre-hook; with ``gradient_accumulation_steps`` > 1, a training forward of the
         prepared model that is not the first since the last optimizer step starts a micro-batch that the
         previous one did not end with a step (every rank forwards the same number of times): the agreement
-        is collected and launched here, an agreed notice carried out for the last step (``_rewound``)."""
+        is collected and launched here, an agreed notice carried out for the last step (``_rewound``). On the
+        any-moment path such a forward is a hold point instead, as S+1's optimizer step (``_step_begin``): while
+        a round writes S the micro-batches after it wait (an emergency throws them away; computing them only
+        took CPU and the GIL from the background write), and an agreed exit leaves from here."""
         super()._on_forward(module, args)
         if module is not self._signal_model or self._internal or not module.training \
                 or not torch.is_grad_enabled() or self._explicit:
@@ -151,9 +158,13 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
             self._sched_at = (self._count, self._sched_counts())
             self._acc_fwd_rng = (self._count, torch.get_rng_state())  # the boundary path's rng_at_forward
             return
-        if self.accelerator.gradient_accumulation_steps > 1 and self._count > 0 and not self._bg_on:
-            self._last_boundary = self._count  # FrameworkHook's "training started" mark
-            self._framework_microbatch()
+        if self.accelerator.gradient_accumulation_steps < 2 or self._count == 0:
+            return
+        if self._bg_on:
+            self._step_begin(enter=_nothing)
+            return
+        self._last_boundary = self._count  # FrameworkHook's "training started" mark
+        self._framework_microbatch()
 
     def _sched_counts(self) -> list[tuple[Any, int]]:
         out = []
