@@ -250,6 +250,18 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("accelerate_accum_specnorm", "accelerate_loop.py", env=(("EXO_ACCUM", "4"), ("EXO_SPECNORM", "1")),
             what="the accelerate_accum pattern with parametrizations.spectral_norm on fc1",
             phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
+    # review of issue 23 (arev): accumulation over a prepared shuffled DataLoader whose length (10) is not a multiple
+    # of 4 (Accelerate forces a sync at its end: 4, 4, 2), resumed mid-epoch with skip_first_batches
+    Pattern("accelerate_accum_loader", "accelerate_accum_loader.py", what="Accelerate, accumulation 4 over a "
+            "prepared shuffled 10-batch loader (use_seedable_sampler), clip_grad_norm_, skip_first_batches",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
+    Pattern("accelerate_accum_loader_default", "accelerate_accum_loader.py", env=(("EXO_AAL_SEEDABLE", "0"),),
+            what="accelerate_accum_loader with Accelerate's default DataLoaderConfiguration (use_seedable_sampler=False:"
+                 " the shuffle draws from the sampler's generator, which save_state does not save)",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "after"),
+            open_bug="Accelerate's default DataLoaderConfiguration (use_seedable_sampler=False) shuffles with the "
+                     "sampler's synchronized_generator, which neither save_state nor the any-moment writer saves: "
+                     "after a resume past the first epoch the data order differs (both paths; not accumulation's)"),
     Pattern("hf_trainer", "hf_trainer.py", what="transformers.Trainer on 2 ranks (DDP, gloo): "
             "gradient_accumulation_steps=2, dropout, AdamW + StepLR via optimizers=; iteration = one optimizer step",
             phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),

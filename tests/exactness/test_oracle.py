@@ -145,6 +145,9 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     # the boundary path (refused configurations): save_state at the next micro-batch's forward, rewound to step 4
     "accelerate-accum-sync-only-micro-batch": ("accelerate_accum_synconly", "phase:micro@4"),
     "accelerate-accum-boundary-micro-batch": ("accelerate_accum_boundary", "phase:micro@4"),
+    # review of issue 23 (arev): accumulation over a prepared shuffled loader of 10 batches (4, 4, then a forced
+    # sync after 2), resumed mid-epoch in the second epoch with skip_first_batches
+    "accelerate-accum-loader-uneven-epoch-mid-epoch": ("accelerate_accum_loader", "phase:micro@7"),
     # the same mid-epoch resume on the boundary path (a refused configuration): save_state's files had no
     # rng_at_forward either; the adapter records it at the first training forward after each step
     "accelerate-boundary-mid-epoch-skip-first-batches": ("accelerate_wild_loader_boundary", "phase:bwd@7"),
@@ -269,12 +272,14 @@ def test_notice_never_yields_a_wrong_checkpoint(case: str, results: dict[str, An
 # Reproduced, not fixed: each must stay wrong until fixed (then move it to CASES). The pattern's ``open_bug`` says why.
 OPEN_BUG_CASES: dict[str, tuple[str, str]] = {
     "accelerate-scheduler-stepped-at-the-iteration-top": ("accelerate_sched_top", "phase:load@4"),
+    # review of issue 23 (arev): Accelerate's default DataLoaderConfiguration: the shuffle's generator is not saved
+    "accelerate-accum-default-sampler-second-epoch": ("accelerate_accum_loader_default", "phase:micro@7"),
 }
 
 
 @pytest.mark.long(reason="sibling in make test: accelerate-training-step-backward (the same adapter and path); an "
                          "open bug's reproduction, kept out of make test's time")
-@pytest.mark.xfail(strict=True, reason="open bug: see oracle.PATTERNS['accelerate_sched_top'].open_bug")
+@pytest.mark.xfail(strict=True, reason="open bug: see the pattern's oracle.PATTERNS[...].open_bug")
 # parameter not named "case": _selected() collects those for the module fixture
 @pytest.mark.parametrize("open_case", list(OPEN_BUG_CASES))
 def test_open_bug_is_still_reproduced(open_case: str) -> None:

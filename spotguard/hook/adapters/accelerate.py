@@ -42,12 +42,15 @@ last optimizer step as above; the micro-batches since are recomputed after the
 resume. Without accumulation nothing changes: the next optimizer step is the
 next batch's.
 
-Data position: Accelerate's ``save_state`` saves the sampler's seed/epoch
-but not a position inside the epoch; continue with
-``accelerator.skip_first_batches(loader, (start * N) % len(loader))`` (``start``
-counts optimizer steps, N micro-batches each; or a ``use_stateful_dataloader``
-loader, whose position is saved as it is at the save, not rewound), as the
-Accelerate docs describe. That iterator draws a base seed from the global torch
+Data position: Accelerate's ``save_state`` saves no position inside the epoch
+(nor, for a map-style dataset, the sampler: use ``use_seedable_sampler=True`` and
+``set_epoch``; the default's shuffle generator is not saved, its order differs
+after a resume past the first epoch); ``start`` counts optimizer steps, and
+Accelerate syncs at the loader's last batch, so an epoch is
+``spe = ceil(len(loader) / N)`` steps: continue in epoch ``start // spe`` with
+``accelerator.skip_first_batches(loader, (start % spe) * N)`` (or a
+``use_stateful_dataloader`` loader, whose position is saved as it is at the
+save, not rewound), as the Accelerate docs describe. That iterator draws a base seed from the global torch
 RNG, which the uninterrupted run drew at the epoch's start: the torch RNG at the
 first training forward after S is saved beside Accelerate's files
 (``spotguard_rng_at_forward_<rank>.pt``) and set back there after the resume
