@@ -255,6 +255,14 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("accelerate_accum_loader", "accelerate_accum_loader.py", what="Accelerate, accumulation 4 over a "
             "prepared shuffled 10-batch loader (use_seedable_sampler), clip_grad_norm_, skip_first_batches",
             phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
+    Pattern("accelerate_accum_loader_own", "accelerate_accum_loader.py", env=(("EXO_AAL_OWN", "3"),),
+            what="accelerate_accum_loader with the user's own save_state() every 3 micro-batches (automatic "
+                 "checkpoint naming, total_limit=2)", phases=("load", "fwd", "bwd", "micro", "prestep", "after",
+                                                               "ownsave")),
+    Pattern("accelerate_accum_loader_own_boundary", "accelerate_accum_loader.py",
+            env=(("EXO_AAL_OWN", "3"), ("SPOTGUARD_BACKGROUND_AGREEMENT", "0")),
+            what="accelerate_accum_loader_own on the boundary path (save_state at the next micro-batch's forward)",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "after", "ownsave")),
     Pattern("accelerate_accum_loader_default", "accelerate_accum_loader.py", env=(("EXO_AAL_SEEDABLE", "0"),),
             what="accelerate_accum_loader with Accelerate's default DataLoaderConfiguration (use_seedable_sampler=False:"
                  " the shuffle draws from the sampler's generator, which save_state does not save)",

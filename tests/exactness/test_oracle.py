@@ -148,6 +148,10 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     # review of issue 23 (arev): accumulation over a prepared shuffled loader of 10 batches (4, 4, then a forced
     # sync after 2), resumed mid-epoch in the second epoch with skip_first_batches
     "accelerate-accum-loader-uneven-epoch-mid-epoch": ("accelerate_accum_loader", "phase:micro@7"),
+    # ... with the user's own automatically named save_state() every 3 micro-batches: the resumed run's
+    # project_configuration.iteration (its next checkpoint_<n>)
+    "accelerate-accum-own-auto-named-saves": ("accelerate_accum_loader_own", "phase:micro@5"),
+    "accelerate-accum-own-auto-named-saves-boundary": ("accelerate_accum_loader_own_boundary", "phase:micro@5"),
     # the same mid-epoch resume on the boundary path (a refused configuration): save_state's files had no
     # rng_at_forward either; the adapter records it at the first training forward after each step
     "accelerate-boundary-mid-epoch-skip-first-batches": ("accelerate_wild_loader_boundary", "phase:bwd@7"),

@@ -72,7 +72,7 @@ from ...storage import Storage
 from ..core import Hook
 from ..state import Snapshot, rng_and_buffers_at
 from ._base import FrameworkHook
-from .accelerate_anymoment import RNG_AT_FORWARD, AccelerateAnyMoment, save_rank_buffers
+from .accelerate_anymoment import RNG_AT_FORWARD, AccelerateAnyMoment, _iteration, save_iteration, save_rank_buffers
 from ...storage.integrity import DamagedCheckpoint
 from ...storage.verify import verified_folder
 from ._files import report_local, staging_dir, upload_dir
@@ -123,6 +123,9 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
         # when its gradient state says adjust_scheduler (never in 1.15: the plugin drops the default True from its
         # kwargs): as at the end of the step (the first forward after it)
         self._sched_at: Optional[tuple[int, list[tuple[Any, int]]]] = None
+        # ... and project_configuration.iteration there (the user's own save_state calls so far): saved beside
+        # Accelerate's files, which lack it, so that the resumed run's automatically named checkpoints go on
+        self._iter_at: Optional[tuple[int, Optional[int]]] = None
         # the torch RNG at the first training forward after each step, saved beside save_state's files for the
         # resume's realign (``_realign_at_load``): the any-moment writer has the core's ``rng_at_forward``
         self._acc_fwd_rng: Optional[tuple[int, torch.Tensor]] = None
@@ -160,6 +163,7 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
             self._mb_seq = self._post_seq  # the first forward after a step: the step itself was the boundary
             self._sched_at = (self._count, self._sched_counts())
             self._acc_fwd_rng = (self._count, torch.get_rng_state())  # the boundary path's rng_at_forward
+            self._iter_at = (self._count, _iteration(self.accelerator))
             return
         if self.accelerator.gradient_accumulation_steps < 2 or self._count == 0:
             return
@@ -231,9 +235,11 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
 
     def _write(self, key: str, snap: Optional[Snapshot]) -> None:
         def fill(target: str) -> None:
+            iteration = self._iteration_of(self._count)
             with self._as_of(snap), self._explicit_dirs():
                 self.accelerator.save_state(target)
                 save_rank_buffers(self.accelerator, Path(target), self.accelerator._models[0].state_dict())
+            save_iteration(self.accelerator, Path(target), iteration)
             fwd = self._acc_fwd_rng
             if snap is not None and fwd is not None and fwd[0] == self._count:
                 torch.save(fwd[1], os.path.join(target, f"{RNG_AT_FORWARD}_{self.accelerator.process_index}.pt"))

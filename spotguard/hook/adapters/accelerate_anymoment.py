@@ -28,7 +28,9 @@ adapter's resume) is unchanged.
   ``scheduler.bin``, ``random_states_<rank>.pkl`` (with ``step``), and the plain hook's ``rng_at_forward`` in
   ``spotguard_rng_at_forward_<rank>.pt`` (Accelerate ignores it; the resume realigns the torch RNG with it), and under DDP
   with ``broadcast_buffers=False`` each rank's own buffers of S in ``spotguard_buffers_<rank>.pt`` (``save_state`` writes
-  rank 0's model only; the resume loads them after ``load_state``, on both paths) — without
+  rank 0's model only; the resume loads them after ``load_state``, on both paths), and rank 0's
+  ``project_configuration.iteration`` as the first training forward after S found it in ``spotguard_iteration.json``
+  (``save_state`` does not save it: the resumed run's own automatically named checkpoints go on from it) — without
   ``save_state``: it reads the live RNG and ``accelerator.step`` and, for automatic
   checkpoint naming, runs ``wait_for_everyone()`` on the training group, which the
   background thread must never touch.
@@ -54,6 +56,7 @@ pre-hooks, ``every=``, ``hook.range()`` / ``hook.step()`` loops (from their firs
 
 from __future__ import annotations
 
+import json
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -63,12 +66,15 @@ import torch
 
 from ..state import unpack
 
-__all__ = ["AccelerateAnyMoment", "any_moment_refusal", "RNG_AT_FORWARD", "RANK_BUFFERS", "save_rank_buffers"]
+__all__ = ["AccelerateAnyMoment", "any_moment_refusal", "RNG_AT_FORWARD", "RANK_BUFFERS", "save_rank_buffers",
+           "ITERATION", "save_iteration"]
 
 #: ``<this>_<rank>.pt``: the torch RNG at the first training forward after S (``_realign_at_load``)
 RNG_AT_FORWARD = "spotguard_rng_at_forward"
 #: ``<this>_<rank>.pt``: this rank's buffers of S where DDP does not broadcast them (``_realign_at_load``)
 RANK_BUFFERS = "spotguard_buffers"
+#: rank 0: ``project_configuration.iteration`` of S (the user's next automatically named ``checkpoint_<n>``)
+ITERATION = "spotguard_iteration.json"
 
 
 def any_moment_refusal(accelerator: Any, every: Optional[float]) -> Optional[str]:
@@ -114,6 +120,18 @@ def save_rank_buffers(accelerator: Any, folder: Path, state: dict[str, Any]) -> 
         return
     names = [n for n, _ in accelerator._models[0].named_buffers() if n in state]
     torch.save({n: state[n].detach().clone() for n in names}, folder / f"{RANK_BUFFERS}_{accelerator.process_index}.pt")
+
+
+def save_iteration(accelerator: Any, folder: Path, iteration: Optional[int]) -> None:
+    """Rank 0: Accelerate's count of the user's own ``save_state`` calls as of the saved step (``save_state`` does
+    not save it; the resumed run's next automatically named checkpoint would be ``checkpoint_0`` again)."""
+    if accelerator.process_index == 0 and isinstance(iteration, int):
+        (folder / ITERATION).write_text(json.dumps({"iteration": iteration}))
+
+
+def _iteration(accelerator: Any) -> Optional[int]:
+    it = getattr(getattr(accelerator, "project_configuration", None), "iteration", None)
+    return it if isinstance(it, int) else None
 
 
 class AccelerateAnyMoment:
@@ -169,7 +187,14 @@ class AccelerateAnyMoment:
         per = super()._per_rank_state(step, snap)  # type: ignore[misc]
         if self._acc_step is not None and self._acc_step[0] == step:
             per["accelerator_step"] = self._acc_step[1]
+        per["accelerator_iteration"] = self._iteration_of(step)
         return per
+
+    def _iteration_of(self, step: int) -> Optional[int]:
+        """``project_configuration.iteration`` at the end of ``step``: as the first training forward after it
+        found it (the user's own ``save_state`` later in the accumulation is not part of ``step``), else now."""
+        at = getattr(self, "_iter_at", None)
+        return at[1] if at is not None and at[0] == step else _iteration(self.accelerator)
 
     def _dcp_save(self, sd: dict[str, Any], key: str, group: Any, cancel: Any) -> None:
         """The core's write of the staged save (``_dcp_writer``: checked against the watch after it when written
@@ -196,6 +221,7 @@ class AccelerateAnyMoment:
             for i in range(len(getattr(acc, "_schedulers", []))):
                 save(per["schedulers"][f"scheduler{i}"], out / ("scheduler.bin" if i == 0 else f"scheduler_{i}.bin"))
         save_rank_buffers(acc, out, model)
+        save_iteration(acc, out, per.get("accelerator_iteration"))
         rng = per["rng"]
         states: dict[str, Any] = {"step": per["accelerator_step"], "random_state": rng["python"],
                                   "numpy_random_seed": rng["numpy"], "torch_manual_seed": rng["torch"]}
@@ -214,6 +240,9 @@ class AccelerateAnyMoment:
         f = Path(folder) / f"{RNG_AT_FORWARD}_{self._rank}.pt"
         saved = torch.load(f, weights_only=True) if f.is_file() else None
         self._realign = saved if isinstance(saved, torch.Tensor) else None  # type: ignore[attr-defined]
+        f, cfg = Path(folder) / ITERATION, getattr(self.accelerator, "project_configuration", None)
+        if f.is_file() and cfg is not None:  # after load_state (and _explicit_dirs, which puts the old one back)
+            cfg.iteration = int(json.loads(f.read_text())["iteration"])
         f = Path(folder) / f"{RANK_BUFFERS}_{self.accelerator.process_index}.pt"
         if f.is_file():  # save_rank_buffers: load_state put rank 0's into every rank
             mine, live = torch.load(f, weights_only=True), dict(self.accelerator._models[0].named_buffers())

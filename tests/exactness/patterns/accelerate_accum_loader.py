@@ -12,6 +12,10 @@
 ``EXO_AAL_SEEDABLE=0``: Accelerate's default ``DataLoaderConfiguration`` (``use_seedable_sampler=False``): the
 shuffle draws from the sampler's ``synchronized_generator``, which ``save_state`` does not save.
 ``EXO_AAL_MP``: mixed precision (default ``no``). ``EXO_AAL_SPLIT=1``: ``split_batches=True`` (batch 16 split).
+``EXO_AAL_OWN=K``: the user's own ``accelerator.save_state()`` every K micro-batches (counted over the run, as
+Accelerate's examples count ``checkpointing_steps``), with ``automatic_checkpoint_naming`` and ``total_limit=2`` into
+a project folder beside the hook's store (it outlives the process, as a persistent disk does): Accelerate's
+``project_configuration.iteration`` (the next ``checkpoint_<n>``) is training state too (phase ``ownsave``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import os
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 from torch.utils.data import DataLoader, TensorDataset
 
 from _common import Net, _rt, setup
@@ -31,9 +35,13 @@ setup(distributed=False)
 N = 4
 SEEDABLE = os.environ.get("EXO_AAL_SEEDABLE", "1") == "1"
 SPLIT = os.environ.get("EXO_AAL_SPLIT") == "1"
+OWN = int(os.environ.get("EXO_AAL_OWN", "0"))
+project = ProjectConfiguration(project_dir=_rt.storage().removeprefix("file://").rstrip("/") + "-own",
+                               automatic_checkpoint_naming=True, total_limit=2) if OWN else None
 accelerator = Accelerator(cpu=True, gradient_accumulation_steps=N, mixed_precision=os.environ.get("EXO_AAL_MP", "no"),
                           dataloader_config=DataLoaderConfiguration(use_seedable_sampler=SEEDABLE,
-                                                                    split_batches=SPLIT))
+                                                                    split_batches=SPLIT),
+                          project_config=project)
 rank = accelerator.process_index
 torch.manual_seed(0)
 net = Net()
@@ -44,7 +52,8 @@ xs = torch.randn(152, 16, generator=gd)
 loader = DataLoader(TensorDataset(xs, xs.sum(dim=1, keepdim=True) * 0.1), batch_size=16 if SPLIT else 8, shuffle=True)
 model, opt, sched, loader = accelerator.prepare(net, opt, sched, loader)
 torch.manual_seed(1 + rank)
-state = {"model": model, "optimizer": opt, "scheduler": sched, "accelerator_step": lambda: accelerator.step}
+state = {"model": model, "optimizer": opt, "scheduler": sched, "accelerator_step": lambda: accelerator.step,
+         **({"own_iteration": lambda: accelerator.project_configuration.iteration} if OWN else {})}
 hook = install_preemption_hook(accelerator, storage=_rt.storage())
 start = hook.resume()
 _rt.resumed(hook, start, state)
@@ -58,7 +67,7 @@ for epoch in range(first_epoch, 100):
     loader.set_epoch(epoch)
     src = accelerator.skip_first_batches(loader, k * N) if epoch == first_epoch and k else loader
     _rt.begin_iteration(i)
-    for x, y in src:
+    for b, (x, y) in enumerate(src, start=k * N if epoch == first_epoch else 0):
         _rt.phase("load")
         with accelerator.accumulate(model):
             _rt.phase("fwd")
@@ -73,6 +82,9 @@ for epoch in range(first_epoch, 100):
             opt.step()
             sched.step()
             opt.zero_grad()
+        if OWN and (epoch * len(loader) + b + 1) % OWN == 0:
+            _rt.phase("ownsave")
+            accelerator.save_state()
         if accelerator.sync_gradients:
             _rt.phase("after")
             _rt.end_iteration(i, state)

@@ -208,3 +208,37 @@ def test_boundary_save_keeps_the_users_automatic_checkpoint_numbering(tmp_path: 
     assert (tmp_path / "ckpt" / "step-00000001" / "model.safetensors").is_file()
     assert acc.project_configuration.iteration == 0
     assert acc.project_configuration.automatic_checkpoint_naming
+
+
+def test_resume_restores_the_users_automatic_checkpoint_numbering(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review of issue 23 (arev): ``save_state`` does not save ``project_configuration.iteration`` (the user's own
+    ``save_state()`` calls so far), so a resumed run numbered its next automatically named checkpoint
+    ``checkpoint_0`` again (``ValueError`` "already exists" on a persistent disk; else ``total_limit`` prunes the
+    newest). Both writers keep it beside Accelerate's files as of the saved step; the load puts it back. The
+    end-to-end case: test_oracle's accelerate-accum-own-auto-named-saves[-boundary]. One process, milliseconds."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    from spotguard.hook.adapters.accelerate import AccelerateHook
+
+    monkeypatch.setenv("SPOTGUARD_BACKGROUND_AGREEMENT", "0")
+    monkeypatch.setenv("SPOTGUARD_SOCKET", str(tmp_path / "no-daemon.sock"))
+    monkeypatch.setenv("SPOTGUARD_CACHE", str(tmp_path / "cache"))
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=str(tmp_path / "proj"),
+                                                                    automatic_checkpoint_naming=True))
+    net = torch.nn.Linear(2, 1)
+    model, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    hook = AccelerateHook(acc, str(tmp_path / "ckpt"))
+    try:
+        acc.project_configuration.iteration = 3  # three own checkpoints written before the notice
+        hook._write("step-00000001", None)
+        acc.project_configuration.iteration = 0  # the resumed process
+        hook._realign_at_load(str(tmp_path / "ckpt" / "step-00000001"))
+    finally:
+        hook.close()
+        from accelerate.state import AcceleratorState, GradientState  # in-process singletons: leave none behind
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    assert acc.project_configuration.iteration == 3
