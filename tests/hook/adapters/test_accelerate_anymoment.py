@@ -3,8 +3,10 @@ background for the last completed step, in ``save_state``'s files, and resumed b
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -178,13 +180,12 @@ class TestObjectStore:
             reference.run.kill()
 
 
-def test_boundary_save_keeps_the_users_automatic_checkpoint_numbering(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Review of issue 23: ``save_state`` bumps ``project_configuration.iteration`` whatever its folder; the boundary
-    path's save (a refused configuration) must not, or after an ordinary notice (training goes on) the user's own
-    ``save_state()`` under ``automatic_checkpoint_naming`` writes ``checkpoint_<n+1>`` where the uninterrupted run
-    wrote ``checkpoint_<n>`` (and ``total_limit`` prunes by those numbers). One process, milliseconds."""
+@contextlib.contextmanager
+def _auto_named_hook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any]]:
+    """(accelerator with ``automatic_checkpoint_naming``, its hook on the boundary path) in this process, for the
+    milliseconds tests of Accelerate's checkpoint numbering; the hook closed and Accelerate's singletons reset."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import ProjectConfiguration
 
     from spotguard.hook.adapters.accelerate import AccelerateHook
@@ -195,16 +196,24 @@ def test_boundary_save_keeps_the_users_automatic_checkpoint_numbering(tmp_path: 
     acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=str(tmp_path / "proj"),
                                                                     automatic_checkpoint_naming=True))
     net = torch.nn.Linear(2, 1)
-    model, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
     hook = AccelerateHook(acc, str(tmp_path / "ckpt"))
     try:
-        hook._write("step-00000001", None)
+        yield acc, hook
     finally:
         hook.close()
-        from accelerate.state import AcceleratorState, GradientState  # in-process singletons: leave none behind
-
-        AcceleratorState._reset_state(True)
+        AcceleratorState._reset_state(True)  # in-process singletons: leave none behind
         GradientState._reset_state()
+
+
+def test_boundary_save_keeps_the_users_automatic_checkpoint_numbering(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review of issue 23: ``save_state`` bumps ``project_configuration.iteration`` whatever its folder; the boundary
+    path's save (a refused configuration) must not, or after an ordinary notice (training goes on) the user's own
+    ``save_state()`` under ``automatic_checkpoint_naming`` writes ``checkpoint_<n+1>`` where the uninterrupted run
+    wrote ``checkpoint_<n>`` (and ``total_limit`` prunes by those numbers). One process, milliseconds."""
+    with _auto_named_hook(tmp_path, monkeypatch) as (acc, hook):
+        hook._write("step-00000001", None)
     assert (tmp_path / "ckpt" / "step-00000001" / "model.safetensors").is_file()
     assert acc.project_configuration.iteration == 0
     assert acc.project_configuration.automatic_checkpoint_naming
@@ -217,28 +226,9 @@ def test_resume_restores_the_users_automatic_checkpoint_numbering(tmp_path: Path
     ``checkpoint_0`` again (``ValueError`` "already exists" on a persistent disk; else ``total_limit`` prunes the
     newest). Both writers keep it beside Accelerate's files as of the saved step; the load puts it back. The
     end-to-end case: test_oracle's accelerate-accum-own-auto-named-saves[-boundary]. One process, milliseconds."""
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
-
-    from spotguard.hook.adapters.accelerate import AccelerateHook
-
-    monkeypatch.setenv("SPOTGUARD_BACKGROUND_AGREEMENT", "0")
-    monkeypatch.setenv("SPOTGUARD_SOCKET", str(tmp_path / "no-daemon.sock"))
-    monkeypatch.setenv("SPOTGUARD_CACHE", str(tmp_path / "cache"))
-    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=str(tmp_path / "proj"),
-                                                                    automatic_checkpoint_naming=True))
-    net = torch.nn.Linear(2, 1)
-    model, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    hook = AccelerateHook(acc, str(tmp_path / "ckpt"))
-    try:
+    with _auto_named_hook(tmp_path, monkeypatch) as (acc, hook):
         acc.project_configuration.iteration = 3  # three own checkpoints written before the notice
         hook._write("step-00000001", None)
         acc.project_configuration.iteration = 0  # the resumed process
         hook._realign_at_load(str(tmp_path / "ckpt" / "step-00000001"))
-    finally:
-        hook.close()
-        from accelerate.state import AcceleratorState, GradientState  # in-process singletons: leave none behind
-
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
     assert acc.project_configuration.iteration == 3
