@@ -255,6 +255,11 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("accelerate_accum_loader", "accelerate_accum_loader.py", what="Accelerate, accumulation 4 over a "
             "prepared shuffled 10-batch loader (use_seedable_sampler), clip_grad_norm_, skip_first_batches",
             phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
+    Pattern("accelerate_accum_loader_split_bf16", "accelerate_accum_loader.py",
+            env=(("EXO_AAL_SPLIT", "1"), ("EXO_AAL_MP", "bf16")),
+            what="accelerate_accum_loader with split_batches=True (batch 16 split; the scheduler stepped once a "
+                 "step, not once a process) and bf16 autocast", phases=("load", "fwd", "bwd", "micro", "prestep",
+                                                                         "after")),
     Pattern("accelerate_accum_loader_own", "accelerate_accum_loader.py", env=(("EXO_AAL_OWN", "3"),),
             what="accelerate_accum_loader with the user's own save_state() every 3 micro-batches (automatic "
                  "checkpoint naming, total_limit=2)", phases=("load", "fwd", "bwd", "micro", "prestep", "after",
