@@ -260,6 +260,14 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             what="accelerate_accum_loader with split_batches=True (batch 16 split; the scheduler stepped once a "
                  "step, not once a process) and bf16 autocast", phases=("load", "fwd", "bwd", "micro", "prestep",
                                                                          "after")),
+    Pattern("accelerate_accum_loader_uneven", "accelerate_accum_loader.py", env=(("EXO_AAL_EVEN", "0"),),
+            what="accelerate_accum_loader with even_batches=False (rank 0: 10 batches an epoch, rank 1: 9: the "
+                 "ranks' last accumulations differ in micro-batches)", phases=("load", "fwd", "bwd", "micro",
+                                                                                "prestep", "after")),
+    Pattern("accelerate_accum_loader_uneven_boundary", "accelerate_accum_loader.py",
+            env=(("EXO_AAL_EVEN", "0"), ("SPOTGUARD_BACKGROUND_AGREEMENT", "0")),
+            what="accelerate_accum_loader_uneven on the boundary path (an agreement at each micro-batch's forward)",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
     Pattern("accelerate_accum_loader_own", "accelerate_accum_loader.py", env=(("EXO_AAL_OWN", "3"),),
             what="accelerate_accum_loader with the user's own save_state() every 3 micro-batches (automatic "
                  "checkpoint naming, total_limit=2)", phases=("load", "fwd", "bwd", "micro", "prestep", "after",

@@ -152,6 +152,11 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     # project_configuration.iteration (its next checkpoint_<n>)
     "accelerate-accum-own-auto-named-saves": ("accelerate_accum_loader_own", "phase:micro@5"),
     "accelerate-accum-own-auto-named-saves-boundary": ("accelerate_accum_loader_own_boundary", "phase:micro@5"),
+    # even_batches=False: the ranks' last accumulation of an epoch has 2 and 1 micro-batches
+    "accelerate-accum-uneven-ranks": ("accelerate_accum_loader_uneven", "phase:micro@4"),
+    # on the boundary path each micro-batch's forward launched an agreement: rank 0's extra one in the epoch's last
+    # accumulation paired with none of rank 1's, and the run hung in the next epoch's (no notice needed)
+    "accelerate-accum-uneven-ranks-boundary": ("accelerate_accum_loader_uneven_boundary", "phase:micro@4"),
     # the notice while the user's own save_state() runs (between micro-batches, after S)
     "accelerate-accum-notice-in-own-save-state": ("accelerate_accum_loader_own", "phase:ownsave@4"),
     # the same mid-epoch resume on the boundary path (a refused configuration): save_state's files had no

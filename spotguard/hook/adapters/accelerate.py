@@ -170,6 +170,8 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
         if self._bg_on:
             self._step_begin(enter=_nothing)
             return
+        if getattr(self.accelerator, "even_batches", True) is False:
+            return  # ranks' epochs may differ in micro-batches: an agreement here would pair with no peer's (a hang)
         self._last_boundary = self._count  # FrameworkHook's "training started" mark
         self._framework_microbatch()
 

@@ -12,7 +12,8 @@
 ``EXO_AAL_SEEDABLE=0``: Accelerate's default ``DataLoaderConfiguration`` (``use_seedable_sampler=False``): the
 shuffle draws from the sampler's ``synchronized_generator``, which ``save_state`` does not save.
 ``EXO_AAL_MP``: mixed precision (default ``no``). ``EXO_AAL_SPLIT=1``: ``split_batches=True`` (batch 16 split).
-``EXO_AAL_OWN=K``: the user's own ``accelerator.save_state()`` every K micro-batches (counted over the run, as
+``EXO_AAL_EVEN=0``: ``even_batches=False``: rank 1 gets 9 batches an epoch (its last accumulation 1 micro-batch
+where rank 0's is 2; DDP is fine: each rank syncs 3 times an epoch). ``EXO_AAL_OWN=K``: the user's own ``accelerator.save_state()`` every K micro-batches (counted over the run, as
 Accelerate's examples count ``checkpointing_steps``), with ``automatic_checkpoint_naming`` and ``total_limit=2`` into
 a project folder beside the hook's store (it outlives the process, as a persistent disk does): Accelerate's
 ``project_configuration.iteration`` (the next ``checkpoint_<n>``) is training state too (phase ``ownsave``).
@@ -35,12 +36,13 @@ setup(distributed=False)
 N = 4
 SEEDABLE = os.environ.get("EXO_AAL_SEEDABLE", "1") == "1"
 SPLIT = os.environ.get("EXO_AAL_SPLIT") == "1"
+EVEN = os.environ.get("EXO_AAL_EVEN", "1") == "1"
 OWN = int(os.environ.get("EXO_AAL_OWN", "0"))
 project = ProjectConfiguration(project_dir=_rt.storage().removeprefix("file://").rstrip("/") + "-own",
                                automatic_checkpoint_naming=True, total_limit=2) if OWN else None
 accelerator = Accelerator(cpu=True, gradient_accumulation_steps=N, mixed_precision=os.environ.get("EXO_AAL_MP", "no"),
                           dataloader_config=DataLoaderConfiguration(use_seedable_sampler=SEEDABLE,
-                                                                    split_batches=SPLIT),
+                                                                    split_batches=SPLIT, even_batches=EVEN),
                           project_config=project)
 rank = accelerator.process_index
 torch.manual_seed(0)
