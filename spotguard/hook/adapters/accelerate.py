@@ -40,7 +40,9 @@ collects and launches the agreement (``FrameworkHook._framework_microbatch``),
 and an agreed notice is carried out right there, ``save_state`` rewound to the
 last optimizer step as above; the micro-batches since are recomputed after the
 resume. Without accumulation nothing changes: the next optimizer step is the
-next batch's.
+next batch's. With ``even_batches=False`` the ranks' epochs may differ in
+micro-batches (an agreement launched at one rank's extra forward pairs with
+none: a hang), so there a notice waits for the next optimizer step.
 
 Data position: Accelerate's ``save_state`` saves no position inside the epoch
 (nor, for a map-style dataset, the sampler: use ``use_seedable_sampler=True`` and
