@@ -39,8 +39,9 @@ is the torch optimizer's step hooks inside ``AcceleratedOptimizer``, which calls
 micro-batch that syncs (and its scheduler wrapper steps only then), so S is the last optimizer step
 that really ran; the micro-batches after it only add to ``.grad`` (not saved: zeroed at S) and move
 the RNG, the running statistics and ``accelerator.step``, all taken as at S above (the anchor is the
-first micro-batch's forward); they are thrown away and recomputed after the resume. The hold is
-S+1's real step, N micro-batches on; the commit does not wait for it. The micro-batch path
+first micro-batch's forward); they are thrown away and recomputed after the resume. While a round
+writes S the next micro-batch's forward waits (``accelerate.py``: the core's hold, as at S+1's real
+step; an agreed exit leaves from there). The micro-batch path
 (``accelerate.py``: ``save_state`` at the next micro-batch's forward) stays for refused configurations.
 
 Configurations not proven exact keep the boundary path, said once in the
