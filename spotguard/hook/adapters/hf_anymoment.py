@@ -33,8 +33,8 @@ is finishing) and writes S from the background:
   file's serialisation; anything else (an object store, an ordinary notice, whose hold ends once the files
   are on local disk) writes them into a local staging folder and uploads them. Not ``_save_checkpoint``: that
   one all-gathers the FLOP count (``store_flos``) and may ``dist.barrier()`` on the training group, which the
-  background thread must never touch (the training thread may be in DDP's all-reduce of the next backward). The FLOP count is summed as
-  ``store_flos`` does, each rank's value passed through the c10d store. The resume is
+  background thread must never touch (the training thread may be in DDP's all-reduce of the next backward). The
+  FLOP count is summed as ``store_flos`` does, each rank's value passed through the c10d store. The resume is
   unchanged: ``trainer.train(resume_from_checkpoint=hook.latest())``. ``checkpoint_staged`` gives the seconds of
   each part (``parts``: wait for S's end, model, optimizer, small files, the wait for the checksum/fsync threads,
   the report) and ``in_place``.
