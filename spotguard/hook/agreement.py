@@ -211,9 +211,7 @@ class AgreementMixin:
         t_end = _round_end(min(wake_deadline_ms, deadline_ms))
         # A rank still inside resume() joins once it is over: the decision reads its count and resumed step.
         self._bg_ready.wait(max(0.0, t_end - time.monotonic()))
-        with self._cv:  # join: from here the training thread starts no optimizer step past `stand`
-            stand = self._count + (1 if self._in_step else 0)
-            self._freeze, self._target, self._hold_until = stand, None, t_end
+        stand = self._steps.join_round(t_end)  # from here the training thread starts no step past `stand`
         level, deadline_ms = self._local_level()
         try:
             allv = bg.gather((level, deadline_ms, stand, self._best_local(), self._range_broken, self._doomed_here()),
@@ -232,8 +230,7 @@ class AgreementMixin:
         doomed = doomed_ranks(len(v) > 5 and v[5] for v in allv)  # who writes replicated items (doomed.py)
         if deadline_ms < NO_DEADLINE_MS:  # every later bound (hold, copy, save) from the agreed earliest deadline
             t_end = min(t_end, _round_end(deadline_ms))
-            with self._cv:
-                self._hold_until = t_end
+            self._steps.bound_hold(t_end)
         if level <= 0:
             self._release_hold()
             return
@@ -244,9 +241,7 @@ class AgreementMixin:
         notice = best_candidate([v[3] for v in allv]) or agreed_notice(step, deadline_ms,
                                                                        "notice withdrawn after agreement")
         ids = [v[3][2]["id"] for v in allv if v[3] is not None]
-        with self._cv:
-            self._target = step
-            self._cv.notify_all()
+        self._steps.agree(step)
         action = self._action_for(level, step)
         self._log.info(ev.AGREED, notice_id=notice.id, step=step, flag=level, action=action, kind=notice.kind,
                        via="background", stands=[int(v[2]) for v in allv], **self._timing(notice),

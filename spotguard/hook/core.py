@@ -96,6 +96,7 @@ from ..storage import Storage, StorageError, open_storage
 from ..timefmt import utcnow
 from . import events as ev
 from .agreement import AgreementMixin, BackgroundAgreement, LocalAgreement, agreed_notice
+from .clock import ClockNames, StepClock
 from .cycle import ImplicitCycle
 from .dist import (
     NO_DEADLINE_MS,
@@ -151,7 +152,7 @@ def periodic_notice(step: int) -> Notice:
                   detail="every= safety-net checkpoint")
 
 
-class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
+class Hook(ClockNames, NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
     """Emergency checkpointing for a dict of stateful objects (see the module docstring)."""
 
     # A dict hook under a launcher must come after init_process_group; framework adapters
@@ -211,7 +212,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         # peer-liveness watch: its own gloo group + threads (collective, every rank, right here)
         self._peers = watch_peers(self) if self._dist else None
 
-        self._count = 0
+        self._steps = StepClock()  # the count, the in-step flag, a round's hold (clock.py; old names: ClockNames)
         self._resumed = False
         self._resumed_step = 0
         self._resumed_dir: Optional[str] = None  # the committed folder this run's state came from
@@ -267,11 +268,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
 
         # The background agreement (agreement.py): its thread and gloo group exist on every rank of an
         # eligible hook; ``_bg_on`` (notices wake it) once training is seen in implicit mode.
-        self._cv = threading.Condition(threading.Lock())  # the step state below, shared with that thread
-        self._in_step = False  # the training thread is between the clock's pre- and post-hook
-        self._freeze: Optional[int] = None  # a round runs: no optimizer step may start at this count or past it
-        self._target: Optional[int] = None  # the agreed step S (held there until its tensors are copied)
-        self._hold_until = 0.0
+        # ``_cv`` (the clock's) also guards the handover of the state at S below, shared with that thread
         self._small: Optional[tuple[int, bytes, dict[str, Any], str]] = None
         self._snap_count = -1
         self._staged_step: Optional[int] = None
@@ -948,7 +945,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
         give_up = None
         with self._cv:
             while self._exit_request is None:
-                key = self._target if self._target is not None else self._freeze
+                key = self._steps.held_at()
                 if key is None or self._count < key:
                     if enter is None:
                         self._in_step = True
@@ -965,7 +962,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
                     if self._want_state == key and (self._handoff is None or self._handoff[0] != key) and \
                             self._fwd_count != key:  # past the anchor, this iteration's writes are in
                         self._read_for_round(key)  # a loop whose forwards the hook does not see
-                left = self._hold_until + HOLD_SLACK - time.monotonic()
+                left = self._steps.hold_left()
                 if left <= 0:
                     give_up = key
                     break
@@ -977,13 +974,7 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
     def _wait_step_end(self, step: int, t_end: float) -> bool:
         """(agreement thread) Wait, bounded by ``t_end``, until this rank has ended ``step`` and is outside a
         step (held before the next); True when it has."""
-        with self._cv:
-            while (self._count != step or self._in_step) and self._exit_request is None:
-                left = t_end - time.monotonic()
-                if left <= 0:
-                    break
-                self._cv.wait(min(0.5, left))
-            return self._count == step and not self._in_step
+        return self._steps.wait_step_end(step, t_end, lambda: self._exit_request is not None)
 
     def _give_up_hold(self, step: int) -> None:
         """Training thread, held past the round's bound (outside ``_cv``): leave with 75 rather than train on."""
@@ -1008,11 +999,9 @@ class Hook(NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin, ExitMixin):
             self._step_event = torch.cuda.Event()
             self._step_event.record()  # the background read waits on it: step S's kernels are done
         with self._cv:
-            self._count += 1
+            count = self._steps.end_step()
             if snap is not None:
-                self._snap, self._snap_count = snap, self._count
-            self._in_step = False
-            self._cv.notify_all()
+                self._snap, self._snap_count = snap, count
         self._implicit_counted = True
         if self._periodic is not None:  # the step-path reduction only carries periodic votes now
             if self._agree.pending:

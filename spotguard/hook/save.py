@@ -41,7 +41,7 @@ from .dist import (
 from .doomed import SafeMark, plan_around_doomed, with_late_notices, writers_record
 from .handoff import finish_split, split_for
 from .periodic import PERIODIC_SETTLED, stage_state_dict
-from .settings import EMERGENCY_LEAD, HANDED_OVER, HOLD_SLACK, PERIODIC_NOTICE_PREFIX, SAVE_MARGIN
+from .settings import EMERGENCY_LEAD, HANDED_OVER, PERIODIC_NOTICE_PREFIX, SAVE_MARGIN
 from .state import Snapshot, clone_buffers, copy_state, pack
 
 #: "the hook's own group" (the training thread's) as a default argument
@@ -551,14 +551,8 @@ class SaveMixin:
            checks the watch after the copy, and releases the training thread.
         """
         t0 = time.monotonic()
-        with self._cv:
-            while not (self._count >= step and not self._in_step) and self._exit_request is None and \
-                    not self._handing_over(step):
-                left = t_end - time.monotonic()
-                if left <= 0:
-                    break
-                self._cv.wait(min(0.5, left))
-            reached = self._count == step and not self._in_step
+        reached = self._steps.wait_reached(step, t_end,
+                                           lambda: self._exit_request is not None or self._handing_over(step))
         if self._handing_over(step):
             return _Result(committed=False, peers_ok=True, error=HANDED_OVER)
         if not reached:
@@ -593,9 +587,7 @@ class SaveMixin:
         self._live_moved = None
         with self._cv:
             self._staged_step = step
-            self._freeze = None
-            if not hold:
-                self._target = None
+            self._steps.unhold(keep_target=hold)
             self._want_small = self._want_state = None
             self._cv.notify_all()
         self._log.info(ev.CHECKPOINT_STAGED, notice_id=notice.id, step=step, bytes=nbytes,
@@ -641,8 +633,8 @@ class SaveMixin:
                        waits_for=f"the end of the next iteration (its first training forward after step {nxt}): "
                                  f"the checkpoint stands for step {nxt}")
         with self._cv:  # armed together: the training thread must find the request at its very next anchor
-            self._freeze = None
-            self._target = nxt  # the training thread steps once more, then is held (an emergency) or read
+            self._steps.freeze = None
+            self._steps.target = nxt  # the training thread steps once more, then is held (an emergency) or read
             self._small = None
             self._want_small = None
             self._arm_read(nxt, copy=not hold)
@@ -762,7 +754,7 @@ class SaveMixin:
         if getattr(self, "_want_copy", True):
             return None
         while self._exit_request is None and self._target == step:
-            left = self._hold_until + HOLD_SLACK - time.monotonic()
+            left = self._steps.hold_left()
             if left <= 0:  # the write from these live tensors may still run: never train on under it
                 return step
             self._cv.wait(min(0.5, left))
@@ -940,9 +932,7 @@ class SaveMixin:
     def _release_hold(self, keep_target: bool = False) -> None:
         """Let the training thread step again (``keep_target``: an emergency keeps it held until the exit)."""
         with self._cv:
-            self._freeze = None
-            if not keep_target:
-                self._target = None
+            self._steps.unhold(keep_target)
             self._small = None
             self._want_small = self._want_state = None
             self._cv.notify_all()
