@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from .settings import HOLD_SLACK
 
@@ -133,6 +133,18 @@ class StepClock:
         return self.count
 
 
+def _field(name: str) -> Any:
+    """Hook's old attribute for ``StepClock.<name>``: read from the clock, written to it."""
+
+    def get(self: "ClockNames") -> Any:
+        return getattr(self._steps, name)
+
+    def put(self: "ClockNames", value: Any) -> None:
+        setattr(self._clock_state(), name, value)
+
+    return property(get, put, doc=f"``StepClock.{name}`` under Hook's old name")
+
+
 class ClockNames:
     """Hook's old names for the clock's fields, kept for the adapters and the mixins that read them."""
 
@@ -151,42 +163,8 @@ class ClockNames:
     def _cv(self) -> threading.Condition:
         return self._steps.cv
 
-    @property
-    def _count(self) -> int:
-        return self._steps.count
-
-    @_count.setter
-    def _count(self, value: int) -> None:
-        self._clock_state().count = value
-
-    @property
-    def _in_step(self) -> bool:
-        return self._steps.in_step
-
-    @_in_step.setter
-    def _in_step(self, value: bool) -> None:
-        self._clock_state().in_step = value
-
-    @property
-    def _freeze(self) -> Optional[int]:
-        return self._steps.freeze
-
-    @_freeze.setter
-    def _freeze(self, value: Optional[int]) -> None:
-        self._clock_state().freeze = value
-
-    @property
-    def _target(self) -> Optional[int]:
-        return self._steps.target
-
-    @_target.setter
-    def _target(self, value: Optional[int]) -> None:
-        self._clock_state().target = value
-
-    @property
-    def _hold_until(self) -> float:
-        return self._steps.hold_until
-
-    @_hold_until.setter
-    def _hold_until(self, value: float) -> None:
-        self._clock_state().hold_until = value
+    _count = _field("count")
+    _in_step = _field("in_step")
+    _freeze = _field("freeze")
+    _target = _field("target")
+    _hold_until = _field("hold_until")
