@@ -52,7 +52,7 @@ Accelerate docs describe. That iterator draws a base seed from the global torch
 RNG, which the uninterrupted run drew at the epoch's start: the torch RNG at the
 first training forward after S is saved beside Accelerate's files
 (``spotguard_rng_at_forward_<rank>.pt``) and set back there after the resume
-(``core._realign_rng``, logged ``rng_realigned``).
+(``stephooks._realign_rng``, logged ``rng_realigned``).
 """
 
 from __future__ import annotations

@@ -209,7 +209,7 @@ class AccelerateAnyMoment:
 
     def _realign_at_load(self, folder: str) -> None:
         """After ``load_state``: this rank's torch RNG at the interrupted run's first training forward after S,
-        when the writer above saved it, for ``core._realign_rng`` (the plain hook's ``rng_at_forward``): the
+        when the writer above saved it, for ``stephooks._realign_rng`` (the plain hook's ``rng_at_forward``): the
         Accelerate docs' mid-epoch resume, ``skip_first_batches``, builds a DataLoader iterator that draws a base
         seed from the global torch RNG, which the uninterrupted run drew at the epoch's start, before S."""
         f = Path(folder) / f"{RNG_AT_FORWARD}_{self._rank}.pt"
