@@ -55,7 +55,8 @@ commit came after the drill's deadline (``late``). Default cell 64 MiB, 10 s ste
 ``make bench-time-to-safe-frameworks`` runs the full framework set (~35 min on 2 shared cores).
 ``--compare-boundary`` runs every
 trial twice in a row, the second with ``SPOTGUARD_BACKGROUND_AGREEMENT=0`` (the boundary path the adapters had
-before their any-moment path), and summarises each path (``by_path``) from the same interleaved run.
+before their any-moment path), and summarises each path (``by_path``) from the same interleaved run;
+``--baseline DIR`` does the same with another checkout's code first (before/after a change, on the same load).
 
 ``python -m benchmarks.time_to_safe [--quick] [--label NAME] [--cells MIB:SECONDS:TRIALS,...] [--framework F,...]``
 writes ``benchmarks/results/time_to_safe-<label>.json``; ``--quick`` is a
@@ -369,9 +370,11 @@ def _torchrun(mode: str, env: dict[str, str], timeout: float, script: Optional[P
     process); (exit code or -1 on timeout, its output). Its own session, killed whole on a timeout or when the
     benchmark stops."""
     torchrun = Path(sys.executable).parent / "torchrun"
+    repo = Path(env.get("SG_TTS_REPO", REPO))  # --baseline: another checkout's code
+    script = script if script is not None or repo == REPO else repo / "benchmarks" / "time_to_safe.py"
     job_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "SPOTGUARD_LOG_LEVEL": "info",
                "SPOTGUARD_LOG_FORMAT": "json", **env,
-               "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+               "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     launcher = [sys.executable] if job_env.get("SG_TTS_SINGLE") == "1" else \
         [str(torchrun), "--standalone", "--nproc-per-node", "2"]
     proc = subprocess.Popen([*launcher, str((script or Path(__file__)).resolve()), "--worker", mode], stdout=subprocess.PIPE,
@@ -477,9 +480,24 @@ def hook_figures(out: dict[str, Any], hook: list[dict[str, Any]], info: dict[str
         out["exit_codes"] = sorted(int(e["code"]) for e in exits)
     out["committed_step"] = int(committed[0]["step"])
     out["seconds_left_at_commit"] = min(float(e.get("seconds_left", float("nan"))) for e in committed)
+    out["profile"] = profile(mine, t_seen)
     if "completed_at_send" in info:
         out["steps_after_notice"] = out["committed_step"] - int(info["completed_at_send"])
     return t_seen
+
+
+def profile(mine: list[dict[str, Any]], t_seen: float) -> dict[str, Any]:
+    """Where the time between the notice and the commit goes, per rank: each timeline line's time after the
+    first ``notice_seen`` (the last one of a kind), and the parts an adapter's ``checkpoint_staged`` names."""
+    out: dict[str, Any] = {}
+    for e in mine:
+        r = out.setdefault(f"rank{e.get('rank', 0)}", {})
+        r[e["event"]] = round(log_time(e) - t_seen, 4)
+        if e["event"] == "checkpoint_staged" and isinstance(e.get("parts"), dict):
+            r["parts"] = e["parts"]
+        if "seconds" in e and e["event"] not in ("checkpoint_staged",):
+            r[e["event"] + "_seconds"] = e["seconds"]
+    return out
 
 
 def _cancel(sock: str, nid: str) -> None:
@@ -514,6 +532,8 @@ def _cell(sock: str, work: Path, mib: float, period: float, trials: int, rng: ra
     runs = []
     name = f"{framework + '/' if framework else ''}{mib:g}MiB/{period:g}s"
     paths = PATHS if framework and os.environ.get("SG_TTS_COMPARE") == "1" else {"": {}}
+    if framework and os.environ.get("SG_TTS_BASELINE"):  # --baseline: that checkout's code, then this one's
+        paths = {"baseline": {"SG_TTS_REPO": os.environ["SG_TTS_BASELINE"]}, "this": {}}
     for i in range(trials):
         phase = rng.random()  # both paths at the same phase of the step
         for label, extra in paths.items():
@@ -648,7 +668,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--compare-boundary", action="store_true",
                     help="--framework: every trial run twice at the same phase, the second with "
                          "SPOTGUARD_BACKGROUND_AGREEMENT=0 (the boundary path), summarised per path (by_path)")
+    ap.add_argument("--baseline", metavar="DIR",
+                    help="--framework: every trial run twice at the same phase, first with the code of the checkout "
+                         "DIR (e.g. the main branch: before a change), then this one's, summarised per path (by_path)")
     a = ap.parse_args(argv)
+    if a.baseline:
+        os.environ["SG_TTS_BASELINE"] = str(Path(a.baseline).resolve())
     if a.compare_boundary:
         os.environ["SG_TTS_COMPARE"] = "1"
     frameworks: tuple[Optional[str], ...] = (None,)

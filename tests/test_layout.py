@@ -27,10 +27,6 @@ MAX_LINES = 500
 
 #: modules allowed over MAX_LINES, each with the reason it is not split (yet)
 LONG_ALLOWED: dict[str, str] = {
-    "spotguard/hook/core.py": "Hook's construction, public API and step hooks; its state gets owners in issue 28 "
-                              "part 2 (composition instead of six mixins), which splits it along those owners",
-    "spotguard/hook/save.py": "the save mixin of Hook; split with issue 28 part 2 (state at S as an object)",
-    "spotguard/hook/agreement.py": "the agreement mixin of Hook; split with issue 28 part 2",
     "spotguard/daemon/actions/__init__.py": "ActionRunner: one state machine per notice (start, outcome, restart "
                                             "after a daemon kill); the per-action modules are apart already",
     "spotguard/daemon/server.py": "the Unix socket server: accept, SO_PEERCRED, the bounded reader and the "

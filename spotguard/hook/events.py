@@ -21,7 +21,8 @@ is known, ``notice_id``. Fields per event:
   action ("emergency" | "checkpoint" | "exit" | "none"), seconds_since_notice, seconds_left
 - ``checkpoint_started``: notice_id, step, uri, reason
 - ``checkpoint_staged`` (background save only): notice_id, step, bytes, seconds (notice round -> tensors
-  copied; the training thread is released here), small_state_from ("pre-hook" | "background")
+  copied; the training thread is released here), small_state_from ("pre-hook" | "background"); HF Trainer's
+  any-moment path: notice_id, step, seconds, in_place, parts (seconds of each part of the write)
 - ``checkpoint_safe`` (a doomed rank, survivors without a notice): notice_id, step, bytes, seconds, at,
   waits_for; evacuated: evacuated_to, evacuated_bytes (``evacuate.py``)
 - ``checkpoint_evacuated`` (doomed): notice_id, step, to_rank, bytes, files, seconds, decision;

@@ -318,9 +318,8 @@ def split_for(hook: Any, group: Any, doomed: "Optional[frozenset[int]]", notice:
     if split is not None and not split.is_doomed:
         scope.enter_context(hook._storage.deadline_at(split.t_survivors))
         hook._late_deadline = split.deadline
-        with hook._cv:  # a held training thread must not give up (exit 75) at the doomed ranks' bound
-            hook._hold_until = max(hook._hold_until, split.t_survivors)
-            hook._cv.notify_all()
+        hook._steps.extend_hold(split.t_survivors)  # a held training thread must not give up (exit 75) at the
+        # doomed ranks' bound
     return split
 
 

@@ -162,11 +162,8 @@ class NoticesMixin:
         from .agreement import _round_end  # noqa: PLC0415 - agreement imports this module's users
 
         end = _round_end(_ms(notice.deadline))
-        with self._cv:
-            if end >= self._hold_until:
-                return
-            self._hold_until = end
-            self._cv.notify_all()
+        if not self._steps.shorten_hold(end):
+            return
         if level < LEVEL_EMERGENCY:
             return
         bg = self._bg

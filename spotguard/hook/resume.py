@@ -199,7 +199,7 @@ class ResumeMixin:
             note = getattr(obj, "note_resume_rng", None)
             if callable(note):
                 note(torch.get_rng_state())
-        fwd = per.get("rng_at_forward") if own else None  # see core._realign_rng
+        fwd = per.get("rng_at_forward") if own else None  # see stephooks._realign_rng
         self._realign = fwd if isinstance(fwd, torch.Tensor) else None
         if old_world != self._world or not own:
             self._log.info(ev.ELASTIC_RESUME, dir=dirkey, old_world_size=old_world, world_size=self._world,

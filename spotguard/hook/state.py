@@ -386,7 +386,7 @@ class Snapshot:
 
     @classmethod
     def take(cls, loaders: Mapping[str, Any]) -> "Snapshot":
-        """RNG and loader positions now (running-stat buffers are taken at the next forward: core._on_forward)."""
+        """RNG and loader positions now (running-stat buffers are taken at the next forward: stephooks._on_forward)."""
         return cls(rng=capture_rng(), loaders={k: copy_state(v.state_dict()) for k, v in loaders.items()})
 
 

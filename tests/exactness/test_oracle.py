@@ -219,6 +219,7 @@ def _run_all(cases: list[str], work: Path) -> None:
     jobs = int(os.environ.get("EXO_JOBS", "3"))
     cases = [c for c in cases if not _missing(c)]
     names = list(dict.fromkeys(CASES[c][0] for c in cases))
+    oracle.start_servers([PATTERNS[n] for n in names])
     with ThreadPoolExecutor(int(os.environ.get("EXO_REF_JOBS", "1"))) as ref_pool, ThreadPoolExecutor(jobs) as pool:
         def ref(n: str) -> Any:
             try:

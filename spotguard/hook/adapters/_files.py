@@ -13,12 +13,12 @@ from __future__ import annotations
 import os
 import pathlib
 import tempfile
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from ...storage import Storage
 from ...storage.base import join_key
 from ...storage.commit import COMMIT_NAME
-from ...storage.integrity import Checksummer
+from ...storage.integrity import Checksummer, FileDigest
 from ...storage.verify import cache_root, download_dir  # noqa: F401 - moved down to storage (no import circle)
 
 __all__ = ["cache_root", "upload_dir", "download_dir", "staging_dir", "report_local"]
@@ -50,11 +50,13 @@ def upload_dir(storage: Storage, local: str | os.PathLike[str], key: str,
     return done
 
 
-def report_local(storage: Storage, key: str, select: Optional[Callable[[str], bool]] = None) -> list[str]:
+def report_local(storage: Storage, key: str, select: Optional[Callable[[str], bool]] = None,
+                 known: Optional[Mapping[str, FileDigest]] = None) -> list[str]:
     """A framework wrote straight into local folder ``key``: put this rank's files (``select``) in the write log.
 
     The framework's writer cannot checksum as it streams, so each of this rank's
-    files is read back once (from the page cache) right after this rank wrote it;
+    files is read back once (from the page cache) right after this rank wrote it,
+    unless ``known`` (absolute path -> digest) has it already;
     the commit record then names what the ranks report, as for every other path.
     """
     root = storage.local_path(key)
@@ -65,10 +67,16 @@ def report_local(storage: Storage, key: str, select: Optional[Callable[[str], bo
         rel = path.relative_to(root).as_posix()
         if rel == COMMIT_NAME or (select is not None and not select(rel)):
             continue
-        summer = Checksummer()
-        with open(path, "rb") as f:
-            while chunk := f.read(16 << 20):
-                summer.update(chunk)
-        storage.write_log.note(join_key(key, rel), summer.digest())
+        digest = (known or {}).get(str(path))
+        storage.write_log.note(join_key(key, rel), digest if digest is not None else file_digest(path))
         done.append(rel)
     return done
+
+
+def file_digest(path: str | os.PathLike[str]) -> FileDigest:
+    """The digest of a file, read once in 16 MiB chunks (the read and the CRC release the GIL)."""
+    summer = Checksummer()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            summer.update(chunk)
+    return summer.digest()

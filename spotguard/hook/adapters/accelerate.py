@@ -12,7 +12,8 @@ process; gradient accumulation or not) a notice is acted on **at any moment**, a
 plain hook's: the last completed optimizer step S is written from the
 background in ``save_state``'s files while step S+1 goes on (held before its
 optimizer step): ``accelerate_anymoment.py``; measured notice -> committed p50 /
-p99 0.42 / 0.52 s with 64 MiB and 10 s steps (the boundary path: 16.8 / 19.0 s). Where
+p99 0.42 / 0.52 s with 64 MiB and 10 s steps (the boundary path: 16.8 / 19.0 s; with accumulation 8
+of 1.25 s: 0.83 / 1.52 s at load 9-15). Where
 that path refuses (FSDP, DeepSpeed, a GradScaler, custom objects,
 ...: said in ``notice_path``), the boundary path below. On it, exactly like
 the plain-PyTorch hook's boundary path (same code): the ranks decide at each
@@ -56,7 +57,7 @@ save, not rewound), as the Accelerate docs describe. That iterator draws a base 
 RNG, which the uninterrupted run drew at the epoch's start: the torch RNG at the
 first training forward after S is saved beside Accelerate's files
 (``spotguard_rng_at_forward_<rank>.pt``) and set back there after the resume
-(``core._realign_rng``, logged ``rng_realigned``).
+(``stephooks._realign_rng``, logged ``rng_realigned``).
 """
 
 from __future__ import annotations

@@ -41,8 +41,9 @@ is the torch optimizer's step hooks inside ``AcceleratedOptimizer``, which calls
 micro-batch that syncs (and its scheduler wrapper steps only then), so S is the last optimizer step
 that really ran; the micro-batches after it only add to ``.grad`` (not saved: zeroed at S) and move
 the RNG, the running statistics and ``accelerator.step``, all taken as at S above (the anchor is the
-first micro-batch's forward); they are thrown away and recomputed after the resume. The hold is
-S+1's real step, N micro-batches on; the commit does not wait for it. The micro-batch path
+first micro-batch's forward); they are thrown away and recomputed after the resume. While a round
+writes S the next micro-batch's forward waits (``accelerate.py``: the core's hold, as at S+1's real
+step; an agreed exit leaves from there). The micro-batch path
 (``accelerate.py``: ``save_state`` at the next micro-batch's forward) stays for refused configurations.
 
 Configurations not proven exact keep the boundary path, said once in the
@@ -234,7 +235,7 @@ class AccelerateAnyMoment:
 
     def _realign_at_load(self, folder: str) -> None:
         """After ``load_state``: this rank's torch RNG at the interrupted run's first training forward after S,
-        when the writer above saved it, for ``core._realign_rng`` (the plain hook's ``rng_at_forward``): the
+        when the writer above saved it, for ``stephooks._realign_rng`` (the plain hook's ``rng_at_forward``): the
         Accelerate docs' mid-epoch resume, ``skip_first_batches``, builds a DataLoader iterator that draws a base
         seed from the global torch RNG, which the uninterrupted run drew at the epoch's start, before S."""
         f = Path(folder) / f"{RNG_AT_FORWARD}_{self._rank}.pt"

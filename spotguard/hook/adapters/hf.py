@@ -397,13 +397,13 @@ class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
 
     def _upload(self, folder: str, key: str) -> None:
         """This rank's share of a ``checkpoint-N`` folder into ``key``."""
-        rank = self._rank
+        upload_dir(self._storage, folder, key, select=self._mine)
 
-        def mine(rel: str) -> bool:  # each rank its RNG file and (DeepSpeed ZeRO) its partition files
-            m = _RANK_FILE.match(rel) or _ZERO_FILE.search(rel)
-            return int(m.group(1)) == rank if m else rank == 0
-
-        upload_dir(self._storage, folder, key, select=mine)
+    def _mine(self, rel: str) -> bool:
+        """Whether file ``rel`` of a ``checkpoint-N`` folder is this rank's to store: each rank its RNG file and
+        (DeepSpeed ZeRO) its partition files, rank 0 the rest."""
+        m = _RANK_FILE.match(rel) or _ZERO_FILE.search(rel)
+        return int(m.group(1)) == self._rank if m else self._rank == 0
 
 
 def install(trainer: Any, storage: Any = None, *, socket: str | None = None, every: Any = None,

@@ -27,12 +27,17 @@ is finishing) and writes S from the background:
   the weights and ``training_args.bin``, ``optimizer.pt``, ``scheduler.pt``,
   ``scaler.pt``, ``rng_state[_<rank>].pth``, ``trainer_state.json`` with the
   stateful callbacks as at S's end: taken by a callback put first in the Trainer's list, before a
-  user's ``on_step_begin``/``on_substep_end`` of S+1 moves them) into a local staging folder, without
-  ``_save_checkpoint``: that one all-gathers the FLOP count (``store_flos``) and may ``dist.barrier()`` on the
-  training group, which the background thread must never touch (the training thread
-  may be in DDP's all-reduce of the next backward). The FLOP count is summed as
-  ``store_flos`` does, each rank's value passed through the c10d store. The resume is
-  unchanged: ``trainer.train(resume_from_checkpoint=hook.latest())``.
+  user's ``on_step_begin``/``on_substep_end`` of S+1 moves them), without ``_save_checkpoint``. An emergency into
+  a local store (S held until the exit) writes them straight into ``step-S/`` inside the save, each file read back
+  (its checksum, for the commit record) and fsynced on a thread as soon as it is closed, overlapping the next
+  file's serialisation; anything else (an object store, an ordinary notice, whose hold ends once the files
+  are on local disk) writes them into a local staging folder and uploads them. Not ``_save_checkpoint``: that
+  one all-gathers the FLOP count (``store_flos``) and may ``dist.barrier()`` on the training group, which the
+  background thread must never touch (the training thread may be in DDP's all-reduce of the next backward). The
+  FLOP count is summed as ``store_flos`` does, each rank's value passed through the c10d store. The resume is
+  unchanged: ``trainer.train(resume_from_checkpoint=hook.latest())``. ``checkpoint_staged`` gives the seconds of
+  each part (``parts``: wait for S's end, model, optimizer, small files, the wait for the checksum/fsync threads,
+  the report) and ``in_place``.
 
 Configurations this is not proven exact for keep the boundary path, said once in the
 ``notice_path`` line (``any_moment_refusal``): DeepSpeed, FSDP, evaluation during
@@ -50,15 +55,19 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import threading
 import time
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
+from ...storage.commit import step_dir
+from ...storage.integrity import FileDigest
+from .. import events as ev
 from ..save import _Result
 from ..settings import HANDED_OVER
-from ._files import staging_dir
+from ._files import file_digest, report_local, staging_dir
 
 __all__ = ["HFAnyMomentMixin", "any_moment_refusal"]
 
@@ -115,6 +124,8 @@ class HFAnyMomentMixin:
         self._bg_ready.set()
         if not self._hf_any or self._bg is None or not self._bg.ok or self._bg_on or self._torn_down:
             return
+        if self.trainer.args.should_save:
+            _warm_save_pretrained(self.trainer.model, self._log)
         self._turn_on_background()  # core: notices that came before training started wake the round now
 
     def _capture_callbacks(self) -> None:
@@ -181,9 +192,44 @@ class HFAnyMomentMixin:
             self._release_hold(keep_target=hold)
             return self._fail(notice, step, f"training ended at step {self._count}, not {step}" if self._hf_ended
                               else f"this rank did not reach the end of step {step} in time", t0, peers_ok=True)
-        return self._save_built(notice, reason, step, group, t_end, build=lambda: self._hf_folder(at, t_end),
+        parts: dict[str, float] = {"wait": time.monotonic() - t0}
+        if hold and self._storage.local_path(step_dir(step)) is not None:
+            # an emergency into a local store: S stays held until the exit, so the files are written straight
+            # into step-S/ inside the save (after rank 0 has prepared the folder) — no staging copy, no re-read
+            return self._save_built(notice, reason, step, group, t_end, build=lambda: self._hf_flos(at, t_end),
+                                    put=lambda key, flos: self._hf_in_place(notice, key, at, flos, parts, t0),
+                                    release=False)
+
+        def build() -> str:
+            out = str(staging_dir("hf-any"))
+            self._hf_write(out, at, self._hf_flos(at, t_end), parts)
+            self._log.info(ev.CHECKPOINT_STAGED, notice_id=notice.id, step=step, in_place=False,
+                           seconds=round(time.monotonic() - t0, 4), parts=_rounded(parts))
+            return out
+
+        return self._save_built(notice, reason, step, group, t_end, build=build,
                                 put=lambda key, folder: self._upload(str(folder), key), release=not hold,
                                 done=lambda folder: shutil.rmtree(folder, ignore_errors=True))
+
+    def _hf_in_place(self, notice: Any, key: str, at: Any, flos: float, parts: dict[str, float], t0: float) -> None:
+        """This rank's files of ``checkpoint-S`` written into the local store's ``key`` folder, each one checksummed
+        and fsynced on a thread as soon as it is closed (``_Closed``), then reported for the commit record as
+        ``report_local`` does (the commit makes the folder durable again: cheap by then)."""
+        folder = self._storage.local_path(key)
+        assert folder is not None
+        os.makedirs(folder, exist_ok=True)
+        closed = _Closed()
+        try:
+            self._hf_write(str(folder), at, flos, parts, closed.start)
+        finally:
+            t = time.monotonic()
+            digests = closed.wait()
+            parts["closing"] = time.monotonic() - t
+        t = time.monotonic()
+        report_local(self._storage, key, select=self._mine, known=digests)  # type: ignore[attr-defined]
+        parts["report"] = time.monotonic() - t
+        self._log.info(ev.CHECKPOINT_STAGED, notice_id=notice.id, step=at.step, in_place=True,
+                       seconds=round(time.monotonic() - t0, 4), parts=_rounded(parts))
 
     def _hf_flos(self, at: Any, t_end: float) -> float:
         """``state.total_flos`` as ``store_flos`` would have made it at S's save: every rank's FLOPs since the
@@ -204,21 +250,25 @@ class HFAnyMomentMixin:
                 vals[1:] = [float(store.get(k).decode()) for k in keys]
         return at.total_flos + torch.tensor(vals).sum().item()
 
-    def _hf_folder(self, at: Any, t_end: float) -> str:
-        """This rank's files of ``checkpoint-S`` as ``Trainer._save_checkpoint`` writes them (no collective), in a
-        fresh local folder; returns it."""
+    def _hf_write(self, out: str, at: Any, flos: float, parts: dict[str, float],
+                  closed: Callable[[str], None] = lambda path: None) -> None:
+        """This rank's files of ``checkpoint-S`` into folder ``out``, as ``Trainer._save_checkpoint`` writes them
+        (no collective); ``closed(path)`` after each file is written; the seconds of each part into ``parts``."""
         from transformers.trainer import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME  # noqa
         tr = self.trainer
-        folder = staging_dir("hf-any")
-        out = str(folder)
-        flos = self._hf_flos(at, t_end)
+        t = time.monotonic()
         if tr.args.should_save:
             sd = tr.model.state_dict()  # not copied: held, and written before the hold ends (tied weights stay tied)
-            for name, t in (at.bufs.get("model") or {}).items():
+            for name, tensor in (at.bufs.get("model") or {}).items():
                 if name in sd:
-                    sd[name] = t
+                    sd[name] = tensor
             tr._save(out, state_dict=sd)
+            for name in sorted(os.listdir(out)):  # the weights and training_args.bin (config.json, ...)
+                closed(os.path.join(out, name))
+            parts["model"], t = time.monotonic() - t, time.monotonic()
             torch.save(tr.optimizer.state_dict(), os.path.join(out, OPTIMIZER_NAME))
+            closed(os.path.join(out, OPTIMIZER_NAME))
+            parts["optimizer"], t = time.monotonic() - t, time.monotonic()
             torch.save(tr.lr_scheduler.state_dict(), os.path.join(out, SCHEDULER_NAME))
             scaler = getattr(tr.accelerator, "scaler", None)
             if scaler is not None:
@@ -238,7 +288,62 @@ class HFAnyMomentMixin:
             shutil.copyfile(os.path.join(self._resume_path, rng_name), os.path.join(out, rng_name))
         else:
             raise RuntimeError(f"the RNG of step {at.step} is not known (resumed from an unknown folder)")
-        return out
+        parts["small"] = time.monotonic() - t
+
+
+class _Closed:
+    """Each written file checksummed and fsynced on its own thread as soon as it is closed (the read, the CRC and
+    the fsync release the GIL): the disk and the second core work on one file while the next is serialised.
+    ``wait`` joins them, raises the first error and returns the digests (absolute path -> digest)."""
+
+    def __init__(self) -> None:
+        self._threads: list[threading.Thread] = []
+        self._errors: list[BaseException] = []
+        self._digests: dict[str, FileDigest] = {}
+
+    def start(self, path: str) -> None:
+        if os.path.isfile(path) and path not in self._digests:
+            t = threading.Thread(target=self._close, args=(path,), name="spotguard-hf-fsync", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _close(self, path: str) -> None:
+        try:
+            digest = file_digest(path)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._digests[path] = digest
+        except BaseException as exc:  # noqa: BLE001 - raised by wait(), on the writing thread
+            self._errors.append(exc)
+
+    def wait(self) -> dict[str, FileDigest]:
+        for t in self._threads:
+            t.join()
+        if self._errors:
+            raise self._errors[0]
+        return self._digests
+
+
+def _warm_save_pretrained(model: Any, log: Any) -> None:
+    """A ``PreTrainedModel``'s first ``save_pretrained`` builds transformers' process-wide table of weight
+    conversions (about 900 regular expressions: 0.8 s idle, 2.6 s under load, measured with transformers 5.x) before
+    it writes a byte; a model made from its config (not ``from_pretrained``, which builds it while loading) would pay
+    that inside a notice's seconds. Built here, once, at training start; nothing else changes."""
+    if not hasattr(model, "save_pretrained") or getattr(model, "_weight_conversions", None) is not None:
+        return
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: PLC0415
+
+        get_model_conversion_mapping(model, add_legacy=False)
+    except Exception as exc:  # noqa: BLE001 - only a warm-up (another transformers version): the save builds it
+        log.debug("save_pretrained warm-up skipped", error=repr(exc))
+
+
+def _rounded(parts: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 4) for k, v in parts.items()}
 
 
 def callback_states(tr: Any) -> list[tuple[str, Any]]:

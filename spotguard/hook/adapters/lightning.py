@@ -14,16 +14,16 @@ Life cycle (every rank):
   below), logs ``resumed`` and agrees once (replayed notice -> exit at once).
 - ``on_train_batch_start`` (first batch after a resume): restores this rank's
   RNG states saved in the checkpoint (Lightning does not save RNG).
-- Without accumulation (DDP or one device, one optimizer, automatic optimization;
-  ``lightning_anymoment.py``): **any moment**. ``on_before_optimizer_step`` holds
-  the next step while the agreement thread writes the last completed step S from
+- DDP or one device, one optimizer, automatic optimization, with or without
+  accumulation (``lightning_anymoment.py``): **any moment**. ``on_before_optimizer_step``
+  holds the next step while the agreement thread writes the last completed step S from
   the background (Lightning's own dict with S's step-end copies of RNG, buffers,
-  loops and callbacks); ``on_train_batch_end`` only copies and counts. Anything
-  else (accumulation, FSDP/DeepSpeed, manual optimization, several optimizers,
-  ``every=``, a notice after validation or an epoch end since S) takes the
-  boundary path below and says why in ``notice_path``. Notice -> committed, 2 ranks,
-  64 MiB, 10 s steps: p50 / p99 0.38 / 0.88 s (8 trials; the step boundary 14.95 /
-  22.02 s; docs/performance.md).
+  loops and callbacks, taken at S's last micro-batch's ``on_train_batch_end``); the
+  micro-batches after S are thrown away. Anything else (FSDP/DeepSpeed, manual
+  optimization, several optimizers, ``every=``, accumulation with a validation between
+  micro-batches, a notice after validation or an epoch end since S) takes the boundary
+  path below and says why in ``notice_path``. Notice -> committed, 2 ranks, 64 MiB,
+  10 s steps: docs/performance.md.
 - ``on_train_batch_end`` (boundary path): the iteration boundary (optimizer and step-interval
   schedulers have stepped, exactly where Lightning's ``ModelCheckpoint`` saves
   mid-epoch): the agreement launched one boundary earlier is waited; if any
@@ -39,7 +39,8 @@ Life cycle (every rank):
   (validation changes no weights): a notice during a long validation loop
   commits and exits without waiting for the loop to end.
 
-Accumulation: with ``accumulate_grad_batches`` > 1 the step boundary can be
+Accumulation on the boundary path (the any-moment path handed over or refused): with
+``accumulate_grad_batches`` > 1 the step boundary can be
 minutes away, and Lightning writes its checkpoint from the training thread (no
 background read as in the plain hook). At each step's end the callback takes
 what the micro-batches after it move — this rank's RNG, the module's persistent

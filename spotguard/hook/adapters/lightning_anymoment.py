@@ -16,6 +16,11 @@ step (MAX of the ranks' stands) and writes S from the background:
   its ``on_before_optimizer_step`` until they are written (an emergency: until the
   exit; an ordinary checkpoint: until they are copied to the host). Forward and
   backward of S+1 go on meanwhile: they touch gradients, not the checkpoint.
+- **Gradient accumulation** (``accumulate_grad_batches`` > 1): the same, with S's
+  copies taken at S's LAST micro-batch's ``on_train_batch_end``; the micro-batches
+  after S (forward/backward only, ``global_step`` unchanged) neither copy nor wait, a
+  notice among them is written for S at once and they are thrown away (the resumed
+  run replays them from S's loop progress, the data position of S's end).
 - **What moves between steps** — this rank's RNG, the module's persistent buffers
   (BatchNorm's running statistics), Lightning's loop progress and the callbacks'
   ``state_dict``s — is copied at every step's ``on_train_batch_end`` (the accumulation
@@ -34,16 +39,19 @@ step (MAX of the ranks' stands) and writes S from the background:
   step while a round runs (the epoch-interval schedulers step after it). A round whose
   S is followed, on some rank, by a validation loop or an epoch end hands its notice
   to the boundary path (every rank alike: the reason travels in the gathered entries)
-  and the process stays on the boundary path from its next batch end on. So does a
-  notice before the run's first step ends (no step-end copy yet) and one whose S is
+  and the process stays on the boundary path from its next optimizer step's end on (every
+  rank is held before that step; a micro-batch is no common point of the ranks). So does
+  a notice before the run's first step ends (no step-end copy yet) and one whose S is
   the run's last step (as on the boundary path, not acted on: training is over).
 
 Configurations not proven exact keep the boundary path, said once in the
 ``notice_path`` line (``lightning_any_moment_refusal``): a strategy other than
 ``DDPStrategy``/``SingleDeviceStrategy`` (FSDP, DeepSpeed, ...), manual optimization,
-several optimizers, ``accumulate_grad_batches`` > 1 (the micro-batch path of
-``lightning.py`` acts one micro-batch after the notice), a precision plugin other than
-``Precision``/``MixedPrecision``, ``every=``, and ``SPOTGUARD_BACKGROUND_AGREEMENT=0``.
+several optimizers, a precision plugin other than ``Precision``/``MixedPrecision``,
+``every=``, ``SPOTGUARD_BACKGROUND_AGREEMENT=0``, and accumulation with a validation
+that can run between two micro-batches (there the micro-batch path of ``lightning.py``
+acts at the validation's next batch, rewound to S; the hand-over would wait for the
+next step's end).
 """
 
 from __future__ import annotations
@@ -78,9 +86,6 @@ def static_refusal(trainer: Any, every: Optional[float]) -> Optional[str]:
         return f"strategy {name}: the any-moment path is proven for DDPStrategy and SingleDeviceStrategy only"
     if every is not None:
         return "every=: the periodic checkpoint is written at the step boundary"
-    if int(getattr(trainer, "accumulate_grad_batches", 1) or 1) > 1:
-        return ("accumulate_grad_batches > 1: the micro-batch path acts one micro-batch after the notice "
-                "(the any-moment path is proven without accumulation)")
     return None
 
 
@@ -103,7 +108,31 @@ def lightning_any_moment_refusal(trainer: Any, every: Optional[float] = None) ->
     prec = type(getattr(trainer, "precision_plugin", None)).__name__
     if prec not in _PRECISIONS:
         return f"precision plugin {prec}: the any-moment path is proven for Precision and MixedPrecision only"
-    return None
+    return _validation_between_micro_batches(trainer)
+
+
+def _validation_between_micro_batches(trainer: Any) -> Optional[str]:
+    """With accumulation, a validation that can run between two micro-batches keeps the micro-batch path: a notice
+    during it is acted on at its next batch there (rewound to S), while the any-moment path would hand it over to
+    the end of the next optimizer step. Validation at step ends and epoch ends only: None. (At ``on_train_start``
+    Lightning has set ``val_check_batch``.)"""
+    accum = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+    if accum <= 1 or not getattr(trainer, "enable_validation", False):
+        return None
+    every = getattr(trainer, "val_check_batch", None)
+    timed = getattr(trainer, "_val_check_time_interval", None) is not None  # every N seconds: any batch
+    if not timed and (every is None or every == float("inf")):
+        return None  # at the epoch's last batch: Lightning always steps there
+    per_epoch = getattr(trainer, "num_training_batches", None)
+    if not timed and isinstance(every, int):
+        if isinstance(per_epoch, int) and every >= per_epoch:
+            return None  # the epoch's last batch
+        # counted in the epoch's batches (check_val_every_n_epoch set) or across epochs of whole accumulations
+        if every % accum == 0 and (getattr(trainer, "check_val_every_n_epoch", 1) is not None
+                                   or (isinstance(per_epoch, int) and per_epoch % accum == 0)):
+            return None
+    return (f"accumulate_grad_batches={accum} with validation every {every} batches: a validation can run between "
+            "micro-batches, where the micro-batch path acts at its next batch")
 
 
 class AnyMomentMixin:
@@ -178,6 +207,12 @@ class AnyMomentMixin:
         the step". False: this process is (now) on the boundary path, the caller goes on as before."""
         if not self._lt_any:
             return False
+        if step == self._count:
+            # a micro-batch of an accumulation (no optimizer step): S's copies stand (none yet before the run's
+            # first step: a round hands over), a round writes S meanwhile; the switch after a hand-over waits for
+            # the step's end, where every rank is (the ranks' micro-batches are not in step with each other)
+            self._exit_if_requested()
+            return True
         if self._lt_leave:  # a round handed over: every rank switches at the same batch end
             self._lt_any = self._bg_on = False
             with self._cv:

@@ -93,6 +93,8 @@ def _preempt_mid_step(tmp: Path, *, resume: bool, args: tuple[str, ...] = (), st
     done = run.events("checkpoint_committed")
     assert done and all(e["late"] is False and e["seconds_since_notice"] < 1.5 for e in done), done
     assert not run.events("checkpoint_late"), run.tail()
+    staged = run.events("checkpoint_staged")  # an emergency into a local store: written in place, no staging copy
+    assert sorted(e["rank"] for e in staged) == [0, 1] and all(e["in_place"] for e in staged), staged
     assert_checkpoint_equals_trainers(store / f"step-{AT:08d}", ref_dir / f"checkpoint-{AT}")
     if resume:
         ref = {int(e["step"]): e["hex"] for e in read_log(tmp / "ref.log").lines() if "hex" in e}
@@ -116,6 +118,20 @@ def test_notice_mid_micro_batch_with_accumulation_resumes_bitwise(tmp_path: Path
     """Gradient accumulation 4, 1.5 s micro-batches: the notice in a micro-batch of step AT+1 commits S = AT
     at once (not at the next micro-batch's end), and the resume replays step AT+1 from its first micro-batch."""
     _preempt_mid_step(tmp_path, resume=True, args=("--grad-accum", "4"), step_time="1.5")
+
+
+def test_save_pretrained_warm_up_builds_the_conversion_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model made from its config pays transformers' weight-conversion table (~900 regular expressions, 0.8-2.6 s)
+    in its first ``save_pretrained``: the warm-up at training start builds it, so a notice's save does not."""
+    import structlog
+    from transformers import GPT2Config, GPT2LMHeadModel, conversion_mapping
+
+    from spotguard.hook.adapters.hf_anymoment import _warm_save_pretrained
+
+    monkeypatch.setattr(conversion_mapping, "_checkpoint_conversion_mapping_cache", None)
+    cfg = GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=1, bos_token_id=0, eos_token_id=0)
+    _warm_save_pretrained(GPT2LMHeadModel(cfg), structlog.get_logger())
+    assert conversion_mapping._checkpoint_conversion_mapping_cache is not None
 
 
 def test_evaluation_keeps_the_boundary_path_and_says_so(tmp_path: Path) -> None:

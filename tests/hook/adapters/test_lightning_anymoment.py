@@ -5,8 +5,8 @@ Real torchrun (2 ranks, DDP/gloo, CPU), a real ``spotguard daemon``, 4 s trainin
 deadline landing inside step S+1. Before, the notice waited for the step's end (``on_train_batch_end``, up to 4 s
 later, then the save): committed late or not at all. Now every rank commits S well within the deadline, exit 143,
 and the restarted job ends bitwise equal to an uninterrupted run (every batch's loss, final weights, optimizer).
-Configurations that are not proven exact (accumulation, manual optimization) keep the old path and say so in
-``notice_path`` (one process, in-process: seconds).
+Configurations that are not proven exact (manual optimization, accumulation with a validation that can run between
+micro-batches) keep the old path and say so in ``notice_path`` (one process, in-process: seconds).
 """
 
 from __future__ import annotations
@@ -82,15 +82,19 @@ def test_notice_mid_step_commits_last_step_within_deadline_and_resumes_bitwise(
 
 
 @pytest.mark.parametrize("config, why", [
-    ({"accumulate_grad_batches": 2}, "accumulate_grad_batches > 1"),
+    ({"accumulate_grad_batches": 2, "val_check_interval": 3, "limit_val_batches": 1},
+     "a validation can run between micro-batches"),
     ({"manual": True}, "manual optimization"),
+    ({"accumulate_grad_batches": 2, "val_check_interval": 4, "limit_val_batches": 1}, None),
+    ({"accumulate_grad_batches": 2}, None),
     ({}, None),
 ])
 def test_unproven_configurations_keep_the_boundary_path_and_say_so(
         config: dict[str, Any], why: Optional[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Accumulation and manual optimization are not proven on the any-moment path: the process keeps the boundary
-    path and its ``notice_path`` line says why (before: a generic 'the framework writes the checkpoint itself' for
-    every Lightning run); a plain configuration takes the any-moment path. One process, one device, 3 steps."""
+    """Manual optimization and accumulation with a validation between micro-batches (its notice is acted on at
+    the validation's next batch there) keep the boundary path and its ``notice_path`` line says why; a plain
+    configuration, accumulation alone or with validation at step ends takes the any-moment path (before: every
+    accumulation refused). One process, one device, 3 steps."""
     import torch
 
     from spotguard import install_preemption_hook
@@ -114,6 +118,9 @@ def test_unproven_configurations_keep_the_boundary_path_and_say_so(
                 return None
             return loss
 
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.lin(batch)
+
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -125,7 +132,8 @@ def test_unproven_configurations_keep_the_boundary_path_and_say_so(
     log_path = hook._log_path
     hook._log_path = lambda path, loop, w: (said.append((path, loop, w)), log_path(path, loop, w))[1]
     try:
-        trainer.fit(M(), train_dataloaders=torch.utils.data.DataLoader(torch.ones(16, 4), batch_size=2))
+        loader = torch.utils.data.DataLoader(torch.ones(16, 4), batch_size=2)
+        trainer.fit(M(), train_dataloaders=loader, val_dataloaders=loader)
     finally:
         hook.close()  # its StateWatch patches Parameter.data until closed (test_watch.py checks it is gone)
     boundary = [w for path, _, w in said if path == "boundary"]

@@ -1,0 +1,247 @@
+"""Iteration boundaries: explicit loops (``hook.range()``/``hook.step()``) on the any-moment path, proven
+against the optimizer clock, and the boundary path (decide at an iteration's end, act at the next step).
+
+Why a module of its own (issue 28, part 2): a boundary reads the clock (``clock.py``: the count, in-step), takes
+the snapshot of the iteration's end for the state at S (``stateat.py``: ``_copy_small``, ``_capture_small_for``,
+``_serve_anchor_read``) and launches or collects the flag reduction (``dist.py:Agreement``); acting on an agreed
+notice is ``agreement.py`` (``_act``), the periodic save ``staged.py``.
+
+Who writes what (the map): this module writes ``_confirmed``, ``_range_clock``, ``_range_broken`` (also the
+Lightning adapter), ``_range_small``, ``_iter_steps``/``_step_pattern``, ``_explicit``, ``_implicit_counted``,
+``_loop_kind``, ``_boundary_at``/``_iteration_seconds``; the round (agreement.py) reads ``_range_broken``, the
+state at S reads ``_confirmed`` and ``_range_small``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from .dist import NO_DEADLINE_MS
+from .settings import HOLD_SLACK, LEVEL_NONE
+from .state import Snapshot, clone_buffers
+
+__all__ = ["BoundaryMixin"]
+
+
+class BoundaryMixin:
+    """Part of ``Hook`` (``core.py``); see the module docstring."""
+
+    def _tick(self) -> None:
+        """An iteration boundary: how long the iteration took (the boundary path's warning at a notice)."""
+        now = time.monotonic()
+        last = getattr(self, "_boundary_at", None)
+        if last is not None:
+            self._iteration_seconds = now - last
+        self._boundary_at = now
+
+    def _decide(self) -> None:
+        """End of an iteration as the hook sees it: count, snapshot, launch the flag reduction."""
+        self._tick()
+        if not self._fresh_checked:
+            self._warn_unresumed()
+        if self._torn_down:  # the process group is gone: count, but launch nothing
+            self._count += 1
+            return
+        if self._bg_on:
+            self._step_end()
+            return
+        if self._agree.pending:  # a decision no boundary consumed (unusual loop): settle it here, consistently
+            res = self._agree.collect()
+            if res is not None and res[0] > 0:
+                self._act(res[0], res[1], snap=None, final=False)
+        self._count += 1
+        self._implicit_counted = True
+        if self._many_opts and not self._explicit_intent and ("boundary", "implicit") not in self._path_logged:
+            clock = self._opt_key.get(id(self._cycle.clock))
+            if any(n > 0 for k, n in self._iter_steps.items() if k != clock):
+                # the clock steps again after another optimizer did: past the first iteration, where a
+                # hook.step() loop would have declared itself
+                self._log_path("boundary", "implicit", self._implicit_why() or "")
+        self._snap = Snapshot.take(self._objs.loaders)
+        level, deadline_ms = self._local_level()
+        self._agree.launch(level, deadline_ms, self._periodic_flags())
+
+    def _unconfirmed_cycle(self) -> None:
+        """Before a commit at an implicit loop's boundary with several optimizers: ImplicitCycle.before_commit."""
+        if self._many_opts and not self._explicit and not self._range_clock:
+            self._cycle.before_commit()
+
+    def _boundary(self) -> None:
+        res = self._agree.collect()
+        self._implicit_counted = False
+        if res is not None and (res[0] > 0 or self._periodic_due()):  # a commit comes
+            self._unconfirmed_cycle()
+        if res is not None and res[0] > 0:
+            self._act(res[0], res[1], snap=self._snap, final=False)
+        elif res is not None:
+            self._maybe_periodic(self._snap)
+
+    def _explicit_boundary(self, *, final: bool) -> None:
+        self._tick()
+        if not self._fresh_checked:
+            self._warn_unresumed()
+        if self._torn_down:  # after destroy_process_group(): no collective any more
+            return
+        res = self._agree.collect()
+        self._implicit_counted = False
+        if res is not None and res[0] > 0:
+            self._act(res[0], res[1], snap=None, final=final)
+        elif res is not None and not final:
+            self._maybe_periodic(None)
+        if not final:
+            level, deadline_ms = self._local_level()
+            self._agree.launch(level, deadline_ms, self._periodic_flags())
+
+    def _enter_explicit(self) -> None:
+        if self._explicit:
+            return
+        self._explicit = True
+        self._range_clock = False
+        self._bg_on = False  # the explicit boundary decides (the hook cannot see optimizer steps any more)
+        self._remove_step_hooks()
+
+    def _begin_explicit(self, loop: str, start: int) -> None:
+        """An explicit loop starts (``hook.range()``, the first ``hook.step()``): any-moment if the optimizer
+        clock is observable (one optimizer, the background agreement running), else the boundary path.
+
+        Why the clock can stand for the loop: with one optimizer stepped once per iteration, the end of
+        optimizer step S *is* the end of iteration S-1 as far as model and optimizer go, and the loop's
+        boundary right after it is where the rest (scheduler, RNG, loader, buffers) is read. Each boundary
+        checks that exactly one clock step ran since the previous one (``_clocked_boundary``); a round may
+        only save a step that such a check has proven (``_confirmed``).
+        """
+        if self._explicit or self._range_clock:
+            return
+        bg = self._bg
+        if bg is None or not bg.ok or bg.closed or self._torn_down or self._range_broken is not None:
+            self._log_path("boundary", loop, self._range_broken or self._boundary_why or
+                           "the background agreement is not available")
+            self._enter_explicit()
+            return
+        if self._many_opts and self._agree.pending:
+            self._agree.collect()  # a hook.step() loop's first iteration ran on the implicit (boundary) path:
+            # every rank launched this reduction; a notice it carries is still pending and is armed below
+        with self._cv:
+            self._confirmed = start
+            self._range_clock = True
+            if self._many_opts:  # the count moves at boundaries; steps already in this iteration: inside it
+                self._count = start
+                self._in_step = bool(self._iter_steps)
+        self._loop_kind = loop
+        self._enable_background(clocked=True)
+        if self._many_opts:
+            self._log_path("any-moment", loop, f"{len(self._objs.optimizers)} optimizers: each boundary ends an "
+                           "iteration and checks that every optimizer stepped as often as in the first one; "
+                           "every optimizer's step waits while a round reads the state of the last boundary")
+        else:
+            self._log_path("any-moment", loop, "one optimizer: its step hooks mark each iteration's end; every "
+                                              "boundary checks that exactly one optimizer step ran in the iteration")
+
+    def _clocked_boundary(self, *, final: bool) -> None:
+        """The loop's boundary on the any-moment path: prove "one clock step in this iteration", then record
+        what the end of the iteration is (RNG, loader, buffers, the watch's mark) and serve a round that waits
+        for this step's small state. Any other count hands the loop to the boundary path (``_leave_clock``)."""
+        if not self._fresh_checked:
+            self._warn_unresumed()
+        expected = self._confirmed + 1
+        why = self._range_broken
+        if why is None and self._many_opts:
+            why = self._multi_boundary_why(expected)
+        elif why is None and (self._count != expected or self._in_step):
+            why = (f"{self._count - self._confirmed} optimizer steps in the iteration that ended at boundary "
+                   f"{expected} (gradient accumulation, a skipped or an extra optimizer.step()): optimizer steps "
+                   "do not map one to one onto iterations")
+        if why is not None:
+            self._leave_clock(expected, why, final=final)
+            return
+        snap = Snapshot.take(self._objs.loaders)
+        bufs = clone_buffers(self._buffers)
+        self._watch.mark()  # the loop's post-step writes (AveragedModel, clipping) belong to this iteration
+        if self._many_opts and self._cuda_params:
+            self._step_event = torch.cuda.Event()
+            self._step_event.record()  # the background read waits on it: this iteration's kernels are done
+        with self._cv:
+            if self._many_opts:  # the iteration ends here (``_multi_step_begin``): count it, leave "inside"
+                self._count, self._in_step = expected, False
+                self._iter_steps = {}
+            self._snap, self._snap_count = snap, expected
+            self._fwd_bufs, self._fwd_seq = (expected, bufs), self._post_seq
+            self._confirmed = expected
+            # The small state of this iteration's end, copied here and kept until the next boundary: the one
+            # moment it is known exactly (the loop may change a stateful object before its next forward or
+            # step). A round for this step takes it whenever it comes — no wait for an anchor. Copied, not
+            # packed: packing (torch.save) costs ms, and only a round needs it (``_capture_small_for``).
+            self._range_small = self._copy_small(expected, "iteration-boundary")
+            if self._want_small == expected:
+                self._capture_small_for(expected, "iteration-boundary")
+            give_up = self._serve_anchor_read(expected, "iteration-boundary")  # the exact fallback's read
+            self._cv.notify_all()
+        if give_up is not None:
+            self._give_up_hold(give_up)
+        if self._many_opts and self._periodic is not None and not final:
+            # the periodic vote launched at the last boundary is settled here, where the state is this
+            # iteration's end: at the next optimizer step, the loop's work before it (a scheduler stepped at
+            # the iteration's top, a meter, weights clipped before the critic's forward) would be saved as
+            # part of this step
+            if self._agree.pending:
+                self._boundary()
+            self._agree.launch(LEVEL_NONE, NO_DEADLINE_MS, self._periodic_flags())
+        self._exit_if_requested()
+
+    def _multi_boundary_why(self, expected: int) -> Optional[str]:
+        """Several optimizers: None when every optimizer stepped in the iteration ending at boundary
+        ``expected`` as often as in the first iteration of the loop (learned there), else why not — an
+        optimizer that did not step carries gradients into the next iteration that no checkpoint holds."""
+        steps = dict(self._iter_steps)
+        idle = [k for k in self._objs.optimizers if steps.get(k, 0) < 1]
+        if idle:
+            return (f"optimizer(s) {', '.join(idle)} did not step in the iteration that ended at boundary "
+                    f"{expected} (gradient accumulation, a skipped step): the state at that boundary is not an "
+                    "iteration's end every optimizer agrees on")
+        if self._step_pattern is None:
+            self._step_pattern = steps
+            return None
+        if steps != self._step_pattern:
+            return (f"optimizer steps {steps} in the iteration that ended at boundary {expected}, "
+                    f"{self._step_pattern} in the first: the iteration's optimizer steps are not regular")
+        return None
+
+    def _multi_step_begin(self) -> None:
+        """Several optimizers in an explicit loop: every optimizer's pre-hook. The iteration's first step
+        marks "inside the iteration" (a round joining from then on stands at the next boundary); any step
+        waits while a round holds the count (``_step_begin``), so no optimizer moves past the state a round
+        reads. The periodic vote launched at the last boundary is settled at the next boundary."""
+        if not self._bg_on:
+            return
+        self._step_begin()
+
+    def _break_clock(self, why: str) -> None:
+        """(under ``_cv``) The mapping iteration -> optimizer step is disproven: a round waiting for a step
+        no boundary proved hands its notice to the boundary path."""
+        if self._range_broken is None:
+            self._range_broken = why
+        self._cv.notify_all()
+
+    def _leave_clock(self, expected: int, why: str, *, final: bool) -> None:
+        """From this boundary on, this loop acts on notices at iteration boundaries (said once, with why).
+
+        A round in flight either saves a step that was proven before (its commit then ends the process
+        here) or hands its notice over (it stays pending, and the boundary reduction carries it)."""
+        with self._cv:
+            self._break_clock(why)
+            if self._many_opts:
+                self._in_step = False  # the boundary path counts from here (its steps are not watched)
+        self._log_path("boundary", getattr(self, "_loop_kind", "hook.range()"), why)
+        bg = self._bg
+        if bg is not None and bg.busy.is_set():
+            end = max(self._hold_until, time.monotonic()) + HOLD_SLACK
+            with self._cv:
+                while bg.busy.is_set() and self._exit_request is None and time.monotonic() < end:
+                    self._cv.wait(0.05)  # `busy` clears without a notify: look again shortly
+        self._exit_if_requested()
+        self._count = expected
+        self._enter_explicit()
+        self._explicit_boundary(final=final)
