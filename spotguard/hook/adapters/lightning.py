@@ -158,11 +158,17 @@ def _make_callback(base: type, hook: "LightningHook") -> Any:
 
         def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
                                     dataloader_idx: int = 0) -> None:
+            in_fit = trainer.training or getattr(trainer.state, "fn", None) == "fit"
             if hook._lt_any:
                 hook._exit_if_requested()
+                if in_fit and not getattr(trainer, "sanity_checking", False):
+                    hook._lt_eval_batch()  # lightning_anymoment.py: a handed-over notice is acted on here
                 return
-            if (trainer.training or getattr(trainer.state, "fn", None) == "fit") and hook._may_act_now():
+            if in_fit and hook._may_act_now():
                 hook._framework_eval_batch()
+
+        def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+            hook._lt_eval_end()
 
         def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
             if hook._saving:

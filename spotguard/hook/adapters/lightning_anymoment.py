@@ -65,6 +65,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..save import _Result
+from ..dist import NO_DEADLINE_MS
 from ..settings import HANDED_OVER
 from ..periodic import stage_state_dict
 from ..state import pack
@@ -252,6 +253,31 @@ class AnyMomentMixin:
         else:
             with self._cv:
                 dirty()
+
+    def _lt_eval_batch(self) -> None:
+        """A validation batch inside fit on this path (every rank, the same batches: Lightning gives every rank
+        the same number). A round during validation hands its notice over (``_range_broken``: validation ran
+        since S), so the validation's batches are where it is acted on — the boundary path's rhythm (one
+        non-blocking reduction per batch, ``_framework_eval_batch``), not the next training batch after a
+        validation of minutes. Only handed-over notices ride on it: a round that writes S itself (it began
+        before the validation) is never raced by a second save on the training thread."""
+        if (not self._lt_any or self._closed or self._exiting or self._torn_down or self._last_boundary is None
+                or self._finished):
+            return
+        res = self._agree.collect()
+        if res is not None and res[0] > 0:
+            self._act_in_eval(res[0], res[1])
+        level, deadline_ms = self._local_level() if self._lt_leave else (0, NO_DEADLINE_MS)
+        self._agree.launch(level, deadline_ms)
+
+    def _lt_eval_end(self) -> None:
+        """``on_validation_end`` (every rank): the reduction launched at the validation's last batch is settled
+        here — acted on if it carries a handed-over notice — so no reduction is left over for the next one."""
+        if not self._lt_any or self._closed or self._exiting or self._torn_down or not self._agree.pending:
+            return
+        res = self._agree.collect()
+        if res is not None and res[0] > 0:
+            self._act_in_eval(res[0], res[1])
 
     # ------------------------------------------------------------------ the agreement thread
 
