@@ -75,6 +75,11 @@ CASES: dict[str, tuple[str, ...]] = {
     "lightning-meter-callback-micro-batch": ("lightning_meter", "phase:micro@2"),
     # accumulate_grad_batches=4 over 10-batch epochs: a micro-batch of an epoch's second step, rewound to step 4
     "lightning-accum4-micro-batch-mid-epoch": ("lightning_accum4", "phase:load@4"),
+    # review of issue 23 (lrev): WeightAveraging + spectral_norm, a micro-batch after S = 2: the any-moment dump put
+    # S's buffers into the average's state_dict (the callback's on_save_checkpoint had swapped it in) and left the
+    # live, moved ones in current_model_state
+    "lightning-weight-averaging-micro-batch": ("lightning_ema", "phase:micro@2"),
+    "lightning-module-counter-micro-batch": ("lightning_seen", "phase:micro@2"),
     # issue 23: no accumulation, the notice inside step 5's backward: S = 4 written from the background while
     # the backward goes on, step 5 held at its on_before_optimizer_step
     "lightning-noaccum-notice-in-backward": ("lightning_noaccum", "phase:bwd@4"),

@@ -43,6 +43,8 @@ from _common import Net, _rt, setup
 from spotguard import install_preemption_hook
 
 ACCUM = int(os.environ.get("EXO_ACCUM", "2"))  # 4 (lightning_accum4): steps end at batches 3, 7 and 9 (short)
+EMA = os.environ.get("EXO_EMA") == "1"  # Lightning's WeightAveraging callback (an average of the weights)
+SEEN = os.environ.get("EXO_SEEN") == "1"  # the module counts its training batches, saved in on_save_checkpoint
 BATCHES = 10  # a 10-batch epoch is 5 optimizer steps: the 10 iterations cross an epoch boundary
 rank = int(os.environ.get("RANK", "0"))
 setup(distributed=False)  # Lightning creates the process group itself (inside fit)
@@ -69,6 +71,15 @@ class Module(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)  # the same initial weights on every rank
         self.net = Net()
+        self.seen = 0  # EXO_SEEN: batches (micro-batches too) trained, a plain attribute saved by the module's hook
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if SEEN:  # what a "tokens seen" counter in a user's module does
+            checkpoint["seen"] = self.seen
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if SEEN:
+            self.seen = checkpoint["seen"]
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         global _resumed
@@ -83,6 +94,7 @@ class Module(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         _rt.phase("fwd")
+        self.seen += 1
         g = torch.Generator().manual_seed(rank * 10_007 + self.current_epoch * 1_009 + batch_idx)
         x = torch.randn(8, 16, generator=g)
         y = x.sum(dim=1, keepdim=True) * 0.1
@@ -137,12 +149,17 @@ class LossMeter(pl.Callback):
 
 
 METER = LossMeter() if os.environ.get("EXO_METER") == "1" else None
+AVG: Any = None
+if EMA:  # before Phases: the average is updated at a step's end before the iteration's end is recorded
+    from lightning.pytorch.callbacks import WeightAveraging
+    AVG = WeightAveraging()
 module = Module()
 torch.manual_seed(1 + rank)  # per-rank dropout streams
 trainer = pl.Trainer(
     accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), num_nodes=1,
     strategy="ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "auto",
-    max_steps=_rt.steps(), max_epochs=-1, accumulate_grad_batches=ACCUM, callbacks=[*([METER] if METER else []), Phases()],
+    max_steps=_rt.steps(), max_epochs=-1, accumulate_grad_batches=ACCUM,
+    callbacks=[*([METER] if METER else []), *([AVG] if AVG else []), Phases()],
     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
 )
@@ -152,7 +169,9 @@ def state() -> dict[str, Any]:
     """What a resume must restore: weights, optimizer, scheduler, Lightning's loop position (RNG: ``_rt``)."""
     return {"model": module, "optimizer": trainer.optimizers[0],
             "scheduler": trainer.lr_scheduler_configs[0].scheduler, "loop": lambda: dict(POS),
-            **({"meter": METER} if METER else {})}
+            **({"meter": METER} if METER else {}),
+            **({"average": lambda: AVG._average_model.state_dict()} if AVG else {}),
+            **({"seen": lambda: {"seen": torch.tensor(module.seen)}} if SEEN else {})}
 
 
 hook = install_preemption_hook(trainer, storage=_rt.storage())
