@@ -235,6 +235,11 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("lightning_ema", "lightning_loop.py", env=(("EXO_EMA", "1"), ("EXO_SPECNORM", "1")),
             what="the lightning_specnorm pattern with Lightning's WeightAveraging callback",
             phases=("load", "micro", "step", "fwd", "bwd", "prestep", "after")),
+    # review of issue 23 (lrev): WeightAveraging swaps the average into the module for each validation (every 2 steps,
+    # right after a step's end) while the any-moment path writes that step from the background (a 1 s write)
+    Pattern("lightning_valswap", "lightning_loop.py", env=(("EXO_VALSWAP", "1"), ("EXO_ACCUM", "2")),
+            what="the lightning pattern with WeightAveraging, a validation every 2 steps and a slow checkpoint write",
+            phases=("load", "micro", "step", "fwd", "bwd", "prestep", "after", "valstart")),
     # review of issue 23 (lrev): the module counts its training batches (a "tokens seen"), saved by its own
     # on_save_checkpoint / on_load_checkpoint
     Pattern("lightning_seen", "lightning_loop.py", env=(("EXO_SEEN", "1"),), what="the lightning pattern with a "
