@@ -48,7 +48,9 @@ Configurations not proven exact keep the boundary path, said once in the
 ``notice_path`` line (``lightning_any_moment_refusal``): a strategy other than
 ``DDPStrategy``/``SingleDeviceStrategy`` (FSDP, DeepSpeed, ...), manual optimization,
 several optimizers, a precision plugin other than ``Precision``/``MixedPrecision``,
-``every=``, ``SPOTGUARD_BACKGROUND_AGREEMENT=0``, and accumulation with a validation
+``every=``, ``SPOTGUARD_BACKGROUND_AGREEMENT=0``, a user's own ``on_save_checkpoint`` (the module's, a
+callback's, the datamodule's; or a datamodule ``state_dict``: it may write what moved since S, which no step-end
+copy covers — the boundary path then acts at step ends only), and accumulation with a validation
 that can run between two micro-batches (there the micro-batch path of ``lightning.py``
 acts at the validation's next batch, rewound to S; the hand-over would wait for the
 next step's end).

@@ -44,7 +44,7 @@ from _common import Net, _rt, setup
 from spotguard import install_preemption_hook
 
 ACCUM = int(os.environ.get("EXO_ACCUM", "2"))  # 4 (lightning_accum4): steps end at batches 3, 7 and 9 (short)
-VALSWAP = os.environ.get("EXO_VALSWAP") == "1"  # WeightAveraging swapped in for a validation every 2 steps, a slow store
+VALSWAP = os.environ.get("EXO_VALSWAP") == "1"  # WeightAveraging swapped in at validations; a slow store
 EMA = VALSWAP or os.environ.get("EXO_EMA") == "1"  # Lightning's WeightAveraging callback (an average of the weights)
 SEEN = os.environ.get("EXO_SEEN") == "1"  # the module counts its training batches, saved in on_save_checkpoint
 BATCHES = 10  # a 10-batch epoch is 5 optimizer steps: the 10 iterations cross an epoch boundary
