@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deepspeed", type=int, default=None, metavar="STAGE",
                    help="train through Accelerate's DeepSpeedPlugin with this ZeRO stage (DS_ACCELERATOR=cpu)")
     p.add_argument("--offload", action="store_true", help="with --deepspeed: offload the optimizer to CPU")
+    p.add_argument("--no-broadcast-buffers", action="store_true",
+                   help="DDP(broadcast_buffers=False): each rank keeps its own BatchNorm statistics (--out: rank 1's "
+                        "buffers go to OUT.rank1)")
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -79,8 +82,13 @@ def main(argv: list[str] | None = None) -> int:
             "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": args.grad_accum,
             "zero_optimization": _zero(args.deepspeed, args.offload), "zero_force_ds_cpu_optimizer": False,
             "steps_per_print": 10**9})
+    handlers = []
+    if args.no_broadcast_buffers:
+        from accelerate.utils import DistributedDataParallelKwargs
+
+        handlers.append(DistributedDataParallelKwargs(broadcast_buffers=False))
     accelerator = Accelerator(cpu=plugin is None, gradient_accumulation_steps=args.grad_accum,
-                              deepspeed_plugin=plugin)
+                              deepspeed_plugin=plugin, kwargs_handlers=handlers)
     # torch.distributed's rank: Accelerate 1.15 with a DeepSpeedPlugin on CPU reports process_index 0 on every rank
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else accelerator.process_index
     torch.manual_seed(args.seed)  # identical initial weights on every rank
@@ -119,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 opt.zero_grad(set_to_none=True)
             if rank == 0:
                 v = loss.item()
-                print(json.dumps({"step": step, "loss": v, "hex": v.hex()}), flush=True)
+                print(json.dumps({"step": step, "micro": micro, "loss": v, "hex": v.hex()}), flush=True)
             if args.step_time > 0:
                 time.sleep(args.step_time)
 
@@ -127,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         sd = accelerator.get_state_dict(model)  # ZeRO-3: gathered from every rank's partition (collective)
         if rank == 0:
             torch.save({"model": sd, "optimizer": opt.state_dict(), "steps": args.steps}, args.out)
+        elif args.no_broadcast_buffers and rank == 1:
+            torch.save(dict(model.named_buffers()), f"{args.out}.rank1")
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return 0

@@ -1,7 +1,9 @@
 """A fork server for the oracle's short version (``EXO_LAUNCHER=zygote``): torch imported once, every run forked.
 
 Each pattern run is 1-2 processes whose CPU is mostly ``import torch`` and ``torch.distributed.checkpoint``
-(~2-3 CPU-seconds each); the short version starts ~120 of them on 2 cores. This process imports those
+(~2-3 CPU-seconds each); the short version starts ~120 of them on 2 cores. Two more imports every run made
+after its fork until these were imported here too: ``torch._dynamo`` (the first optimizer's ``__init__`` imports
+it: ~1 CPU-s) and ``structlog`` (``spotguard.logs``; with ``rich``: ~0.3 CPU-s). This process imports those
 modules once (never ``spotguard``: whatever ``spotguard`` the run finds on its ``PYTHONPATH`` is tested, as in
 a fresh process) and forks a child per request; the child becomes what ``python SCRIPT`` would be: its own
 session (``setsid``), the request's environment, working directory and argv, stdout/stderr to the log, stdin
@@ -33,7 +35,9 @@ import signal
 import sys
 
 import numpy  # noqa: F401
+import structlog  # noqa: F401 - spotguard.logs' (with rich, which structlog.dev imports when installed)
 import torch  # noqa: F401
+import torch._dynamo  # noqa: F401 - imported by every optimizer's __init__ (torch.optim's _disable_dynamo)
 import torch.distributed  # noqa: F401
 import torch.distributed.checkpoint  # noqa: F401
 import torch.utils.data  # noqa: F401

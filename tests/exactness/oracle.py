@@ -194,9 +194,18 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             open_bug="an implicit loop's end of iteration S is read at the first training forward after S: a "
                      "scheduler stepped at the top of iteration S+1 (before that forward) is saved stepped, and the "
                      "resumed loop steps it again at its top (both paths: SPOTGUARD_BACKGROUND_AGREEMENT=0 too)"),
-    # issue 23: accelerator.accumulate over 4 micro-batches; a notice is acted on at the next micro-batch's forward
+    # issue 23: accelerator.accumulate over 4 micro-batches; the last completed optimizer step is written from the
+    # background (accelerate_anymoment.py), the micro-batches after it thrown away
     Pattern("accelerate_accum", "accelerate_loop.py", env=(("EXO_ACCUM", "4"),), what="the accelerate pattern "
             "with gradient_accumulation_steps=4 (accelerator.accumulate; opt/sched.step() on every micro-batch)",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
+    Pattern("accelerate_accum_synconly", "accelerate_loop.py", env=(("EXO_ACCUM", "4"), ("EXO_ACC_SYNC_ONLY", "1")),
+            what="the accelerate_accum pattern stepping only if accelerator.sync_gradients",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
+    Pattern("accelerate_accum_boundary", "accelerate_loop.py",
+            env=(("EXO_ACCUM", "4"), ("SPOTGUARD_BACKGROUND_AGREEMENT", "0")),
+            what="the accelerate_accum pattern on the boundary path (save_state at the next micro-batch's forward, "
+                 "rewound to the last optimizer step: the path of refused configurations)",
             phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
     Pattern("fsdp2", "fsdp2.py", what="FSDP2 fully_shard on 2 ranks, Adam, StepLR",
             phases=("load", "fwd", "bwd", "prestep", "step", "after")),
@@ -441,6 +450,15 @@ def _zygote(script: str = "") -> _Zygote:
         if z is None or z.proc.poll() is not None:
             z = _ZYGOTES[preload] = _Zygote(preload)
         return z
+
+
+def start_servers(patterns: list[Pattern]) -> None:
+    """With the zygote launcher: start now, side by side, the fork server of every framework these patterns import
+    (~3-4 CPU-s of imports each), so that the first run of each does not wait for them (``_zygote`` does not
+    block: a run started before a server is ready waits in ``_Zygote.start``)."""
+    if LAUNCHER == "zygote":
+        for script in dict.fromkeys(p.script for p in patterns):
+            _zygote(script)
 
 
 def launch(p: Pattern, folder: Path, tag: str, storage: Path, env: dict[str, str], timeout: float) -> Run:

@@ -49,8 +49,8 @@ CASES: dict[str, tuple[str, ...]] = {
     "readme-script-dropout-global-rng-loader": ("readme", "phase:fwd@4"),
     "readme-script-loader-generator": ("readme_fixed", "phase:fwd@4"),
     "accelerate-training-step-backward": ("accelerate", "phase:bwd@4"),
-    # issue 23: acted on at the next micro-batch's forward, saved as of step 4 (Accelerate's micro-batch counter
-    # and the scheduler's _step_count, both bumped by the micro-batches since, put back too)
+    # issue 23: written from the background for step 4, the last real optimizer step (accelerator.step, the RNG
+    # and the running statistics as at its end; the micro-batches since thrown away)
     "accelerate-accum-micro-batch": ("accelerate_accum", "phase:micro@4"),
     "fsdp2-notice-during-forward": ("fsdp2", "phase:fwd@4"),
     "fsdp2-notice-during-backward": ("fsdp2", "phase:bwd@4"),
@@ -151,6 +151,10 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     "accelerate-any-moment-after-step-before-scheduler": ("accelerate", "phase:after@2"),
     # issue 23 review: BatchNorm, bf16, clip_grad_norm_, warmup, eval and the user's own save_state (held)
     "accelerate-any-moment-wild-loop-at-own-save-state": ("accelerate_wild", "phase:ownsave@3"),
+    # issue 23: the any-moment path with a loop that steps only if accelerator.sync_gradients; and accumulation on
+    # the boundary path (refused configurations): save_state at the next micro-batch's forward, rewound to step 4
+    "accelerate-accum-sync-only-micro-batch": ("accelerate_accum_synconly", "phase:micro@4"),
+    "accelerate-accum-boundary-micro-batch": ("accelerate_accum_boundary", "phase:micro@4"),
     # the same mid-epoch resume on the boundary path (a refused configuration): save_state's files had no
     # rng_at_forward either; the adapter records it at the first training forward after each step
     "accelerate-boundary-mid-epoch-skip-first-batches": ("accelerate_wild_loader_boundary", "phase:bwd@7"),
@@ -211,6 +215,7 @@ def _run_all(cases: list[str], work: Path) -> None:
     jobs = int(os.environ.get("EXO_JOBS", "3"))
     cases = [c for c in cases if not _missing(c)]
     names = list(dict.fromkeys(CASES[c][0] for c in cases))
+    oracle.start_servers([PATTERNS[n] for n in names])
     with ThreadPoolExecutor(int(os.environ.get("EXO_REF_JOBS", "1"))) as ref_pool, ThreadPoolExecutor(jobs) as pool:
         def ref(n: str) -> Any:
             try:

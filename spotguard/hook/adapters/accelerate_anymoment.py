@@ -26,14 +26,26 @@ adapter's resume) is unchanged.
 - **How it is written**: ``save_state``'s files with those values — ``model.safetensors``
   (``accelerate.utils.save``, as ``save_accelerator_state``), ``optimizer.bin``,
   ``scheduler.bin``, ``random_states_<rank>.pkl`` (with ``step``), and the plain hook's ``rng_at_forward`` in
-  ``spotguard_rng_at_forward_<rank>.pt`` (Accelerate ignores it; the resume realigns the torch RNG with it) — without
+  ``spotguard_rng_at_forward_<rank>.pt`` (Accelerate ignores it; the resume realigns the torch RNG with it), and under DDP
+  with ``broadcast_buffers=False`` each rank's own buffers of S in ``spotguard_buffers_<rank>.pt`` (``save_state`` writes
+  rank 0's model only; the resume loads them after ``load_state``, on both paths) — without
   ``save_state``: it reads the live RNG and ``accelerator.step`` and, for automatic
   checkpoint naming, runs ``wait_for_everyone()`` on the training group, which the
   background thread must never touch.
 
+Gradient accumulation (``Accelerator(gradient_accumulation_steps=N)`` + ``accelerator.accumulate``,
+``opt.step()``/``sched.step()`` called on every micro-batch or only when ``sync_gradients``): the clock
+is the torch optimizer's step hooks inside ``AcceleratedOptimizer``, which calls ``step()`` only on a
+micro-batch that syncs (and its scheduler wrapper steps only then), so S is the last optimizer step
+that really ran; the micro-batches after it only add to ``.grad`` (not saved: zeroed at S) and move
+the RNG, the running statistics and ``accelerator.step``, all taken as at S above (the anchor is the
+first micro-batch's forward); they are thrown away and recomputed after the resume. While a round
+writes S the next micro-batch's forward waits (``accelerate.py``: the core's hold, as at S+1's real
+step; an agreed exit leaves from there). The micro-batch path
+(``accelerate.py``: ``save_state`` at the next micro-batch's forward) stays for refused configurations.
+
 Configurations not proven exact keep the boundary path, said once in the
-``notice_path`` line (``any_moment_refusal``): FSDP / DeepSpeed / Megatron-LM / XLA,
-gradient accumulation (its micro-batch path acts at the next micro-batch), several
+``notice_path`` line (``any_moment_refusal``): FSDP / DeepSpeed / Megatron-LM / XLA, several
 models or optimizers, a GradScaler (fp16), objects registered with
 ``register_for_checkpointing`` (their state is not proven read at S), a stateful or
 ``IterableDatasetShard`` data loader (its position moves between steps), save-state
@@ -52,10 +64,12 @@ import torch
 
 from ..state import unpack
 
-__all__ = ["AccelerateAnyMoment", "any_moment_refusal", "RNG_AT_FORWARD"]
+__all__ = ["AccelerateAnyMoment", "any_moment_refusal", "RNG_AT_FORWARD", "RANK_BUFFERS", "save_rank_buffers"]
 
 #: ``<this>_<rank>.pt``: the torch RNG at the first training forward after S (``_realign_at_load``)
 RNG_AT_FORWARD = "spotguard_rng_at_forward"
+#: ``<this>_<rank>.pt``: this rank's buffers of S where DDP does not broadcast them (``_realign_at_load``)
+RANK_BUFFERS = "spotguard_buffers"
 
 
 def any_moment_refusal(accelerator: Any, every: Optional[float]) -> Optional[str]:
@@ -65,8 +79,6 @@ def any_moment_refusal(accelerator: Any, every: Optional[float]) -> Optional[str
     kind = str(getattr(getattr(accelerator, "distributed_type", None), "value", accelerator.distributed_type))
     if kind.upper() in ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"):
         return f"distributed type {kind}: its checkpoint is written by collectives on the training group"
-    if int(getattr(accelerator, "gradient_accumulation_steps", 1)) != 1:
-        return "gradient accumulation: acted on at the next micro-batch instead"
     if len(getattr(accelerator, "_models", [])) != 1 or len(getattr(accelerator, "_optimizers", [])) != 1:
         return "not exactly one prepared model and one optimizer"
     if getattr(accelerator, "scaler", None) is not None:
@@ -83,6 +95,26 @@ def any_moment_refusal(accelerator: Any, every: Optional[float]) -> Optional[str
     if every is not None:
         return "every=: the periodic checkpoint is written by save_state at the step boundary"
     return None
+
+
+def _unbroadcast_buffers(accelerator: Any) -> bool:
+    """DDP told not to broadcast the buffers from rank 0 (``DistributedDataParallelKwargs(broadcast_buffers=False)``;
+    ``_models`` holds the unwrapped module) around a model with buffers: each rank's own."""
+    handler = getattr(accelerator, "ddp_handler", None)
+    if getattr(handler, "broadcast_buffers", True) is not False or int(getattr(accelerator, "num_processes", 1)) < 2:
+        return False
+    return any(isinstance(m, torch.nn.Module) and next(m.buffers(), None) is not None
+               for m in getattr(accelerator, "_models", []))
+
+
+def save_rank_buffers(accelerator: Any, folder: Path, state: dict[str, Any]) -> None:
+    """DDP with ``broadcast_buffers=False`` (each rank's BatchNorm statistics its own; ``save_state`` writes rank
+    0's model only): this rank's persistent buffers of the prepared model, taken from ``state`` (its state-dict
+    keys, as of the saved step), beside Accelerate's files."""
+    if not _unbroadcast_buffers(accelerator):
+        return
+    names = [n for n, _ in accelerator._models[0].named_buffers() if n in state]
+    torch.save({n: state[n].detach().clone() for n in names}, folder / f"{RANK_BUFFERS}_{accelerator.process_index}.pt")
 
 
 class AccelerateAnyMoment:
@@ -164,6 +196,7 @@ class AccelerateAnyMoment:
             save(sd["optimizer0"], out / "optimizer.bin")
             for i in range(len(getattr(acc, "_schedulers", []))):
                 save(per["schedulers"][f"scheduler{i}"], out / ("scheduler.bin" if i == 0 else f"scheduler_{i}.bin"))
+        save_rank_buffers(acc, out, model)
         rng = per["rng"]
         states: dict[str, Any] = {"step": per["accelerator_step"], "random_state": rng["python"],
                                   "numpy_random_seed": rng["numpy"], "torch_manual_seed": rng["torch"]}
@@ -182,3 +215,10 @@ class AccelerateAnyMoment:
         f = Path(folder) / f"{RNG_AT_FORWARD}_{self._rank}.pt"
         saved = torch.load(f, weights_only=True) if f.is_file() else None
         self._realign = saved if isinstance(saved, torch.Tensor) else None  # type: ignore[attr-defined]
+        f = Path(folder) / f"{RANK_BUFFERS}_{self.accelerator.process_index}.pt"
+        if f.is_file():  # save_rank_buffers: load_state put rank 0's into every rank
+            mine, live = torch.load(f, weights_only=True), dict(self.accelerator._models[0].named_buffers())
+            with torch.no_grad():
+                for name, t in mine.items():
+                    if name in live:
+                        live[name].copy_(t)

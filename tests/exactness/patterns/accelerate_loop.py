@@ -5,8 +5,9 @@ background for the last completed step, in ``save_state``'s files (``accelerate_
 
 ``EXO_ACCUM=N`` (pattern ``accelerate_accum``): ``Accelerator(gradient_accumulation_steps=N)`` and N micro-batches
 an iteration inside ``accelerator.accumulate(model)``; ``opt.step()``/``sched.step()`` are called on every one
-(Accelerate skips them until the last). Phase ``micro``: after the
-backward of a micro-batch that does not sync.
+(Accelerate skips them until the last); written from the background for the last completed optimizer step as
+well. Phase ``micro``: after the backward of a micro-batch that does not sync. ``EXO_ACC_SYNC_ONLY=1`` (pattern
+``accelerate_accum_synconly``): the loop steps only ``if accelerator.sync_gradients``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from spotguard import install_preemption_hook
 
 setup(distributed=False)  # Accelerator creates the process group itself
 ACCUM = int(os.environ.get("EXO_ACCUM", "1"))
+SYNC_ONLY = os.environ.get("EXO_ACC_SYNC_ONLY") == "1"
 accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
 rank = accelerator.process_index
 torch.manual_seed(0)
@@ -51,6 +53,8 @@ for i in range(start, _rt.steps()):
                 _rt.phase("micro")
             else:
                 _rt.phase("prestep")
+            if SYNC_ONLY and not accelerator.sync_gradients:
+                continue
             opt.step()  # skipped by Accelerate until the last micro-batch
             if accelerator.sync_gradients:
                 _rt.phase("after")

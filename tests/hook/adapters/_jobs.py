@@ -151,7 +151,7 @@ ACCUM_STEPS = 6
 ACCUM_ARGS = ("--grad-accum", "8")
 
 
-def preempt_in_accumulation(script: str, tmp: Path, marker: str) -> None:
+def preempt_in_accumulation(script: str, tmp: Path, marker: str, env: Optional[dict[str, str]] = None) -> None:
     """A notice (SIGUSR1 to rank 1, 4 s deadline) at the first micro-batch of step 2: acting at the step's end
     would commit ~5 s later, late (exit 75). Acted on at the next micro-batch, the checkpoint of step 2 commits in
     time (143, no ``checkpoint_late``) and the resume replays step 2 from its first micro-batch, bitwise. The
@@ -159,7 +159,7 @@ def preempt_in_accumulation(script: str, tmp: Path, marker: str) -> None:
     reference = Reference(script, tmp, ACCUM_STEPS, ACCUM_ARGS)  # ref.log, ref.pt
     try:
         stop = preempt_and_resume(script, tmp, reference, ACCUM_STEPS, 2, "usr1-rank1", marker=marker,
-                                  extra_args=ACCUM_ARGS, step_time="0.75", env={"SPOTGUARD_SIGNAL_GRACE": "4"})
+                                  extra_args=ACCUM_ARGS, step_time="0.75", env={"SPOTGUARD_SIGNAL_GRACE": "4", **(env or {})})
     finally:
         reference.run.kill()
     assert stop == 2

@@ -3,6 +3,7 @@ background for the last completed step, in ``save_state``'s files, and resumed b
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ pytest.importorskip("accelerate")
 
 from .._stores import Store, servers, store  # noqa: F401 - fixtures (moto server, bucket, env)
 from ._jobs import (Job, Reference, assert_agreed_exit, assert_same_losses, first_difference, load_out, losses,
-                    preempt_and_resume, read_log)
+                    preempt_and_resume, read_log, resume_and_compare)
 
 SCRIPT = "accelerate_train.py"
 STEPS = 6
@@ -55,19 +56,53 @@ def test_sigterm_to_torchrun_mid_step_resumes_bitwise(tmp_path: Path) -> None:
     _mid_step(tmp_path, "term-torchrun", "model.safetensors")
 
 
-@pytest.mark.long(reason="sibling in make test: test_accelerate.py::test_notice_during_accumulation_commits_at_the_"
-                         "next_micro_batch (the same refusal, said in its notice_path lines)")
-def test_gradient_accumulation_keeps_the_boundary_path_and_says_why(tmp_path: Path) -> None:
-    """Not proven exact from the background (the micro-batch path acts instead): said once in ``notice_path``."""
-    run = Job(SCRIPT, tmp_path / "accum.log", ["--steps", "1", "--grad-accum", "2", "--storage", str(tmp_path / "c")],
-              nproc=1)
+ACCUM = 4
+AT = 2  # S (steps done): the notice comes in the loop's step AT (the (AT+1)-th), two micro-batches after S
+
+
+@pytest.mark.parametrize("ddp", [
+    pytest.param((), id="ddp"),
+    # each rank's own BatchNorm statistics: save_state writes rank 0's model only, so rank 1 resumed with rank 0's
+    pytest.param(("--no-broadcast-buffers",), id="broadcast-buffers-off", marks=pytest.mark.long(
+        reason="sibling in make test: [ddp] (the same path; the per-rank buffers file is the only difference)")),
+])
+def test_notice_mid_micro_batch_with_accumulation_commits_s_and_resumes_bitwise(tmp_path: Path,
+                                                                                ddp: tuple[str, ...]) -> None:
+    """``gradient_accumulation_steps=4``, 1 s micro-batches: a notice (SIGUSR1 to rank 1, 3 s deadline) in the
+    second micro-batch after S = AT completed steps is committed for S from the background within ~1 s — not at the next
+    micro-batch (the refused path: p50 2 s) nor at the running step's end (late) — with ``accelerator.step`` = S * 4 and
+    the torch RNG at S's first forward; the resume replays the loop's step AT from its first micro-batch, bitwise."""
+    args = ("--grad-accum", str(ACCUM), *ddp)
+    reference = Reference(SCRIPT, tmp_path, STEPS, args)
+    store = tmp_path / "ckpt"
+    run = Job(SCRIPT, tmp_path / "preempted.log", ["--steps", str(STEPS), "--step-time", "1", "--storage", str(store),
+                                                   *args], env={"SPOTGUARD_SIGNAL_GRACE": "3"})
     try:
-        assert run.wait(90) == 0, run.tail()
+        # rank 0 prints a line at each micro-batch's end (then sleeps 1 s): the second of the loop's step AT ended
+        run.wait_for(lambda: any(e.get("step") == AT and e.get("micro") == 1 for e in run.lines()), 90,
+                     f"micro-batch 1 of step {AT}")
+        run.signal_rank(1, signal.SIGUSR1)
+        assert run.wait(60) != 0
     finally:
         run.kill()
-    paths = read_log(tmp_path / "accum.log").events("notice_path")
-    assert [e["path"] for e in paths] == ["boundary"], paths
-    assert "gradient accumulation" in paths[0]["why"], paths
+    try:
+        assert {e["path"] for e in run.events("notice_path")} == {"any-moment"}, run.tail()
+        assert all(e["via"] == "background" for e in run.events("agreed")), run.events("agreed")
+        stop = assert_agreed_exit(run)
+        assert stop == AT, run.tail()
+        done = run.events("checkpoint_committed")
+        assert done and all(e["late"] is False and e["seconds_since_notice"] < 1.5 for e in done), done
+        folder = store / f"step-{AT:08d}"
+        for rank in (0, 1):  # Accelerate's micro-batch counter of S (it moved on with step AT+1's micro-batches)
+            assert torch.load(folder / f"random_states_{rank}.pkl", weights_only=False)["step"] == AT * ACCUM
+            assert (folder / f"spotguard_rng_at_forward_{rank}.pt").is_file()
+        resume_and_compare(SCRIPT, tmp_path, reference, STEPS, AT, args)
+        if ddp:  # rank 1's own buffers (its --out file): bitwise the uninterrupted run's too
+            assert (folder / "spotguard_buffers_1.pt").is_file()
+            diff = first_difference(load_out(tmp_path / "ref.pt.rank1"), load_out(tmp_path / "resumed.pt.rank1"))
+            assert diff is None, f"rank 1's final buffers differ at {diff}"
+    finally:
+        reference.run.kill()
 
 
 def test_refusal_names_each_unproven_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -86,10 +121,10 @@ def test_refusal_names_each_unproven_configuration(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.delenv("SPOTGUARD_BACKGROUND_AGREEMENT", raising=False)
     assert any_moment_refusal(acc(), None) is None
+    assert any_moment_refusal(acc(gradient_accumulation_steps=4), None) is None  # the background writes S
     cases = {
         "FSDP": acc(distributed_type=SimpleNamespace(value="FSDP")),
         "DEEPSPEED": acc(distributed_type=SimpleNamespace(value="DEEPSPEED")),
-        "gradient accumulation": acc(gradient_accumulation_steps=4),
         "one prepared model and one optimizer": acc(_optimizers=[object(), object()]),
         "GradScaler": acc(scaler=object()),
         "register_for_checkpointing": acc(_custom_objects=[object()]),
@@ -113,7 +148,6 @@ class TestObjectStore:
     @pytest.mark.long(reason="sibling in make test: test_notice_mid_step_is_committed_from_the_background_and_"
                              "resumes_bitwise (the same path into a folder); S3 staging: test_storage_integration")
     def test_notice_mid_step_into_s3_resumes_bitwise(self, store: Store, tmp_path: Path) -> None:
-        import signal
 
         from spotguard.storage import open_storage
         from spotguard.storage.commit import scan
