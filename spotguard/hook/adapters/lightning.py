@@ -136,7 +136,9 @@ def _make_callback(base: type, hook: "LightningHook") -> Any:
             hook._lt_step_begin()  # the any-moment path's hold: the weights of the next step do not change yet
 
         def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-            hook._lt_unsafe("validation ran since the last optimizer step", hold=False)
+            # held like an epoch end: a validation hook may change the weights in place (WeightAveraging swaps the
+            # average in) while a round writes S from the background
+            hook._lt_unsafe("validation ran since the last optimizer step", hold=True)
 
         def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
             hook._lt_unsafe("an epoch ended since the last optimizer step", hold=True)

@@ -35,8 +35,9 @@ step (MAX of the ranks' stands) and writes S from the background:
   training process group the background thread must not touch. The RNG of every rank
   is gathered on the round's own group. Lightning's resume is unchanged
   (``trainer.ckpt_path``).
-- **Validation and epoch ends**: an epoch end (``on_train_epoch_end``) is held like a
-  step while a round runs (the epoch-interval schedulers step after it). A round whose
+- **Validation and epoch ends**: an epoch end (``on_train_epoch_end``) and a validation's
+  start (``on_validation_start``: ``WeightAveraging`` swaps the average into the module in place there) are held
+  like a step while a round runs (the epoch-interval schedulers step after it). A round whose
   S is followed, on some rank, by a validation loop or an epoch end hands its notice
   to the boundary path (every rank alike: the reason travels in the gathered entries)
   and the process stays on the boundary path from its next optimizer step's end on (every

@@ -96,7 +96,10 @@ class Module(pl.LightningModule):
         return F.mse_loss(self.net(x), y)  # dropout draws from the global torch RNG
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:  # EXO_VALSWAP: no RNG, no state moved
+        import time  # noqa: PLC0415
+
         self.net(torch.ones(2, 16))
+        time.sleep(1.0)  # a validation as long as the write: the average stays swapped in while it runs
 
     def on_before_backward(self, loss: torch.Tensor) -> None:
         _rt.phase("bwd")
