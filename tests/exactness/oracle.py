@@ -239,6 +239,21 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("lightning_accum4", "lightning_loop.py", env=(("EXO_ACCUM", "4"),), what="the lightning pattern with "
             "accumulate_grad_batches=4 over 10-batch epochs (4, 4, then a short 2)",
             phases=("load", "micro", "step", "fwd", "bwd", "prestep", "after")),
+    # review of issue 23 (lrev): Lightning's WeightAveraging callback (its on_save_checkpoint moves the module's
+    # state_dict to current_model_state and puts the average in state_dict) over spectral_norm's moving buffers
+    Pattern("lightning_ema", "lightning_loop.py", env=(("EXO_EMA", "1"), ("EXO_SPECNORM", "1")),
+            what="the lightning_specnorm pattern with Lightning's WeightAveraging callback",
+            phases=("load", "micro", "step", "fwd", "bwd", "prestep", "after")),
+    # review of issue 23 (lrev): WeightAveraging swaps the average into the module for each validation (every 2 steps,
+    # right after a step's end) while the any-moment path writes that step from the background (a 1 s write)
+    Pattern("lightning_valswap", "lightning_loop.py", env=(("EXO_VALSWAP", "1"), ("EXO_ACCUM", "2")),
+            what="the lightning pattern with WeightAveraging, a validation every 2 steps and a slow checkpoint write",
+            phases=("load", "micro", "step", "fwd", "bwd", "prestep", "after", "valstart")),
+    # review of issue 23 (lrev): the module counts its training batches (a "tokens seen"), saved by its own
+    # on_save_checkpoint / on_load_checkpoint
+    Pattern("lightning_seen", "lightning_loop.py", env=(("EXO_SEEN", "1"),), what="the lightning pattern with a "
+            "batch counter the module saves in its on_save_checkpoint",
+            phases=("load", "micro", "step", "fwd", "bwd", "prestep", "after")),
     # issue 23: no accumulation: the any-moment path (lightning_anymoment.py), the step after S held at its
     # on_before_optimizer_step while S is written from the background
     Pattern("lightning_noaccum", "lightning_loop.py", env=(("EXO_ACCUM", "1"),), what="the lightning pattern "

@@ -75,6 +75,10 @@ CASES: dict[str, tuple[str, ...]] = {
     "lightning-meter-callback-micro-batch": ("lightning_meter", "phase:micro@2"),
     # accumulate_grad_batches=4 over 10-batch epochs: a micro-batch of an epoch's second step, rewound to step 4
     "lightning-accum4-micro-batch-mid-epoch": ("lightning_accum4", "phase:load@4"),
+    # review of issue 23 (lrev): WeightAveraging + spectral_norm, a micro-batch after S = 2: the any-moment dump put
+    # S's buffers into the average's state_dict (the callback's on_save_checkpoint had swapped it in) and left the
+    # live, moved ones in current_model_state
+    "lightning-weight-averaging-micro-batch": ("lightning_ema", "phase:micro@2"),
     # issue 23: no accumulation, the notice inside step 5's backward: S = 4 written from the background while
     # the backward goes on, step 5 held at its on_before_optimizer_step
     "lightning-noaccum-notice-in-backward": ("lightning_noaccum", "phase:bwd@4"),
@@ -133,6 +137,12 @@ CASES: dict[str, tuple[str, ...]] = {
 }
 # Longer cases kept out of `make test`'s time (EXO_MORE=1 adds them; `make exactness` draws these moments too).
 MORE_CASES: dict[str, tuple[str, ...]] = {
+    # review of issue 23 (lrev): the module's own on_save_checkpoint writes a batch counter that the micro-batches
+    # after S moved (was wrong on the any-moment path: now refused, and not acted on mid-accumulation); its make-test
+    # sibling: test_lightning_anymoment.py's refusal test. And the notice as the validation after step 2 starts,
+    # WeightAveraging swapping the average in during the round's 1 s write (held: exact)
+    "lightning-module-counter-micro-batch": ("lightning_seen", "phase:micro@2"),
+    "lightning-validation-swap-during-background-write": ("lightning_valswap", "phase:valstart@1"),
     # issue 23: Lightning without accumulation, the notice in the run's last step (one rank already inside it): S is
     # the last step, which the any-moment path leaves to the boundary path (training is over: not acted on)
     "lightning-noaccum-notice-in-the-last-step": ("lightning_noaccum", "phase:bwd@9"),

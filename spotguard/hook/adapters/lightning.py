@@ -93,7 +93,7 @@ from ..state import capture_rng, pack, restore_rng, rng_and_buffers_at, unpack
 from ..watch import SNAPSHOT_ALL_BUFFERS, model_snapshot_buffers
 from ._base import FrameworkHook
 from ._files import report_local, staging_dir, upload_dir
-from .lightning_anymoment import STATE_KEY, AnyMomentMixin
+from .lightning_anymoment import STATE_KEY, AnyMomentMixin, own_save_hooks
 
 __all__ = ["LightningHook", "install", "CKPT_NAME"]
 
@@ -136,7 +136,9 @@ def _make_callback(base: type, hook: "LightningHook") -> Any:
             hook._lt_step_begin()  # the any-moment path's hold: the weights of the next step do not change yet
 
         def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-            hook._lt_unsafe("validation ran since the last optimizer step", hold=False)
+            # held like an epoch end: a validation hook may change the weights in place (WeightAveraging swaps the
+            # average in) while a round writes S from the background
+            hook._lt_unsafe("validation ran since the last optimizer step", hold=True)
 
         def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
             hook._lt_unsafe("an epoch ended since the last optimizer step", hold=True)
@@ -232,6 +234,7 @@ class LightningHook(AnyMomentMixin, FrameworkHook):
         self._at_step: Optional[_AtStep] = None  # taken at each optimizer step's end under accumulation
         self._rewinding: Optional[_AtStep] = None  # set while a save stands for _at_step's step
         self._micro_since = 0  # accumulation micro-batches since the last optimizer step
+        self._own_hooks: Optional[str] = None  # lightning_anymoment.own_save_hooks, once asked ("" : none)
         self.callback = _make_callback(callback_cls, self)
         trainer.callbacks.append(self.callback)
         if dist.is_available() and dist.is_initialized():
@@ -342,7 +345,10 @@ class LightningHook(AnyMomentMixin, FrameworkHook):
         epoch and history): a step of this run taken at its end, and no epoch end since (the epoch-end
         hooks, validation and plateau schedulers may change what is not rewound)."""
         at = self._at_step
-        return at is not None and at.step == self._last_boundary and at.epoch == int(self.trainer.current_epoch)
+        if self._own_hooks is None:  # a user's save hook writes what it reads live: never mid-accumulation
+            self._own_hooks = own_save_hooks(self.trainer) or ""
+        return (at is not None and at.step == self._last_boundary and at.epoch == int(self.trainer.current_epoch)
+                and not self._own_hooks)
 
     def _microbatch(self) -> None:
         """An accumulation micro-batch ended: agree and act here when the save can stand for step S;

@@ -35,8 +35,9 @@ step (MAX of the ranks' stands) and writes S from the background:
   training process group the background thread must not touch. The RNG of every rank
   is gathered on the round's own group. Lightning's resume is unchanged
   (``trainer.ckpt_path``).
-- **Validation and epoch ends**: an epoch end (``on_train_epoch_end``) is held like a
-  step while a round runs (the epoch-interval schedulers step after it). A round whose
+- **Validation and epoch ends**: an epoch end (``on_train_epoch_end``) and a validation's
+  start (``on_validation_start``: ``WeightAveraging`` swaps the average into the module in place there) are held
+  like a step while a round runs (the epoch-interval schedulers step after it). A round whose
   S is followed, on some rank, by a validation loop or an epoch end hands its notice
   to the boundary path (every rank alike: the reason travels in the gathered entries)
   and the process stays on the boundary path from its next optimizer step's end on (every
@@ -48,7 +49,9 @@ Configurations not proven exact keep the boundary path, said once in the
 ``notice_path`` line (``lightning_any_moment_refusal``): a strategy other than
 ``DDPStrategy``/``SingleDeviceStrategy`` (FSDP, DeepSpeed, ...), manual optimization,
 several optimizers, a precision plugin other than ``Precision``/``MixedPrecision``,
-``every=``, ``SPOTGUARD_BACKGROUND_AGREEMENT=0``, and accumulation with a validation
+``every=``, ``SPOTGUARD_BACKGROUND_AGREEMENT=0``, a user's own ``on_save_checkpoint`` (the module's, a
+callback's, the datamodule's; or a datamodule ``state_dict``: it may write what moved since S, which no step-end
+copy covers — the boundary path then acts at step ends only), and accumulation with a validation
 that can run between two micro-batches (there the micro-batch path of ``lightning.py``
 acts at the validation's next batch, rewound to S; the hand-over would wait for the
 next step's end).
@@ -56,11 +59,13 @@ next step's end).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
+import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -72,7 +77,7 @@ from ..state import pack
 
 STATE_KEY = "spotguard"  # spotguard's entry in Lightning's checkpoint dict (lightning.py re-exports it)
 
-__all__ = ["AnyMomentMixin", "lightning_any_moment_refusal", "static_refusal"]
+__all__ = ["AnyMomentMixin", "lightning_any_moment_refusal", "own_save_hooks", "static_refusal"]
 
 _STRATEGIES = ("DDPStrategy", "SingleDeviceStrategy")
 _PRECISIONS = ("Precision", "MixedPrecision")
@@ -109,7 +114,27 @@ def lightning_any_moment_refusal(trainer: Any, every: Optional[float] = None) ->
     prec = type(getattr(trainer, "precision_plugin", None)).__name__
     if prec not in _PRECISIONS:
         return f"precision plugin {prec}: the any-moment path is proven for Precision and MixedPrecision only"
-    return _validation_between_micro_batches(trainer)
+    return own_save_hooks(trainer) or _validation_between_micro_batches(trainer)
+
+
+def own_save_hooks(trainer: Any) -> Optional[str]:
+    """A user's ``on_save_checkpoint`` (the module's, a callback's, the datamodule's) or datamodule ``state_dict``
+    puts into the checkpoint what it reads live — a "tokens seen" counter moved by the forwards since S — which no
+    step-end copy covers: None when there is none (Lightning's own callbacks read nothing that moves between steps).
+    The boundary path acts at a step's end then, never mid-accumulation (``lightning.py``'s ``_rewindable``)."""
+    owners = [("the module", trainer.lightning_module, "on_save_checkpoint")]
+    owners += [(f"callback {type(cb).__name__}", cb, "on_save_checkpoint") for cb in trainer.callbacks]
+    dm = getattr(trainer, "datamodule", None)
+    if dm is not None:
+        owners += [("the datamodule", dm, "on_save_checkpoint"), ("the datamodule", dm, "state_dict")]
+    for who, obj, name in owners:
+        for cls in type(obj).__mro__:
+            if name in vars(cls):
+                if not cls.__module__.startswith(("lightning.", "pytorch_lightning.", "spotguard.")):
+                    return (f"{who} overrides {name}: what it writes may have moved since the last optimizer step "
+                            "(no step-end copy of it)")
+                break
+    return None
 
 
 def _validation_between_micro_batches(trainer: Any) -> Optional[str]:
@@ -134,6 +159,24 @@ def _validation_between_micro_batches(trainer: Any) -> Optional[str]:
             return None
     return (f"accumulate_grad_batches={accum} with validation every {every} batches: a validation can run between "
             "micro-batches, where the micro-batch path acts at its next batch")
+
+
+@contextlib.contextmanager
+def _this_thread_calls(obj: Any, name: str, fn: Callable[[], Any]) -> Iterator[None]:
+    """``obj.name()`` is ``fn()`` for the calling thread only, the original for every other thread, while inside:
+    the module's state dict of S goes into ``dump_checkpoint`` before its ``on_save_checkpoint`` hooks run
+    (Lightning's ``WeightAveraging`` moves it to ``current_model_state``) — the training thread may save too."""
+    me = threading.get_ident()
+    original = getattr(obj, name)
+    had = name in vars(obj)
+    setattr(obj, name, lambda *a, **k: fn() if threading.get_ident() == me else original(*a, **k))
+    try:
+        yield
+    finally:
+        if had:
+            setattr(obj, name, original)
+        else:
+            delattr(obj, name)
 
 
 class AnyMomentMixin:
@@ -310,11 +353,19 @@ class AnyMomentMixin:
         """Lightning's checkpoint dict for step S: its own ``dump_checkpoint`` (live weights, optimizer and
         schedulers: unchanged since S while the next step is held), with what moved since S replaced by S's
         copies: buffers, loops, callbacks, every rank's RNG (spotguard's entry, as the boundary path writes)."""
-        ckpt = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        sd = ckpt["state_dict"]
-        for name, t in at.buffers.items():
-            if name in sd:
-                sd[name] = t
+        conn = self.trainer._checkpoint_connector
+        own = getattr(conn, "_get_lightning_module_state_dict", None)
+
+        def at_s(sd: dict[str, Any]) -> dict[str, Any]:
+            sd.update((name, t) for name, t in at.buffers.items() if name in sd)
+            return sd
+
+        if own is None:  # another Lightning: S's buffers put in after the hooks
+            ckpt = conn.dump_checkpoint(weights_only=False)
+            at_s(ckpt["state_dict"])
+        else:  # S's buffers in before the hooks: a callback's on_save_checkpoint may move the module's state
+            with _this_thread_calls(conn, "_get_lightning_module_state_dict", lambda: at_s(own())):
+                ckpt = conn.dump_checkpoint(weights_only=False)
         ckpt["loops"] = at.loops
         if "callbacks" in ckpt:
             ckpt["callbacks"] = at.callbacks

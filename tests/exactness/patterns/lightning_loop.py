@@ -38,11 +38,15 @@ try:
     import lightning.pytorch as pl
 except ImportError:  # the older package name works the same
     import pytorch_lightning as pl  # type: ignore[no-redef]
+from lightning.fabric.plugins import TorchCheckpointIO
 
 from _common import Net, _rt, setup
 from spotguard import install_preemption_hook
 
 ACCUM = int(os.environ.get("EXO_ACCUM", "2"))  # 4 (lightning_accum4): steps end at batches 3, 7 and 9 (short)
+VALSWAP = os.environ.get("EXO_VALSWAP") == "1"  # WeightAveraging swapped in at validations; a slow store
+EMA = VALSWAP or os.environ.get("EXO_EMA") == "1"  # Lightning's WeightAveraging callback (an average of the weights)
+SEEN = os.environ.get("EXO_SEEN") == "1"  # the module counts its training batches, saved in on_save_checkpoint
 BATCHES = 10  # a 10-batch epoch is 5 optimizer steps: the 10 iterations cross an epoch boundary
 rank = int(os.environ.get("RANK", "0"))
 setup(distributed=False)  # Lightning creates the process group itself (inside fit)
@@ -69,6 +73,7 @@ class Module(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)  # the same initial weights on every rank
         self.net = Net()
+        self.seen = 0  # EXO_SEEN: batches (micro-batches too) trained, a plain attribute saved by the module's hook
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         global _resumed
@@ -83,11 +88,18 @@ class Module(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         _rt.phase("fwd")
+        self.seen += 1
         g = torch.Generator().manual_seed(rank * 10_007 + self.current_epoch * 1_009 + batch_idx)
         x = torch.randn(8, 16, generator=g)
         y = x.sum(dim=1, keepdim=True) * 0.1
         x = x + 0.01 * torch.from_numpy(np.random.randn(*x.shape).astype(np.float32)) * random.random()
         return F.mse_loss(self.net(x), y)  # dropout draws from the global torch RNG
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:  # EXO_VALSWAP: no RNG, no state moved
+        import time  # noqa: PLC0415
+
+        self.net(torch.ones(2, 16))
+        time.sleep(1.0)  # a validation as long as the write: the average stays swapped in while it runs
 
     def on_before_backward(self, loss: torch.Tensor) -> None:
         _rt.phase("bwd")
@@ -100,6 +112,16 @@ class Module(pl.LightningModule):
         _rt.inside_step(opt)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Seen(Module):
+    """EXO_SEEN: what a "tokens seen" counter in a user's module does (its own save/load hooks)."""
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["seen"] = self.seen
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.seen = checkpoint["seen"]
 
 
 class Phases(pl.Callback):
@@ -137,14 +159,42 @@ class LossMeter(pl.Callback):
 
 
 METER = LossMeter() if os.environ.get("EXO_METER") == "1" else None
-module = Module()
+class ValStart(pl.Callback):
+    """EXO_VALSWAP: phase ``valstart`` as a validation starts (before spotguard's and WeightAveraging's hooks), half a
+    second long (a validation loader's workers starting)."""
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        _rt.phase("valstart", sleep=False)
+        import time  # noqa: PLC0415
+
+        time.sleep(0.5)
+
+
+class SlowIO(TorchCheckpointIO):
+    """EXO_VALSWAP: Lightning's checkpoint file takes a second to write (a model of a few GB)."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        import time  # noqa: PLC0415
+
+        time.sleep(1.0)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+AVG: Any = None
+if EMA:  # before Phases: the average is updated at a step's end before the iteration's end is recorded
+    from lightning.pytorch.callbacks import WeightAveraging
+    AVG = WeightAveraging()
+module = Seen() if SEEN else Module()
 torch.manual_seed(1 + rank)  # per-rank dropout streams
 trainer = pl.Trainer(
     accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), num_nodes=1,
     strategy="ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "auto",
-    max_steps=_rt.steps(), max_epochs=-1, accumulate_grad_batches=ACCUM, callbacks=[*([METER] if METER else []), Phases()],
+    max_steps=_rt.steps(), max_epochs=-1, accumulate_grad_batches=ACCUM,
+    callbacks=[*([METER] if METER else []), *([AVG] if AVG else []), *([ValStart()] if VALSWAP else []), Phases()],
+    **({"limit_val_batches": 1, "val_check_interval": 2 * ACCUM, "plugins": [SlowIO()]} if VALSWAP
+       else {"limit_val_batches": 0}),
     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+    num_sanity_val_steps=0, use_distributed_sampler=False,
 )
 
 
@@ -152,11 +202,13 @@ def state() -> dict[str, Any]:
     """What a resume must restore: weights, optimizer, scheduler, Lightning's loop position (RNG: ``_rt``)."""
     return {"model": module, "optimizer": trainer.optimizers[0],
             "scheduler": trainer.lr_scheduler_configs[0].scheduler, "loop": lambda: dict(POS),
-            **({"meter": METER} if METER else {})}
+            **({"meter": METER} if METER else {}),
+            **({"average": lambda: AVG._average_model.state_dict()} if AVG else {}),
+            **({"seen": lambda: {"seen": torch.tensor(module.seen)}} if SEEN else {})}
 
 
 hook = install_preemption_hook(trainer, storage=_rt.storage())
-trainer.fit(module, train_dataloaders=Indices())
+trainer.fit(module, train_dataloaders=Indices(), val_dataloaders=Indices() if VALSWAP else None)
 _rt.finished(state(), _rt.steps())
 if torch.distributed.is_initialized():  # Lightning leaves its group alive (examples/_dist.py says why)
     torch.distributed.barrier()

@@ -85,6 +85,9 @@ def test_notice_mid_step_commits_last_step_within_deadline_and_resumes_bitwise(
     ({"accumulate_grad_batches": 2, "val_check_interval": 3, "limit_val_batches": 1},
      "a validation can run between micro-batches"),
     ({"manual": True}, "manual optimization"),
+    # review of issue 23 (lrev): the module's own on_save_checkpoint writes what it reads live (a batch counter
+    # moved by the micro-batches after S): no step-end copy of it (tests/exactness lightning_seen)
+    ({"accumulate_grad_batches": 2, "save_hook": True}, "the module overrides on_save_checkpoint"),
     ({"accumulate_grad_batches": 2, "val_check_interval": 4, "limit_val_batches": 1}, None),
     ({"accumulate_grad_batches": 2}, None),
     ({}, None),
@@ -101,6 +104,7 @@ def test_unproven_configurations_keep_the_boundary_path_and_say_so(
 
     monkeypatch.setenv("SPOTGUARD_SOCKET", str(tmp_path / "no.sock"))
     manual = bool(config.pop("manual", False))
+    save_hook = bool(config.pop("save_hook", False))
 
     class M(pl.LightningModule):
         def __init__(self) -> None:
@@ -124,6 +128,10 @@ def test_unproven_configurations_keep_the_boundary_path_and_say_so(
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
+    class Counting(M):
+        def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            checkpoint["seen"] = 0
+
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
                          **config)
@@ -133,7 +141,7 @@ def test_unproven_configurations_keep_the_boundary_path_and_say_so(
     hook._log_path = lambda path, loop, w: (said.append((path, loop, w)), log_path(path, loop, w))[1]
     try:
         loader = torch.utils.data.DataLoader(torch.ones(16, 4), batch_size=2)
-        trainer.fit(M(), train_dataloaders=loader, val_dataloaders=loader)
+        trainer.fit((Counting if save_hook else M)(), train_dataloaders=loader, val_dataloaders=loader)
     finally:
         hook.close()  # its StateWatch patches Parameter.data until closed (test_watch.py checks it is gone)
     boundary = [w for path, _, w in said if path == "boundary"]
