@@ -102,12 +102,10 @@ def hf_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, st
     return _reference("hf_trainer_train.py", tmp_path_factory.mktemp("hf-eval-ref"))
 
 
-@pytest.mark.long(reason="sibling in make test: test_lightning_accumulation.py::test_notice_during_validation_between_"
-                         "micro_batches_commits_last_step (a drill during Lightning's validation loop: the last "
-                         "completed step committed in time, exit 143 before the validation ends, resume bitwise; "
-                         "there inside an accumulation too) and this file's HF Trainer evaluation case")
 def test_lightning_notice_during_validation_commits_last_step_and_exits_in_time(
         pl_reference: tuple[dict[int, str], Path], tmp_path: Path, daemon: DaemonProc) -> None:
+    """On Lightning's any-moment path (no accumulation): the round during validation hands its notice over and
+    the validation's next batch acts on it (it waited for the whole validation and the next step before)."""
     _preempt_during_eval_and_resume("lightning_train.py", "val_batch", pl_reference, tmp_path, daemon)
 
 
