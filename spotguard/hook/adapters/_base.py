@@ -276,8 +276,12 @@ class FrameworkHook(Hook):
         res = self._agree.collect()
         if res is not None and res[0] > 0:
             self._act_in_eval(res[0], res[1])
-        level, deadline_ms = self._local_level()
+        level, deadline_ms = self._eval_level()
         self._agree.launch(level, deadline_ms)
+
+    def _eval_level(self) -> tuple[int, int]:
+        """What this rank carries into an evaluation batch's reduction; adapters with a background path narrow it."""
+        return self._local_level()
 
     def _act_in_eval(self, level: int, deadline_ms: int) -> None:
         """Carry out an agreed notice during evaluation; adapters whose framework must write first override it."""

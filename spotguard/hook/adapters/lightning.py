@@ -164,7 +164,7 @@ def _make_callback(base: type, hook: "LightningHook") -> Any:
             if hook._lt_any:
                 hook._exit_if_requested()
                 if in_fit and not getattr(trainer, "sanity_checking", False):
-                    hook._lt_eval_batch()  # lightning_anymoment.py: a handed-over notice is acted on here
+                    hook._framework_eval_batch()  # only a handed-over notice rides on it (_eval_level)
                 return
             if in_fit and hook._may_act_now():
                 hook._framework_eval_batch()

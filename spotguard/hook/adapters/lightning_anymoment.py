@@ -297,21 +297,16 @@ class AnyMomentMixin:
             with self._cv:
                 dirty()
 
-    def _lt_eval_batch(self) -> None:
-        """A validation batch inside fit on this path (every rank, the same batches: Lightning gives every rank
-        the same number). A round during validation hands its notice over (``_range_broken``: validation ran
-        since S), so the validation's batches are where it is acted on — the boundary path's rhythm (one
-        non-blocking reduction per batch, ``_framework_eval_batch``), not the next training batch after a
-        validation of minutes. Only handed-over notices ride on it: a round that writes S itself (it began
-        before the validation) is never raced by a second save on the training thread."""
-        if (not self._lt_any or self._closed or self._exiting or self._torn_down or self._last_boundary is None
-                or self._finished):
-            return
-        res = self._agree.collect()
-        if res is not None and res[0] > 0:
-            self._act_in_eval(res[0], res[1])
-        level, deadline_ms = self._local_level() if self._lt_leave else (0, NO_DEADLINE_MS)
-        self._agree.launch(level, deadline_ms)
+    def _eval_level(self) -> tuple[int, int]:
+        """A validation batch inside fit on this path runs the boundary path's per-batch reduction
+        (``_framework_eval_batch``: every rank the same batches), because a round during validation hands its
+        notice over (``_range_broken``: validation ran since S) and the validation's next batches are where it is
+        acted on — not the next training batch after a validation of minutes. Only handed-over notices ride on it:
+        a round that writes S itself (it began before the validation) is never raced by a second save on the
+        training thread."""
+        if self._lt_any and not self._lt_leave:
+            return 0, NO_DEADLINE_MS
+        return super()._eval_level()  # type: ignore[misc]
 
     def _lt_eval_end(self) -> None:
         """``on_validation_end`` (every rank): the reduction launched at the validation's last batch is settled
