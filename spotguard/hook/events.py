@@ -87,6 +87,9 @@ CHECKPOINT_FALLBACK = "checkpoint_fallback"
 UNTRACKED_TRAINING = "untracked_training"
 #: after a resume, the global RNG was drawn from before the first forward: set back to the saved state
 RNG_REALIGNED = "rng_realigned"
+#: the HF Trainer resumed mid-epoch: the RNG of the batches fetched ahead set as the interrupted run had it
+#: (``adapters/hf_fetch.py``); ``replayed: false`` (warning): the resumed fetch was another batch, not replayed
+DATA_RNG_REPLAYED = "data_rng_replayed"
 #: gradients were discarded without an optimizer step (a NaN guard): the implicit clock counts steps, not
 #: iterations, so hook.resume() would not match the loop's own counter (the fix: hook.range()/hook.step())
 OPTIMIZER_STEP_SKIPPED = "optimizer_step_skipped"

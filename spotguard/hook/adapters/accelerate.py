@@ -75,6 +75,7 @@ from ...storage import Storage
 from ..core import Hook
 from ..state import Snapshot, rng_and_buffers_at
 from ._base import FrameworkHook
+from .accelerate_sampler import SamplerGenerators
 from .accelerate_anymoment import RNG_AT_FORWARD, AccelerateAnyMoment, _iteration, save_iteration, save_rank_buffers
 from ...storage.integrity import DamagedCheckpoint
 from ...storage.verify import verified_folder
@@ -82,7 +83,8 @@ from ._files import report_local, staging_dir, upload_dir
 
 __all__ = ["AccelerateHook", "install"]
 
-_RANK_FILE = re.compile(r"^(?:random_states_(\d+)\.pkl|spotguard_(?:rng_at_forward|buffers)_(\d+)\.pt)$")  # one a rank
+_RANK_FILE = re.compile(r"^(?:random_states_(\d+)\.pkl"  # one a rank
+                        r"|spotguard_(?:rng_at_forward|buffers|sampler_generators)_(\d+)\.pt)$")
 
 
 def _nothing() -> None:
@@ -132,6 +134,9 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
         # the torch RNG at the first training forward after each step, saved beside save_state's files for the
         # resume's realign (``_realign_at_load``): the any-moment writer has the core's ``rng_at_forward``
         self._acc_fwd_rng: Optional[tuple[int, torch.Tensor]] = None
+        # the default shuffle's generator (use_seedable_sampler=False), which save_state does not save
+        self._gens = SamplerGenerators(accelerator)
+        self._rewinding = False
         self._signal_model = state.get("model0")
         self._arm(self._any_moment_state(state))
 
@@ -149,6 +154,7 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
     def _decide(self) -> None:
         super()._decide()
         self._acc_step = (self._count, int(self.accelerator.step))
+        self._gens.step(self._count)
 
     def _on_forward(self, module: Any, args: Any) -> None:
         """The core's forward pre-hook; with ``gradient_accumulation_steps`` > 1, a training forward of the
@@ -194,8 +200,12 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
 
     @contextlib.contextmanager
     def _rewound(self) -> Iterator[None]:
-        with self._as_of(self._snap):
-            yield
+        self._rewinding = True  # a save of S from a micro-batch: rng_at_forward is S's too (the forward after it)
+        try:
+            with self._as_of(self._snap):
+                yield
+        finally:
+            self._rewinding = False
 
     # ------------------------------------------------------------- state <-> Accelerate
 
@@ -245,8 +255,9 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
                 self.accelerator.save_state(target)
                 save_rank_buffers(self.accelerator, Path(target), self.accelerator._models[0].state_dict())
             save_iteration(self.accelerator, Path(target), iteration)
+            self._gens.write(Path(target), self.accelerator.process_index, self._gens.of(self._count))
             fwd = self._acc_fwd_rng
-            if snap is not None and fwd is not None and fwd[0] == self._count:
+            if (snap is not None or self._rewinding) and fwd is not None and fwd[0] == self._count:
                 torch.save(fwd[1], os.path.join(target, f"{RNG_AT_FORWARD}_{self.accelerator.process_index}.pt"))
 
         self._write_into(key, fill)

@@ -150,6 +150,7 @@ class AccelerateAnyMoment:
     _range_clock: bool
     _log_path: Callable[[str, str, str], None]
     _enter_explicit: Callable[[], None]
+    _gens: Any  # accelerate_sampler.SamplerGenerators
 
     def _any_moment_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """Decide the path (before the core is armed); on the any-moment path the core's dict also holds the
@@ -189,6 +190,7 @@ class AccelerateAnyMoment:
         if self._acc_step is not None and self._acc_step[0] == step:
             per["accelerator_step"] = self._acc_step[1]
         per["accelerator_iteration"] = self._iteration_of(step)
+        per["sampler_generators"] = self._gens.of(step)
         return per
 
     def _iteration_of(self, step: int) -> Optional[int]:
@@ -223,6 +225,7 @@ class AccelerateAnyMoment:
                 save(per["schedulers"][f"scheduler{i}"], out / ("scheduler.bin" if i == 0 else f"scheduler_{i}.bin"))
         save_rank_buffers(acc, out, model)
         save_iteration(acc, out, per.get("accelerator_iteration"))
+        self._gens.write(out, acc.process_index, per.get("sampler_generators") or {})
         rng = per["rng"]
         states: dict[str, Any] = {"step": per["accelerator_step"], "random_state": rng["python"],
                                   "numpy_random_seed": rng["numpy"], "torch_manual_seed": rng["torch"]}
@@ -244,6 +247,7 @@ class AccelerateAnyMoment:
         f, cfg = Path(folder) / ITERATION, getattr(self.accelerator, "project_configuration", None)
         if f.is_file() and cfg is not None:  # after load_state (and _explicit_dirs, which puts the old one back)
             cfg.iteration = int(json.loads(f.read_text())["iteration"])
+        self._gens.load(Path(folder), self.accelerator.process_index)
         f = Path(folder) / f"{RANK_BUFFERS}_{self.accelerator.process_index}.pt"
         if f.is_file():  # save_rank_buffers: load_state put rank 0's into every rank
             mine, live = torch.load(f, weights_only=True), dict(self.accelerator._models[0].named_buffers())
