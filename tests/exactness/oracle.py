@@ -189,11 +189,15 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             what="accelerate_wild_loader on the boundary path (save_state at the next optimizer step)",
             phases=("load", "fwd", "bwd", "prestep", "after", "eval")),
     Pattern("accelerate_sched_top", "accelerate_wild.py", env=(("EXO_AW_SCHED_TOP", "1"), ("EXO_AW_NOSAVE", "1")),
-            what="accelerate_wild with the scheduler stepped at the iteration's top (the pre-1.1 PyTorch order)",
-            phases=("load", "fwd", "bwd", "prestep", "after", "eval"),
-            open_bug="an implicit loop's end of iteration S is read at the first training forward after S: a "
-                     "scheduler stepped at the top of iteration S+1 (before that forward) is saved stepped, and the "
-                     "resumed loop steps it again at its top (both paths: SPOTGUARD_BACKGROUND_AGREEMENT=0 too)"),
+            what="accelerate_wild with the scheduler stepped at the iteration's top (the pre-1.1 PyTorch order): "
+                 "detected at the first optimizer step, the schedulers and lr read at S's optimizer step "
+                 "(accelerate_sched.py; was saved stepped for S+1 and stepped again after the resume)",
+            phases=("load", "fwd", "bwd", "prestep", "after", "eval")),
+    Pattern("accelerate_sched_top_boundary", "accelerate_wild.py",
+            env=(("EXO_AW_SCHED_TOP", "1"), ("EXO_AW_NOSAVE", "1"), ("SPOTGUARD_BACKGROUND_AGREEMENT", "0")),
+            what="accelerate_sched_top on the boundary path (save_state at the next optimizer step, the schedulers "
+                 "and lr loaded as at S's optimizer step for it)", phases=("load", "fwd", "bwd", "prestep", "after",
+                                                                            "eval")),
     # issue 23: accelerator.accumulate over 4 micro-batches; the last completed optimizer step is written from the
     # background (accelerate_anymoment.py), the micro-batches after it thrown away
     Pattern("accelerate_accum", "accelerate_loop.py", env=(("EXO_ACCUM", "4"),), what="the accelerate pattern "

@@ -139,6 +139,9 @@ CASES: dict[str, tuple[str, ...]] = {
     # with the sampler's own generator, which save_state does not save: resumed in the third epoch, the data order
     # differed (was an open bug); the adapter saves the generator as before the epoch's draw
     "accelerate-accum-default-sampler-second-epoch": ("accelerate_accum_loader_default", "phase:micro@7"),
+    # the scheduler stepped at the iteration's top, the notice right after that step (S = 4, its scheduler already
+    # stepped for iteration 4): was saved stepped and stepped again after the resume (an open bug)
+    "accelerate-scheduler-stepped-at-the-iteration-top": ("accelerate_sched_top", "phase:load@4"),
 }
 # Longer cases kept out of `make test`'s time (EXO_MORE=1 adds them; `make exactness` draws these moments too).
 MORE_CASES: dict[str, tuple[str, ...]] = {
@@ -172,8 +175,12 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     # on the boundary path each micro-batch's forward launched an agreement: rank 0's extra one in the epoch's last
     # accumulation paired with none of rank 1's, and the run hung in the next epoch's (no notice needed)
     "accelerate-accum-uneven-ranks-boundary": ("accelerate_accum_loader_uneven_boundary", "phase:micro@4"),
-    # the notice while the user's own save_state() runs (between micro-batches, after S)
+    # the notice while the user's own save_state() runs (between micro-batches, after S): its checkpoint_<n> was
+    # written by the micro-batches after S; the resumed run (iteration n as of S) redid that save and Accelerate
+    # raised "checkpoint_<n> already exists" (a strict xfail until accelerate_own.py: the redone save replaces it);
+    # and the same on the boundary path (save_state at the next micro-batch's forward, rewound to S)
     "accelerate-accum-notice-in-own-save-state": ("accelerate_accum_loader_own", "phase:ownsave@4"),
+    "accelerate-accum-notice-in-own-save-state-boundary": ("accelerate_accum_loader_own_boundary", "phase:ownsave@4"),
     # the same mid-epoch resume on the boundary path (a refused configuration): save_state's files had no
     # rng_at_forward either; the adapter records it at the first training forward after each step
     "accelerate-boundary-mid-epoch-skip-first-batches": ("accelerate_wild_loader_boundary", "phase:bwd@7"),
@@ -211,6 +218,10 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     "accelerate-accum-default-sampler-epoch-end": ("accelerate_accum_loader_default", "phase:after@5"),
     "accelerate-accum-default-sampler-second-epoch-boundary": ("accelerate_accum_loader_default_boundary",
                                                                "phase:micro@7"),
+    # the scheduler at the iteration's top on the boundary path (save_state at the next optimizer step, after
+    # that iteration's top step), and a notice between the optimizer step and the next top step
+    "accelerate-scheduler-at-the-iteration-top-boundary": ("accelerate_sched_top_boundary", "phase:load@4"),
+    "accelerate-scheduler-at-the-iteration-top-after-step": ("accelerate_sched_top", "phase:after@3"),
 }
 if os.environ.get("EXO_MORE", "") == "1":
     CASES.update(MORE_CASES)
@@ -279,13 +290,6 @@ def results(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
 
 # Cases that are known to end ``wrong`` (open defects): strict xfails, so a fix shows up as XPASS.
 KNOWN_WRONG: dict[str, str] = {
-    "accelerate-accum-notice-in-own-save-state":
-        "review of issue 23 (arev): with accumulation the micro-batches after S run on while S is written (held only "
-        "at the next forward); a user's own save_state() among them is a side effect the resume cannot take back: "
-        "under automatic_checkpoint_naming the resumed run (iteration as of S) redoes it and Accelerate raises "
-        "ValueError 'checkpoint_<n> already exists' (before the iteration fix it wrote checkpoint_0 instead). Fix "
-        "idea: accelerator.save_state as a hold point like a micro-batch's forward (core _step_begin), and a resume "
-        "that lets the redone save replace the folder the thrown-away micro-batches wrote",
 }
 
 
@@ -311,7 +315,6 @@ def test_notice_never_yields_a_wrong_checkpoint(case: str, results: dict[str, An
 
 # Reproduced, not fixed: each must stay wrong until fixed (then move it to CASES). The pattern's ``open_bug`` says why.
 OPEN_BUG_CASES: dict[str, tuple[str, str]] = {
-    "accelerate-scheduler-stepped-at-the-iteration-top": ("accelerate_sched_top", "phase:load@4"),
 }
 
 

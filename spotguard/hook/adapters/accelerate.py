@@ -46,9 +46,8 @@ micro-batches (an agreement launched at one rank's extra forward pairs with
 none: a hang), so there a notice waits for the next optimizer step.
 
 Data position: Accelerate's ``save_state`` saves no position inside the epoch
-(nor, for a map-style dataset, the sampler: use ``use_seedable_sampler=True`` and
-``set_epoch``; the default's shuffle generator is not saved, its order differs
-after a resume past the first epoch); ``start`` counts optimizer steps, and
+(for a map-style dataset the default shuffle's generator, ``use_seedable_sampler=False``,
+is saved by the adapter: ``accelerate_sampler.py``); ``start`` counts optimizer steps, and
 Accelerate syncs at the loader's last batch, so an epoch is
 ``spe = ceil(len(loader) / N)`` steps: continue in epoch ``start // spe`` with
 ``accelerator.skip_first_batches(loader, (start % spe) * N)`` (or a
@@ -76,6 +75,7 @@ from ..core import Hook
 from ..state import Snapshot, rng_and_buffers_at
 from ._base import FrameworkHook
 from .accelerate_sampler import SamplerGenerators
+from .accelerate_sched import TopSchedulers
 from .accelerate_anymoment import RNG_AT_FORWARD, AccelerateAnyMoment, _iteration, save_iteration, save_rank_buffers
 from ...storage.integrity import DamagedCheckpoint
 from ...storage.verify import verified_folder
@@ -137,6 +137,7 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
         # the default shuffle's generator (use_seedable_sampler=False), which save_state does not save
         self._gens = SamplerGenerators(accelerator)
         self._rewinding = False
+        self._tops = TopSchedulers(accelerator, lambda: self._log)  # a scheduler stepped at the iteration's top
         self._signal_model = state.get("model0")
         self._arm(self._any_moment_state(state))
 
@@ -155,6 +156,7 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
         super()._decide()
         self._acc_step = (self._count, int(self.accelerator.step))
         self._gens.step(self._count)
+        self._tops.step(self._count)
 
     def _on_forward(self, module: Any, args: Any) -> None:
         """The core's forward pre-hook; with ``gradient_accumulation_steps`` > 1, a training forward of the
@@ -206,6 +208,7 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
                 yield
         finally:
             self._rewinding = False
+        self._tops = TopSchedulers(accelerator, lambda: self._log)  # a scheduler stepped at the iteration's top
 
     # ------------------------------------------------------------- state <-> Accelerate
 
@@ -224,7 +227,8 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
                 for inner, n in self._sched_at[1]:
                     inner._step_count = n
             try:
-                yield
+                with self._tops.rewound(self._count):
+                    yield
             finally:
                 for inner, n in now_sched:
                     inner._step_count = n

@@ -54,7 +54,9 @@ Life cycle on the boundary path (every rank):
 Resume: ``trainer.train(resume_from_checkpoint=hook.latest())`` — the newest
 committed folder (downloaded first from an object store). The Trainer restores
 model, optimizer, scheduler, scaler, every rank's RNG and the data position
-(it skips the batches of the current epoch already seen).
+(it skips the batches of the current epoch already seen); a Dataset/collator
+drawing from the RNG is replayed for the batches fetched ahead (``hf_fetch.py``,
+``spotguard_fetch_rng_<rank>.pt`` beside the Trainer's files, both paths).
 
 ``enable_jit_checkpoint`` (transformers >= 4.57): the Trainer's own SIGTERM
 handler waits 3 s, then checkpoints on *the rank that got the signal* only —
