@@ -329,6 +329,10 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             env=(("EXO_ACCUM", "1"), ("EXO_AUGMENT", "1"), ("SPOTGUARD_BACKGROUND_AGREEMENT", "0")),
             what="hf_trainer_augment on the boundary path (the Trainer's own save at on_step_end: its rng_state is "
                  "taken before the next step's fetches)", phases=("load", "fwd", "bwd", "prestep", "step", "after")),
+    Pattern("hf_trainer_augment_accum", "hf_trainer.py", env=(("EXO_AUGMENT", "1"),),
+            what="hf_trainer_augment with accumulation 2 on the any-moment path (S written from the background "
+                 "while S+1's micro-batches go on)", phases=("load", "fwd", "bwd", "micro", "prestep", "step",
+                                                             "after")),
     Pattern("hf_trainer_augment_accum_boundary", "hf_trainer.py",
             env=(("EXO_AUGMENT", "1"), ("SPOTGUARD_BACKGROUND_AGREEMENT", "0")),
             what="hf_trainer_augment with accumulation 2 on the boundary path (a notice acted on at a micro-batch, "

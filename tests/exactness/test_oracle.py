@@ -207,6 +207,7 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     "hf-trainer-augmenting-dataset-boundary": ("hf_trainer_augment_boundary", "phase:bwd@4"),
     "hf-trainer-augmenting-dataset-accum-micro-batch-boundary": ("hf_trainer_augment_accum_boundary",
                                                                  "phase:micro@2"),
+    "hf-trainer-augmenting-dataset-accum-micro-batch": ("hf_trainer_augment_accum", "phase:micro@2"),
     # review of issue 29: a rebalance whose DeepSpeed write outlasts its window (the any-moment path held the
     # step through the whole write, the hold ran out: exit 75 on an ordinary notice)
     "deepspeed-rebalance-write-longer-than-window": ("deepspeed_zero2_slow", "phase:bwd@4", "rebalance"),
