@@ -133,6 +133,7 @@ from .settings import (  # noqa: F401 - re-exported: adapters, torchft and tests
     _env_float,
 )
 from .state import Objects, Snapshot, classify, tracked_buffers
+from .stepcopy import StepCopies
 from .stephooks import StepHooksMixin
 from .watch import StateWatch
 
@@ -242,6 +243,7 @@ class Hook(ClockNames, StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMix
                 self._opt_key.setdefault(id(base), name)
         self._iter_steps: dict[str, int] = {}
         self._step_pattern: Optional[dict[str, int]] = None
+        self._step_copies = StepCopies()  # what an optimizer's first step of an iteration overwrites (stepcopy.py)
         # several optimizers in an implicit loop (no hook.range()/hook.step()): where an iteration starts (cycle.py)
         self._cycle = ImplicitCycle(lambda o: self._opt_key.get(id(o), "?"), self._iterations_unproven)
         self._bwd_since_step = False  # a backward reached the clock's parameters since the last step
