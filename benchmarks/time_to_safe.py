@@ -425,10 +425,10 @@ def _trial(sock: str, work: Path, mib: float, period: float, phase: float,
         env["SG_TTS_FRAMEWORK"] = base
         if path == "boundary":
             env["SPOTGUARD_BACKGROUND_AGREEMENT"] = "0"
-        env.update(extra or {})
     else:
         env["SG_TTS_MODEL"] = os.environ.get("SG_TTS_MODEL", "ddp")
         env.update({k: os.environ[k] for k in ("SG_TTS_SINGLE", "SG_TTS_LOOP", "SG_TTS_BUSY_AT", "SG_TTS_GAN") if k in os.environ})
+    env.update(extra or {})  # --baseline: SG_TTS_REPO, the other checkout's worker and code
     rc, text = _torchrun("framework" if framework else "trial", env,
                          timeout=(180 if framework else 120) + 12 * period + mib / 20)
     info: dict[str, Any] = {}
