@@ -241,10 +241,12 @@ class BoundaryMixin:
         if key is None or pattern is None or copies.step != self._count or self._watch.sharded is not None or \
                 self._watch.fsdp:
             return False
+        if {**self._iter_steps, key: self._iter_steps.get(key, 0) + 1} == pattern:
+            # the iteration's last optimizer step (also a later step of a copied optimizer: D, G, D): from here
+            # a round stands at the boundary, and none can stand at the last one while the boundary moves on
+            return False
         if copies.has(key):
             return True
-        if {**self._iter_steps, key: self._iter_steps.get(key, 0) + 1} == pattern:
-            return False  # the iteration's last optimizer step
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if not self._watch.untouched(params):
             return False
