@@ -37,7 +37,9 @@ class StepCopies:
     def __init__(self, max_bytes: int = STEP_COPY_MAX_BYTES) -> None:
         self.max_bytes = max_bytes
         self.step: Optional[int] = None  # the boundary the copies stand for
-        self._params: dict[str, dict[str, torch.Tensor]] = {}  # model key -> FQN -> copy of the parameter
+        # model key -> (storage address, shape, dtype) of a live parameter -> its copy: a model state dict's every
+        # name for it (tied weights have several) is replaced, whatever name the optimizer's FQN gives
+        self._params: dict[str, dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor]] = {}
         self._state: dict[str, dict[str, Any]] = {}  # optimizer key -> FQN -> copy of its state (or _ABSENT)
         self._bufs: dict[tuple[str, int, str], torch.Tensor] = {}  # reused buffers
         self._fqns: dict[str, tuple[list[int], list[str]]] = {}  # optimizer key -> (parameter ids, their FQNs)
@@ -76,7 +78,7 @@ class StepCopies:
         scopy: dict[str, Any] = {}
         with torch.no_grad():
             for i, (p, fqn) in enumerate(zip(params, fqns)):
-                pcopy[fqn] = self._into((key, i, ""), p.detach())
+                pcopy[_ident(p)] = self._into((key, i, ""), p.detach())
                 st = opt.state.get(p)
                 scopy[fqn] = _ABSENT if st is None else {
                     n: self._into((key, i, n), v) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
@@ -93,7 +95,7 @@ class StepCopies:
         out = dict(sd)
         for mk, params in self._params.items():
             if isinstance(out.get(mk), dict):
-                out[mk] = {**out[mk], **{k: v for k, v in params.items() if k in out[mk]}}
+                out[mk] = {k: params.get(_ident(v), v) if isinstance(v, torch.Tensor) else v for k, v in out[mk].items()}
         for ok, states in self._state.items():
             osd = out.get(ok)
             if not isinstance(osd, dict) or not isinstance(osd.get("state"), dict):
@@ -134,6 +136,11 @@ class StepCopies:
         fqns = [by_id[i] for i in ids]
         self._fqns[key] = (ids, fqns)
         return fqns
+
+
+def _ident(t: torch.Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
+    """Which parameter a state dict's tensor is (``state_dict()`` hands out detached views of the same storage)."""
+    return (t.data_ptr() if t.numel() else -1, tuple(t.shape), t.dtype)
 
 
 def _nbytes(t: Any) -> int:

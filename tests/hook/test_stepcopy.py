@@ -75,6 +75,22 @@ def test_substitute_gives_the_boundary_state_after_d_stepped() -> None:
     assert all(any(b is t for t in copies._bufs.values()) for b in bufs)
 
 
+def test_tied_weights_are_substituted_under_every_name() -> None:
+    torch.manual_seed(0)
+    d = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False))
+    d[1].weight = d[0].weight  # tied: the state dict names it twice, named_parameters() once
+    od = torch.optim.Adam(d.parameters(), lr=0.1)
+    _step(d, od)
+    at_s = _clone({"d": get_model_state_dict(d), "opt_d": get_optimizer_state_dict(d, od)})
+    assert len(at_s["d"]) == 2
+    copies = StepCopies(max_bytes=1 << 20)
+    copies.reset(1)
+    assert copies.before_first_step("opt_d", od, "d", d) is None
+    _step(d, od)
+    got = copies.substitute({"d": get_model_state_dict(d), "opt_d": get_optimizer_state_dict(d, od)}, 1)
+    assert _equal(got, at_s)
+
+
 def test_state_created_by_the_first_step_is_left_out_and_the_bound_is_kept() -> None:
     d, g, od, og = _gan()
     copies = StepCopies(max_bytes=1 << 20)
