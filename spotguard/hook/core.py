@@ -24,7 +24,8 @@ Two ways to act on a notice:
   only while a round runs and until the tensors of S are copied (``_step_begin``).
   Several optimizers in ``hook.range()``/``hook.step()`` loops: the boundary counts
   the iteration and checks every optimizer stepped as often as in the first one;
-  ``_in_step`` spans the iteration's first optimizer step to its boundary, and every
+  ``_in_step`` spans the iteration's first optimizer step that took no copy of what it
+  changes (``stepcopy.py``: the last one, normally) to its boundary, and every
   optimizer's pre-hook holds (``_multi_step_begin``).
 - **At the step boundary** (adapters, several optimizers in an implicit loop or with
   a GradScaler, explicit loops whose optimizer steps do not map onto iterations,
