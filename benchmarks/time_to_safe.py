@@ -56,7 +56,8 @@ commit came after the drill's deadline (``late``). Default cell 64 MiB, 10 s ste
 ``--compare-boundary`` runs every
 trial twice in a row, the second with ``SPOTGUARD_BACKGROUND_AGREEMENT=0`` (the boundary path the adapters had
 before their any-moment path), and summarises each path (``by_path``) from the same interleaved run;
-``--baseline DIR`` does the same with another checkout's code first (before/after a change, on the same load).
+``--baseline DIR`` does the same with another checkout's code first (before/after a change, on the same load;
+also for the plain and ``--gan`` loops: that checkout's ``time_to_safe.py`` worker runs the trial).
 
 ``python -m benchmarks.time_to_safe [--quick] [--label NAME] [--cells MIB:SECONDS:TRIALS,...] [--framework F,...]``
 writes ``benchmarks/results/time_to_safe-<label>.json``; ``--quick`` is a
@@ -424,10 +425,10 @@ def _trial(sock: str, work: Path, mib: float, period: float, phase: float,
         env["SG_TTS_FRAMEWORK"] = base
         if path == "boundary":
             env["SPOTGUARD_BACKGROUND_AGREEMENT"] = "0"
-        env.update(extra or {})
     else:
         env["SG_TTS_MODEL"] = os.environ.get("SG_TTS_MODEL", "ddp")
         env.update({k: os.environ[k] for k in ("SG_TTS_SINGLE", "SG_TTS_LOOP", "SG_TTS_BUSY_AT", "SG_TTS_GAN") if k in os.environ})
+    env.update(extra or {})  # --baseline: SG_TTS_REPO, the other checkout's worker and code
     rc, text = _torchrun("framework" if framework else "trial", env,
                          timeout=(180 if framework else 120) + 12 * period + mib / 20)
     info: dict[str, Any] = {}
@@ -532,7 +533,7 @@ def _cell(sock: str, work: Path, mib: float, period: float, trials: int, rng: ra
     runs = []
     name = f"{framework + '/' if framework else ''}{mib:g}MiB/{period:g}s"
     paths = PATHS if framework and os.environ.get("SG_TTS_COMPARE") == "1" else {"": {}}
-    if framework and os.environ.get("SG_TTS_BASELINE"):  # --baseline: that checkout's code, then this one's
+    if os.environ.get("SG_TTS_BASELINE"):  # --baseline: that checkout's code, then this one's
         paths = {"baseline": {"SG_TTS_REPO": os.environ["SG_TTS_BASELINE"]}, "this": {}}
     for i in range(trials):
         phase = rng.random()  # both paths at the same phase of the step

@@ -15,7 +15,7 @@ state at S reads ``_confirmed`` and ``_range_small``.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -130,6 +130,7 @@ class BoundaryMixin:
             if self._many_opts:  # the count moves at boundaries; steps already in this iteration: inside it
                 self._count = start
                 self._in_step = bool(self._iter_steps)
+                self._step_copies.reset(start)
         self._loop_kind = loop
         self._enable_background(clocked=True)
         if self._many_opts:
@@ -167,6 +168,7 @@ class BoundaryMixin:
             if self._many_opts:  # the iteration ends here (``_multi_step_begin``): count it, leave "inside"
                 self._count, self._in_step = expected, False
                 self._iter_steps = {}
+                self._step_copies.reset(expected)  # (the watch's mark above excused none of the new copies)
             self._snap, self._snap_count = snap, expected
             self._fwd_bufs, self._fwd_seq = (expected, bufs), self._post_seq
             self._confirmed = expected
@@ -209,14 +211,56 @@ class BoundaryMixin:
                     f"{self._step_pattern} in the first: the iteration's optimizer steps are not regular")
         return None
 
-    def _multi_step_begin(self) -> None:
-        """Several optimizers in an explicit loop: every optimizer's pre-hook. The iteration's first step
-        marks "inside the iteration" (a round joining from then on stands at the next boundary); any step
-        waits while a round holds the count (``_step_begin``), so no optimizer moves past the state a round
-        reads. The periodic vote launched at the last boundary is settled at the next boundary."""
+    def _multi_step_begin(self, optimizer: Any) -> None:
+        """Several optimizers in an explicit loop: every optimizer's pre-hook. Any step waits while a round
+        holds the count (``_step_begin``), so no optimizer moves past the state a round reads. An optimizer's
+        first step of the iteration copies what it will change (``stepcopy.py``): the state of the last
+        boundary stays readable, and a round joining later stands there. A step without such a copy (the
+        iteration's last one, over the bound, the loop's first iteration) marks "inside the iteration": a round
+        joining from then on stands at the next boundary. The periodic vote launched at the last boundary is
+        settled at the next boundary."""
         if not self._bg_on:
             return
-        self._step_begin()
+        self._step_begin(enter=lambda: self._enter_multi(optimizer))
+
+    def _enter_multi(self, optimizer: Any) -> None:
+        """(under ``_cv``, not held) ``optimizer`` steps now: keep the last boundary readable, or mark "inside"."""
+        if not self._in_step and self._copy_before_step(optimizer):
+            return
+        self._in_step = True
+
+    def _copy_before_step(self, optimizer: Any) -> bool:
+        """True when the state of the last boundary stays readable through ``optimizer``'s step: it already has
+        a copy (WGAN's later critic steps), or one is taken now. Not for the iteration's last step (the boundary
+        right after it is where a round stands: the post-step work only), nor before the first iteration
+        showed the pattern; an optimizer written since the boundary (weight clipping at the iteration's top)
+        cannot be copied as it was there."""
+        key = self._opt_key.get(id(optimizer))
+        copies = self._step_copies
+        pattern = self._step_pattern
+        if key is None or pattern is None or copies.step != self._count or self._watch.sharded is not None or \
+                self._watch.fsdp:
+            return False
+        if {**self._iter_steps, key: self._iter_steps.get(key, 0) + 1} == pattern:
+            # the iteration's last optimizer step (also a later step of a copied optimizer: D, G, D): from here
+            # a round stands at the boundary, and none can stand at the last one while the boundary moves on
+            return False
+        if copies.has(key):
+            return True
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not self._watch.untouched(params):
+            return False
+        owner = self._objs.owner.get(key, "")
+        why = copies.before_first_step(key, optimizer, owner, self._objs.models.get(owner))
+        if why is not None:
+            self._log_path("iteration-end", getattr(self, "_loop_kind", "hook.range()"),
+                           f"a notice after optimizer {key}'s step waits for the iteration's end: {why}")
+            return False
+        self._watch.excuse(params)
+        if self._cuda_params:
+            self._step_event = torch.cuda.Event()
+            self._step_event.record()  # the background read waits on it: the copies' kernels are done
+        return True
 
     def _break_clock(self, why: str) -> None:
         """(under ``_cv``) The mapping iteration -> optimizer step is disproven: a round waiting for a step
@@ -242,6 +286,7 @@ class BoundaryMixin:
                 while bg.busy.is_set() and self._exit_request is None and time.monotonic() < end:
                     self._cv.wait(0.05)  # `busy` clears without a notify: look again shortly
         self._exit_if_requested()
+        self._step_copies.reset(-1)  # the boundary path reads live state at boundaries: no copies any more
         self._count = expected
         self._enter_explicit()
         self._explicit_boundary(final=final)

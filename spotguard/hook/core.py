@@ -24,7 +24,8 @@ Two ways to act on a notice:
   only while a round runs and until the tensors of S are copied (``_step_begin``).
   Several optimizers in ``hook.range()``/``hook.step()`` loops: the boundary counts
   the iteration and checks every optimizer stepped as often as in the first one;
-  ``_in_step`` spans the iteration's first optimizer step to its boundary, and every
+  ``_in_step`` spans the iteration's first optimizer step that took no copy of what it
+  changes (``stepcopy.py``: the last one, normally) to its boundary, and every
   optimizer's pre-hook holds (``_multi_step_begin``).
 - **At the step boundary** (adapters, several optimizers in an implicit loop or with
   a GradScaler, explicit loops whose optimizer steps do not map onto iterations,
@@ -133,6 +134,7 @@ from .settings import (  # noqa: F401 - re-exported: adapters, torchft and tests
     _env_float,
 )
 from .state import Objects, Snapshot, classify, tracked_buffers
+from .stepcopy import StepCopies
 from .stephooks import StepHooksMixin
 from .watch import StateWatch
 
@@ -242,6 +244,7 @@ class Hook(ClockNames, StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMix
                 self._opt_key.setdefault(id(base), name)
         self._iter_steps: dict[str, int] = {}
         self._step_pattern: Optional[dict[str, int]] = None
+        self._step_copies = StepCopies()  # what an optimizer's first step of an iteration overwrites (stepcopy.py)
         # several optimizers in an implicit loop (no hook.range()/hook.step()): where an iteration starts (cycle.py)
         self._cycle = ImplicitCycle(lambda o: self._opt_key.get(id(o), "?"), self._iterations_unproven)
         self._bwd_since_step = False  # a backward reached the clock's parameters since the last step

@@ -152,6 +152,7 @@ class StateAtMixin:
         try:
             _skip_fake_step_in_background()
             sd = self._tensor_state() if self._watch.sharded is None else self._sharded_tensor_state()
+            sd = self._step_copies.substitute(sd, step)  # an optimizer that stepped since S: its copies of S
             sd, nbytes = stage_state_dict(sd) if copy else (sd, _tensor_bytes(sd))
         except Exception as exc:  # noqa: BLE001 - try the training thread's read instead
             return f"background read failed: {type(exc).__name__}: {exc}"
@@ -206,6 +207,7 @@ class StateAtMixin:
             # FSDP2: from its sharded parameters, never through its state-dict hooks — they reshard parameters
             # its pre-forward has just unsharded (a read at the anchor forward would break that forward)
             sd = self._tensor_state() if self._watch.sharded is None else self._sharded_tensor_state()
+            sd = self._step_copies.substitute(sd, step)  # an optimizer that stepped since S: its copies of S
             sd, nbytes = stage_state_dict(sd) if getattr(self, "_want_copy", True) else (sd, _tensor_bytes(sd))
             self._handoff = (step, sd, nbytes, "", where)
         except Exception as exc:  # noqa: BLE001 - reported by the round, never raised into the training loop

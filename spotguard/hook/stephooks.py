@@ -238,7 +238,7 @@ class StepHooksMixin:
         if self._internal or self._explicit or self._closed or self._torn_down:
             return  # DCP's fake step() on a fresh optimizer lands here: never count it
         if self._range_clock and self._many_opts:
-            self._multi_step_begin()
+            self._multi_step_begin(optimizer)
             return
         if self._many_opts:
             if self._scaler is not None or not self._cycle.begins(optimizer, self._count):

@@ -51,6 +51,7 @@ _users = 0
 _count = [0]  # Parameter.data gets + sets since the patch went in (a list: one C-level increment site)
 _orig: Any = None
 _watched: dict[int, int] = {}  # id of a watched parameter -> how many watches hold it (others are not counted)
+_last: dict[int, int] = {}  # id of a watched parameter -> the count at its last ``.data`` get/set (StateWatch.excuse)
 
 
 def data_accesses() -> Optional[int]:
@@ -70,15 +71,20 @@ def watch_param_data() -> bool:
             count = _count
 
             watched = _watched
+            last = _last
 
             def get(self: Any) -> Any:
-                if id(self) in watched:
+                i = id(self)
+                if i in watched:
                     count[0] += 1
+                    last[i] = count[0]
                 return orig.__get__(self, type(self))
 
             def put(self: Any, value: Any) -> None:
-                if id(self) in watched:
+                i = id(self)
+                if i in watched:
                     count[0] += 1
+                    last[i] = count[0]
                 orig.__set__(self, value)
 
             prop = property(get, put, doc=orig.__doc__)
@@ -109,6 +115,7 @@ def _hold(ids: list[int], delta: int) -> None:
                 _watched[i] = n
             else:
                 _watched.pop(i, None)
+                _last.pop(i, None)
 
 
 def unwatch_param_data() -> None:
@@ -205,6 +212,9 @@ class StateWatch:
                 self.sharded = got  # type: ignore[assignment]
         self._models = dict(models)
         self._mark: Optional[tuple[list[int], list[int], list[int], Optional[int]]] = None
+        # parameters whose state of the mark a copy holds (stepcopy.py): their own writes since the mark do not
+        # count as "changed" (cleared at every mark)
+        self.skip: frozenset[int] = frozenset()
         self.data_watch = watch_param_data()
         # Flat lists, so that a mark reads versions only (walking the module tree costs ~5 us per module);
         # rebuilt when ``changed`` finds a parameter replaced or a buffer joins the snapshot.
@@ -268,6 +278,21 @@ class StateWatch:
             self._refresh()
             cur = self._read()
         self._mark = cur
+        self.skip = frozenset()
+
+    def untouched(self, params: list[torch.Tensor]) -> bool:
+        """Whether nothing wrote ``params`` since the mark: the same objects, versions and no ``.data`` access
+        (what a copy of their state at the mark taken now needs; stepcopy.py)."""
+        mark = self._mark
+        if mark is None or mark[3] is None or data_accesses() is None:
+            return False
+        at = {i: v for i, v in zip(mark[0], mark[1])}
+        return all(at.get(id(p)) == p._version and _last.get(id(p), 0) <= mark[3] for p in params)
+
+    def excuse(self, params: list[torch.Tensor]) -> None:
+        """A copy now holds these parameters' state of the mark: ``changed`` ignores their writes until the next
+        mark."""
+        self.skip = self.skip | frozenset(id(p) for p in params)
 
     def current(self) -> Any:
         """The mark in force (pass it to ``changed`` to check a read against the mark it started from)."""
@@ -290,11 +315,12 @@ class StateWatch:
         if cur_ids != ids:
             self._stale = True  # the next mark starts from the parameters the modules hold now
             return "a parameter was replaced"
-        if cur_vers != vers:
+        skip = self.skip
+        if cur_vers != vers and (not skip or any(v0 != v1 and i not in skip for i, v0, v1 in zip(ids, vers, cur_vers))):
             return "a parameter was written outside optimizer.step()"
         if cur_bufs != bufs:
             return "a buffer was written outside the snapshot"
-        if cur_data != data:
+        if cur_data != data and (not skip or any(_last.get(i, 0) > data for i in ids if i not in skip)):
             return "Parameter.data was used outside optimizer.step()"
         return None
 

@@ -54,6 +54,7 @@ _TARGET: tuple[str, int] | None = None
 DEFAULT_SLEEPS = {
     "load": 0.04, "fwd": 0.04, "bwd": 0.04, "prestep": 0.03, "step": 0.03, "after": 0.03,
     "eval": 0.08, "micro": 0.03, "first": 0.04, "second": 0.04, "d_step": 0.03, "g_step": 0.03,
+    "critic_load": 0.04,
 }
 
 

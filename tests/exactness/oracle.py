@@ -123,11 +123,12 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             what="two optimizers in hook.range: D step, then G step", phases=("load", "fwd", "d_step", "g_step", "after")),
     Pattern("gan_ncritic", "gan.py", env=(("EXO_LOOP", "range"), ("EXO_NCRITIC", "3")),
             what="WGAN-style n_critic in hook.range: D 3 times (own batches), then G once",
-            phases=("load", "fwd", "d_step", "g_step", "after")),
+            phases=("load", "fwd", "d_step", "critic_load", "g_step", "after")),
     # issue 23 review: GAN loops as written in the wild (gan_wild.py: BatchNorm G, clipping, EMA, sampling, a
     # scheduler at the iteration's top), on the any-moment path or sent back to the boundary path mid-run
     Pattern("gan_wild", "gan_wild.py", what="WGAN in hook.range: D twice (clamp_ after each), G, EMA of G, "
-            "sched_d at the top, sampling every 3rd", phases=("load", "fwd", "d_step", "g_step", "after", "eval")),
+            "sched_d at the top, sampling every 3rd",
+            phases=("load", "fwd", "d_step", "critic_load", "g_step", "after", "eval")),
     Pattern("gan_wild_every", "gan_wild.py", env=(("EXO_EVERY", "0.05"),), check_all=True,
             what="gan_wild with every=0.05 s (periodic checkpoints)",
             phases=("load", "fwd", "d_step", "g_step", "after", "eval")),

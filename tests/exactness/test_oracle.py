@@ -42,6 +42,11 @@ CASES: dict[str, tuple[str, ...]] = {
     "averaged-model-notice-inside-last-step": ("swa", "phase:step@9"),
     "spectral-norm-after-next-forward": ("specnorm", "phase:bwd@5"),
     "gan-between-d-and-g-step": ("gan", "phase:g_step@4"),
+    # issue 23: hook.range() with several optimizers, a notice after D's step (G's step next) or between WGAN's
+    # critic steps: written from the copies of D's state taken before its first step of the iteration (was: at
+    # the iteration's end)
+    "gan-hook-range-between-d-and-g-step": ("gan_range", "phase:g_step@4"),
+    "wgan-hook-range-between-critic-steps": ("gan_ncritic", "phase:critic_load@4"),
     # issue 23: a hook.step() loop's first iteration runs on the implicit path until the first hook.step(): a
     # notice before D's first step was acted on at D's second (committed "step 1", one D step into iteration 0)
     "wgan-hook-step-notice-in-the-first-iteration": ("gan_wild_step", "phase:d_step@0"),
@@ -145,6 +150,11 @@ CASES: dict[str, tuple[str, ...]] = {
 }
 # Longer cases kept out of `make test`'s time (EXO_MORE=1 adds them; `make exactness` draws these moments too).
 MORE_CASES: dict[str, tuple[str, ...]] = {
+    # issue 23: the wild WGAN in hook.range (clamp_ through p.data after each critic step, BatchNorm in G, an EMA
+    # of G): the notice after the first critic step and its clamp, and after both (G's step next); D from the copy
+    # taken before its first step, G and the EMA live (their .data untouched), G's BatchNorm from the boundary
+    "wgan-wild-hook-range-between-clamped-critic-steps": ("gan_wild", "phase:critic_load@4"),
+    "wgan-wild-hook-range-before-g-step": ("gan_wild", "phase:g_step@4"),
     # review of issue 23 (lrev): the module's own on_save_checkpoint writes a batch counter that the micro-batches
     # after S moved (was wrong on the any-moment path: now refused, and not acted on mid-accumulation); its make-test
     # sibling: test_lightning_anymoment.py's refusal test. And the notice as the validation after step 2 starts,

@@ -85,6 +85,9 @@ def main() -> int:
     p.add_argument("--scaler", action="store_true",
                    help="--gan: a CPU GradScaler in the dict, scaler.step(opt); scaler.update() after each D and G "
                         "backward (an AMP WGAN as written after the AMP examples' one-optimizer loop)")
+    p.add_argument("--notice-after-d", type=int, default=0, metavar="K",
+                   help="--gan: the notice and the slow part right after the K-th discriminator step of the "
+                        "iteration (before the next critic step or G's), not before D's first step")
     p.add_argument("--notice-late", action="store_true",
                    help="--gan: the notice at the iteration's end (after G's step and the scheduler), not in D's "
                         "first pass")
@@ -160,13 +163,17 @@ def main() -> int:
             x = x + 0.01 * float(np.random.randn())
             fake = gmodel(torch.randn(8, 16))
             real_out = model(x)
-            if c == 0 and not a.notice_late:
+            if c == 0 and not a.notice_late and not a.notice_after_d:
                 notify(i)
                 if i >= a.slow_from:
                     time.sleep(a.iter_s)  # the workload: a long forward/backward (not a synchronisation)
             loss_d = bce(real_out, torch.ones(8, 1)) + bce(model(fake.detach()), torch.zeros(8, 1))
             opt.zero_grad(set_to_none=True)
             stepped(opt, loss_d)
+            if c + 1 == a.notice_after_d:
+                notify(i)
+                if i >= a.slow_from:
+                    time.sleep(a.iter_s)  # the workload, after this D step (not a synchronisation)
         if g_steps and not a.g_first:
             g_step(i, bce)
         sched.step()

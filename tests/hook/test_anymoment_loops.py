@@ -178,13 +178,40 @@ def test_gan_commits_mid_iteration(tmp_path: Path, single: bool, critic: int, lo
     boundary path, one iteration later, past the deadline); the resumed run ends bitwise where the
     uninterrupted one does. ``hook.step()``'s first iteration runs before the loop declares itself (on the
     implicit boundary path, whose flag reduction the first ``hook.step()`` settles on every rank)."""
+    _gan_mid_iteration(tmp_path, single, critic, loop, [])
+
+
+@pytest.mark.parametrize("single,critic,loop", [
+    (True, 1, "range"),
+    pytest.param(False, 1, "range", marks=pytest.mark.long(
+        reason="sibling in make test: [single-process-gan-hook-range] (the copies of D's state taken before its "
+               "step, the same code on one rank) and test_gan_commits_mid_iteration[two-ranks-wgan-ncritic-3-"
+               "hook-step] (two ranks agreeing in the background in a GAN loop)")),
+    pytest.param(False, 3, "step", marks=pytest.mark.long(
+        reason="sibling in make test: [single-process-gan-hook-range] (a notice after D's first step; here "
+               "between WGAN's critic steps, whose later steps take no new copy)")),
+], ids=["single-process-gan-hook-range", "two-ranks-gan-hook-range", "two-ranks-wgan-ncritic-3-hook-step"])
+def test_gan_notice_after_the_discriminator_step_commits_the_last_boundary(tmp_path: Path, single: bool,
+                                                                            critic: int, loop: str) -> None:
+    """Issue 23: the notice lands right after iteration 3's first D step (with WGAN's n_critic = 3: between
+    the first and the second critic step), then the slow part. D's parameters and moments of boundary 3 were
+    copied before its step (``stepcopy.py``), so the round writes step 3 from the background at once, G's (and
+    the next critic's) step held meanwhile (on main: at the iteration's end, step 4, past the deadline); the
+    resumed run ends bitwise where the uninterrupted one does."""
+    run = _gan_mid_iteration(tmp_path, single, critic, loop, ["--notice-after-d", "1"])
+    staged = run.events("checkpoint_staged")
+    assert staged and all(e["tensors_from"] == "background" for e in staged), staged
+
+
+def _gan_mid_iteration(tmp_path: Path, single: bool, critic: int, loop: str, notice: list[str]) -> TorchRun:
     ranks = {0} if single else {0, 1}
     extra = ["--gan", str(critic)]
     ref = reference(tmp_path, single, extra)
     store = tmp_path / "ckpt"
     run = launch(tmp_path, "preempted", single, ["--loop", loop, "--storage", str(store), "--iter-s",
                                                 str(GAN_ITER), "--slow-from", "2", "--notice-at", "3",
-                                                "--notice-rank", "0" if single else "1", "--deadline", "4", *extra])
+                                                "--notice-rank", "0" if single else "1", "--deadline", "4", *extra,
+                                                *notice])
     assert run.wait(120) == 143 if single else run.wait(120) != 0, run.tail()
     any_moment(run, ranks, f"hook.{loop}()")
     [sent] = [e for e in run.lines() if "notice_sent" in e]
@@ -198,6 +225,7 @@ def test_gan_commits_mid_iteration(tmp_path: Path, single: bool, critic: int, lo
     ends = [e["t"] for e in run.lines() if e.get("step") == 3 and "loss" in e]
     assert not ends or all(sent["t"] + GAN_ITER / 2 < t for t in ends), (sent, ends)
     resumed_equals(tmp_path, single, loop, store, 3, ref, extra)
+    return run
 
 
 def test_gan_hook_range_with_an_irregular_iteration_goes_back_to_the_boundary_path(tmp_path: Path) -> None:
@@ -215,3 +243,22 @@ def test_gan_hook_range_with_an_irregular_iteration_goes_back_to_the_boundary_pa
     [agreed] = run.events("agreed")
     assert agreed.get("via") != "background", agreed
     assert [e["step"] for e in run.events("checkpoint_committed")] == [agreed["step"]]
+
+
+@pytest.mark.long(reason="sibling in make test: tests/hook/test_stepcopy.py::test_state_created_by_the_first_step_is_"
+                         "left_out_and_the_bound_is_kept (the bound refuses the copy, in process)")
+def test_gan_copies_over_the_bound_wait_for_the_iteration_end_and_say_so(tmp_path: Path) -> None:
+    """``SPOTGUARD_STEP_COPY_MAX_BYTES=1``: D's copy is refused, said once in ``notice_path`` (path
+    ``iteration-end``), and a notice after D's step is acted on as before the copies existed: at the iteration's
+    end (step 4, exact there), not at the last boundary."""
+    store = tmp_path / "ckpt"
+    run = Single(tmp_path / "bound.log", ["--steps", str(STEPS), "--loop", "range", "--gan", "1", "--storage",
+                                          str(store), "--notice-at", "3", "--notice-after-d", "1", "--deadline", "30"],
+                 env={"SPOTGUARD_STEP_COPY_MAX_BYTES": "1"})
+    assert run.wait(120) == 143, run.tail()
+    paths = [(e["path"], e["loop"]) for e in run.events("notice_path")]
+    assert paths == [("any-moment", "hook.range()"), ("iteration-end", "hook.range()")], paths
+    [why] = [e["why"] for e in run.events("notice_path") if e["path"] == "iteration-end"]
+    assert "SPOTGUARD_STEP_COPY_MAX_BYTES" in why and "opt_d" in why, why
+    assert [e["step"] for e in run.events("checkpoint_committed")] == [4]
+    assert [(e["code"], e["step"], e["committed"]) for e in run.events("exit")] == [(143, 4, True)]

@@ -36,7 +36,7 @@ bce = torch.nn.BCEWithLogitsLoss()
 def iteration(i: int) -> None:
     _rt.begin_iteration(i)
     for c in range(ncritic):
-        _rt.phase("load")
+        _rt.phase("load" if c == 0 else "critic_load")  # critic_load: between two critic steps (n_critic > 1)
         seed = (i * ncritic + c) * 2 + rank if use_range else i * 2 + rank
         real = torch.randn(8, 8, generator=torch.Generator().manual_seed(seed)) + 2.0
         z = torch.randn(8, 8)

@@ -72,7 +72,7 @@ def critic_step(i: int, c: int) -> None:
     if clip_top:  # the original WGAN code clamps D's weights before each critic step's forward
         for p in d.parameters():
             p.data.clamp_(-0.05, 0.05)
-    _rt.phase("load")
+    _rt.phase("load" if c == 0 else "critic_load")  # critic_load: after a critic step and its clamp_
     real = torch.randn(8, 8, generator=torch.Generator().manual_seed((i * 8 + c) * 2 + rank)) + 2.0
     z = torch.randn(8, 8)
     _rt.phase("fwd")
