@@ -17,7 +17,7 @@ from ._torchrun import TorchRun, first_difference, load_out, reference_run
 STEPS = 30
 STEP_TIME = "0.05"
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180), pytest.mark.serial]
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,6 @@ def resume_to_end(tmp: Path, store: Path, name: str, expect_step: int, reference
 PREEMPTIONS = [(11, 1, signal.SIGUSR1, None), (12, 0, signal.SIGTERM, None), (13, 1, signal.SIGTERM, 15)]
 
 
-@pytest.mark.serial
 def test_preemptions_at_random_steps_chained_each_resume_exact(reference: Path, tmp_path: Path) -> None:
     """SIGUSR1 to rank 1 only, SIGTERM to rank 0 only, SIGTERM to rank 1 only: one after another on one store,
     each job resuming where the last one committed (both ranks at that step) and preempted a few steps later; the
@@ -115,7 +114,6 @@ def test_sigterm_to_torchrun_without_daemon(reference: Path, tmp_path: Path) -> 
     resume_to_end(tmp_path, store, "resumed", stop, reference)
 
 
-@pytest.mark.serial
 def test_rank_sigkilled_during_save(reference: Path, tmp_path: Path) -> None:
     """No commit record; the survivor fails the save and exits in bounded time; resume uses the older one."""
     store = tmp_path / "ckpt"
