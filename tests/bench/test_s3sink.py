@@ -20,6 +20,8 @@ from typing import Any, Iterator
 
 import pytest
 
+pytestmark = pytest.mark.serial
+
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1024 * 1024
 

@@ -23,7 +23,7 @@ import pytest
 
 from .vanish import exit_bound, judge, run_trial
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.serial]
 
 PEER_TIMEOUT = 3.0
 # (point, where the notice is): a pure vanish mid-iteration (A's ranks in the user's DDP all-reduce). B frozen

@@ -227,6 +227,7 @@ async def test_real_watcher_and_emulator_end_to_end(sock_path: str, moto: Moto) 
     assert moto.state(iid) == "Terminating:Proceed"
 
 
+@pytest.mark.serial
 async def test_hanging_autoscaling_endpoint_never_delays_notices(sock_path: str, moto: Moto,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     from .loopback import LoopbackServer, assert_notices_prompt

@@ -52,6 +52,7 @@ def schedule(url: str, cloud: str, kind: str) -> None:
         assert r.status == 200
 
 
+@pytest.mark.serial
 async def test_all_actions_hanging_never_delay_notices(spawn_daemon: Callable[..., DaemonProc], emulator: str,
                                                        tmp_path: Path) -> None:
     async with LoopbackServer(hang=True) as hooks, LoopbackServer(hang=True) as kube, \

@@ -113,6 +113,7 @@ async def test_late_commit_is_never_a_plain_success_in_the_outcome(sock_path: st
             await a.close()
 
 
+@pytest.mark.serial
 async def test_failing_server_is_retried_within_the_deadline_and_secrets_stay_out_of_logs(
         sock_path: str, headers_file: str) -> None:
     async with LoopbackServer(statuses=[503, 500, 200]) as hook:
@@ -175,6 +176,7 @@ async def test_slow_server_still_gets_it(sock_path: str) -> None:
             await a.close()
 
 
+@pytest.mark.serial
 async def test_hanging_webhook_never_delays_notices(sock_path: str) -> None:
     """The action's server never answers: a second notice still reaches the trainers at once,
     and the daemon still stops within its bounded drain."""
@@ -194,6 +196,7 @@ async def test_hanging_webhook_never_delays_notices(sock_path: str) -> None:
         assert time.monotonic() - t_stop < 9, "shutdown waited for a hanging webhook"
 
 
+@pytest.mark.serial
 async def test_deadline_decides_when_a_subscriber_never_reports(sock_path: str) -> None:
     async with LoopbackServer() as hook:
         w = FakeWatcher("aws")

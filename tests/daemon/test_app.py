@@ -52,6 +52,7 @@ async def test_watcher_whose_events_return_is_restarted(sock_path: str) -> None:
         await sub.close()
 
 
+@pytest.mark.serial
 async def test_drill_is_delivered_with_fresh_ids(sock_path: str) -> None:
     async with running_daemon(sock_path) as d:
         sub = await Subscription(sock_path).open()
@@ -149,6 +150,7 @@ async def test_expired_notice_is_not_replayed(sock_path: str) -> None:
         await sub.close()
 
 
+@pytest.mark.serial
 async def test_timeline_logs_carry_notice_id(sock_path: str) -> None:
     w = FakeWatcher("aws")
     with structlog.testing.capture_logs() as logs:
@@ -180,6 +182,7 @@ def _sigterm_and_get_notice(dp: DaemonProc, sub: Subscription) -> "asyncio.Futur
     return asyncio.ensure_future(sub.next_notice(timeout=10))
 
 
+@pytest.mark.serial
 async def test_sigterm_becomes_termination_notice_and_exit_after_checkpoint(spawn_daemon) -> None:
     dp = spawn_daemon("--sigterm-notice", "--sigterm-grace", "20")
     sub = await Subscription(dp.sock, rank=0).open()
@@ -199,6 +202,7 @@ async def test_sigterm_becomes_termination_notice_and_exit_after_checkpoint(spaw
     await sub.close()
 
 
+@pytest.mark.serial
 async def test_sigterm_exits_by_deadline_when_nobody_reports(spawn_daemon) -> None:
     dp = spawn_daemon("--sigterm-notice", "--sigterm-grace", "1.5")
     sub = await Subscription(dp.sock).open()
@@ -212,6 +216,7 @@ async def test_sigterm_exits_by_deadline_when_nobody_reports(spawn_daemon) -> No
     await sub.close()
 
 
+@pytest.mark.serial
 async def test_sigterm_with_no_subscriber_exits_at_once(spawn_daemon) -> None:
     dp = spawn_daemon("--sigterm-notice", "--sigterm-grace", "30")
     t0 = time.monotonic()

@@ -25,6 +25,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=30, env=full_env, cwd=REPO)
 
 
+@pytest.mark.serial
 def test_status_and_drill_against_real_daemon(spawn_daemon) -> None:
     dp = spawn_daemon("--node", "node-a")
     st = run_cli("status", "--socket", dp.sock)

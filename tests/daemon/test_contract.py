@@ -62,6 +62,7 @@ def test_help_works_on_every_subcommand(command: str) -> None:
 # --- every option through the environment of a real process ------------------------
 
 
+@pytest.mark.serial
 async def test_real_daemon_configured_by_env_only_and_flags_win(sockdir: str) -> None:
     """No flag but one: socket, cloud, metrics port, grace and node come from SPOTGUARD_*;
     --node on the command line beats SPOTGUARD_NODE; logs are JSON by default."""

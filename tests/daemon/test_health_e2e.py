@@ -125,6 +125,7 @@ def _first_notice(sock: str, timeout: float = 20.0) -> dict[str, Any]:
                       "a notice in the daemon"))
 
 
+@pytest.mark.serial
 def test_real_daemon_polls_a_good_path_on_time_beside_a_failing_one(emulator: Emulator, sockdir: str) -> None:
     spot, rebalance = "/latest/meta-data/spot/instance-action", "/latest/meta-data/events/recommendations/rebalance"
     emulator.control("fault", {"mode": "status", "cloud": "aws", "path": rebalance, "status": 500})

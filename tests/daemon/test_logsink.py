@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+
 from spotguard.daemon.logsink import LogSink
 
 
+@pytest.mark.serial
 def test_a_stalled_reader_never_blocks_a_write() -> None:
     """A pipe nobody reads fills at 64 KiB; the writer thread blocks there, the caller never does."""
     r, w = os.pipe()

@@ -292,6 +292,7 @@ def test_wall_clock_jump_does_not_expire_or_keep_notices(monkeypatch: pytest.Mon
     assert [e.id for e in book.expire()] == ["n"]
 
 
+@pytest.mark.serial
 async def test_sigterm_grace_waits_on_monotonic_time(sockdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The SIGTERM wait computes its end once, then counts loop (monotonic) time: a wall jump mid-wait
     does not end it early."""
@@ -324,6 +325,7 @@ def _rss_kib() -> int:
     return 0
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("cloud", ["azure", "aws"])

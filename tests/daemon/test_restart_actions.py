@@ -175,6 +175,7 @@ async def test_outcome_sent_in_an_earlier_life_is_never_sent_again(sock_path: st
     assert restored["status"] == "committed" and restored["sending"] == []
 
 
+@pytest.mark.serial
 async def test_state_file_fsync_is_off_the_delivery_path(sock_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """SkyPilot keeps the socket (and so the state file) under $HOME on disk: a 0.5 s fsync must not delay the
     notice (before: it ran on the event loop before the writers, 0.52 s); the state still persists."""

@@ -196,6 +196,7 @@ def finish(p: subprocess.Popen[str]) -> tuple[int, str, str, float]:
     return p.returncode, out, err, time.monotonic() - t0
 
 
+@pytest.mark.serial
 async def test_wait_checkpoint_returns_at_once_without_notice_and_waits_for_every_report(sockdir: str) -> None:
     sock = os.path.join(sockdir, "w.sock")
     d = start_daemon(sock)
@@ -222,6 +223,7 @@ async def test_wait_checkpoint_returns_at_once_without_notice_and_waits_for_ever
         d.stop()
 
 
+@pytest.mark.serial
 async def test_wait_checkpoint_does_not_wait_for_a_far_notice_until_its_checkpoint_starts(sockdir: str) -> None:
     """A GPU host maintenance an hour out: trainers keep training, so a preStop is not held for it."""
     sock = os.path.join(sockdir, "f.sock")

@@ -148,6 +148,7 @@ def _drill(sock: str) -> str:
         assert m["type"] != "error", m
 
 
+@pytest.mark.serial
 def test_flood_of_connections_and_messages_does_not_starve_a_subscriber(capsys: Any) -> None:
     """1000 connections held open + 40 clients streaming lines without reading replies: a real
     subscriber still gets a drilled notice within 2 s, and the daemon's limits hold."""

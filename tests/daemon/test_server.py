@@ -58,6 +58,7 @@ async def test_socket_is_0660_and_removed_on_stop(sock_path: str) -> None:
     assert not os.path.exists(sock_path)
 
 
+@pytest.mark.serial
 async def test_fifty_subscribers_receive_one_notice(sock_path: str) -> None:
     w = FakeWatcher("aws")
     async with running_daemon(sock_path, [w]) as d:
@@ -150,6 +151,7 @@ def never_reading_client(sock_path: str, lines: bytes) -> socket.socket:
     return slow
 
 
+@pytest.mark.serial
 async def test_slow_reader_does_not_stall_others_and_is_dropped(sock_path: str) -> None:
     w = FakeWatcher("aws")
     async with running_daemon(sock_path, [w], send_queue=16) as d:

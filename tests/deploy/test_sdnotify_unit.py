@@ -109,6 +109,7 @@ def unit_daemon(short_tmp: Path) -> Iterator[tuple[subprocess.Popen[str], Notify
         listener.close()
 
 
+@pytest.mark.serial
 def test_ready_watchdog_stopping(unit_daemon: tuple[subprocess.Popen[str], NotifyListener, Path]) -> None:
     proc, listener, sock = unit_daemon
     ready = listener.wait_for("READY", timeout=30)

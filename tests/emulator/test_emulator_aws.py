@@ -87,6 +87,7 @@ async def test_imds_disabled_is_403(emu: Emulator, http: aiohttp.ClientSession) 
         assert r.status == 403
 
 
+@pytest.mark.serial
 async def test_spot_instance_action_and_legacy_termination_time(
     emu: Emulator, http: aiohttp.ClientSession, aws_token: GetToken
 ) -> None:
@@ -114,6 +115,7 @@ async def test_spot_stop_action_has_no_termination_time(emu: Emulator, http: aio
     assert (await _get(http, emu, "/latest/meta-data/spot/termination-time", token))[0] == 404
 
 
+@pytest.mark.serial
 async def test_recompute_time_moves_with_the_clock_in_whole_seconds(emu: Emulator, http: aiohttp.ClientSession,
                                                                      aws_token: GetToken) -> None:
     """Like amazon-ec2-metadata-mock: ``time`` = now + the notice's length, whole seconds, on every request."""

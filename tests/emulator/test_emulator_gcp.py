@@ -50,6 +50,7 @@ async def test_kinds_map_to_values(emu: Emulator, http: aiohttp.ClientSession) -
     assert (await _get(http, emu.url + MAINT))[3] == "NONE"
 
 
+@pytest.mark.serial
 async def test_wait_for_change_blocks_until_notice(emu: Emulator, http: aiohttp.ClientSession) -> None:
     _, etag0, _, _ = await _get(http, emu.url + PREEMPTED)
     task = asyncio.create_task(_get(http, f"{emu.url}{PREEMPTED}?wait_for_change=true"))
@@ -99,6 +100,7 @@ async def test_last_etag_differs_returns_at_once(emu: Emulator, http: aiohttp.Cl
     assert body == "TRUE"
 
 
+@pytest.mark.serial
 async def test_timeout_sec_returns_current_value(emu: Emulator, http: aiohttp.ClientSession) -> None:
     _, etag, _, _ = await _get(http, emu.url + PREEMPTED)
     t0 = time.monotonic()
@@ -139,6 +141,7 @@ async def test_unknown_path_is_404(emu: Emulator, http: aiohttp.ClientSession) -
     assert (await _get(http, f"{emu.url}/computeMetadata/v1/instance/nope"))[0] == 404
 
 
+@pytest.mark.serial
 async def test_shutdown_releases_hanging_get(http: aiohttp.ClientSession) -> None:
     from spotguard.emulator.server import running_emulator
 

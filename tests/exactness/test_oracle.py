@@ -249,7 +249,7 @@ def _kind(case: str) -> str:
     return CASES[case][2] if len(CASES[case]) > 2 else "termination"
 
 # the first case's set-up runs every selected case (in parallel): its timeout covers them all
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.serial]
 _RESULTS: dict[str, Any] = {}
 
 

@@ -57,6 +57,7 @@ FORKED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.serial
 def test_a_forked_child_ending_normally_is_not_the_attempts_end(tmp_path: Path) -> None:
     """The child inherits the writer but not its thread: its atexit must neither write nor wait for one."""
     out = subprocess.run([sys.executable, "-c", FORKED, str(tmp_path)], capture_output=True, text=True,

@@ -135,6 +135,7 @@ def test_a_failing_store_costs_entries_never_the_caller(tmp_path: Path) -> None:
     assert any(k.startswith("write:OSError") for k in w._warned)
 
 
+@pytest.mark.serial
 def test_a_stalled_store_never_blocks_recording_and_bounds_the_exit_flush(tmp_path: Path) -> None:
     store = _StalledStore(str(tmp_path))
     w = HistoryWriter(store, rank=0)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
+
 from spotguard.hook.agreement import agreed_notice, best_candidate
 from spotguard.hook.dist import NO_DEADLINE_MS
 from spotguard.hook.settings import SIGNAL_GRACE, _ms
@@ -23,6 +25,7 @@ def test_best_candidate_takes_the_highest_level_then_the_earliest_deadline() -> 
     assert best_candidate([None, None]) is None
 
 
+@pytest.mark.serial
 def test_agreed_notice_keeps_the_agreed_deadline_and_never_one_in_the_past() -> None:
     t0 = utcnow()
     n = agreed_notice(7, _ms(t0) + 45_000, "notice withdrawn after agreement")  # not SIGNAL_GRACE (30)
@@ -33,6 +36,7 @@ def test_agreed_notice_keeps_the_agreed_deadline_and_never_one_in_the_past() -> 
     assert 0 <= (past.deadline - past.received_at).total_seconds() < 0.01  # due now, not a minute ago
 
 
+@pytest.mark.serial
 def test_agreed_notice_without_a_deadline_gets_the_signal_grace() -> None:
     for no_deadline in (None, NO_DEADLINE_MS):
         n = agreed_notice(3, no_deadline)

@@ -27,7 +27,7 @@ STEPS = 7
 ITER = 6.0  # seconds per slow iteration
 DEADLINE = 8.0  # the notice's: shorter than the rest of iteration 3 plus iteration 4 (the boundary path's commit)
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.serial]
 
 
 class Single(TorchRun):

@@ -27,7 +27,7 @@ SCRIPT = Path(__file__).resolve().parent / "_anytime_train.py"
 STEPS = 6
 ITER_15S = "0.3,0.4,0.3,0.3,0.2"  # load, fwd, bwd, inside opt.step, after: a 1.5 s iteration
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.serial]
 
 
 def job(tmp: Path, name: str, args: list[str], env: dict[str, str] | None = None) -> TorchRun:

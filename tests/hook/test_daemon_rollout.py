@@ -23,7 +23,7 @@ from ._torchrun import TorchRun, reference_run
 from .test_daemon_e2e import assert_daemon_saw_done, drill_when_running
 from .test_torchrun import STEPS, assert_agreed_exit, committed, resume_to_end
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150), pytest.mark.serial]
 
 
 @pytest.fixture(scope="module")

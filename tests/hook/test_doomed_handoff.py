@@ -36,6 +36,7 @@ def _at(line: dict) -> datetime:
     return datetime.fromisoformat(str(line["timestamp"]).replace("Z", "+00:00"))
 
 
+@pytest.mark.serial
 def test_commit_lands_after_the_doomed_rank_left(tmp_path: Path) -> None:
     store = tmp_path / "ckpt"
     args = ["--variant", "fsdp2", "--storage", str(store), "--steps", str(MODEL_STEPS)]

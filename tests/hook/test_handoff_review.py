@@ -54,6 +54,7 @@ def _pre(tmp_path: Path, notify: str, upload: float, *more: str, nproc: int = 2)
     return run, args, store
 
 
+@pytest.mark.serial
 @pytest.mark.long(reason="sibling in make test: test_doomed_node_sigkilled_after_handing_over (rank 0, DCP's "
                          "coordinator, doomed: its FSDP2 shards evacuated to rank 1, which commits; resume bitwise) "
                          "and test_doomed_handoff.py::test_commit_lands_after_the_doomed_rank_left (the doomed rank "

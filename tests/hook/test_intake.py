@@ -237,6 +237,7 @@ def test_socket_path_from_env(monkeypatch: pytest.MonkeyPatch, sock_path: str) -
     assert make_intake(None, Recorder()).socket_path == protocol.DEFAULT_SOCKET
 
 
+@pytest.mark.serial
 def test_report_never_blocks_when_daemon_does_not_read(sock_path: str) -> None:
     server = FakeDaemon(sock_path, read_clients=False)
     rec = Recorder()

@@ -54,6 +54,7 @@ def _resume_and_finish(root: Path, total: int) -> tuple[int, dict[str, Any]]:
     return start, snapshot(s)
 
 
+@pytest.mark.serial
 def test_training_keeps_stepping_during_periodic_upload(tmp_path: Path) -> None:
     st = SlowPeriodicStorage(tmp_path, delay_per_item=0.05)  # ~1 s per upload
     s = make()
@@ -148,6 +149,7 @@ def test_notice_during_upload_finishes_it_when_it_fits(tmp_path: Path) -> None:
     assert names.index(PERIODIC_COMMITTED) < names.index(events.CHECKPOINT_COMMITTED)
 
 
+@pytest.mark.serial
 def test_notice_during_upload_aborts_it_when_too_slow(tmp_path: Path) -> None:
     st = SlowPeriodicStorage(tmp_path, delay_per_item=0.6)  # ~10 s upload, 6 s notice: abort
     s = make()

@@ -17,7 +17,7 @@ from ._torchrun import TorchRun, first_difference, load_out, reference_run
 STEPS = 30
 STEP_TIME = "0.05"
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180), pytest.mark.serial]
 
 
 @pytest.fixture(scope="module")

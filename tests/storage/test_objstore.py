@@ -103,6 +103,7 @@ def test_non_retryable_error_is_an_object_store_error_and_an_oserror() -> None:
     assert isinstance(ei.value, OSError) and isinstance(ei.value, StorageError)
 
 
+@pytest.mark.serial
 def test_retries_stop_at_the_deadline_not_after() -> None:
     s = MemStore(max_attempts=1000)
     s.backoff, s.backoff_cap = 0.05, 0.05

@@ -29,6 +29,8 @@ from spotguard.storage import open_storage  # noqa: E402
 from spotguard.storage.commit import newest_committed  # noqa: E402
 from tests.exactness.oracle import _Zygote  # noqa: E402
 
+pytestmark = pytest.mark.serial
+
 WORKER = Path(__file__).with_name("_fallback_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -131,6 +131,7 @@ async def test_events_pending_until_vm_name_is_known(emu: Emulator, collect: Cal
     assert n.kind == "preemption" and w.node == "vm-0"
 
 
+@pytest.mark.serial
 async def test_started_event_gets_the_minimum_notice_deadline(emu: Emulator, collect: Callable) -> None:
     emu.notice("azure", "preemption", 0)  # NotBefore already passed: the event is Started, NotBefore ""
     c = collect(watcher(emu.url))

@@ -61,6 +61,7 @@ async def test_dmi_wins_without_network(tmp_path: Path, cloud: str, closed_port_
     assert await detect_cloud(dmi(tmp_path, **files), probe_base_url=closed_port_url) == cloud
 
 
+@pytest.mark.serial
 async def test_none_when_dmi_is_silent_and_nothing_answers(tmp_path: Path, closed_port_url: str) -> None:
     t0 = time.monotonic()
     assert await detect_cloud(dmi(tmp_path, sys_vendor="QEMU"), probe_base_url=closed_port_url, timeout=0.3) == "none"

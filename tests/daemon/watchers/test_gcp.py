@@ -31,6 +31,7 @@ async def hanging(emu: Emulator) -> None:
     await asyncio.sleep(0.02)  # let the second request reach the server's wait
 
 
+@pytest.mark.serial
 async def test_preemption_is_seen_within_milliseconds(emu: Emulator, collect: Callable) -> None:
     w = watcher(emu.url)
     c = collect(w)
@@ -53,6 +54,7 @@ async def test_preemption_is_seen_within_milliseconds(emu: Emulator, collect: Ca
     assert w.node == "spot-vm-0"
 
 
+@pytest.mark.serial
 async def test_maintenance_kinds_and_cancel(emu: Emulator, collect: Callable) -> None:
     c = collect(watcher(emu.url))
     await hanging(emu)
@@ -152,6 +154,7 @@ async def test_connection_refused_then_server_appears(closed_port_url: str, coll
     await refused_then_server_appears(collect, watcher(closed_port_url), closed_port_url, "gcp", "termination")
 
 
+@pytest.mark.serial
 async def test_close_interrupts_hanging_gets(emu: Emulator) -> None:
     w = watcher(emu.url, wait_timeout_sec=60)
     events = w.events()

@@ -32,6 +32,7 @@ async def mean_interval(emu: Emulator, method: str, path: str, n: int = 10, time
 # --- AWS ------------------------------------------------------------------------------
 
 
+@pytest.mark.serial
 async def test_aws_failing_rebalance_path_never_slows_the_spot_path(emu: Emulator, collect: Callable,
                                                                    wait_until: Any) -> None:
     """A whole-cycle backoff (the old loop) polled every path every 1-2 s here (cap 2 s)."""
@@ -80,6 +81,7 @@ def azure(url: str, **kw: Any) -> AzureWatcher:
                                 "min_request_spacing": 0.0, **kw})
 
 
+@pytest.mark.serial
 async def test_azure_failing_compute_never_slows_scheduled_events_and_vm_name_delivers(
         emu: Emulator, collect: Callable, wait_until: Any) -> None:
     emu.configure(azure_rate_limit=0)
@@ -148,6 +150,7 @@ async def test_gcp_host_maintenance_deadline_is_the_upcoming_window(emu: Emulato
     assert UPCOMING in n.detail and "windowStartTime" in n.detail
 
 
+@pytest.mark.serial
 async def test_gcp_host_maintenance_without_window_gets_60_s(emu: Emulator, collect: Callable) -> None:
     emu.fault("status", cloud="gcp", path=PATH_PREFIX + UPCOMING, status=404)
     c = collect(gcp(emu.url))

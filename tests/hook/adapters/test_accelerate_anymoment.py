@@ -48,10 +48,12 @@ def _mid_step(tmp_path: Path, deliver: str, marker: str) -> None:
     assert diff is None, f"final optimizer state differs at {diff}"
 
 
+@pytest.mark.serial
 def test_notice_mid_step_is_committed_from_the_background_and_resumes_bitwise(tmp_path: Path) -> None:
     _mid_step(tmp_path, "usr1-rank1", "random_states_1.pkl")
 
 
+@pytest.mark.serial
 @pytest.mark.long(reason="sibling in make test: test_notice_mid_step_is_committed_from_the_background_and_resumes_"
                          "bitwise (the same path, SIGUSR1 to rank 1)")
 def test_sigterm_to_torchrun_mid_step_resumes_bitwise(tmp_path: Path) -> None:
@@ -62,6 +64,7 @@ ACCUM = 4
 AT = 2  # S (steps done): the notice comes in the loop's step AT (the (AT+1)-th), two micro-batches after S
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("ddp", [
     pytest.param((), id="ddp"),
     # each rank's own BatchNorm statistics: save_state writes rank 0's model only, so rank 1 resumed with rank 0's

@@ -157,6 +157,7 @@ def test_hf_trainer_deepspeed_config_sigterm_to_rank1_resumes_bitwise(tmp_path_f
     assert {f"global_step{step}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= names, names
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("zero", [pytest.param("2", marks=pytest.mark.long(
     reason="sibling in make test: [3] (the same any-moment adapter path and timing: agreed and written in the "
            "background during a 3 s backward, committed within 1.5 s, DeepSpeed's load_checkpoint bitwise; ZeRO-3 "

@@ -70,6 +70,7 @@ def _assert_holds(folder: Path, want: dict[str, torch.Tensor]) -> None:
     assert module.keys() and all(torch.equal(t, want[n]) for n, t in module.items()), module.keys()
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("path", ["any-moment", "boundary"])
 def test_a_notice_after_the_last_step_is_read_at_destroy_process_group_with_the_last_ema_update(
         tmp_path: Path, path: str) -> None:

@@ -23,7 +23,7 @@ from .._daemons import drill, wait_subscribed
 from .._torchrun import TorchRun, first_difference, load_out
 from ._jobs import Job, assert_same_losses, committed, losses
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.serial]
 
 STEPS = 16
 EVAL_EVERY = 6  # the first evaluation starts after optimizer step 6

@@ -103,17 +103,20 @@ def _preempt_mid_step(tmp: Path, *, resume: bool, args: tuple[str, ...] = (), st
         resume_and_compare(SCRIPT, tmp, (ref, tmp / "ref.pt"), STEPS, AT, args)
 
 
+@pytest.mark.serial
 def test_notice_mid_step_commits_step_s_from_the_background(tmp_path: Path) -> None:
     """The boundary path committed at the next step's end or later (exit 75: past the 3 s deadline)."""
     _preempt_mid_step(tmp_path, resume=False)
 
 
+@pytest.mark.serial
 @pytest.mark.long(reason="sibling in make test: test_notice_mid_step_commits_step_s_from_the_background (the same "
                          "notice; its checkpoint equals the Trainer's own save of S file by file)")
 def test_notice_mid_step_resumes_bitwise(tmp_path: Path) -> None:
     _preempt_mid_step(tmp_path, resume=True)
 
 
+@pytest.mark.serial
 @pytest.mark.long(reason="sibling in make test: test_notice_mid_step_commits_step_s_from_the_background and "
                          "test_hf_trainer.py::test_notice_during_accumulation_commits_at_the_next_micro_batch")
 def test_notice_mid_micro_batch_with_accumulation_resumes_bitwise(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from ._jobs import Job, committed, drill_beside_reference
 
 pytest.importorskip("lightning")
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.serial]
 
 SCRIPT = "lightning_train.py"
 ACCUM = 8

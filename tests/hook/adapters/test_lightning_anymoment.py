@@ -41,6 +41,7 @@ def _losses(run: Job) -> dict[int, str]:
     return {e["step"]: e["hex"] for e in run.lines() if "hex" in e and "batch" in e}
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_notice_mid_step_commits_last_step_within_deadline_and_resumes_bitwise(
         tmp_path: Path, daemon: DaemonProc) -> None:
