@@ -1,7 +1,7 @@
 """The state at S: what the checkpoint of step S holds, read at the one moment it is known exactly.
 
 Why a module of its own (issue 28, part 2): the training thread and the agreement thread hand each other the
-state of a step here, under the clock's ``_cv`` (``clock.py``), and nothing else in the save reads how:
+state of a step here, under the clock's ``_steps.cv`` (``clock.py``), and nothing else in the save reads how:
 
 - the tensors (model, optimizer): read off the training thread while ``StateWatch`` proves them unchanged since
   step S (``_background_read``), or by the training thread itself at its next anchor (``_prehook_read``,
@@ -103,7 +103,7 @@ class StateAtMixin:
         if snap is None:
             snap = Snapshot.take(self._objs.loaders)
         sd = self._tensor_state()
-        sd[self._rank_key(self._rank)] = pack(self._per_rank_state(self._count, snap))
+        sd[self._rank_key(self._rank)] = pack(self._per_rank_state(self._steps.count, snap))
         return sd
 
     def _per_rank_state(self, step: int, snap: Snapshot) -> dict[str, Any]:
@@ -170,14 +170,14 @@ class StateAtMixin:
         that step (``_serve_anchor_read``), else at its next ``optimizer.step()`` pre-hook (held there; a loop whose
         forwards the hook does not see) or the end of training; (state dict, bytes, where, the step read) or why
         not. Bounded by ``t_end``."""
-        with self._cv:
+        with self._steps.cv:
             if not armed:
                 self._arm_read(step, copy=copy)
             while not self._handed(step) and self._exit_request is None and not self._handing_over(step):
                 left = t_end - time.monotonic()
                 if left <= 0:
                     break
-                self._cv.wait(min(0.5, left))
+                self._steps.cv.wait(min(0.5, left))
             got, self._handoff, self._want_state = self._handoff, None, None
         if got is None or not self._handed(step, got):
             return (f"the training thread did not reach the end of iteration {step} (its next training forward "
@@ -187,11 +187,11 @@ class StateAtMixin:
         return got[1], got[2], got[4], got[0]
 
     def _arm_read(self, step: int, *, copy: bool) -> None:
-        """(under ``_cv``) Ask the training thread to read the state of ``step`` where it next can."""
+        """(under ``_steps.cv``) Ask the training thread to read the state of ``step`` where it next can."""
         self._handoff = None
         self._want_state = step
         self._want_copy = copy
-        self._cv.notify_all()
+        self._steps.cv.notify_all()
 
     def _handed(self, step: int, got: Any = None) -> bool:
         """Whether the training thread's read answers a request for ``step``: that step, or the one before
@@ -200,7 +200,7 @@ class StateAtMixin:
         return got is not None and (got[0] == step or (got[0] == step - 1 and got[4] == "end-of-training"))
 
     def _read_for_round(self, step: int, where: str = "pre-hook") -> None:
-        """Training thread, at the end of iteration ``step`` (under ``_cv``): the fallback read."""
+        """Training thread, at the end of iteration ``step`` (under ``_steps.cv``): the fallback read."""
         self._internal = True  # DCP's fake step() on a stateless optimizer must not count
         try:
             # FSDP2: from its sharded parameters, never through its state-dict hooks — they reshard parameters
@@ -212,23 +212,23 @@ class StateAtMixin:
             self._handoff = (step, None, 0, f"reading the state at step {step}: {type(exc).__name__}: {exc}", where)
         finally:
             self._internal = False
-        self._cv.notify_all()
+        self._steps.cv.notify_all()
 
     def _serve_anchor_read(self, step: int, where: str) -> Optional[int]:
-        """Training thread, under ``_cv``, at the end of iteration ``step`` (its first training forward after
+        """Training thread, under ``_steps.cv``, at the end of iteration ``step`` (its first training forward after
         the step, or an explicit loop's boundary): serve a read the round asked for (``_save_next_iteration``);
         an emergency's live tensors are written from where they are, so the thread stays here until the exit
-        (bounded by the round's hold: past it, the step to give up at — ``_give_up_hold``, outside ``_cv``)."""
+        (bounded by the round's hold: past it, the step to give up at — ``_give_up_hold``, outside ``_steps.cv``)."""
         if self._want_state != step or (self._handoff is not None and self._handoff[0] == step):
             return None
         self._read_for_round(step, where)
         if getattr(self, "_want_copy", True):
             return None
-        while self._exit_request is None and self._target == step:
+        while self._exit_request is None and self._steps.target == step:
             left = self._steps.hold_left()
             if left <= 0:  # the write from these live tensors may still run: never train on under it
                 return step
-            self._cv.wait(min(0.5, left))
+            self._steps.cv.wait(min(0.5, left))
         return None
 
     def _small_state(self, step: int, t_end: float) -> Any:
@@ -246,7 +246,7 @@ class StateAtMixin:
         now = time.monotonic()  # wait for the anchor while the save still fits, and always a little
         latest = max(now + min(1.0, max(0.0, t_end - now) / 3),
                      t_end - max(0.5, getattr(self, "_last_save_seconds", 1.0) * 1.5))
-        with self._cv:
+        with self._steps.cv:
             rs = self._range_small
             if (self._small is None or self._small[0] != step) and rs is not None and rs[0] == step:
                 self._capture_small_for(step, "iteration-boundary")  # what the explicit loop's boundary copied
@@ -255,11 +255,11 @@ class StateAtMixin:
                     self._capture_small_for(step, "after-forward")
                 else:
                     self._want_small = step
-                    self._cv.notify_all()
+                    self._steps.cv.notify_all()
                     while (self._small is None or self._small[0] != step) and \
                             not (self._fwd_count == step and self._anchor_ok(step)) and \
                             not self._handing_over(step) and self._exit_request is None and time.monotonic() < latest:
-                        self._cv.wait(min(0.1, max(0.0, latest - time.monotonic())))
+                        self._steps.cv.wait(min(0.1, max(0.0, latest - time.monotonic())))
                     self._want_small = None
                     if (self._small is None or self._small[0] != step) and self._fwd_count == step and \
                             self._anchor_ok(step):
@@ -275,7 +275,7 @@ class StateAtMixin:
         return got[1], got[2], got[3]
 
     def _capture_small_for(self, step: int, where: str) -> None:
-        """``_capture_small`` into ``_small`` (under ``_cv``); a raising ``state_dict()`` is recorded, not raised.
+        """``_capture_small`` into ``_small`` (under ``_steps.cv``); a raising ``state_dict()`` is recorded, not raised.
         An explicit loop's step: what its boundary read (the exact end of that iteration), whoever asks."""
         rs = getattr(self, "_range_small", None)
         if rs is not None and rs[0] == step:
@@ -287,14 +287,14 @@ class StateAtMixin:
                 except Exception as exc:  # noqa: BLE001 - recorded for the round, never raised into the loop
                     self._small = (step, None, None, f"packing the small state of step {step}: "  # type: ignore[assignment]
                                                      f"{type(exc).__name__}: {exc}")
-            self._cv.notify_all()
+            self._steps.cv.notify_all()
             return
         try:
             self._small = self._capture_small(step, where)
         except Exception as exc:  # noqa: BLE001 - the user's object: the round fails with this, training goes on
             self._small = (step, None, None, f"state_dict() of the small state raised at step {step}: "  # type: ignore[assignment]
                                              f"{type(exc).__name__}: {exc}")
-        self._cv.notify_all()
+        self._steps.cv.notify_all()
 
     def _sharded_tensor_state(self) -> dict[str, Any]:
         """FSDP2, off the training thread: what ``get_model_state_dict`` / ``get_optimizer_state_dict`` give
@@ -339,7 +339,7 @@ class StateAtMixin:
         return sd
 
     def _capture_small(self, step: int, where: str) -> tuple[int, bytes, dict[str, list[dict[str, Any]]], str]:
-        """(step, per-rank blob, optimizer param_groups without params, who captured it) — call under ``_cv``.
+        """(step, per-rank blob, optimizer param_groups without params, who captured it) — call under ``_steps.cv``.
 
         The state the loop changes *after* ``optimizer.step()``: schedulers, scalers,
         stateful objects (EMA...), and the optimizer's param_groups (a scheduler writes
@@ -402,8 +402,8 @@ class StateAtMixin:
 
     def _release_hold(self, keep_target: bool = False) -> None:
         """Let the training thread step again (``keep_target``: an emergency keeps it held until the exit)."""
-        with self._cv:
+        with self._steps.cv:
             self._steps.unhold(keep_target)
             self._small = None
             self._want_small = self._want_state = None
-            self._cv.notify_all()
+            self._steps.cv.notify_all()

@@ -111,7 +111,7 @@ def test_several_optimizers_in_range_stay_any_moment(hook_of: Any) -> None:
         for _ in h.range(4):
             _iteration(s, step=True)
     assert _paths(logs) == [("any-moment", "hook.range()")]
-    assert h._range_clock and h._bg_on and h.iteration == 4 and h._confirmed == 4 and not h._in_step
+    assert h._range_clock and h._bg_on and h.iteration == 4 and h._confirmed == 4 and not h._steps.in_step
     assert h._step_pattern == {"opt0": 1, "opt1": 1} and h._range_small[0] == 4
 
 
