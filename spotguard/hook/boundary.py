@@ -7,9 +7,9 @@ the snapshot of the iteration's end for the state at S (``stateat.py``: ``_copy_
 notice is ``agreement.py`` (``_act``), the periodic save ``staged.py``.
 
 Who writes what (the map): this module writes ``_confirmed``, ``_range_clock``, ``_range_broken`` (also the
-Lightning adapter), ``_range_small``, ``_iter_steps``/``_step_pattern``, ``_explicit``, ``_implicit_counted``,
+Lightning adapter), ``_state_at.range_small``, ``_iter_steps``/``_step_pattern``, ``_explicit``, ``_implicit_counted``,
 ``_loop_kind``, ``_boundary_at``/``_iteration_seconds``; the round (agreement.py) reads ``_range_broken``, the
-state at S reads ``_confirmed`` and ``_range_small``.
+state at S reads ``_confirmed`` and ``_state_at.range_small``.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class BoundaryMixin:
                 # the clock steps again after another optimizer did: past the first iteration, where a
                 # hook.step() loop would have declared itself
                 self._log_path("boundary", "implicit", self._implicit_why() or "")
-        self._snap = Snapshot.take(self._objs.loaders)
+        self._state_at.snap = Snapshot.take(self._objs.loaders)
         level, deadline_ms = self._local_level()
         self._agree.launch(level, deadline_ms, self._periodic_flags())
 
@@ -75,9 +75,9 @@ class BoundaryMixin:
         if res is not None and (res[0] > 0 or self._periodic_due()):  # a commit comes
             self._unconfirmed_cycle()
         if res is not None and res[0] > 0:
-            self._act(res[0], res[1], snap=self._snap, final=False)
+            self._act(res[0], res[1], snap=self._state_at.snap, final=False)
         elif res is not None:
-            self._maybe_periodic(self._snap)
+            self._maybe_periodic(self._state_at.snap)
 
     def _explicit_boundary(self, *, final: bool) -> None:
         self._tick()
@@ -167,15 +167,15 @@ class BoundaryMixin:
             if self._many_opts:  # the iteration ends here (``_multi_step_begin``): count it, leave "inside"
                 self._steps.count, self._steps.in_step = expected, False
                 self._iter_steps = {}
-            self._snap, self._snap_count = snap, expected
-            self._fwd_bufs, self._fwd_seq = (expected, bufs), self._post_seq
+            self._state_at.snap, self._state_at.snap_count = snap, expected
+            self._state_at.fwd_bufs, self._state_at.fwd_seq = (expected, bufs), self._post_seq
             self._confirmed = expected
             # The small state of this iteration's end, copied here and kept until the next boundary: the one
             # moment it is known exactly (the loop may change a stateful object before its next forward or
             # step). A round for this step takes it whenever it comes — no wait for an anchor. Copied, not
             # packed: packing (torch.save) costs ms, and only a round needs it (``_capture_small_for``).
-            self._range_small = self._copy_small(expected, "iteration-boundary")
-            if self._want_small == expected:
+            self._state_at.range_small = self._copy_small(expected, "iteration-boundary")
+            if self._state_at.want_small == expected:
                 self._capture_small_for(expected, "iteration-boundary")
             give_up = self._serve_anchor_read(expected, "iteration-boundary")  # the exact fallback's read
             self._steps.cv.notify_all()

@@ -20,8 +20,8 @@ Who does what (the map, read from the code):
   (``bound_hold``, ``shorten_hold`` from ``notices.py``, ``extend_hold`` from ``handoff.py``) and lets go
   (``unhold``, from ``save.py``'s ``_release_hold`` and the staged save); the training thread only reads
   them (``held_at`` in ``_step_begin``, ``hold_left``).
-- ``cv``: guards all of the above and the snapshot of "state at S" the two threads hand each other
-  (``_small``, ``_want_small``, ``_want_state``, ``_handoff``: save.py), which is why it is shared.
+- ``cv``: guards all of the above and the "state at S" the two threads hand each other (``Hook._state_at``:
+  ``handover.py``), which is why it is shared.
 """
 
 from __future__ import annotations

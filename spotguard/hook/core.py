@@ -110,6 +110,7 @@ from .dist import (
     unguard_destroy,
 )
 from .exit import ExitMixin, Preempted
+from .handover import StateAtS
 from .notices import NoticesMixin
 from .periodic import PeriodicSaver
 from .preflight import check_launcher, probe_writable, unwritable_message
@@ -209,6 +210,7 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
         self._peers = watch_peers(self) if self._dist else None
 
         self._steps = StepClock()  # the count, the in-step flag, a round's hold (clock.py)
+        self._state_at = StateAtS(self._steps.cv)  # the state at S the two threads hand over (handover.py)
         self._resumed = False
         self._resumed_step = 0
         self._resumed_dir: Optional[str] = None  # the committed folder this run's state came from
@@ -221,7 +223,6 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
         self._internal = False
         self._closed = False
         self._exiting = False
-        self._snap: Optional[Snapshot] = None
         self._clock: Optional[torch.optim.Optimizer] = None  # one optimizer: its steps (several: cycle.py)
         self._buffers = {k: tracked_buffers(m) for k, m in self._objs.models.items()}
         self._buffers = {k: b for k, b in self._buffers.items() if b}
@@ -264,24 +265,10 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
 
         # The background agreement (agreement.py): its thread and gloo group exist on every rank of an
         # eligible hook; ``_bg_on`` (notices wake it) once training is seen in implicit mode.
-        # ``_steps.cv`` (the clock's) also guards the handover of the state at S below, shared with that thread
-        self._small: Optional[tuple[int, bytes, dict[str, Any], str]] = None
-        self._snap_count = -1
-        self._staged_step: Optional[int] = None
         self._exit_request: Optional[tuple[Notice, Any, Optional[int]]] = None
-        # The model's first forward after step S (training or evaluation): the loop's work after the step
-        # (scheduler, EMA update, scaler) is over, so the small state of S can be read (save.py).
-        self._fwd_count = -1
         self._post_seq = 0  # optimizer post-hooks so far (any optimizer of the dict; the scaler's update)
-        self._fwd_seq = 0  # _post_seq at the last forward that snapshotted the buffers
-        self._fwd_bufs: Optional[tuple[int, dict[str, dict[str, torch.Tensor]]]] = None
         self._fwd_train_count = -1
-        self._fwd_rng: Optional[tuple[int, torch.Tensor]] = None  # (count, torch RNG) at the first training forward
         self._realign: Optional[torch.Tensor] = None  # after a resume: the RNG the first training forward must see
-        self._want_small: Optional[int] = None  # a round waits for the small state of this step
-        self._want_state: Optional[int] = None  # a round needs the training thread's read of this step (fallback)
-        self._want_copy = True  # ... as a copy (an ordinary checkpoint; an emergency reads the held live tensors)
-        self._handoff: Optional[tuple[int, Any, int, str]] = None  # (step, state dict, bytes, error)
         self._step_event: Any = None  # CUDA: recorded on the training stream at each step's end
         self._exit_callbacks: list[Callable[[int, bool], Any]] = getattr(self, "_exit_callbacks", [])  # on_exit
         self._ordinary_cancel = threading.Event()  # set: the ordinary background save in flight gives up
@@ -297,7 +284,6 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
         self._range_clock = False
         self._confirmed = 0  # the count at the last boundary that proved "one clock step per iteration"
         self._range_broken: Optional[str] = None  # why that proof failed (the loop goes back to the boundary path)
-        self._range_small: Any = None  # the small state read at the last proven boundary (``_capture_small``)
         self._path_logged: set[tuple[str, str]] = set()
         self._boundary_why = self._why_not_background()
         if self._boundary_why is None:

@@ -351,11 +351,11 @@ class ExitMixin:
                                       "its last optimizer step)")
                 elif not self._steps.in_step:
                     key = self._steps.count
-                    if self._want_small == key and (self._small is None or self._small[0] != key):
+                    if self._state_at.want_small == key and not self._state_at.has_small(key):
                         self._capture_small_for(key, "end-of-training")
-                    if self._want_state == key and (self._handoff is None or self._handoff[0] != key):
+                    if self._state_at.want_state == key and not self._state_at.has_read(key):
                         self._read_for_round(key)
-                    elif self._want_state == key + 1 and (self._handoff is None or self._handoff[0] != key):
+                    elif self._state_at.want_state == key + 1 and not self._state_at.has_read(key):
                         # the exact fallback waits for the end of an iteration that will never come: the state
                         # now is the end of the last one (its post-step work is over)
                         self._read_for_round(key, "end-of-training")

@@ -98,9 +98,9 @@ class StagedSaveMixin:
         copied = time.monotonic() - t0
         self._live_moved = None
         with self._steps.cv:
-            self._staged_step = step
+            self._state_at.staged_step = step
             self._steps.unhold(keep_target=hold)
-            self._want_small = self._want_state = None
+            self._state_at.clear_wants()
             self._steps.cv.notify_all()
         self._log.info(ev.CHECKPOINT_STAGED, notice_id=notice.id, step=step, bytes=nbytes,
                        seconds=round(copied, 4), small_state_from=where, tensors_from=where_read,
@@ -147,9 +147,9 @@ class StagedSaveMixin:
         with self._steps.cv:  # armed together: the training thread must find the request at its very next anchor
             self._steps.freeze = None
             self._steps.target = nxt  # the training thread steps once more, then is held (an emergency) or read
-            self._small = None
-            self._want_small = None
-            self._arm_read(nxt, copy=not hold)
+            self._state_at.small = None
+            self._state_at.want_small = None
+            self._state_at.arm_read(nxt, copy=not hold)
         got = self._prehook_read(nxt, t_end, copy=not hold, armed=True)
         if isinstance(got, str) and self._handing_over(nxt):
             return _Result(committed=False, peers_ok=True, error=HANDED_OVER)

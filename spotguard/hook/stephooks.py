@@ -7,9 +7,10 @@ of the hook through two owners only — the clock (``clock.py``: ``held_at``, ``
 ``_serve_anchor_read``, ``_read_for_round``). Iteration boundaries (``hook.range()``/``hook.step()``, the
 boundary path's decide/boundary) are ``boundary.py``; the several-optimizer implicit cycle is ``cycle.py``.
 
-Who writes what (the map): this module writes ``_post_seq``, ``_fwd_seq``/``_fwd_bufs``, ``_fwd_train_count``,
-``_fwd_rng``, ``_fwd_count`` (read by stateat.py), ``_step_event`` (read by stateat.py's background read),
-``_snap``/``_snap_count`` (the clock's post-hook; read by the saves), ``_bwd_since_step``, ``_train_fwd_seq``,
+Who writes what (the map): this module writes ``_post_seq``, ``_fwd_train_count``, ``_state_at``'s
+``fwd_seq``/``fwd_bufs``, ``fwd_rng``, ``fwd_count`` (read by stateat.py) and ``snap``/``snap_count`` (the
+clock's post-hook; read by the saves), ``_step_event`` (read by stateat.py's background read),
+``_bwd_since_step``, ``_train_fwd_seq``,
 ``_last_fwd_training``, ``_skip_warned``, ``_handles``/``_unwrap``/``_scaler_orig`` (its own), ``_clock``
 (the one optimizer that is the clock) and ``_bg_on`` (``_turn_on_background``; also cleared by exit,
 agreement and the adapters).
@@ -188,27 +189,27 @@ class StepHooksMixin:
             self._train_fwd_seq += 1
         if not module.training and not grad:
             return  # an evaluation's forward (eval mode, no grad): the iteration's post-step work goes on
-        if self._fwd_seq != self._post_seq:  # the first forward after an optimizer step: buffers of the end
-            self._fwd_seq = self._post_seq  # of the iteration (post-step updates in, this forward's not yet)
-            self._fwd_bufs = (self._steps.count, clone_buffers(self._buffers))
+        if self._state_at.fwd_seq != self._post_seq:  # the first forward after an optimizer step: buffers of the end
+            self._state_at.fwd_seq = self._post_seq  # of the iteration (post-step updates in, this forward's not yet)
+            self._state_at.fwd_bufs = (self._steps.count, clone_buffers(self._buffers))
         if self._fwd_train_count != self._steps.count and module.training:
             self._fwd_train_count = self._steps.count
             if self._realign is not None:
                 self._realign_rng()
             if self._bg_on:  # one optimizer: its step ends the iteration (not so with a GAN's two)
-                self._fwd_rng = (self._steps.count, torch.get_rng_state())  # ~1 us: see _realign_rng
+                self._state_at.fwd_rng = (self._steps.count, torch.get_rng_state())  # ~1 us: see _realign_rng
             if self._bg_on and self._steps.count > 0 and not self._range_clock:
                 self._watch.mark()  # the post-step writes (AveragedModel, clipping) are part of iteration S
-        if self._fwd_count == self._steps.count or not self._bg_on or not grad:
+        if self._state_at.fwd_count == self._steps.count or not self._bg_on or not grad:
             return
-        self._fwd_count = self._steps.count
+        self._state_at.fwd_count = self._steps.count
         give_up = None
         with self._steps.cv:
             if not self._range_clock:
                 # What the loop may still change before the next step (a running-loss meter), copied here
                 # every iteration: a round that starts later must not read that change into S.
                 self._copy_at_anchor(self._steps.count)
-            if self._want_small == self._steps.count and self._anchor_ok(self._steps.count):  # a round waits: read it here
+            if self._state_at.want_small == self._steps.count and self._anchor_ok(self._steps.count):  # a round waits: read it here
                 self._capture_small_for(self._steps.count, "forward")
             if not self._range_clock:
                 # the exact fallback's read (_save_next_iteration)
@@ -279,7 +280,7 @@ class StepHooksMixin:
         else the snapshot follows the iteration's end so far."""
         if self._cycle.ends(optimizer):
             return True
-        self._snap = Snapshot.take(self._objs.loaders)
+        self._state_at.snap = Snapshot.take(self._objs.loaders)
         return False
 
     def _iterations_unproven(self, steps: dict[str, int], first: dict[str, int], clock_steps: int,
@@ -339,10 +340,10 @@ class StepHooksMixin:
                     self._break_clock("two optimizer steps in one iteration: optimizer steps do not map one to "
                                       "one onto iterations")
                 elif self._steps.count == key:
-                    if self._staged_step != key and (self._small is None or self._small[0] != key):
+                    if self._state_at.staged_step != key and not self._state_at.has_small(key):
                         self._capture_small_for(key, "pre-hook")
-                    if self._want_state == key and (self._handoff is None or self._handoff[0] != key) and \
-                            self._fwd_count != key:  # past the anchor, this iteration's writes are in
+                    if self._state_at.want_state == key and not self._state_at.has_read(key) and \
+                            self._state_at.fwd_count != key:  # past the anchor, this iteration's writes are in
                         self._read_for_round(key)  # a loop whose forwards the hook does not see
                 left = self._steps.hold_left()
                 if left <= 0:
@@ -383,7 +384,7 @@ class StepHooksMixin:
         with self._steps.cv:
             count = self._steps.end_step()
             if snap is not None:
-                self._snap, self._snap_count = snap, count
+                self._state_at.snap, self._state_at.snap_count = snap, count
         self._implicit_counted = True
         if self._periodic is not None:  # the step-path reduction only carries periodic votes now
             if self._agree.pending:

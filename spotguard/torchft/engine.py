@@ -511,7 +511,7 @@ class ReplicaGuard:
 
     def _snap_of_last_step(self) -> Optional[Snapshot]:
         """Loaders and RNG as right after the last optimizer step (the hook takes them at its post-hook)."""
-        return self.hook._snap
+        return self.hook._state_at.snap
 
     def _deadline_watch(self, notice: Notice) -> None:
         """Watchdog (one per noticed group): leave by ``deadline - fallback_lead``, or write here."""

@@ -142,7 +142,7 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
         first accumulation after the resume is acted on between micro-batches as well)."""
         step = Hook.resume(self)
         if self._steps.count > 0:
-            self._snap, self._snap_count = Snapshot.take(self._objs.loaders), self._steps.count
+            self._state_at.snap, self._state_at.snap_count = Snapshot.take(self._objs.loaders), self._steps.count
             self._acc_step = (self._steps.count, int(self.accelerator.step))
         return step
 
@@ -189,12 +189,12 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
     def _act_in_microbatch(self, level: int, deadline_ms: int) -> None:
         """As at a boundary, inside ``_rewound``; with no snapshot of the last step (none taken yet) nothing
         is done: the notice stays pending and the next optimizer step's pre-hook acts on it."""
-        if self._snap is not None:
+        if self._state_at.snap is not None:
             super()._act_in_microbatch(level, deadline_ms)
 
     @contextlib.contextmanager
     def _rewound(self) -> Iterator[None]:
-        with self._as_of(self._snap):
+        with self._as_of(self._state_at.snap):
             yield
 
     # ------------------------------------------------------------- state <-> Accelerate
