@@ -87,6 +87,15 @@ CHECKPOINT_FALLBACK = "checkpoint_fallback"
 UNTRACKED_TRAINING = "untracked_training"
 #: after a resume, the global RNG was drawn from before the first forward: set back to the saved state
 RNG_REALIGNED = "rng_realigned"
+#: the HF Trainer resumed mid-epoch: the RNG of the batches fetched ahead set as the interrupted run had it
+#: (``adapters/hf_fetch.py``); ``replayed: false`` (warning): the resumed fetch was another batch, not replayed
+DATA_RNG_REPLAYED = "data_rng_replayed"
+#: Accelerate: a scheduler stepped before the first optimizer.step() (at the iteration's top): its state and lr
+#: of step S are read at S's optimizer step (``adapters/accelerate_sched.py``); why, fix
+SCHEDULER_AT_ITERATION_TOP = "scheduler_at_iteration_top"
+#: Accelerate resumed: the user's own checkpoint_<k> folders (k >= the restored iteration) that the interrupted
+#: run wrote after the resumed step, removed at the first automatically named save_state (``accelerate_own.py``)
+OWN_CHECKPOINTS_REPLACED = "own_checkpoints_replaced"
 #: gradients were discarded without an optimizer step (a NaN guard): the implicit clock counts steps, not
 #: iterations, so hook.resume() would not match the loop's own counter (the fix: hook.range()/hook.step())
 OPTIMIZER_STEP_SKIPPED = "optimizer_step_skipped"

@@ -189,11 +189,15 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             what="accelerate_wild_loader on the boundary path (save_state at the next optimizer step)",
             phases=("load", "fwd", "bwd", "prestep", "after", "eval")),
     Pattern("accelerate_sched_top", "accelerate_wild.py", env=(("EXO_AW_SCHED_TOP", "1"), ("EXO_AW_NOSAVE", "1")),
-            what="accelerate_wild with the scheduler stepped at the iteration's top (the pre-1.1 PyTorch order)",
-            phases=("load", "fwd", "bwd", "prestep", "after", "eval"),
-            open_bug="an implicit loop's end of iteration S is read at the first training forward after S: a "
-                     "scheduler stepped at the top of iteration S+1 (before that forward) is saved stepped, and the "
-                     "resumed loop steps it again at its top (both paths: SPOTGUARD_BACKGROUND_AGREEMENT=0 too)"),
+            what="accelerate_wild with the scheduler stepped at the iteration's top (the pre-1.1 PyTorch order): "
+                 "detected at the first optimizer step, the schedulers and lr read at S's optimizer step "
+                 "(accelerate_sched.py; was saved stepped for S+1 and stepped again after the resume)",
+            phases=("load", "fwd", "bwd", "prestep", "after", "eval")),
+    Pattern("accelerate_sched_top_boundary", "accelerate_wild.py",
+            env=(("EXO_AW_SCHED_TOP", "1"), ("EXO_AW_NOSAVE", "1"), ("SPOTGUARD_BACKGROUND_AGREEMENT", "0")),
+            what="accelerate_sched_top on the boundary path (save_state at the next optimizer step, the schedulers "
+                 "and lr loaded as at S's optimizer step for it)", phases=("load", "fwd", "bwd", "prestep", "after",
+                                                                            "eval")),
     # issue 23: accelerator.accumulate over 4 micro-batches; the last completed optimizer step is written from the
     # background (accelerate_anymoment.py), the micro-batches after it thrown away
     Pattern("accelerate_accum", "accelerate_loop.py", env=(("EXO_ACCUM", "4"),), what="the accelerate pattern "
@@ -293,11 +297,13 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             phases=("load", "fwd", "bwd", "micro", "prestep", "after", "ownsave")),
     Pattern("accelerate_accum_loader_default", "accelerate_accum_loader.py", env=(("EXO_AAL_SEEDABLE", "0"),),
             what="accelerate_accum_loader with Accelerate's default DataLoaderConfiguration (use_seedable_sampler=False:"
-                 " the shuffle draws from the sampler's generator, which save_state does not save)",
-            phases=("load", "fwd", "bwd", "micro", "prestep", "after"),
-            open_bug="Accelerate's default DataLoaderConfiguration (use_seedable_sampler=False) shuffles with the "
-                     "sampler's synchronized_generator, which neither save_state nor the any-moment writer saves: "
-                     "after a resume past the first epoch the data order differs (both paths; not accumulation's)"),
+                 " the shuffle draws from the sampler's generator, which save_state does not save: the adapter saves "
+                 "it, accelerate_sampler.py)",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
+    Pattern("accelerate_accum_loader_default_boundary", "accelerate_accum_loader.py",
+            env=(("EXO_AAL_SEEDABLE", "0"), ("SPOTGUARD_BACKGROUND_AGREEMENT", "0")),
+            what="accelerate_accum_loader_default on the boundary path (save_state at the next micro-batch's forward)",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
     Pattern("hf_trainer", "hf_trainer.py", what="transformers.Trainer on 2 ranks (DDP, gloo): "
             "gradient_accumulation_steps=2, dropout, AdamW + StepLR via optimizers=; iteration = one optimizer step",
             phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),
@@ -315,10 +321,23 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     # (global torch RNG, in the main process), and with the Trainer's own logging (every step), saves (every 2nd)
     # and tight gradient clipping around the notice
     Pattern("hf_trainer_augment", "hf_trainer.py", steps=12, env=(("EXO_ACCUM", "1"), ("EXO_AUGMENT", "1")),
-            what="the hf_trainer_noaccum pattern with random noise added to each sample in Dataset.__getitem__",
-            phases=("load", "fwd", "bwd", "prestep", "step", "after"),
-            open_bug="a resume mid-epoch draws the next batch's augmentation from a fresh RNG (accelerate fetches "
-                     "one batch ahead; the Trainer loads rng_state after that fetch): test_oracle.KNOWN_WRONG"),
+            what="the hf_trainer_noaccum pattern with random noise added to each sample in Dataset.__getitem__ "
+                 "(accelerate fetches one batch ahead: the adapter replays the RNG of the resumed run's first "
+                 "fetches, hf_fetch.py)",
+            phases=("load", "fwd", "bwd", "prestep", "step", "after")),
+    Pattern("hf_trainer_augment_boundary", "hf_trainer.py", steps=12,
+            env=(("EXO_ACCUM", "1"), ("EXO_AUGMENT", "1"), ("SPOTGUARD_BACKGROUND_AGREEMENT", "0")),
+            what="hf_trainer_augment on the boundary path (the Trainer's own save at on_step_end: its rng_state is "
+                 "taken before the next step's fetches)", phases=("load", "fwd", "bwd", "prestep", "step", "after")),
+    Pattern("hf_trainer_augment_accum", "hf_trainer.py", env=(("EXO_AUGMENT", "1"),),
+            what="hf_trainer_augment with accumulation 2 on the any-moment path (S written from the background "
+                 "while S+1's micro-batches go on)", phases=("load", "fwd", "bwd", "micro", "prestep", "step",
+                                                             "after")),
+    Pattern("hf_trainer_augment_accum_boundary", "hf_trainer.py",
+            env=(("EXO_AUGMENT", "1"), ("SPOTGUARD_BACKGROUND_AGREEMENT", "0")),
+            what="hf_trainer_augment with accumulation 2 on the boundary path (a notice acted on at a micro-batch, "
+                 "rewound to the last optimizer step)", phases=("load", "fwd", "bwd", "micro", "prestep", "step",
+                                                                 "after")),
     Pattern("hf_trainer_own_saves", "hf_trainer.py", steps=12, env=(("EXO_ACCUM", "1"), ("EXO_OWN_SAVES", "1")),
             what="the hf_trainer_noaccum pattern with logging_steps=1, save_steps=2, max_grad_norm=0.05",
             phases=("load", "fwd", "bwd", "prestep", "step", "after")),

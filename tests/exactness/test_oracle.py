@@ -97,8 +97,9 @@ CASES: dict[str, tuple[str, ...]] = {
     # any-moment path committed step 12 and the resumed Trainer trained a 13th step; now, as the boundary path,
     # nothing is committed (notice_after_last_step) and the run ends as the reference
     "hf-trainer-no-accum-after-the-last-optimizer-step": ("hf_trainer_noaccum", "phase:after@11"),
-    # review of issue 23 (hfrev): random augmentation in Dataset.__getitem__ (main process, global torch RNG): open,
-    # a strict xfail (KNOWN_WRONG says why)
+    # review of issue 23 (hfrev): random augmentation in Dataset.__getitem__ (main process, global torch RNG):
+    # accelerate fetched the resumed run's first batch during step S, the next one at step S+1's start; the
+    # resumed Trainer drew both from a fresh RNG (was a strict xfail): the adapter replays those fetches' RNG
     "hf-trainer-augmenting-dataset-backward": ("hf_trainer_augment", "phase:bwd@4"),
     # review of issue 23 (hfrev): a user's stateful callback (trainer_state.json's stateful_callbacks) moved by the
     # next step's on_step_begin and micro-batch (on_substep_end) before the background write reads it
@@ -134,6 +135,13 @@ CASES: dict[str, tuple[str, ...]] = {
     # iterator drew a base seed from the global torch RNG that the uninterrupted run drew before S, so every
     # dropout mask after the resume differed; the any-moment writer now saves rng_at_forward for the realign
     "accelerate-any-moment-mid-epoch-skip-first-batches": ("accelerate_wild_loader", "phase:bwd@7"),
+    # review of issue 23 (arev): Accelerate's default DataLoaderConfiguration (use_seedable_sampler=False) shuffles
+    # with the sampler's own generator, which save_state does not save: resumed in the third epoch, the data order
+    # differed (was an open bug); the adapter saves the generator as before the epoch's draw
+    "accelerate-accum-default-sampler-second-epoch": ("accelerate_accum_loader_default", "phase:micro@7"),
+    # the scheduler stepped at the iteration's top, the notice right after that step (S = 4, its scheduler already
+    # stepped for iteration 4): was saved stepped and stepped again after the resume (an open bug)
+    "accelerate-scheduler-stepped-at-the-iteration-top": ("accelerate_sched_top", "phase:load@4"),
 }
 # Longer cases kept out of `make test`'s time (EXO_MORE=1 adds them; `make exactness` draws these moments too).
 MORE_CASES: dict[str, tuple[str, ...]] = {
@@ -167,8 +175,12 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     # on the boundary path each micro-batch's forward launched an agreement: rank 0's extra one in the epoch's last
     # accumulation paired with none of rank 1's, and the run hung in the next epoch's (no notice needed)
     "accelerate-accum-uneven-ranks-boundary": ("accelerate_accum_loader_uneven_boundary", "phase:micro@4"),
-    # the notice while the user's own save_state() runs (between micro-batches, after S)
+    # the notice while the user's own save_state() runs (between micro-batches, after S): its checkpoint_<n> was
+    # written by the micro-batches after S; the resumed run (iteration n as of S) redid that save and Accelerate
+    # raised "checkpoint_<n> already exists" (a strict xfail until accelerate_own.py: the redone save replaces it);
+    # and the same on the boundary path (save_state at the next micro-batch's forward, rewound to S)
     "accelerate-accum-notice-in-own-save-state": ("accelerate_accum_loader_own", "phase:ownsave@4"),
+    "accelerate-accum-notice-in-own-save-state-boundary": ("accelerate_accum_loader_own_boundary", "phase:ownsave@4"),
     # the same mid-epoch resume on the boundary path (a refused configuration): save_state's files had no
     # rng_at_forward either; the adapter records it at the first training forward after each step
     "accelerate-boundary-mid-epoch-skip-first-batches": ("accelerate_wild_loader_boundary", "phase:bwd@7"),
@@ -189,12 +201,28 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     "hf-trainer-no-accum-own-save-logging-clipping": ("hf_trainer_own_saves", "phase:after@3"),
     "rebalance-hf-trainer-no-accum-backward": ("hf_trainer_noaccum", "phase:bwd@4", "rebalance"),
     "hf-trainer-no-accum-last-step": ("hf_trainer_noaccum", "phase:bwd@11"),
+    # the augmenting Dataset on the boundary path (its rng_state taken before the next step's fetches: the RNG
+    # after the replayed fetches is set back at the first on_step_begin), and with accumulation 2 acted on at a
+    # micro-batch (the save rewound to step S: the fetch RNG captured at S+1's on_step_begin)
+    "hf-trainer-augmenting-dataset-boundary": ("hf_trainer_augment_boundary", "phase:bwd@4"),
+    "hf-trainer-augmenting-dataset-accum-micro-batch-boundary": ("hf_trainer_augment_accum_boundary",
+                                                                 "phase:micro@2"),
+    "hf-trainer-augmenting-dataset-accum-micro-batch": ("hf_trainer_augment_accum", "phase:micro@2"),
     # review of issue 29: a rebalance whose DeepSpeed write outlasts its window (the any-moment path held the
     # step through the whole write, the hold ran out: exit 75 on an ordinary notice)
     "deepspeed-rebalance-write-longer-than-window": ("deepspeed_zero2_slow", "phase:bwd@4", "rebalance"),
     # issue 29: ZeRO-3 on the any-moment path, the notice before a forward (which gathers the partitioned
     # parameters): the model file holds DeepSpeed's placeholders, never what a forward in flight gathered
     "deepspeed-zero3-notice-in-forward": ("deepspeed_zero3", "phase:fwd@4"),
+    # the default shuffle's generator: S at an epoch's end (the resume starts the next epoch: the generator as it
+    # is, drawn once more), and mid-epoch on the boundary path (save_state at the next micro-batch's forward)
+    "accelerate-accum-default-sampler-epoch-end": ("accelerate_accum_loader_default", "phase:after@5"),
+    "accelerate-accum-default-sampler-second-epoch-boundary": ("accelerate_accum_loader_default_boundary",
+                                                               "phase:micro@7"),
+    # the scheduler at the iteration's top on the boundary path (save_state at the next optimizer step, after
+    # that iteration's top step), and a notice between the optimizer step and the next top step
+    "accelerate-scheduler-at-the-iteration-top-boundary": ("accelerate_sched_top_boundary", "phase:load@4"),
+    "accelerate-scheduler-at-the-iteration-top-after-step": ("accelerate_sched_top", "phase:after@3"),
 }
 if os.environ.get("EXO_MORE", "") == "1":
     CASES.update(MORE_CASES)
@@ -263,18 +291,6 @@ def results(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
 
 # Cases that are known to end ``wrong`` (open defects): strict xfails, so a fix shows up as XPASS.
 KNOWN_WRONG: dict[str, str] = {
-    "accelerate-accum-notice-in-own-save-state":
-        "review of issue 23 (arev): with accumulation the micro-batches after S run on while S is written (held only "
-        "at the next forward); a user's own save_state() among them is a side effect the resume cannot take back: "
-        "under automatic_checkpoint_naming the resumed run (iteration as of S) redoes it and Accelerate raises "
-        "ValueError 'checkpoint_<n> already exists' (before the iteration fix it wrote checkpoint_0 instead). Fix "
-        "idea: accelerator.save_state as a hold point like a micro-batch's forward (core _step_begin), and a resume "
-        "that lets the redone save replace the folder the thrown-away micro-batches wrote",
-    "hf-trainer-augmenting-dataset-backward":
-        "review of issue 23 (hfrev): a Dataset/collator drawing from the global RNG in the main process is not "
-        "replayed on resume mid-epoch (any-moment and boundary paths alike): accelerate's DataLoaderShard fetches "
-        "one batch ahead, so batch S+1's noise was drawn during step S's fetch; the resumed Trainer draws it from "
-        "a fresh RNG and only then loads rng_state (restoring the RNG before the resumed fetch is not enough)",
 }
 
 
@@ -300,9 +316,6 @@ def test_notice_never_yields_a_wrong_checkpoint(case: str, results: dict[str, An
 
 # Reproduced, not fixed: each must stay wrong until fixed (then move it to CASES). The pattern's ``open_bug`` says why.
 OPEN_BUG_CASES: dict[str, tuple[str, str]] = {
-    "accelerate-scheduler-stepped-at-the-iteration-top": ("accelerate_sched_top", "phase:load@4"),
-    # review of issue 23 (arev): Accelerate's default DataLoaderConfiguration: the shuffle's generator is not saved
-    "accelerate-accum-default-sampler-second-epoch": ("accelerate_accum_loader_default", "phase:micro@7"),
 }
 
 

@@ -46,9 +46,8 @@ micro-batches (an agreement launched at one rank's extra forward pairs with
 none: a hang), so there a notice waits for the next optimizer step.
 
 Data position: Accelerate's ``save_state`` saves no position inside the epoch
-(nor, for a map-style dataset, the sampler: use ``use_seedable_sampler=True`` and
-``set_epoch``; the default's shuffle generator is not saved, its order differs
-after a resume past the first epoch); ``start`` counts optimizer steps, and
+(for a map-style dataset the default shuffle's generator, ``use_seedable_sampler=False``,
+is saved by the adapter: ``accelerate_sampler.py``); ``start`` counts optimizer steps, and
 Accelerate syncs at the loader's last batch, so an epoch is
 ``spe = ceil(len(loader) / N)`` steps: continue in epoch ``start // spe`` with
 ``accelerator.skip_first_batches(loader, (start % spe) * N)`` (or a
@@ -75,6 +74,8 @@ from ...storage import Storage
 from ..core import Hook
 from ..state import Snapshot, rng_and_buffers_at
 from ._base import FrameworkHook
+from .accelerate_sampler import SamplerGenerators
+from .accelerate_sched import TopSchedulers
 from .accelerate_anymoment import RNG_AT_FORWARD, AccelerateAnyMoment, _iteration, save_iteration, save_rank_buffers
 from ...storage.integrity import DamagedCheckpoint
 from ...storage.verify import verified_folder
@@ -82,7 +83,8 @@ from ._files import report_local, staging_dir, upload_dir
 
 __all__ = ["AccelerateHook", "install"]
 
-_RANK_FILE = re.compile(r"^(?:random_states_(\d+)\.pkl|spotguard_(?:rng_at_forward|buffers)_(\d+)\.pt)$")  # one a rank
+_RANK_FILE = re.compile(r"^(?:random_states_(\d+)\.pkl"  # one a rank
+                        r"|spotguard_(?:rng_at_forward|buffers|sampler_generators)_(\d+)\.pt)$")
 
 
 def _nothing() -> None:
@@ -132,6 +134,10 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
         # the torch RNG at the first training forward after each step, saved beside save_state's files for the
         # resume's realign (``_realign_at_load``): the any-moment writer has the core's ``rng_at_forward``
         self._acc_fwd_rng: Optional[tuple[int, torch.Tensor]] = None
+        # the default shuffle's generator (use_seedable_sampler=False), which save_state does not save
+        self._gens = SamplerGenerators(accelerator)
+        self._rewinding = False
+        self._tops = TopSchedulers(accelerator, lambda: self._log)  # a scheduler stepped at the iteration's top
         self._signal_model = state.get("model0")
         self._arm(self._any_moment_state(state))
 
@@ -149,6 +155,8 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
     def _decide(self) -> None:
         super()._decide()
         self._acc_step = (self._steps.count, int(self.accelerator.step))
+        self._gens.step(self._steps.count)
+        self._tops.step(self._steps.count)
 
     def _on_forward(self, module: Any, args: Any) -> None:
         """The core's forward pre-hook; with ``gradient_accumulation_steps`` > 1, a training forward of the
@@ -194,8 +202,13 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
 
     @contextlib.contextmanager
     def _rewound(self) -> Iterator[None]:
-        with self._as_of(self._state_at.snap):
-            yield
+        self._rewinding = True  # a save of S from a micro-batch: rng_at_forward is S's too (the forward after it)
+        try:
+            with self._as_of(self._state_at.snap):
+                yield
+        finally:
+            self._rewinding = False
+        self._tops = TopSchedulers(accelerator, lambda: self._log)  # a scheduler stepped at the iteration's top
 
     # ------------------------------------------------------------- state <-> Accelerate
 
@@ -214,7 +227,8 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
                 for inner, n in self._sched_at[1]:
                     inner._step_count = n
             try:
-                yield
+                with self._tops.rewound(self._steps.count):
+                    yield
             finally:
                 for inner, n in now_sched:
                     inner._step_count = n
@@ -245,8 +259,9 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
                 self.accelerator.save_state(target)
                 save_rank_buffers(self.accelerator, Path(target), self.accelerator._models[0].state_dict())
             save_iteration(self.accelerator, Path(target), iteration)
+            self._gens.write(Path(target), self.accelerator.process_index, self._gens.of(self._steps.count))
             fwd = self._acc_fwd_rng
-            if snap is not None and fwd is not None and fwd[0] == self._steps.count:
+            if (snap is not None or self._rewinding) and fwd is not None and fwd[0] == self._steps.count:
                 torch.save(fwd[1], os.path.join(target, f"{RNG_AT_FORWARD}_{self.accelerator.process_index}.pt"))
 
         self._write_into(key, fill)

@@ -30,7 +30,10 @@ adapter's resume) is unchanged.
   with ``broadcast_buffers=False`` each rank's own buffers of S in ``spotguard_buffers_<rank>.pt`` (``save_state`` writes
   rank 0's model only; the resume loads them after ``load_state``, on both paths), and rank 0's
   ``project_configuration.iteration`` as the first training forward after S found it in ``spotguard_iteration.json``
-  (``save_state`` does not save it: the resumed run's own automatically named checkpoints go on from it) — without
+  (``save_state`` does not save it: the resumed run's own automatically named checkpoints go on from it; those the
+  interrupted run wrote after S are replaced, ``accelerate_own.py``), the default shuffle's generator
+  (``accelerate_sampler.py``) and, for schedulers stepped at the iteration's top, their state and ``lr`` as at S's
+  optimizer step (``accelerate_sched.py``) — without
   ``save_state``: it reads the live RNG and ``accelerator.step`` and, for automatic
   checkpoint naming, runs ``wait_for_everyone()`` on the training group, which the
   background thread must never touch.
@@ -66,6 +69,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..state import unpack
+from .accelerate_own import replace_stale_own_checkpoints
 
 __all__ = ["AccelerateAnyMoment", "any_moment_refusal", "RNG_AT_FORWARD", "RANK_BUFFERS", "save_rank_buffers",
            "ITERATION", "save_iteration"]
@@ -150,6 +154,8 @@ class AccelerateAnyMoment:
     _range_clock: bool
     _log_path: Callable[[str, str, str], None]
     _enter_explicit: Callable[[], None]
+    _gens: Any  # accelerate_sampler.SamplerGenerators
+    _tops: Any  # accelerate_sched.TopSchedulers
 
     def _any_moment_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """Decide the path (before the core is armed); on the any-moment path the core's dict also holds the
@@ -189,7 +195,25 @@ class AccelerateAnyMoment:
         if self._acc_step is not None and self._acc_step[0] == step:
             per["accelerator_step"] = self._acc_step[1]
         per["accelerator_iteration"] = self._iteration_of(step)
+        per["sampler_generators"] = self._gens.of(step)
+        top = self._tops.of(step)
+        if top is not None:  # stepped at the iteration's top: as at S's optimizer step (accelerate_sched.py)
+            per["schedulers"] = {f"scheduler{i}": st for i, st in enumerate(top[0])}
         return per
+
+    def _capture_small(self, step: int, where: str) -> tuple[Any, ...]:
+        """The core's small state of ``step``; the optimizer's param_groups as at its optimizer step when the
+        schedulers are stepped at the iteration's top (``lr`` written there for the next iteration)."""
+        out = super()._capture_small(step, where)  # type: ignore[misc]
+        return self._top_groups(step, out)
+
+    def _copy_small(self, step: int, where: str) -> tuple[Any, ...]:
+        out = super()._copy_small(step, where)  # type: ignore[misc]
+        return out if out[1] is None else self._top_groups(step, out)
+
+    def _top_groups(self, step: int, out: tuple[Any, ...]) -> tuple[Any, ...]:
+        top = self._tops.of(step)
+        return out if top is None else (out[0], out[1], {"optimizer0": top[1][0]}, out[3])
 
     def _iteration_of(self, step: int) -> Optional[int]:
         """``project_configuration.iteration`` at the end of ``step``: as the first training forward after it
@@ -223,6 +247,7 @@ class AccelerateAnyMoment:
                 save(per["schedulers"][f"scheduler{i}"], out / ("scheduler.bin" if i == 0 else f"scheduler_{i}.bin"))
         save_rank_buffers(acc, out, model)
         save_iteration(acc, out, per.get("accelerator_iteration"))
+        self._gens.write(out, acc.process_index, per.get("sampler_generators") or {})
         rng = per["rng"]
         states: dict[str, Any] = {"step": per["accelerator_step"], "random_state": rng["python"],
                                   "numpy_random_seed": rng["numpy"], "torch_manual_seed": rng["torch"]}
@@ -244,6 +269,9 @@ class AccelerateAnyMoment:
         f, cfg = Path(folder) / ITERATION, getattr(self.accelerator, "project_configuration", None)
         if f.is_file() and cfg is not None:  # after load_state (and _explicit_dirs, which puts the old one back)
             cfg.iteration = int(json.loads(f.read_text())["iteration"])
+            replace_stale_own_checkpoints(self.accelerator, cfg.iteration, lambda: self._log)  # type: ignore
+        self._gens.load(Path(folder), self.accelerator.process_index)
+        self._tops.rebase()
         f = Path(folder) / f"{RANK_BUFFERS}_{self.accelerator.process_index}.pt"
         if f.is_file():  # save_rank_buffers: load_state put rank 0's into every rank
             mine, live = torch.load(f, weights_only=True), dict(self.accelerator._models[0].named_buffers())

@@ -54,7 +54,9 @@ Life cycle on the boundary path (every rank):
 Resume: ``trainer.train(resume_from_checkpoint=hook.latest())`` — the newest
 committed folder (downloaded first from an object store). The Trainer restores
 model, optimizer, scheduler, scaler, every rank's RNG and the data position
-(it skips the batches of the current epoch already seen).
+(it skips the batches of the current epoch already seen); a Dataset/collator
+drawing from the RNG is replayed for the batches fetched ahead (``hf_fetch.py``,
+``spotguard_fetch_rng_<rank>.pt`` beside the Trainer's files, both paths).
 
 ``enable_jit_checkpoint`` (transformers >= 4.57): the Trainer's own SIGTERM
 handler waits 3 s, then checkpoints on *the rank that got the signal* only —
@@ -84,10 +86,11 @@ from ..watch import model_snapshot_buffers
 from ._base import FrameworkHook
 from ._files import upload_dir
 from .hf_anymoment import HFAnyMomentMixin
+from .hf_fetch import FetchRng
 
 __all__ = ["HFTrainerHook", "install"]
 
-_RANK_FILE = re.compile(r"^rng_state_(\d+)\.pth$")
+_RANK_FILE = re.compile(r"^(?:rng_state_(\d+)\.pth|spotguard_fetch_rng_(\d+)\.pt)$")
 # deepspeed=: engine.save_checkpoint writes global_stepN/<bf16_>zero_pp_rank_<r>_mp_rank_00_{optim,model}_states.pt
 # on rank r only (its own output_dir on its own disk)
 _ZERO_FILE = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|model)_states\.pt$")
@@ -107,6 +110,8 @@ class _AtStep:
     # the stateful callbacks' state() (ExportableState, TrainerControl) before any callback's on_step_begin /
     # on_epoch_begin of the next step (hf_anymoment.callback_states); None: read them at the write
     callbacks: Optional[list[tuple[str, Any]]] = None
+    # the RNG of the resumed run's first fetches (hf_fetch.FetchRng.at_window); None: none kept (epoch start)
+    fetch: Optional[dict[str, Any]] = None
 
 
 def _make_callback(hook: "HFTrainerHook") -> Any:
@@ -118,6 +123,8 @@ def _make_callback(hook: "HFTrainerHook") -> Any:
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
             hook._arm()
             hook._on_train_begin(int(state.global_step))
+            hook._fetch.install(kwargs.get("train_dataloader"))
+            hook._fetch.load(hook._resume_path, int(args.process_index), int(state.global_step))
             if hook._hf_any:
                 hook._enable_background()
             return control
@@ -175,6 +182,7 @@ def _make_front_callback(hook: "HFTrainerHook") -> Any:
             return control
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            hook._fetch.step_begin()
             hook._capture_callbacks()
             return control
 
@@ -199,6 +207,8 @@ class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
         self._resume_path: Optional[str] = None  # the folder this run resumed from (its RNG files)
         self._rng_from: Optional[str] = None  # set during a rewound save whose RNG is that folder's files
         self._jit_disabled = self._disable_jit_checkpoint()
+        self._fetch = FetchRng(trainer, lambda: self._log)  # a Dataset/collator drawing from the RNG (hf_fetch.py)
+        self._rewinding: Optional[_AtStep] = None  # the capture a save inside _rewound stands for
         self.callback = _make_callback(self)
         trainer.add_callback(self.callback)
         self._cb_states: Optional[list[tuple[str, Any]]] = None  # _capture_callbacks
@@ -240,13 +250,14 @@ class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
         self._resume_path = resumed_from
         self._started(step, resumed_from)
 
-    def _capture(self, step: int, *, epoch_start: bool) -> None:
+    def _capture(self, step: int, *, epoch_start: bool, window: bool = True) -> None:
         """With accumulation, at each epoch's and step's start (every rank): the state a checkpoint of ``step``
         (the last completed optimizer step) holds, which the micro-batches to come move (RNG, running statistics,
         FLOP and token counters). The RNG a resumed run restores is the one before the epoch's iterator draws
         (``on_epoch_begin``) at an epoch start, after the step's batches are fetched (``on_step_begin``) otherwise:
         the first capture of an epoch's first step is kept. Right after a resume the Trainer restores the RNG
-        only after these callbacks: the resumed folder's RNG files stand for it."""
+        only after these callbacks: the resumed folder's RNG files stand for it. ``window``: the next step's
+        ``get_batch_samples`` has run (not at ``on_train_end``): the RNG of its fetches is kept (``hf_fetch.py``)."""
         if not (self._accumulating or self._hf_any) or not self._armed:
             return
         if self._at is not None and self._at.step == step and self._at.epoch_start:
@@ -258,7 +269,8 @@ class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
         self._at = _AtStep(step, epoch_start, None if resumed_here else capture_rng(),
                            clone_buffers(self._snap_bufs) if self._snap_bufs["model"] else {},
                            float(getattr(tr, "current_flos", 0.0)), float(tr.state.total_flos),
-                           tr.state.num_input_tokens_seen, self._cb_states if self._hf_any else None)
+                           tr.state.num_input_tokens_seen, self._cb_states if self._hf_any else None,
+                           None if epoch_start or not window else self._fetch.at_window())
 
     def _on_step_end(self, state: Any, control: Any) -> None:
         if self._closed or self._exiting:
@@ -367,10 +379,11 @@ class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
             if at.rng is None:
                 self._rng_from = self._resume_path
             tr.current_flos, tr.state.total_flos, tr.state.num_input_tokens_seen = at.flos, at.total_flos, at.tokens
+            self._rewinding = at
             try:
                 yield
             finally:
-                self._rng_from = None
+                self._rng_from, self._rewinding = None, None
                 tr.current_flos, tr.state.total_flos, tr.state.num_input_tokens_seen = live
 
     def _copy_rng_files(self, src: str) -> None:
@@ -393,6 +406,9 @@ class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
         folder = self._checkpoint_folder()
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"the Trainer did not write {folder}")
+        at = self._rewinding
+        self._fetch.write(folder, int(self.trainer.args.process_index), self._steps.count,
+                          at.fetch if at is not None else self._fetch.at_boundary())
         self._upload(folder, key)
 
     def _upload(self, folder: str, key: str) -> None:
@@ -403,7 +419,7 @@ class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
         """Whether file ``rel`` of a ``checkpoint-N`` folder is this rank's to store: each rank its RNG file and
         (DeepSpeed ZeRO) its partition files, rank 0 the rest."""
         m = _RANK_FILE.match(rel) or _ZERO_FILE.search(rel)
-        return int(m.group(1)) == self._rank if m else self._rank == 0
+        return int(m.group(1) or m.group(2)) == self._rank if m else self._rank == 0
 
 
 def install(trainer: Any, storage: Any = None, *, socket: str | None = None, every: Any = None,

@@ -68,6 +68,7 @@ from .. import events as ev
 from ..save import _Result
 from ..settings import HANDED_OVER
 from ._files import file_digest, report_local, staging_dir
+from .hf_fetch import FETCH_RNG
 
 __all__ = ["HFAnyMomentMixin", "any_moment_refusal"]
 
@@ -158,7 +159,7 @@ class HFAnyMomentMixin:
         here, a round of it is served (an emergency holds this thread until the exit, as at a step's start), and
         a later round writes it from the live state (the loop's work is over)."""
         self._capture_callbacks()  # the last one was taken before the last step began
-        self._capture(step, epoch_start=False)  # type: ignore[attr-defined]
+        self._capture(step, epoch_start=False, window=False)  # type: ignore[attr-defined]
         self._hf_step_begin(step)
         self._step_begin()
         with self._steps.cv:
@@ -288,6 +289,8 @@ class HFAnyMomentMixin:
             shutil.copyfile(os.path.join(self._resume_path, rng_name), os.path.join(out, rng_name))
         else:
             raise RuntimeError(f"the RNG of step {at.step} is not known (resumed from an unknown folder)")
+        self._fetch.write(out, tr.args.process_index, at.step, at.fetch)  # type: ignore[attr-defined]
+        closed(os.path.join(out, f"{FETCH_RNG}_{tr.args.process_index}.pt"))
         parts["small"] = time.monotonic() - t
 
 
