@@ -140,7 +140,7 @@ class AgreementMixin:
         self._doomed = doomed_ranks(g[1] for g in got)  # the save plans replicated items onto the others
         ids = [c[2]["id"] for c in allv if c is not None]
         best = best_candidate(allv)
-        return best or agreed_notice(self._count, deadline_ms, "notice withdrawn after agreement"), ids
+        return best or agreed_notice(self._steps.count, deadline_ms, "notice withdrawn after agreement"), ids
 
     def _act(self, level: int, deadline_ms: int, *, snap: Optional[Snapshot], final: bool) -> None:
         self._internal = True
@@ -160,16 +160,16 @@ class AgreementMixin:
         try:
             notice, ids = self._gather_notice(level, deadline_ms)
         except Exception as exc:  # noqa: BLE001 - a peer vanished right after agreeing
-            notice = agreed_notice(self._count, None, "peers lost while sharing the notice")
+            notice = agreed_notice(self._steps.count, None, "peers lost while sharing the notice")
             if level >= LEVEL_EMERGENCY:
                 self._log.warning("peers lost while sharing the notice", error=repr(exc))
                 self._exit(notice, _Result(committed=False, peers_ok=False, error=repr(exc)))
             return None
-        action = self._action_for(level, self._count)
-        self._log.info(ev.AGREED, notice_id=notice.id, step=self._count, flag=level, action=action,
+        action = self._action_for(level, self._steps.count)
+        self._log.info(ev.AGREED, notice_id=notice.id, step=self._steps.count, flag=level, action=action,
                        kind=notice.kind, **self._timing(notice))
         if final:
-            self._log.info(ev.NOTICE_AFTER_LAST_STEP, notice_id=notice.id, step=self._count)
+            self._log.info(ev.NOTICE_AFTER_LAST_STEP, notice_id=notice.id, step=self._steps.count)
             self._forget(ids)
             self._doomed = None  # no save follows: a later (torchft) save must not plan with this set
             return None
@@ -215,7 +215,7 @@ class AgreementMixin:
         except RoundFailed as exc:
             if self._peers_finished(t_end):
                 return
-            notice = self._best_notice() or agreed_notice(self._count, wake_deadline_ms,
+            notice = self._best_notice() or agreed_notice(self._steps.count, wake_deadline_ms,
                                                           "peers lost during the agreement")
             self._exit_from_background(notice, _Result(committed=False, peers_ok=False, error=str(exc)), None,
                                        lost_where="agreement")
@@ -299,7 +299,7 @@ class AgreementMixin:
             ids = list(self._pending)
         self._forget(ids)
         self._release_hold()
-        self._log.info(ev.NOTICE_AFTER_LAST_STEP, notice_id=best.id if best is not None else None, step=self._count,
+        self._log.info(ev.NOTICE_AFTER_LAST_STEP, notice_id=best.id if best is not None else None, step=self._steps.count,
                        why="every other rank had finished its last step: nothing left to agree on")
         return True
 
@@ -307,7 +307,7 @@ class AgreementMixin:
         """The round's step is not one the explicit loop proved to end an iteration (it stepped twice, or not
         at all, in one iteration): nothing is saved here; the notices stay pending and the loop's boundary
         path acts on them at its next boundary (exact there, one iteration later)."""
-        with self._cv:
+        with self._steps.cv:
             self._break_clock(why)  # every rank leaves the clock at the same boundary, so their reductions match
         self._log.warning(ev.CHECKPOINT_FALLBACK, step=step, reason=why,
                           waits_for="the loop's next iteration boundary (boundary path)")

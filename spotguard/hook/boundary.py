@@ -7,9 +7,9 @@ the snapshot of the iteration's end for the state at S (``stateat.py``: ``_copy_
 notice is ``agreement.py`` (``_act``), the periodic save ``staged.py``.
 
 Who writes what (the map): this module writes ``_confirmed``, ``_range_clock``, ``_range_broken`` (also the
-Lightning adapter), ``_range_small``, ``_iter_steps``/``_step_pattern``, ``_explicit``, ``_implicit_counted``,
+Lightning adapter), ``_state_at.range_small``, ``_iter_steps``/``_step_pattern``, ``_explicit``, ``_implicit_counted``,
 ``_loop_kind``, ``_boundary_at``/``_iteration_seconds``; the round (agreement.py) reads ``_range_broken``, the
-state at S reads ``_confirmed`` and ``_range_small``.
+state at S reads ``_confirmed`` and ``_state_at.range_small``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class BoundaryMixin:
         if not self._fresh_checked:
             self._warn_unresumed()
         if self._torn_down:  # the process group is gone: count, but launch nothing
-            self._count += 1
+            self._steps.count += 1
             return
         if self._bg_on:
             self._step_end()
@@ -52,7 +52,7 @@ class BoundaryMixin:
             res = self._agree.collect()
             if res is not None and res[0] > 0:
                 self._act(res[0], res[1], snap=None, final=False)
-        self._count += 1
+        self._steps.count += 1
         self._implicit_counted = True
         if self._many_opts and not self._explicit_intent and ("boundary", "implicit") not in self._path_logged:
             clock = self._opt_key.get(id(self._cycle.clock))
@@ -60,7 +60,7 @@ class BoundaryMixin:
                 # the clock steps again after another optimizer did: past the first iteration, where a
                 # hook.step() loop would have declared itself
                 self._log_path("boundary", "implicit", self._implicit_why() or "")
-        self._snap = Snapshot.take(self._objs.loaders)
+        self._state_at.snap = Snapshot.take(self._objs.loaders)
         level, deadline_ms = self._local_level()
         self._agree.launch(level, deadline_ms, self._periodic_flags())
 
@@ -75,9 +75,9 @@ class BoundaryMixin:
         if res is not None and (res[0] > 0 or self._periodic_due()):  # a commit comes
             self._unconfirmed_cycle()
         if res is not None and res[0] > 0:
-            self._act(res[0], res[1], snap=self._snap, final=False)
+            self._act(res[0], res[1], snap=self._state_at.snap, final=False)
         elif res is not None:
-            self._maybe_periodic(self._snap)
+            self._maybe_periodic(self._state_at.snap)
 
     def _explicit_boundary(self, *, final: bool) -> None:
         self._tick()
@@ -124,12 +124,12 @@ class BoundaryMixin:
         if self._many_opts and self._agree.pending:
             self._agree.collect()  # a hook.step() loop's first iteration ran on the implicit (boundary) path:
             # every rank launched this reduction; a notice it carries is still pending and is armed below
-        with self._cv:
+        with self._steps.cv:
             self._confirmed = start
             self._range_clock = True
             if self._many_opts:  # the count moves at boundaries; steps already in this iteration: inside it
-                self._count = start
-                self._in_step = bool(self._iter_steps)
+                self._steps.count = start
+                self._steps.in_step = bool(self._iter_steps)
                 self._step_copies.reset(start)
         self._loop_kind = loop
         self._enable_background(clocked=True)
@@ -151,8 +151,8 @@ class BoundaryMixin:
         why = self._range_broken
         if why is None and self._many_opts:
             why = self._multi_boundary_why(expected)
-        elif why is None and (self._count != expected or self._in_step):
-            why = (f"{self._count - self._confirmed} optimizer steps in the iteration that ended at boundary "
+        elif why is None and (self._steps.count != expected or self._steps.in_step):
+            why = (f"{self._steps.count - self._confirmed} optimizer steps in the iteration that ended at boundary "
                    f"{expected} (gradient accumulation, a skipped or an extra optimizer.step()): optimizer steps "
                    "do not map one to one onto iterations")
         if why is not None:
@@ -164,23 +164,23 @@ class BoundaryMixin:
         if self._many_opts and self._cuda_params:
             self._step_event = torch.cuda.Event()
             self._step_event.record()  # the background read waits on it: this iteration's kernels are done
-        with self._cv:
+        with self._steps.cv:
             if self._many_opts:  # the iteration ends here (``_multi_step_begin``): count it, leave "inside"
-                self._count, self._in_step = expected, False
+                self._steps.count, self._steps.in_step = expected, False
                 self._iter_steps = {}
                 self._step_copies.reset(expected)  # (the watch's mark above excused none of the new copies)
-            self._snap, self._snap_count = snap, expected
-            self._fwd_bufs, self._fwd_seq = (expected, bufs), self._post_seq
+            self._state_at.snap, self._state_at.snap_count = snap, expected
+            self._state_at.fwd_bufs, self._state_at.fwd_seq = (expected, bufs), self._post_seq
             self._confirmed = expected
             # The small state of this iteration's end, copied here and kept until the next boundary: the one
             # moment it is known exactly (the loop may change a stateful object before its next forward or
             # step). A round for this step takes it whenever it comes — no wait for an anchor. Copied, not
             # packed: packing (torch.save) costs ms, and only a round needs it (``_capture_small_for``).
-            self._range_small = self._copy_small(expected, "iteration-boundary")
-            if self._want_small == expected:
+            self._state_at.range_small = self._copy_small(expected, "iteration-boundary")
+            if self._state_at.want_small == expected:
                 self._capture_small_for(expected, "iteration-boundary")
             give_up = self._serve_anchor_read(expected, "iteration-boundary")  # the exact fallback's read
-            self._cv.notify_all()
+            self._steps.cv.notify_all()
         if give_up is not None:
             self._give_up_hold(give_up)
         if self._many_opts and self._periodic is not None and not final:
@@ -224,10 +224,10 @@ class BoundaryMixin:
         self._step_begin(enter=lambda: self._enter_multi(optimizer))
 
     def _enter_multi(self, optimizer: Any) -> None:
-        """(under ``_cv``, not held) ``optimizer`` steps now: keep the last boundary readable, or mark "inside"."""
-        if not self._in_step and self._copy_before_step(optimizer):
+        """(under ``_steps.cv``, not held) ``optimizer`` steps now: keep the last boundary readable, or mark "inside"."""
+        if not self._steps.in_step and self._copy_before_step(optimizer):
             return
-        self._in_step = True
+        self._steps.in_step = True
 
     def _copy_before_step(self, optimizer: Any) -> bool:
         """True when the state of the last boundary stays readable through ``optimizer``'s step: it already has
@@ -238,7 +238,7 @@ class BoundaryMixin:
         key = self._opt_key.get(id(optimizer))
         copies = self._step_copies
         pattern = self._step_pattern
-        if key is None or pattern is None or copies.step != self._count or self._watch.sharded is not None or \
+        if key is None or pattern is None or copies.step != self._steps.count or self._watch.sharded is not None or \
                 self._watch.fsdp:
             return False
         if {**self._iter_steps, key: self._iter_steps.get(key, 0) + 1} == pattern:
@@ -263,30 +263,30 @@ class BoundaryMixin:
         return True
 
     def _break_clock(self, why: str) -> None:
-        """(under ``_cv``) The mapping iteration -> optimizer step is disproven: a round waiting for a step
+        """(under ``_steps.cv``) The mapping iteration -> optimizer step is disproven: a round waiting for a step
         no boundary proved hands its notice to the boundary path."""
         if self._range_broken is None:
             self._range_broken = why
-        self._cv.notify_all()
+        self._steps.cv.notify_all()
 
     def _leave_clock(self, expected: int, why: str, *, final: bool) -> None:
         """From this boundary on, this loop acts on notices at iteration boundaries (said once, with why).
 
         A round in flight either saves a step that was proven before (its commit then ends the process
         here) or hands its notice over (it stays pending, and the boundary reduction carries it)."""
-        with self._cv:
+        with self._steps.cv:
             self._break_clock(why)
             if self._many_opts:
-                self._in_step = False  # the boundary path counts from here (its steps are not watched)
+                self._steps.in_step = False  # the boundary path counts from here (its steps are not watched)
         self._log_path("boundary", getattr(self, "_loop_kind", "hook.range()"), why)
         bg = self._bg
         if bg is not None and bg.busy.is_set():
-            end = max(self._hold_until, time.monotonic()) + HOLD_SLACK
-            with self._cv:
+            end = max(self._steps.hold_until, time.monotonic()) + HOLD_SLACK
+            with self._steps.cv:
                 while bg.busy.is_set() and self._exit_request is None and time.monotonic() < end:
-                    self._cv.wait(0.05)  # `busy` clears without a notify: look again shortly
+                    self._steps.cv.wait(0.05)  # `busy` clears without a notify: look again shortly
         self._exit_if_requested()
         self._step_copies.reset(-1)  # the boundary path reads live state at boundaries: no copies any more
-        self._count = expected
+        self._steps.count = expected
         self._enter_explicit()
         self._explicit_boundary(final=final)

@@ -5,8 +5,8 @@ adapters' step callbacks) moves the count and enters/leaves a step; the agreemen
 ``save.py``'s staged save, ``handoff.py``) reads where it stands, holds it at a step and releases it; the exit
 path (``exit.py``) waits on it. Before, that was six names in Hook's one namespace (``_count``, ``_in_step``,
 ``_freeze``, ``_target``, ``_hold_until``, ``_cv``) written from five files. Here they have one owner, and the
-moves the two threads make on them are named methods. ``ClockNames`` keeps the old names as properties: the
-adapters (which other sessions change) and the code not yet moved read and write them as before.
+moves the two threads make on them are named methods. Every part (the mixins, the adapters, the torchft engine)
+reaches it as ``hook._steps`` (``_steps.count``, ``_steps.cv``, ...); the old names are gone.
 
 Who does what (the map, read from the code):
 
@@ -20,8 +20,8 @@ Who does what (the map, read from the code):
   (``bound_hold``, ``shorten_hold`` from ``notices.py``, ``extend_hold`` from ``handoff.py``) and lets go
   (``unhold``, from ``save.py``'s ``_release_hold`` and the staged save); the training thread only reads
   them (``held_at`` in ``_step_begin``, ``hold_left``).
-- ``cv``: guards all of the above and the snapshot of "state at S" the two threads hand each other
-  (``_small``, ``_want_small``, ``_want_state``, ``_handoff``: save.py), which is why it is shared.
+- ``cv``: guards all of the above and the "state at S" the two threads hand each other (``Hook._state_at``:
+  ``handover.py``), which is why it is shared.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 
 from .settings import HOLD_SLACK
 
-__all__ = ["StepClock", "ClockNames"]
+__all__ = ["StepClock", "step_of"]
 
 
 class StepClock:
@@ -133,38 +133,7 @@ class StepClock:
         return self.count
 
 
-def _field(name: str) -> Any:
-    """Hook's old attribute for ``StepClock.<name>``: read from the clock, written to it."""
-
-    def get(self: "ClockNames") -> Any:
-        return getattr(self._steps, name)
-
-    def put(self: "ClockNames", value: Any) -> None:
-        setattr(self._clock_state(), name, value)
-
-    return property(get, put, doc=f"``StepClock.{name}`` under Hook's old name")
-
-
-class ClockNames:
-    """Hook's old names for the clock's fields, kept for the adapters and the mixins that read them."""
-
-    _steps: StepClock
-
-    def _clock_state(self) -> StepClock:
-        """The clock, made on first use (an adapter's ``_count = ...`` may come before ``Hook.__init__``, which
-        starts a fresh one, as it set ``_count = 0`` before)."""
-        try:
-            return self._steps
-        except AttributeError:
-            self._steps = StepClock()
-            return self._steps
-
-    @property
-    def _cv(self) -> threading.Condition:
-        return self._steps.cv
-
-    _count = _field("count")
-    _in_step = _field("in_step")
-    _freeze = _field("freeze")
-    _target = _field("target")
-    _hold_until = _field("hold_until")
+def step_of(hook: Any) -> Optional[int]:
+    """The count of ``hook``'s clock, or None before it has one (read defensively: the history writer's step
+    callback and the lost-peers exit may run on a hook half built or half torn down)."""
+    return getattr(getattr(hook, "_steps", None), "count", None)

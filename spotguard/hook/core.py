@@ -1,8 +1,8 @@
 """The plain-PyTorch hook: notice -> agreed step -> committed DCP checkpoint -> clean exit.
 
 Where the code lives (docs/architecture.md, "spotguard/hook/"): the state has
-owners — ``clock.py`` (``StepClock``: count, in-step, a round's hold; Hook's old
-names are ``ClockNames`` properties), ``cycle.py`` (``ImplicitCycle``),
+owners — ``clock.py`` (``StepClock``: count, in-step, a round's hold; every part
+reaches it as ``self._steps``), ``cycle.py`` (``ImplicitCycle``),
 ``stateat.py`` (the state at S) — and the rest is one mixin per seam, each
 readable alone: ``stephooks.py`` (optimizer/forward hooks), ``boundary.py``
 (iteration boundaries), ``notices.py`` (intake, signals, the local level),
@@ -18,13 +18,13 @@ Two ways to act on a notice:
 - **At any moment** (one optimizer; under ``torch.distributed`` or in a single
   process, whose rounds need no collective; implicit loops, and ``hook.range()`` /
   ``hook.step()`` loops whose boundaries prove one optimizer step per iteration;
-  agreement.py): the step hooks only keep ``_count`` / ``_in_step``
-  under ``_cv`` and snapshot RNG/loader/buffers at the post-hook; an agreement
+  agreement.py): the step hooks only keep ``_steps.count`` / ``_steps.in_step``
+  under ``_steps.cv`` and snapshot RNG/loader/buffers at the post-hook; an agreement
   thread per rank decides S and writes the checkpoint; the pre-hook holds a step
   only while a round runs and until the tensors of S are copied (``_step_begin``).
   Several optimizers in ``hook.range()``/``hook.step()`` loops: the boundary counts
   the iteration and checks every optimizer stepped as often as in the first one;
-  ``_in_step`` spans the iteration's first optimizer step that took no copy of what it
+  ``_steps.in_step`` spans the iteration's first optimizer step that took no copy of what it
   changes (``stepcopy.py``: the last one, normally) to its boundary, and every
   optimizer's pre-hook holds (``_multi_step_begin``).
 - **At the step boundary** (adapters, several optimizers in an implicit loop or with
@@ -101,7 +101,7 @@ from ..timefmt import utcnow
 from . import events as ev
 from .agreement import AgreementMixin, BackgroundAgreement, LocalAgreement
 from .boundary import BoundaryMixin
-from .clock import ClockNames, StepClock
+from .clock import StepClock, step_of
 from .cycle import ImplicitCycle
 from .dist import (
     Agreement,
@@ -111,6 +111,7 @@ from .dist import (
     unguard_destroy,
 )
 from .exit import ExitMixin, Preempted
+from .handover import StateAtS
 from .notices import NoticesMixin
 from .periodic import PeriodicSaver
 from .preflight import check_launcher, probe_writable, unwritable_message
@@ -149,7 +150,7 @@ def periodic_notice(step: int) -> Notice:
                   detail="every= safety-net checkpoint")
 
 
-class Hook(ClockNames, StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin,
+class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixin, ResumeMixin,
            ExitMixin):
     """Emergency checkpointing for a dict of stateful objects (see the module docstring)."""
 
@@ -197,7 +198,7 @@ class Hook(ClockNames, StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMix
         self._agree = Agreement(self._group)
         # the job history beside the checkpoints (spotguard/history): a tap on this logger, written off-thread
         self._history = history_for_hook(self._storage, self._rank, self._local_rank,
-                                         lambda: getattr(self, "_count", None))
+                                         lambda: step_of(self))
         self._log = history_tap(get_logger("spotguard.hook", component="hook", rank=self._rank), self._history)
         if not getattr(self, "_probed", False):
             self._probe_storage()
@@ -210,7 +211,8 @@ class Hook(ClockNames, StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMix
         # peer-liveness watch: its own gloo group + threads (collective, every rank, right here)
         self._peers = watch_peers(self) if self._dist else None
 
-        self._steps = StepClock()  # the count, the in-step flag, a round's hold (clock.py; old names: ClockNames)
+        self._steps = StepClock()  # the count, the in-step flag, a round's hold (clock.py)
+        self._state_at = StateAtS(self._steps.cv)  # the state at S the two threads hand over (handover.py)
         self._resumed = False
         self._resumed_step = 0
         self._resumed_dir: Optional[str] = None  # the committed folder this run's state came from
@@ -223,7 +225,6 @@ class Hook(ClockNames, StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMix
         self._internal = False
         self._closed = False
         self._exiting = False
-        self._snap: Optional[Snapshot] = None
         self._clock: Optional[torch.optim.Optimizer] = None  # one optimizer: its steps (several: cycle.py)
         self._buffers = {k: tracked_buffers(m) for k, m in self._objs.models.items()}
         self._buffers = {k: b for k, b in self._buffers.items() if b}
@@ -267,24 +268,10 @@ class Hook(ClockNames, StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMix
 
         # The background agreement (agreement.py): its thread and gloo group exist on every rank of an
         # eligible hook; ``_bg_on`` (notices wake it) once training is seen in implicit mode.
-        # ``_cv`` (the clock's) also guards the handover of the state at S below, shared with that thread
-        self._small: Optional[tuple[int, bytes, dict[str, Any], str]] = None
-        self._snap_count = -1
-        self._staged_step: Optional[int] = None
         self._exit_request: Optional[tuple[Notice, Any, Optional[int]]] = None
-        # The model's first forward after step S (training or evaluation): the loop's work after the step
-        # (scheduler, EMA update, scaler) is over, so the small state of S can be read (save.py).
-        self._fwd_count = -1
         self._post_seq = 0  # optimizer post-hooks so far (any optimizer of the dict; the scaler's update)
-        self._fwd_seq = 0  # _post_seq at the last forward that snapshotted the buffers
-        self._fwd_bufs: Optional[tuple[int, dict[str, dict[str, torch.Tensor]]]] = None
         self._fwd_train_count = -1
-        self._fwd_rng: Optional[tuple[int, torch.Tensor]] = None  # (count, torch RNG) at the first training forward
         self._realign: Optional[torch.Tensor] = None  # after a resume: the RNG the first training forward must see
-        self._want_small: Optional[int] = None  # a round waits for the small state of this step
-        self._want_state: Optional[int] = None  # a round needs the training thread's read of this step (fallback)
-        self._want_copy = True  # ... as a copy (an ordinary checkpoint; an emergency reads the held live tensors)
-        self._handoff: Optional[tuple[int, Any, int, str]] = None  # (step, state dict, bytes, error)
         self._step_event: Any = None  # CUDA: recorded on the training stream at each step's end
         self._exit_callbacks: list[Callable[[int, bool], Any]] = getattr(self, "_exit_callbacks", [])  # on_exit
         self._ordinary_cancel = threading.Event()  # set: the ordinary background save in flight gives up
@@ -300,7 +287,6 @@ class Hook(ClockNames, StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMix
         self._range_clock = False
         self._confirmed = 0  # the count at the last boundary that proved "one clock step per iteration"
         self._range_broken: Optional[str] = None  # why that proof failed (the loop goes back to the boundary path)
-        self._range_small: Any = None  # the small state read at the last proven boundary (``_capture_small``)
         self._path_logged: set[tuple[str, str]] = set()
         self._boundary_why = self._why_not_background()
         if self._boundary_why is None:
@@ -383,7 +369,7 @@ class Hook(ClockNames, StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMix
     @property
     def iteration(self) -> int:
         """Completed iterations (the step a checkpoint taken now would resume from)."""
-        return self._count
+        return self._steps.count
 
     def range(self, total: int) -> Iterator[int]:
         """``for step in hook.range(total):`` resumes, then yields steps; each iteration's end is a boundary."""
@@ -392,13 +378,13 @@ class Hook(ClockNames, StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMix
         self._explicit_intent = True  # resume() must not arm the background agreement (hook.range does, below)
         if not self._resumed:
             self.resume()
-        self._begin_explicit("hook.range()", self._count)
-        for i in builtins.range(self._count, total):
+        self._begin_explicit("hook.range()", self._steps.count)
+        for i in builtins.range(self._steps.count, total):
             yield i
             if self._range_clock:
                 self._clocked_boundary(final=(i == total - 1))
             else:
-                self._count += 1
+                self._steps.count += 1
                 self._explicit_boundary(final=(i == total - 1))
 
     def step(self) -> int:
@@ -410,13 +396,13 @@ class Hook(ClockNames, StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMix
             self._begin_explicit("hook.step()", self._resumed_step)
         if self._range_clock:
             self._clocked_boundary(final=False)
-            return self._count
+            return self._steps.count
         skip = self._implicit_counted  # this iteration was already counted by the optimizer post-hook
         self._implicit_counted = False
         if not skip:
-            self._count += 1
+            self._steps.count += 1
         self._explicit_boundary(final=False)
-        return self._count
+        return self._steps.count
 
     def notify(self, notice: Notice) -> None:
         """Hand the hook a notice yourself (tests, custom sources); same path as the daemon's."""

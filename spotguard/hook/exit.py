@@ -101,7 +101,7 @@ class ExitMixin:
         every rank of this process group calls it at the same boundary. ``snap``:
         loaders and RNG taken at step ``step`` when the write comes later.
         """
-        self._count = step
+        self._steps.count = step
         self._internal = True
         self._exit(notice, self._save(notice, "emergency", snap))
 
@@ -141,7 +141,7 @@ class ExitMixin:
         current count (the background save: training went on while it uploaded).
         """
         self._exiting = True
-        step = self._count if step is None else step
+        step = self._steps.count if step is None else step
         peers_ok = result.peers_ok if result is not None else True
         method, secs = teardown(self._group, peers_ok=peers_ok, timeout=self._teardown_timeout(notice))
         self._log.info(ev.TEARDOWN, notice_id=notice.id, method=method, seconds=round(secs, 3))
@@ -182,19 +182,19 @@ class ExitMixin:
         plain interpreter exit also ends with the committed code (``_excepthook``,
         ``_at_exit``).
         """
-        step = self._count if step is None else step
+        step = self._steps.count if step is None else step
         committed, nothing, code = self._outcome(result, step)
         if result is not None and not result.peers_ok:
             self._log.error(ev.PEERS_LOST, where=lost_where, notice_id=notice.id, error=result.error[:300])
-        with self._cv:
+        with self._steps.cv:
             self._exit_request = (notice, result, step)
-            self._cv.notify_all()
+            self._steps.cv.notify_all()
         self._install_excepthook(notice, time.monotonic())
         grace = max(0.1, min(EXIT_GRACE, notice.seconds_left() - 0.5))
         end = time.monotonic() + grace
-        with self._cv:
+        with self._steps.cv:
             while not self._exiting and time.monotonic() < end:
-                self._cv.wait(max(0.0, end - time.monotonic()))
+                self._steps.cv.wait(max(0.0, end - time.monotonic()))
         if self._exiting:  # the training thread took over; stand by in case its own exit hangs
             backstop = time.monotonic() + max(1.0, notice.seconds_left() - 0.3)
             while time.monotonic() < backstop:
@@ -274,19 +274,19 @@ class ExitMixin:
             if isinstance(value, SystemExit):
                 prev(tp, value, tb)
                 return
-            with hook._cv:  # the round's hold may outlast t_end: survivors committing alone (handoff.py)
+            with hook._steps.cv:  # the round's hold may outlast t_end: survivors committing alone (handoff.py)
                 while hook._exit_request is None and \
-                        time.monotonic() < max(t_end, getattr(hook, "_hold_until", 0.0)) + 1.0:
-                    hook._cv.wait(max(0.0, max(t_end, getattr(hook, "_hold_until", 0.0)) + 1.0 - time.monotonic()))
+                        time.monotonic() < max(t_end, hook._steps.hold_until) + 1.0:
+                    hook._steps.cv.wait(max(0.0, max(t_end, hook._steps.hold_until) + 1.0 - time.monotonic()))
                 req = hook._exit_request
             if req is not None:
                 n, result, step = req
-                committed, nothing, code = hook._outcome(result, step if step is not None else hook._count)
+                committed, nothing, code = hook._outcome(result, step if step is not None else hook._steps.count)
             else:
-                n, step, committed, nothing, code = notice, hook._count, False, False, EXIT_SAVE_FAILED
+                n, step, committed, nothing, code = notice, hook._steps.count, False, False, EXIT_SAVE_FAILED
             hook._log.warning("training thread raised during the emergency checkpoint; exiting with its code",
                               notice_id=n.id, code=code, error=f"{tp.__name__}: {value}"[:300])
-            hook._hard_exit(n, code, step if step is not None else hook._count, committed, nothing, "excepthook")
+            hook._hard_exit(n, code, step if step is not None else hook._steps.count, committed, nothing, "excepthook")
 
         excepthook.__spotguard__ = True  # type: ignore[attr-defined]
         sys.excepthook = excepthook
@@ -331,7 +331,7 @@ class ExitMixin:
         local = self._best_local()
         if (res is not None and res[0] > 0) or local is not None:
             nid = local[2]["id"] if local is not None else None
-            self._log.info(ev.NOTICE_AFTER_LAST_STEP, notice_id=nid, step=self._count)
+            self._log.info(ev.NOTICE_AFTER_LAST_STEP, notice_id=nid, step=self._steps.count)
         self.close()  # waits (bounded) for an in-flight periodic upload
 
     def _serve_last_round(self, timeout: float) -> None:
@@ -341,25 +341,25 @@ class ExitMixin:
         will be no next step."""
         bg = self._bg
         end = time.monotonic() + timeout
-        with self._cv:
+        with self._steps.cv:
             while bg is not None and bg.busy.is_set() and time.monotonic() < end and self._exit_request is None:
-                if (not self._in_step and not self._anchor_ok(self._count)) or \
-                        (self._in_step and self._range_clock and self._many_opts):
+                if (not self._steps.in_step and not self._anchor_ok(self._steps.count)) or \
+                        (self._steps.in_step and self._range_clock and self._many_opts):
                     # an explicit loop left inside an iteration (a `break` after its optimizer step): that
                     # step is no iteration's end; the round hands its notice over (logged at exit)
                     self._break_clock("training ended inside an iteration of an explicit loop (no boundary after "
                                       "its last optimizer step)")
-                elif not self._in_step:
-                    key = self._count
-                    if self._want_small == key and (self._small is None or self._small[0] != key):
+                elif not self._steps.in_step:
+                    key = self._steps.count
+                    if self._state_at.want_small == key and not self._state_at.has_small(key):
                         self._capture_small_for(key, "end-of-training")
-                    if self._want_state == key and (self._handoff is None or self._handoff[0] != key):
+                    if self._state_at.want_state == key and not self._state_at.has_read(key):
                         self._read_for_round(key)
-                    elif self._want_state == key + 1 and (self._handoff is None or self._handoff[0] != key):
+                    elif self._state_at.want_state == key + 1 and not self._state_at.has_read(key):
                         # the exact fallback waits for the end of an iteration that will never come: the state
                         # now is the end of the last one (its post-step work is over)
                         self._read_for_round(key, "end-of-training")
-                self._cv.wait(0.05)
+                self._steps.cv.wait(0.05)
 
     def _quiesce(self) -> None:
         """Runs inside ``torch.distributed.destroy_process_group()`` (every rank), before the groups go.

@@ -97,7 +97,7 @@ class NoticesMixin:
             # the loop is over (destroy_process_group() or close() came first): nothing is left to agree on or
             # to save, and no exit hook will look at this notice again — say so now (the oracle found a notice
             # 65 ms after the last step that left no line at all)
-            self._log.info(ev.NOTICE_AFTER_LAST_STEP, notice_id=notice.id, step=self._count,
+            self._log.info(ev.NOTICE_AFTER_LAST_STEP, notice_id=notice.id, step=self._steps.count,
                            why="the training loop had ended: destroy_process_group() or hook.close() came first")
             return
         if self._on_notice_cb is not None:

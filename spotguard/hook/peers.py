@@ -64,6 +64,7 @@ import torch.distributed as dist
 from ..history.writer import tap as history_tap
 from ..logs import get_logger
 from . import events as ev
+from .clock import step_of
 from .dist import destroy_group, is_dist, run_bounded
 from .settings import env_seconds
 
@@ -332,12 +333,12 @@ def exit_on_lost(hook: Any) -> Callable[[PeerWatch, Lost], None]:
         pending = dict(getattr(hook, "_pending", {}) or {})
         # This run's state at the current step is in a committed checkpoint (B froze right after the
         # commit, whichever node had the notice): nothing is lost, the hook's own code.
-        done = watch.committed_step is not None and watch.committed_step == getattr(hook, "_count", None)
+        done = watch.committed_step is not None and watch.committed_step == step_of(hook)
         code = int(getattr(hook, "_exit_code", 143)) if done else EXIT_PEERS_LOST
         watch._log.error(
             ev.PEERS_LOST, lost_ranks=lost.ranks, hosts=[lost.hosts[r] for r in lost.ranks],
             silent_seconds=[lost.silent[r] for r in lost.ranks], left_ranks=lost.left, timeout=watch.timeout,
-            step=getattr(hook, "_count", None), notice_ids=sorted(pending), committed=done, code=code,
+            step=step_of(hook), notice_ids=sorted(pending), committed=done, code=code,
             action="abort process groups, exit",
             detail=f"no heartbeat from {lost.describe()}: the node is gone or frozen; nothing is committed "
                    f"by this rank now, the job resumes from the newest committed checkpoint")
@@ -354,7 +355,7 @@ def exit_on_lost(hook: Any) -> Callable[[PeerWatch, Lost], None]:
         flush = getattr(hook, "_flush_intake", None)
         if callable(flush):
             run_bounded(lambda: flush(FLUSH_BUDGET), FLUSH_BUDGET + 0.1, "spotguard-flush")
-        watch._log.info(ev.EXIT, code=code, step=getattr(hook, "_count", None), committed=done,
+        watch._log.info(ev.EXIT, code=code, step=step_of(hook), committed=done,
                         reason="peers_lost", aborted=ok, abort_error=None if ok or err is None else repr(err),
                         seconds=round(time.monotonic() - t0, 3))
         for stream in (sys.stdout, sys.stderr):

@@ -322,7 +322,7 @@ class PeriodicSaver:
             job.state = {}  # free the staged copy
             if job.committed:
                 h._log.info(PERIODIC_COMMITTED, step=job.step, uri=uri, bytes=job.nbytes,
-                            seconds=round(job.seconds, 3), steps_during=h._count - job.step)
+                            seconds=round(job.seconds, 3), steps_during=h._steps.count - job.step)
             else:
                 h._log.warning(PERIODIC_FAILED, step=job.step, error=job.error[:500], seconds=round(job.seconds, 3),
                                aborted=job.cancelled.is_set())

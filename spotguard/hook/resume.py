@@ -92,7 +92,7 @@ class ResumeMixin:
                 self._log.info(ev.RESUMED, step=0, uri=None, from_notice_id=None, seconds=0.0)
         finally:
             self._internal = False
-        self._count = self._resumed_step = step
+        self._steps.count = self._resumed_step = step
         self._resumed = True
         self._damaged_dirs = set(damaged)  # a save at one of these steps must never count it as committed
         self._baseline = self._watch.baseline()  # the loaded state: "trained since?" is measured from here
@@ -224,7 +224,7 @@ class ResumeMixin:
             level, deadline_ms = self._agree.blocking(level, deadline_ms)
         if level >= LEVEL_EMERGENCY:
             notice, _ = self._gather_notice(level, deadline_ms)
-            self._log.info(ev.AGREED, notice_id=notice.id, step=self._count, flag=level, action="exit",
+            self._log.info(ev.AGREED, notice_id=notice.id, step=self._steps.count, flag=level, action="exit",
                            kind=notice.kind, **self._timing(notice))
             self._exit(notice, None)
 
@@ -240,7 +240,7 @@ class ResumeMixin:
             return
         if info is not None:
             self._log.warning(ev.NOT_RESUMED, uri=f"{self._storage.uri}/{info.dir}", committed_step=info.step,
-                              step=self._count,
+                              step=self._steps.count,
                               fix="call start = hook.resume() before the first step (or iterate hook.range(total)), "
                                   "or give this run its own storage prefix; its checkpoints are not this run's")
 

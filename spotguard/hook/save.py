@@ -146,7 +146,7 @@ class SaveMixin(StagedSaveMixin, StateAtMixin):
         """
         t0 = time.monotonic()
         group = self._group if group is _OWN else group
-        step = self._count if step is None else step
+        step = self._steps.count if step is None else step
         key = step_dir(step)
         uri = f"{self._storage.uri}/{key}"
         set_group_timeout(group, bound if bound is not None else min(600.0, max(5.0, notice.seconds_left() - 0.5)))

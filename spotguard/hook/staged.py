@@ -69,7 +69,7 @@ class StagedSaveMixin:
             return _Result(committed=False, peers_ok=True, error=HANDED_OVER)
         if not reached:
             return self._fail(notice, step, f"the training thread did not reach step {step} within the notice "
-                              f"deadline (at {self._count}, inside a step: {self._in_step}): peers lost?", t0,
+                              f"deadline (at {self._steps.count}, inside a step: {self._steps.in_step}): peers lost?", t0,
                               peers_ok=False)
         # The small state first: its anchor (the model's next forward, the next step, the end of training) is
         # also where the loop's post-step writes to tensors are over (an AveragedModel update, an EMA swapped
@@ -97,11 +97,11 @@ class StagedSaveMixin:
         blob, groups, where = small
         copied = time.monotonic() - t0
         self._live_moved = None
-        with self._cv:
-            self._staged_step = step
+        with self._steps.cv:
+            self._state_at.staged_step = step
             self._steps.unhold(keep_target=hold)
-            self._want_small = self._want_state = None
-            self._cv.notify_all()
+            self._state_at.clear_wants()
+            self._steps.cv.notify_all()
         self._log.info(ev.CHECKPOINT_STAGED, notice_id=notice.id, step=step, bytes=nbytes,
                        seconds=round(copied, 4), small_state_from=where, tensors_from=where_read,
                        host_copy=not hold)  # an emergency writes the held live tensors: no second copy
@@ -144,12 +144,12 @@ class StagedSaveMixin:
         self._log.info(ev.CHECKPOINT_FALLBACK, notice_id=notice.id, step=step, reason=why,
                        waits_for=f"the end of the next iteration (its first training forward after step {nxt}): "
                                  f"the checkpoint stands for step {nxt}")
-        with self._cv:  # armed together: the training thread must find the request at its very next anchor
+        with self._steps.cv:  # armed together: the training thread must find the request at its very next anchor
             self._steps.freeze = None
             self._steps.target = nxt  # the training thread steps once more, then is held (an emergency) or read
-            self._small = None
-            self._want_small = None
-            self._arm_read(nxt, copy=not hold)
+            self._state_at.small = None
+            self._state_at.want_small = None
+            self._state_at.arm_read(nxt, copy=not hold)
         got = self._prehook_read(nxt, t_end, copy=not hold, armed=True)
         if isinstance(got, str) and self._handing_over(nxt):
             return _Result(committed=False, peers_ok=True, error=HANDED_OVER)
@@ -197,7 +197,7 @@ class StagedSaveMixin:
         try:
             t0 = time.monotonic()
             state, nbytes = stage_state_dict(self._save_state_dict(snap))
-            p.start(self._count, state, nbytes, time.monotonic() - t0)
+            p.start(self._steps.count, state, nbytes, time.monotonic() - t0)
         finally:
             self._internal = False
 
@@ -212,7 +212,7 @@ class StagedSaveMixin:
         if p is None:
             return
         left = max(0.0, notice.seconds_left() - SAVE_MARGIN)
-        decision = p.decide(self._count, left) if self._rank == 0 else None
+        decision = p.decide(self._steps.count, left) if self._rank == 0 else None
         what, est = self._bcast0(decision, group)
         if what == "idle" and not p.busy:
             return

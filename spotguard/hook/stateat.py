@@ -1,7 +1,7 @@
 """The state at S: what the checkpoint of step S holds, read at the one moment it is known exactly.
 
 Why a module of its own (issue 28, part 2): the training thread and the agreement thread hand each other the
-state of a step here, under the clock's ``_cv`` (``clock.py``), and nothing else in the save reads how:
+state of a step here, under the clock's ``_steps.cv`` (``clock.py``), and nothing else in the save reads how:
 
 - the tensors (model, optimizer): read off the training thread while ``StateWatch`` proves them unchanged since
   step S (``_background_read``), or by the training thread itself at its next anchor (``_prehook_read``,
@@ -12,10 +12,10 @@ state of a step here, under the clock's ``_cv`` (``clock.py``), and nothing else
   (``_small_state``);
 - the per-rank blob (``_per_rank_state``, ``_end_buffers``) from the snapshot the step hooks took.
 
-Who writes what (the map): the training thread writes ``_snap``/``_snap_count``, ``_fwd_bufs``/``_fwd_seq``,
-``_fwd_rng``, ``_fwd_count`` and ``_range_small`` (core.py, the step hooks); the agreement thread asks with
-``_want_small``/``_want_state``/``_want_copy`` (``_arm_read``, the staged save) and the training thread
-answers in ``_small``/``_handoff``; ``_release_hold`` clears both sides with the clock's hold.
+What the two threads hand each other (the post-hook's snapshot, the first forward's buffers and RNG, the
+requests and their answers) is one object, ``Hook._state_at`` (``handover.py``: ``StateAtS``, its map of who
+writes which field); this module reads and answers through it, and ``_release_hold`` clears it with the
+clock's hold.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class StateAtMixin:
         if snap is None:
             snap = Snapshot.take(self._objs.loaders)
         sd = self._tensor_state()
-        sd[self._rank_key(self._rank)] = pack(self._per_rank_state(self._count, snap))
+        sd[self._rank_key(self._rank)] = pack(self._per_rank_state(self._steps.count, snap))
         return sd
 
     def _per_rank_state(self, step: int, snap: Snapshot) -> dict[str, Any]:
@@ -121,7 +121,7 @@ class StateAtMixin:
             "stateful": {k: s.state_dict() for k, s in o.stateful.items()},
             # the torch RNG at the first training forward after ``step`` (when it already ran): resume sets
             # it back there if something drew in between that the uninterrupted run did not (stephooks._realign_rng)
-            "rng_at_forward": self._fwd_rng[1] if self._fwd_rng is not None and self._fwd_rng[0] == step else None,
+            "rng_at_forward": self._state_at.rng_at_forward(step),
         }
 
     def _end_buffers(self, step: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -129,8 +129,8 @@ class StateAtMixin:
         ``AveragedModel``'s ``n_averaged``), before the next forward's (BatchNorm statistics, spectral norm's
         ``_u``/``_v``) — the copy the first forward after the step took, or, when no forward ran since the last
         optimizer step, the buffers as they are now."""
-        got = self._fwd_bufs
-        if got is not None and got[0] == step and self._fwd_seq == self._post_seq:
+        got = self._state_at.fwd_bufs
+        if got is not None and got[0] == step and self._state_at.fwd_seq == self._post_seq:
             return got[1]
         return clone_buffers(self._buffers)
 
@@ -171,66 +171,53 @@ class StateAtMixin:
         that step (``_serve_anchor_read``), else at its next ``optimizer.step()`` pre-hook (held there; a loop whose
         forwards the hook does not see) or the end of training; (state dict, bytes, where, the step read) or why
         not. Bounded by ``t_end``."""
-        with self._cv:
+        with self._steps.cv:
             if not armed:
-                self._arm_read(step, copy=copy)
-            while not self._handed(step) and self._exit_request is None and not self._handing_over(step):
+                self._state_at.arm_read(step, copy=copy)
+            while not self._state_at.handed(step) and self._exit_request is None and not self._handing_over(step):
                 left = t_end - time.monotonic()
                 if left <= 0:
                     break
-                self._cv.wait(min(0.5, left))
-            got, self._handoff, self._want_state = self._handoff, None, None
-        if got is None or not self._handed(step, got):
+                self._steps.cv.wait(min(0.5, left))
+            got = self._state_at.take_read()
+        if got is None or not self._state_at.handed(step, got):
             return (f"the training thread did not reach the end of iteration {step} (its next training forward "
                     "or optimizer.step()) within the notice deadline; that state could not be read exactly")
         if got[3]:
             return got[3]
         return got[1], got[2], got[4], got[0]
 
-    def _arm_read(self, step: int, *, copy: bool) -> None:
-        """(under ``_cv``) Ask the training thread to read the state of ``step`` where it next can."""
-        self._handoff = None
-        self._want_state = step
-        self._want_copy = copy
-        self._cv.notify_all()
-
-    def _handed(self, step: int, got: Any = None) -> bool:
-        """Whether the training thread's read answers a request for ``step``: that step, or the one before
-        it read at the end of training (the iteration asked for will never come; the last one's work is over)."""
-        got = self._handoff if got is None else got
-        return got is not None and (got[0] == step or (got[0] == step - 1 and got[4] == "end-of-training"))
-
     def _read_for_round(self, step: int, where: str = "pre-hook") -> None:
-        """Training thread, at the end of iteration ``step`` (under ``_cv``): the fallback read."""
+        """Training thread, at the end of iteration ``step`` (under ``_steps.cv``): the fallback read."""
         self._internal = True  # DCP's fake step() on a stateless optimizer must not count
         try:
             # FSDP2: from its sharded parameters, never through its state-dict hooks — they reshard parameters
             # its pre-forward has just unsharded (a read at the anchor forward would break that forward)
             sd = self._tensor_state() if self._watch.sharded is None else self._sharded_tensor_state()
             sd = self._step_copies.substitute(sd, step)  # an optimizer that stepped since S: its copies of S
-            sd, nbytes = stage_state_dict(sd) if getattr(self, "_want_copy", True) else (sd, _tensor_bytes(sd))
-            self._handoff = (step, sd, nbytes, "", where)
+            sd, nbytes = stage_state_dict(sd) if self._state_at.want_copy else (sd, _tensor_bytes(sd))
+            self._state_at.handoff = (step, sd, nbytes, "", where)
         except Exception as exc:  # noqa: BLE001 - reported by the round, never raised into the training loop
-            self._handoff = (step, None, 0, f"reading the state at step {step}: {type(exc).__name__}: {exc}", where)
+            self._state_at.handoff = (step, None, 0, f"reading the state at step {step}: {type(exc).__name__}: {exc}", where)
         finally:
             self._internal = False
-        self._cv.notify_all()
+        self._steps.cv.notify_all()
 
     def _serve_anchor_read(self, step: int, where: str) -> Optional[int]:
-        """Training thread, under ``_cv``, at the end of iteration ``step`` (its first training forward after
+        """Training thread, under ``_steps.cv``, at the end of iteration ``step`` (its first training forward after
         the step, or an explicit loop's boundary): serve a read the round asked for (``_save_next_iteration``);
         an emergency's live tensors are written from where they are, so the thread stays here until the exit
-        (bounded by the round's hold: past it, the step to give up at — ``_give_up_hold``, outside ``_cv``)."""
-        if self._want_state != step or (self._handoff is not None and self._handoff[0] == step):
+        (bounded by the round's hold: past it, the step to give up at — ``_give_up_hold``, outside ``_steps.cv``)."""
+        if self._state_at.want_state != step or self._state_at.has_read(step):
             return None
         self._read_for_round(step, where)
-        if getattr(self, "_want_copy", True):
+        if self._state_at.want_copy:
             return None
-        while self._exit_request is None and self._target == step:
+        while self._exit_request is None and self._steps.target == step:
             left = self._steps.hold_left()
             if left <= 0:  # the write from these live tensors may still run: never train on under it
                 return step
-            self._cv.wait(min(0.5, left))
+            self._steps.cv.wait(min(0.5, left))
         return None
 
     def _small_state(self, step: int, t_end: float) -> Any:
@@ -248,26 +235,25 @@ class StateAtMixin:
         now = time.monotonic()  # wait for the anchor while the save still fits, and always a little
         latest = max(now + min(1.0, max(0.0, t_end - now) / 3),
                      t_end - max(0.5, getattr(self, "_last_save_seconds", 1.0) * 1.5))
-        with self._cv:
-            rs = self._range_small
-            if (self._small is None or self._small[0] != step) and rs is not None and rs[0] == step:
+        with self._steps.cv:
+            rs = self._state_at.range_small
+            if not self._state_at.has_small(step) and rs is not None and rs[0] == step:
                 self._capture_small_for(step, "iteration-boundary")  # what the explicit loop's boundary copied
-            if self._small is None or self._small[0] != step:
-                if self._fwd_count == step and self._anchor_ok(step):
+            if not self._state_at.has_small(step):
+                if self._state_at.fwd_count == step and self._anchor_ok(step):
                     self._capture_small_for(step, "after-forward")
                 else:
-                    self._want_small = step
-                    self._cv.notify_all()
-                    while (self._small is None or self._small[0] != step) and \
-                            not (self._fwd_count == step and self._anchor_ok(step)) and \
+                    self._state_at.want_small = step
+                    self._steps.cv.notify_all()
+                    while not self._state_at.has_small(step) and \
+                            not (self._state_at.fwd_count == step and self._anchor_ok(step)) and \
                             not self._handing_over(step) and self._exit_request is None and time.monotonic() < latest:
-                        self._cv.wait(min(0.1, max(0.0, latest - time.monotonic())))
-                    self._want_small = None
-                    if (self._small is None or self._small[0] != step) and self._fwd_count == step and \
+                        self._steps.cv.wait(min(0.1, max(0.0, latest - time.monotonic())))
+                    self._state_at.want_small = None
+                    if not self._state_at.has_small(step) and self._state_at.fwd_count == step and \
                             self._anchor_ok(step):
                         self._capture_small_for(step, "after-forward")
-            got = self._small if self._small is not None and self._small[0] == step else None
-            self._small = None
+            got = self._state_at.take_small(step)
         if got is None:
             return (f"the loop's work after step {step} was not seen to end (no forward of the model and no "
                     "optimizer step since) before the save had to start to make the deadline: the state of the "
@@ -277,26 +263,27 @@ class StateAtMixin:
         return got[1], got[2], got[3]
 
     def _capture_small_for(self, step: int, where: str) -> None:
-        """``_capture_small`` into ``_small`` (under ``_cv``); a raising ``state_dict()`` is recorded, not raised.
+        """``_capture_small`` into ``_state_at.small`` (under ``_steps.cv``); a raising ``state_dict()`` is
+        recorded, not raised.
         An explicit loop's step: what its boundary read (the exact end of that iteration), whoever asks."""
-        rs = getattr(self, "_range_small", None)
+        rs = self._state_at.range_small
         if rs is not None and rs[0] == step:
             if rs[1] is None:  # its state_dict() raised at the boundary
-                self._small = rs
+                self._state_at.small = rs
             else:
                 try:
-                    self._small = (step, pack(rs[1]), rs[2], rs[3])
+                    self._state_at.small = (step, pack(rs[1]), rs[2], rs[3])
                 except Exception as exc:  # noqa: BLE001 - recorded for the round, never raised into the loop
-                    self._small = (step, None, None, f"packing the small state of step {step}: "  # type: ignore[assignment]
+                    self._state_at.small = (step, None, None, f"packing the small state of step {step}: "  # type: ignore[assignment]
                                                      f"{type(exc).__name__}: {exc}")
-            self._cv.notify_all()
+            self._steps.cv.notify_all()
             return
         try:
-            self._small = self._capture_small(step, where)
+            self._state_at.small = self._capture_small(step, where)
         except Exception as exc:  # noqa: BLE001 - the user's object: the round fails with this, training goes on
-            self._small = (step, None, None, f"state_dict() of the small state raised at step {step}: "  # type: ignore[assignment]
+            self._state_at.small = (step, None, None, f"state_dict() of the small state raised at step {step}: "  # type: ignore[assignment]
                                              f"{type(exc).__name__}: {exc}")
-        self._cv.notify_all()
+        self._steps.cv.notify_all()
 
     def _sharded_tensor_state(self) -> dict[str, Any]:
         """FSDP2, off the training thread: what ``get_model_state_dict`` / ``get_optimizer_state_dict`` give
@@ -341,7 +328,7 @@ class StateAtMixin:
         return sd
 
     def _capture_small(self, step: int, where: str) -> tuple[int, bytes, dict[str, list[dict[str, Any]]], str]:
-        """(step, per-rank blob, optimizer param_groups without params, who captured it) — call under ``_cv``.
+        """(step, per-rank blob, optimizer param_groups without params, who captured it) — call under ``_steps.cv``.
 
         The state the loop changes *after* ``optimizer.step()``: schedulers, scalers,
         stateful objects (EMA...), and the optimizer's param_groups (a scheduler writes
@@ -349,9 +336,7 @@ class StateAtMixin:
         step ``step``'s post-hook, as at a boundary.
         """
         o = self._objs
-        snap = self._snap if self._snap is not None and self._snap_count == step else None
-        if snap is None:
-            snap = Snapshot.take(o.loaders)
+        snap = self._state_at.snap_at(step) or Snapshot.take(o.loaders)
         per = self._per_rank_state(step, snap)
         groups = self._groups_copy()
         anchor = getattr(self, "_anchor_copy", None)
@@ -391,8 +376,7 @@ class StateAtMixin:
 
         o = self._objs
         try:
-            snap = self._snap if self._snap is not None and self._snap_count == step else \
-                Snapshot.take(o.loaders)
+            snap = self._state_at.snap_at(step) or Snapshot.take(o.loaders)
             per = self._per_rank_state(step, snap)
             for k in ("schedulers", "scalers", "stateful"):  # state_dict() may hand out live containers
                 per[k] = copy.deepcopy(per[k])
@@ -404,8 +388,7 @@ class StateAtMixin:
 
     def _release_hold(self, keep_target: bool = False) -> None:
         """Let the training thread step again (``keep_target``: an emergency keeps it held until the exit)."""
-        with self._cv:
+        with self._steps.cv:
             self._steps.unhold(keep_target)
-            self._small = None
-            self._want_small = self._want_state = None
-            self._cv.notify_all()
+            self._state_at.release()
+            self._steps.cv.notify_all()

@@ -7,9 +7,10 @@ of the hook through two owners only — the clock (``clock.py``: ``held_at``, ``
 ``_serve_anchor_read``, ``_read_for_round``). Iteration boundaries (``hook.range()``/``hook.step()``, the
 boundary path's decide/boundary) are ``boundary.py``; the several-optimizer implicit cycle is ``cycle.py``.
 
-Who writes what (the map): this module writes ``_post_seq``, ``_fwd_seq``/``_fwd_bufs``, ``_fwd_train_count``,
-``_fwd_rng``, ``_fwd_count`` (read by stateat.py), ``_step_event`` (read by stateat.py's background read),
-``_snap``/``_snap_count`` (the clock's post-hook; read by the saves), ``_bwd_since_step``, ``_train_fwd_seq``,
+Who writes what (the map): this module writes ``_post_seq``, ``_fwd_train_count``, ``_state_at``'s
+``fwd_seq``/``fwd_bufs``, ``fwd_rng``, ``fwd_count`` (read by stateat.py) and ``snap``/``snap_count`` (the
+clock's post-hook; read by the saves), ``_step_event`` (read by stateat.py's background read),
+``_bwd_since_step``, ``_train_fwd_seq``,
 ``_last_fwd_training``, ``_skip_warned``, ``_handles``/``_unwrap``/``_scaler_orig`` (its own), ``_clock``
 (the one optimizer that is the clock) and ``_bg_on`` (``_turn_on_background``; also cleared by exit,
 agreement and the adapters).
@@ -71,7 +72,7 @@ class StepHooksMixin:
                 if not (hook._internal or hook._explicit or hook._closed):
                     if hook._many_opts:
                         stepped.append(optimizer)
-                        if not hook._cycle.begins(optimizer, hook._count):
+                        if not hook._cycle.begins(optimizer, hook._steps.count):
                             return orig_step(optimizer, *args, **kwargs)  # inside an iteration (n_critic, G)
                     if hook._bg_on:
                         hook._step_begin()
@@ -127,7 +128,7 @@ class StepHooksMixin:
                     and not hook._explicit and not hook._range_clock and not hook._explicit_intent \
                     and not hook._internal and hook._scaler is None:
                 hook._skip_warned = True
-                hook._log.warning(ev.OPTIMIZER_STEP_SKIPPED, step=hook._count,
+                hook._log.warning(ev.OPTIMIZER_STEP_SKIPPED, step=hook._steps.count,
                                   why="gradients of a backward were discarded (zero_grad) without an "
                                       "optimizer.step(): hook.resume() counts optimizer steps, not your loop's "
                                       "iterations, so a resumed range(start, total) would train some batches "
@@ -188,31 +189,31 @@ class StepHooksMixin:
             self._train_fwd_seq += 1
         if not module.training and not grad:
             return  # an evaluation's forward (eval mode, no grad): the iteration's post-step work goes on
-        if self._fwd_seq != self._post_seq:  # the first forward after an optimizer step: buffers of the end
-            self._fwd_seq = self._post_seq  # of the iteration (post-step updates in, this forward's not yet)
-            self._fwd_bufs = (self._count, clone_buffers(self._buffers))
-        if self._fwd_train_count != self._count and module.training:
-            self._fwd_train_count = self._count
+        if self._state_at.fwd_seq != self._post_seq:  # the first forward after an optimizer step: buffers of the end
+            self._state_at.fwd_seq = self._post_seq  # of the iteration (post-step updates in, this forward's not yet)
+            self._state_at.fwd_bufs = (self._steps.count, clone_buffers(self._buffers))
+        if self._fwd_train_count != self._steps.count and module.training:
+            self._fwd_train_count = self._steps.count
             if self._realign is not None:
                 self._realign_rng()
             if self._bg_on:  # one optimizer: its step ends the iteration (not so with a GAN's two)
-                self._fwd_rng = (self._count, torch.get_rng_state())  # ~1 us: see _realign_rng
-            if self._bg_on and self._count > 0 and not self._range_clock:
+                self._state_at.fwd_rng = (self._steps.count, torch.get_rng_state())  # ~1 us: see _realign_rng
+            if self._bg_on and self._steps.count > 0 and not self._range_clock:
                 self._watch.mark()  # the post-step writes (AveragedModel, clipping) are part of iteration S
-        if self._fwd_count == self._count or not self._bg_on or not grad:
+        if self._state_at.fwd_count == self._steps.count or not self._bg_on or not grad:
             return
-        self._fwd_count = self._count
+        self._state_at.fwd_count = self._steps.count
         give_up = None
-        with self._cv:
+        with self._steps.cv:
             if not self._range_clock:
                 # What the loop may still change before the next step (a running-loss meter), copied here
                 # every iteration: a round that starts later must not read that change into S.
-                self._copy_at_anchor(self._count)
-            if self._want_small == self._count and self._anchor_ok(self._count):  # a round waits: read it here
-                self._capture_small_for(self._count, "forward")
+                self._copy_at_anchor(self._steps.count)
+            if self._state_at.want_small == self._steps.count and self._anchor_ok(self._steps.count):  # a round waits: read it here
+                self._capture_small_for(self._steps.count, "forward")
             if not self._range_clock:
                 # the exact fallback's read (_save_next_iteration)
-                give_up = self._serve_anchor_read(self._count, "forward")
+                give_up = self._serve_anchor_read(self._steps.count, "forward")
         if give_up is not None:
             self._give_up_hold(give_up)
         self._exit_if_requested()
@@ -226,7 +227,7 @@ class StepHooksMixin:
         if saved is None or torch.equal(torch.get_rng_state(), saved):
             return
         torch.set_rng_state(saved)
-        self._log.warning(ev.RNG_REALIGNED, step=self._count,
+        self._log.warning(ev.RNG_REALIGNED, step=self._steps.count,
                           why="the global torch RNG was drawn from between the resume and the first forward "
                               "(a DataLoader iterator without its own generator=?); the torch RNG was set back "
                               "to the interrupted run's, but whatever consumed that draw (a loader that shuffles "
@@ -241,7 +242,7 @@ class StepHooksMixin:
             self._multi_step_begin(optimizer)
             return
         if self._many_opts:
-            if self._scaler is not None or not self._cycle.begins(optimizer, self._count):
+            if self._scaler is not None or not self._cycle.begins(optimizer, self._steps.count):
                 return  # the scaler's step() wrapper counts (it sees steps the scaler skips); inside the iteration
         else:
             if self._clock is None:
@@ -279,13 +280,13 @@ class StepHooksMixin:
         else the snapshot follows the iteration's end so far."""
         if self._cycle.ends(optimizer):
             return True
-        self._snap = Snapshot.take(self._objs.loaders)
+        self._state_at.snap = Snapshot.take(self._objs.loaders)
         return False
 
     def _iterations_unproven(self, steps: dict[str, int], first: dict[str, int], clock_steps: int,
                              clock_first: int, why: str, **kind: Any) -> None:
         """The ``iterations_unproven`` warning (each of its kinds is said once by its caller)."""
-        self._log.warning(ev.ITERATIONS_UNPROVEN, step=self._count, steps=steps, first=first,
+        self._log.warning(ev.ITERATIONS_UNPROVEN, step=self._steps.count, steps=steps, first=first,
                           clock_steps=clock_steps, clock_first=clock_first, **kind,
                           why="several optimizers in a loop without hook.range()/hook.step(): " + why,
                           fix="for i in hook.range(total) (or hook.step() at each iteration's end): the loop's own "
@@ -316,39 +317,39 @@ class StepHooksMixin:
     def _step_begin(self, enter: Optional[Callable[[], None]] = None) -> None:
         """Clock pre-hook (background mode): mark "inside optimizer.step", unless a round holds this step.
 
-        While a round runs (``_freeze``: the count this rank said it will stand at)
-        or after it agreed ``_target`` = S and this rank is at S, the step waits
+        While a round runs (``_steps.freeze``: the count this rank said it will stand at)
+        or after it agreed ``_steps.target`` = S and this rank is at S, the step waits
         until the tensors of S are copied — for an emergency, until the exit (the
         small state of S is captured here first when this thread arrives before
         the copy is done). Bounded: past the round's deadline without a decision,
-        a copy or an exit, the process exits 75. ``enter``: called under ``_cv``
+        a copy or an exit, the process exits 75. ``enter``: called under ``_steps.cv``
         instead of marking "inside optimizer.step" (an adapter's other hold point).
         """
         give_up = None
-        with self._cv:
+        with self._steps.cv:
             while self._exit_request is None:
                 key = self._steps.held_at()
-                if key is None or self._count < key:
+                if key is None or self._steps.count < key:
                     if enter is None:
-                        self._in_step = True
+                        self._steps.in_step = True
                     else:
                         enter()
                     return
-                if self._count == key and not self._anchor_ok(key):
+                if self._steps.count == key and not self._anchor_ok(key):
                     # an explicit loop's second optimizer step in one iteration: no boundary proved `key`
                     self._break_clock("two optimizer steps in one iteration: optimizer steps do not map one to "
                                       "one onto iterations")
-                elif self._count == key:
-                    if self._staged_step != key and (self._small is None or self._small[0] != key):
+                elif self._steps.count == key:
+                    if self._state_at.staged_step != key and not self._state_at.has_small(key):
                         self._capture_small_for(key, "pre-hook")
-                    if self._want_state == key and (self._handoff is None or self._handoff[0] != key) and \
-                            self._fwd_count != key:  # past the anchor, this iteration's writes are in
+                    if self._state_at.want_state == key and not self._state_at.has_read(key) and \
+                            self._state_at.fwd_count != key:  # past the anchor, this iteration's writes are in
                         self._read_for_round(key)  # a loop whose forwards the hook does not see
                 left = self._steps.hold_left()
                 if left <= 0:
                     give_up = key
                     break
-                self._cv.wait(min(0.5, left))
+                self._steps.cv.wait(min(0.5, left))
         if give_up is not None:
             self._give_up_hold(give_up)
         self._exit_if_requested()
@@ -359,7 +360,7 @@ class StepHooksMixin:
         return self._steps.wait_step_end(step, t_end, lambda: self._exit_request is not None)
 
     def _give_up_hold(self, step: int) -> None:
-        """Training thread, held past the round's bound (outside ``_cv``): leave with 75 rather than train on."""
+        """Training thread, held past the round's bound (outside ``_steps.cv``): leave with 75 rather than train on."""
         if self._exit_request is not None:
             return
         self._log.error(ev.PEERS_LOST, where="hold", step=step,
@@ -380,10 +381,10 @@ class StepHooksMixin:
         if self._cuda_params:
             self._step_event = torch.cuda.Event()
             self._step_event.record()  # the background read waits on it: step S's kernels are done
-        with self._cv:
+        with self._steps.cv:
             count = self._steps.end_step()
             if snap is not None:
-                self._snap, self._snap_count = snap, count
+                self._state_at.snap, self._state_at.snap_count = snap, count
         self._implicit_counted = True
         if self._periodic is not None:  # the step-path reduction only carries periodic votes now
             if self._agree.pending:

@@ -274,7 +274,7 @@ class ReplicaGuard:
                 raise KeyError(f"heal state lacks {missing}: the survivor's ReplicaGuard holds other items")
             for k, v in items.items():
                 v.load_state_dict(sd[k])
-            self.hook._count = self.manager.current_step()  # the state is now that step's (a deadline fallback)
+            self.hook._steps.count = self.manager.current_step()  # the state is now that step's (a deadline fallback)
 
         state_dict.__spotguard_guard__ = self  # type: ignore[attr-defined]
         if replace:  # torchft has no unregister: a closed guard's callbacks are overwritten in place
@@ -399,7 +399,7 @@ class ReplicaGuard:
         if committed:
             # the hook counts this step too (its post-hook): keep its count on the manager's step, which a heal
             # moves, so that what it took at the next forward (buffers, RNG) is found for this step's label
-            self.hook._count = step
+            self.hook._steps.count = step
             with self._lock:
                 self._phase = "post"  # the loop's post-step work of this step (scheduler, EMA) comes next
         if not committed or tally is None:
@@ -511,7 +511,7 @@ class ReplicaGuard:
 
     def _snap_of_last_step(self) -> Optional[Snapshot]:
         """Loaders and RNG as right after the last optimizer step (the hook takes them at its post-hook)."""
-        return self.hook._snap
+        return self.hook._state_at.snap
 
     def _deadline_watch(self, notice: Notice) -> None:
         """Watchdog (one per noticed group): leave by ``deadline - fallback_lead``, or write here."""
@@ -531,7 +531,7 @@ class ReplicaGuard:
             direct = self._phase == "iter" and single
             # the step the state is at: the hook's count (after_step's committed step, a resume's, a heal's) —
             # not the manager's, which should_commit() counts before the optimizer steps (held from here on)
-            step = self.hook._count if direct else self.manager.current_step()
+            step = self.hook._steps.count if direct else self.manager.current_step()
             if direct:
                 self._fallback_on = True  # from here every optimizer step of this process is held
                 self._over.set()

@@ -127,7 +127,7 @@ class GroupFallback:
             ready = g._phase == "iter" and not g._over.is_set() and not hook._closed and not hook._exiting
             if ready:
                 g._fallback_on = True  # from here every optimizer step of this process is held
-        step = hook._count
+        step = hook._steps.count
         # bounded by the deadline: a rank whose listener never comes (no store client) must not keep this one
         # held (its training thread waits at the optimizer step) past the deadline
         set_group_timeout(self.group, notice.seconds_left() - 0.5)

@@ -12,7 +12,7 @@ prints the trial's and the resumed run's final states against the reference (SAM
   meter updated after the forward: no forward is ever an anchor any more; the small state is read at the
   pre-hook (the meter's change of iteration S+1 read into S).
 - ``mocorace``: ``moco`` with the agreement thread descheduled for 1.2 s (the loop sleeps 0.5 s after the notice) between ``_save_next_iteration``
-  setting ``_target = S+1`` and ``_prehook_read`` setting ``_want_state`` (two critical sections): the
+  setting ``_steps.target = S+1`` and ``_prehook_read`` setting ``_state_at.want_state`` (two critical sections): the
   anchor passes unserved and the read happens at the pre-hook of step S+2, after that iteration's
   in-forward write.
 - ``mocolast``: ``moco`` with the notice in the last iteration (the fallback's S+1 is the last step; no

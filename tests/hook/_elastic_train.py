@@ -39,12 +39,12 @@ def await_agreement(hook: Any, timeout: float = 60.0) -> None:
     Why: the round runs on the hook's agreement thread and stands at the count it finds when it joins
     (core.py, agreement.py). On a loaded machine that thread may be scheduled only a few of this script's
     ~1 ms iterations after ``notify()``; the checkpoint is then exact, but for a later step than the one the
-    test chose. Waiting here (the agreement thread notifies ``_cv`` when it sets ``_target``) pins S to the
+    test chose. Waiting here (the agreement thread notifies ``_steps.cv`` when it sets ``_steps.target``) pins S to the
     count at the notice: while this thread waits, its count cannot move. Under torch.distributed the round's
-    gather needs every rank's join, so rank 0's ``_target`` means every rank has joined.
+    gather needs every rank's join, so rank 0's ``_steps.target`` means every rank has joined.
     """
-    with hook._cv:
-        done = hook._cv.wait_for(lambda: hook._target is not None or hook._exit_request is not None, timeout)
+    with hook._steps.cv:
+        done = hook._steps.cv.wait_for(lambda: hook._steps.target is not None or hook._exit_request is not None, timeout)
     if not done:
         raise SystemExit(f"the hook did not agree on the notice within {timeout} s")
 

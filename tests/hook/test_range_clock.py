@@ -64,7 +64,7 @@ def test_range_with_one_step_per_iteration_stays_any_moment(hook_of: Any) -> Non
             _iteration(s, step=True)
     assert _paths(logs) == [("any-moment", "hook.range()")]
     assert h._range_clock and h._bg_on and h.iteration == 5 and h._confirmed == 5
-    assert h._range_small is not None and h._range_small[0] == 5  # the end of the last iteration, as read there
+    assert h._state_at.range_small is not None and h._state_at.range_small[0] == 5  # the end of the last iteration, as read there
 
 
 def test_range_with_accumulation_leaves_the_clock_once_and_counts_iterations(hook_of: Any) -> None:
@@ -111,8 +111,8 @@ def test_several_optimizers_in_range_stay_any_moment(hook_of: Any) -> None:
         for _ in h.range(4):
             _iteration(s, step=True)
     assert _paths(logs) == [("any-moment", "hook.range()")]
-    assert h._range_clock and h._bg_on and h.iteration == 4 and h._confirmed == 4 and not h._in_step
-    assert h._step_pattern == {"opt0": 1, "opt1": 1} and h._range_small[0] == 4
+    assert h._range_clock and h._bg_on and h.iteration == 4 and h._confirmed == 4 and not h._steps.in_step
+    assert h._step_pattern == {"opt0": 1, "opt1": 1} and h._state_at.range_small[0] == 4
 
 
 def test_several_optimizers_leave_the_clock_at_an_irregular_iteration(hook_of: Any) -> None:

@@ -82,7 +82,7 @@ def test_a_failed_agreement_releases_the_optimizer_it_held(monkeypatch: pytest.M
     guard = SimpleNamespace(_log=SimpleNamespace(warning=print, error=print), _done=threading.Event(),
                             _lock=threading.Lock(), _phase="iter", _over=threading.Event(), _halt=threading.Event(),
                             _fallback_on=False,
-                            hook=SimpleNamespace(_closed=False, _exiting=False, _count=5))
+                            hook=SimpleNamespace(_closed=False, _exiting=False, _steps=SimpleNamespace(count=5)))
     fb = GroupFallback(guard)  # type: ignore[arg-type]
     try:
         def peer_gone(*a: Any, **k: Any) -> None:

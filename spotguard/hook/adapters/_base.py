@@ -179,7 +179,7 @@ class FrameworkHook(Hook):
             return
         self._internal = True
         try:
-            self._carry_out((periodic_notice(self._count), [], "periodic"), snap)
+            self._carry_out((periodic_notice(self._steps.count), [], "periodic"), snap)
         finally:
             self._internal = False
         self._restart_every()  # also after a failure: retry one period later, not at every step
@@ -202,7 +202,7 @@ class FrameworkHook(Hook):
         remembered, so that the daemon replaying it to the restarted process makes
         every rank exit at once instead of training and saving again.
         """
-        self._count = self._resumed_step = step
+        self._steps.count = self._resumed_step = step
         self._last_boundary = step
         from_notice = None
         uri = None
@@ -240,7 +240,7 @@ class FrameworkHook(Hook):
             return
         self._last_boundary = step
         self._finished = final
-        self._count = step
+        self._steps.count = step
         self._explicit_boundary(final=final)
         if self._read_at_boundary and not final:
             self._read_now()
@@ -265,7 +265,7 @@ class FrameworkHook(Hook):
         give every rank the same number of evaluation batches).
 
         Evaluation changes neither weights nor optimizer state, so the state is still that of the
-        last completed step (``self._count``): the reduction launched at the previous boundary or
+        last completed step (``self._steps.count``): the reduction launched at the previous boundary or
         evaluation batch is collected and an agreed notice is carried out now for that step (an
         emergency never returns: ``Preempted``), instead of after the whole evaluation. Then a new
         reduction is launched, carrying notices only: a periodic ``every=`` checkpoint waits for the
@@ -291,7 +291,7 @@ class FrameworkHook(Hook):
         """A micro-batch of gradient accumulation ended without an optimizer step (every rank, same count).
 
         Weights, optimizer and scheduler are still those of the last completed step S
-        (``self._count``); what moved since S (RNG, running statistics, the framework's
+        (``self._steps.count``); what moved since S (RNG, running statistics, the framework's
         loop position) the adapter puts back for the duration of the save
         (``_rewound``). So an agreed notice is carried out one micro-batch after it was
         agreed, not at the end of the accumulation (which can be minutes away): the

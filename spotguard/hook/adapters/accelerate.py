@@ -147,16 +147,16 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
         """``Hook.resume``; then the state right after the load stands for the resumed step (a notice in the
         first accumulation after the resume is acted on between micro-batches as well)."""
         step = Hook.resume(self)
-        if self._count > 0:
-            self._snap, self._snap_count = Snapshot.take(self._objs.loaders), self._count
-            self._acc_step = (self._count, int(self.accelerator.step))
+        if self._steps.count > 0:
+            self._state_at.snap, self._state_at.snap_count = Snapshot.take(self._objs.loaders), self._steps.count
+            self._acc_step = (self._steps.count, int(self.accelerator.step))
         return step
 
     def _decide(self) -> None:
         super()._decide()
-        self._acc_step = (self._count, int(self.accelerator.step))
-        self._gens.step(self._count)
-        self._tops.step(self._count)
+        self._acc_step = (self._steps.count, int(self.accelerator.step))
+        self._gens.step(self._steps.count)
+        self._tops.step(self._steps.count)
 
     def _on_forward(self, module: Any, args: Any) -> None:
         """The core's forward pre-hook; with ``gradient_accumulation_steps`` > 1, a training forward of the
@@ -172,18 +172,18 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
             return
         if self._mb_seq != self._post_seq:
             self._mb_seq = self._post_seq  # the first forward after a step: the step itself was the boundary
-            self._sched_at = (self._count, self._sched_counts())
-            self._acc_fwd_rng = (self._count, torch.get_rng_state())  # the boundary path's rng_at_forward
-            self._iter_at = (self._count, _iteration(self.accelerator))
+            self._sched_at = (self._steps.count, self._sched_counts())
+            self._acc_fwd_rng = (self._steps.count, torch.get_rng_state())  # the boundary path's rng_at_forward
+            self._iter_at = (self._steps.count, _iteration(self.accelerator))
             return
-        if self.accelerator.gradient_accumulation_steps < 2 or self._count == 0:
+        if self.accelerator.gradient_accumulation_steps < 2 or self._steps.count == 0:
             return
         if self._bg_on:
             self._step_begin(enter=_nothing)
             return
         if getattr(self.accelerator, "even_batches", True) is False:
             return  # ranks' epochs may differ in micro-batches: an agreement here would pair with no peer's (a hang)
-        self._last_boundary = self._count  # FrameworkHook's "training started" mark
+        self._last_boundary = self._steps.count  # FrameworkHook's "training started" mark
         self._framework_microbatch()
 
     def _sched_counts(self) -> list[tuple[Any, int]]:
@@ -197,14 +197,14 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
     def _act_in_microbatch(self, level: int, deadline_ms: int) -> None:
         """As at a boundary, inside ``_rewound``; with no snapshot of the last step (none taken yet) nothing
         is done: the notice stays pending and the next optimizer step's pre-hook acts on it."""
-        if self._snap is not None:
+        if self._state_at.snap is not None:
             super()._act_in_microbatch(level, deadline_ms)
 
     @contextlib.contextmanager
     def _rewound(self) -> Iterator[None]:
         self._rewinding = True  # a save of S from a micro-batch: rng_at_forward is S's too (the forward after it)
         try:
-            with self._as_of(self._snap):
+            with self._as_of(self._state_at.snap):
                 yield
         finally:
             self._rewinding = False
@@ -220,14 +220,14 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
             yield
             return
         acc, now_step, now_sched = self.accelerator, self.accelerator.step, self._sched_counts()
-        with rng_and_buffers_at(snap.rng, self._buffers, self._end_buffers(self._count)):
-            if self._acc_step is not None and self._acc_step[0] == self._count:
+        with rng_and_buffers_at(snap.rng, self._buffers, self._end_buffers(self._steps.count)):
+            if self._acc_step is not None and self._acc_step[0] == self._steps.count:
                 acc.step = self._acc_step[1]
-            if self._sched_at is not None and self._sched_at[0] == self._count:
+            if self._sched_at is not None and self._sched_at[0] == self._steps.count:
                 for inner, n in self._sched_at[1]:
                     inner._step_count = n
             try:
-                with self._tops.rewound(self._count):
+                with self._tops.rewound(self._steps.count):
                     yield
             finally:
                 for inner, n in now_sched:
@@ -254,14 +254,14 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
 
     def _write(self, key: str, snap: Optional[Snapshot]) -> None:
         def fill(target: str) -> None:
-            iteration = self._iteration_of(self._count)
+            iteration = self._iteration_of(self._steps.count)
             with self._as_of(snap), self._explicit_dirs():
                 self.accelerator.save_state(target)
                 save_rank_buffers(self.accelerator, Path(target), self.accelerator._models[0].state_dict())
             save_iteration(self.accelerator, Path(target), iteration)
-            self._gens.write(Path(target), self.accelerator.process_index, self._gens.of(self._count))
+            self._gens.write(Path(target), self.accelerator.process_index, self._gens.of(self._steps.count))
             fwd = self._acc_fwd_rng
-            if (snap is not None or self._rewinding) and fwd is not None and fwd[0] == self._count:
+            if (snap is not None or self._rewinding) and fwd is not None and fwd[0] == self._steps.count:
                 torch.save(fwd[1], os.path.join(target, f"{RNG_AT_FORWARD}_{self.accelerator.process_index}.pt"))
 
         self._write_into(key, fill)

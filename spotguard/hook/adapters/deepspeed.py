@@ -310,7 +310,7 @@ class DeepSpeedHook(AnyMomentMixin, FrameworkHook):
         """Every rank: DeepSpeed's own save, each file streamed to ``key``; then this rank's spotguard file."""
         state = {k: o.state_dict() for k, o in self._extra.items()}
         state.update(self._loaders_at or {})  # a deferred boundary: the loaders as at engine.step()
-        per = pack({"rng": self._rng_at or capture_rng(), "state": state, "step": self._count,
+        per = pack({"rng": self._rng_at or capture_rng(), "state": state, "step": self._steps.count,
                     "world_size": self._world})
         tmp = staging_dir(f"deepspeed-{self._rank}")  # receives only DeepSpeed's recovery scripts (rank 0)
         try:

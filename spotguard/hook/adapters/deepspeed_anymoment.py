@@ -131,7 +131,7 @@ class AnyMomentMixin:
     def _ds_at_anchor(self) -> None:
         """Engine forward pre-hook (training thread): the first training forward (grad enabled) after step S is
         the end of iteration S's post-step work; copy the small anchored objects as they are here."""
-        if not torch.is_grad_enabled() or self._ds_fwd == self._count:
+        if not torch.is_grad_enabled() or self._ds_fwd == self._steps.count:
             return
         copies: Optional[dict[str, Any]] = None
         try:
@@ -142,10 +142,10 @@ class AnyMomentMixin:
             copies = {k: copy_state(self._extra[k].state_dict()) for k in keys}
         except Exception:  # noqa: BLE001 - the user's object: a round reads it live and reports what raised
             copies = None
-        with self._cv:
-            self._ds_fwd = self._count
-            self._ds_anchor_copy = (self._count, copies)
-            self._cv.notify_all()
+        with self._steps.cv:
+            self._ds_fwd = self._steps.count
+            self._ds_anchor_copy = (self._steps.count, copies)
+            self._steps.cv.notify_all()
 
     def _ds_anchor_states(self, step: int, t_end: float) -> Any:
         """(training thread held after S) The anchored objects' state dicts as at the anchor of the iteration
@@ -156,10 +156,10 @@ class AnyMomentMixin:
         now = time.monotonic()  # as the plain hook's _small_state: wait while the save still fits, always a little
         latest = max(now + min(1.0, max(0.0, t_end - now) / 3),
                      t_end - max(0.5, getattr(self, "_last_save_seconds", 1.0) * 1.5))
-        with self._cv:
+        with self._steps.cv:
             while self._ds_fwd != step and not self._ds_ended and self._exit_request is None and \
                     time.monotonic() < latest:
-                self._cv.wait(min(0.1, max(0.0, latest - time.monotonic())))
+                self._steps.cv.wait(min(0.1, max(0.0, latest - time.monotonic())))
             if self._ds_fwd != step and not self._ds_ended:
                 return (f"the loop's work after step {step} was not seen to end (no training forward of the engine "
                         "and no end of training since) before the save had to start to make the deadline: the "
@@ -173,9 +173,9 @@ class AnyMomentMixin:
             return f"state_dict() at the anchor after step {step} raised {type(exc).__name__}: {exc}"
 
     def _serve_last_round(self, timeout: float) -> None:  # exit.py: destroy_process_group() after the last step
-        with self._cv:
+        with self._steps.cv:
             self._ds_ended = True  # a round waiting for the next anchor takes the state now: the loop is over
-            self._cv.notify_all()
+            self._steps.cv.notify_all()
         super()._serve_last_round(timeout)  # type: ignore[misc]
 
     # ------------------------------------------------------------------ the path
@@ -227,9 +227,9 @@ class AnyMomentMixin:
         try:
             out = orig(*args, **kwargs)
         except BaseException:
-            with self._cv:
-                self._in_step = False
-                self._cv.notify_all()
+            with self._steps.cv:
+                self._steps.in_step = False
+                self._steps.cv.notify_all()
             raise
         self._ds_step_end()
         return out
@@ -243,15 +243,15 @@ class AnyMomentMixin:
         copy comes first: this forward is the anchor a round of S waits for."""
         self._ds_at_anchor()
         if self._round_action != "emergency" or not self._ds_any or \
-                (not torch.is_grad_enabled() and self._ds_fwd != self._count and self._anchored()):  # an evaluation
+                (not torch.is_grad_enabled() and self._ds_fwd != self._steps.count and self._anchored()):  # an evaluation
             # the round may wait for that anchor: holding here would keep it from coming
             self._exit_if_requested()
             return
-        with self._cv:
+        with self._steps.cv:
             # an emergency keeps its target until the exit (a failed save exits too): wait for that exit
-            while self._target is not None and self._exit_request is None and \
-                    time.monotonic() < self._hold_until + HOLD_SLACK:
-                self._cv.wait(0.5)
+            while self._steps.target is not None and self._exit_request is None and \
+                    time.monotonic() < self._steps.hold_until + HOLD_SLACK:
+                self._steps.cv.wait(0.5)
         self._exit_if_requested()
 
     def _capture_small_for(self, step: int, where: str) -> None:
@@ -261,14 +261,14 @@ class AnyMomentMixin:
         """After ``engine.step()``: when it advanced ``global_steps``, count it and copy the small state of its end."""
         engine = self.engine
         step = int(engine.global_steps)
-        small = self._ds_capture(step) if step != self._count else None
-        with self._cv:
+        small = self._ds_capture(step) if step != self._steps.count else None
+        with self._steps.cv:
             if small is not None:
-                self._count = self._last_boundary = step
+                self._steps.count = self._last_boundary = step
                 self._ds_small = small
             if self._every is None:
-                self._in_step = False
-            self._cv.notify_all()
+                self._steps.in_step = False
+            self._steps.cv.notify_all()
         if small is not None:
             self._tick()
             if not self._fresh_checked:
@@ -277,9 +277,9 @@ class AnyMomentMixin:
             try:
                 self._ds_periodic()
             finally:
-                with self._cv:
-                    self._in_step = False
-                    self._cv.notify_all()
+                with self._steps.cv:
+                    self._steps.in_step = False
+                    self._steps.cv.notify_all()
         self._exit_if_requested()
 
     def _ds_periodic(self) -> None:

@@ -281,7 +281,7 @@ class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
             return
         step = int(state.global_step)
         final = bool(state.max_steps) and state.max_steps > 0 and step >= state.max_steps
-        self._count = step
+        self._steps.count = step
         res = self._agree.collect()
         if res is not None and res[0] == 0 and not final and self._every is not None and self._agree.flags[0]:
             # every=: some rank is due: every rank has the Trainer write checkpoint-<step> now (on_save uploads)
@@ -362,7 +362,7 @@ class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
         rank acts on it at the step's end, as without accumulation; so too in the first step (nothing to rewind to:
         its end is the first checkpoint)."""
         at = self._at
-        if at is None or at.step != self._count or self._count == 0 or \
+        if at is None or at.step != self._steps.count or self._steps.count == 0 or \
                 (at.rng is None and self._resume_path is None):
             return
         self._act_in_eval(level, deadline_ms)
@@ -371,7 +371,7 @@ class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
     def _rewound(self) -> Iterator[None]:
         """RNG, running statistics and the FLOP/token counters of the last optimizer step, for one save."""
         at, tr = self._at, self.trainer
-        if at is None or at.step != self._count:
+        if at is None or at.step != self._steps.count:
             yield
             return
         live = (getattr(tr, "current_flos", 0.0), tr.state.total_flos, tr.state.num_input_tokens_seen)
@@ -399,7 +399,7 @@ class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
         tr = self.trainer
         get = getattr(tr, "_get_output_dir", None)
         run_dir = get(trial=None) if callable(get) else tr.args.output_dir
-        return os.path.join(run_dir, f"checkpoint-{self._count}")
+        return os.path.join(run_dir, f"checkpoint-{self._steps.count}")
 
     def _write(self, key: str, snap: Any) -> None:
         """Upload this rank's share of the folder the Trainer has just written."""
@@ -407,7 +407,7 @@ class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"the Trainer did not write {folder}")
         at = self._rewinding
-        self._fetch.write(folder, int(self.trainer.args.process_index), self._count,
+        self._fetch.write(folder, int(self.trainer.args.process_index), self._steps.count,
                           at.fetch if at is not None else self._fetch.at_boundary())
         self._upload(folder, key)
 

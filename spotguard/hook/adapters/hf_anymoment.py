@@ -142,10 +142,10 @@ class HFAnyMomentMixin:
 
     def _hf_step_begin(self, step: int) -> None:
         """``on_step_begin`` (after ``_capture``): step ``step`` is complete, its end state known."""
-        with self._cv:
-            self._count = self._last_boundary = step
-            self._in_step = False
-            self._cv.notify_all()
+        with self._steps.cv:
+            self._steps.count = self._last_boundary = step
+            self._steps.in_step = False
+            self._steps.cv.notify_all()
         self._exit_if_requested()
 
     def _hf_pre_optimizer(self) -> None:
@@ -162,10 +162,10 @@ class HFAnyMomentMixin:
         self._capture(step, epoch_start=False, window=False)  # type: ignore[attr-defined]
         self._hf_step_begin(step)
         self._step_begin()
-        with self._cv:
+        with self._steps.cv:
             self._hf_ended = True
-            self._in_step = False
-            self._cv.notify_all()
+            self._steps.in_step = False
+            self._steps.cv.notify_all()
         self._exit_if_requested()
 
     # ------------------------------------------------------------------ the agreement thread
@@ -182,16 +182,16 @@ class HFAnyMomentMixin:
             # step. Every rank alike (same S, same max_steps)
             return _Result(committed=False, peers_ok=True, error=HANDED_OVER)
         t0 = time.monotonic()
-        with self._cv:
-            while (self._count != step or self._in_step) and self._exit_request is None and not self._hf_ended:
+        with self._steps.cv:
+            while (self._steps.count != step or self._steps.in_step) and self._exit_request is None and not self._hf_ended:
                 left = t_end - time.monotonic()
                 if left <= 0:
                     break
-                self._cv.wait(min(0.5, left))
-            at = self._at if self._count == step and not self._in_step else None
+                self._steps.cv.wait(min(0.5, left))
+            at = self._at if self._steps.count == step and not self._steps.in_step else None
         if at is None or at.step != step:
             self._release_hold(keep_target=hold)
-            return self._fail(notice, step, f"training ended at step {self._count}, not {step}" if self._hf_ended
+            return self._fail(notice, step, f"training ended at step {self._steps.count}, not {step}" if self._hf_ended
                               else f"this rank did not reach the end of step {step} in time", t0, peers_ok=True)
         parts: dict[str, float] = {"wait": time.monotonic() - t0}
         if hold and self._storage.local_path(step_dir(step)) is not None:

@@ -205,7 +205,7 @@ class AnyMomentMixin:
             self._lt_any = False
             self._log_path("boundary", "lightning", why)
             return
-        with self._cv:  # no step of this run has ended: a notice before it waits for the boundary path
+        with self._steps.cv:  # no step of this run has ended: a notice before it waits for the boundary path
             self._range_broken = "no optimizer step of this run has ended yet"
         self._log_path("any-moment", "lightning", "weights, optimizer and schedulers change only between "
                                                   "on_before_optimizer_step and on_train_batch_end: the step "
@@ -251,7 +251,7 @@ class AnyMomentMixin:
         the step". False: this process is (now) on the boundary path, the caller goes on as before."""
         if not self._lt_any:
             return False
-        if step == self._count:
+        if step == self._steps.count:
             # a micro-batch of an accumulation (no optimizer step): S's copies stand (none yet before the run's
             # first step: a round hands over), a round writes S meanwhile; the switch after a hand-over waits for
             # the step's end, where every rank is (the ranks' micro-batches are not in step with each other)
@@ -259,20 +259,20 @@ class AnyMomentMixin:
             return True
         if self._lt_leave:  # a round handed over: every rank switches at the same batch end
             self._lt_any = self._bg_on = False
-            with self._cv:
-                self._in_step = False
-                self._cv.notify_all()
+            with self._steps.cv:
+                self._steps.in_step = False
+                self._steps.cv.notify_all()
             self._log_path("boundary", "lightning", "a notice came after validation or an epoch end since the "
                                                     "last optimizer step: the boundary path from here on")
             return False
         at = snapshot(step)
-        with self._cv:
-            self._count = self._last_boundary = step
+        with self._steps.cv:
+            self._steps.count = self._last_boundary = step
             self._lt_at = at
-            self._in_step = False
+            self._steps.in_step = False
             if self._range_broken is not None:
                 self._range_broken = None  # S's state is known again
-            self._cv.notify_all()
+            self._steps.cv.notify_all()
         self._finished = final
         self._tick()
         if not self._fresh_checked:
@@ -287,14 +287,14 @@ class AnyMomentMixin:
         if not (self._lt_any and self._bg_on):
             return
 
-        def dirty() -> None:  # under _cv
+        def dirty() -> None:  # under _steps.cv
             if self._range_broken is None:
                 self._range_broken = why
 
         if hold:
             self._step_begin(enter=dirty)
         else:
-            with self._cv:
+            with self._steps.cv:
                 dirty()
 
     def _eval_level(self) -> tuple[int, int]:

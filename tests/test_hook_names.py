@@ -1,0 +1,105 @@
+"""How much of Hook's one namespace its parts share (issue 28, part 2: "the hook's state given owners").
+
+``Hook`` is assembled from mixins in several files of ``spotguard/hook``; a ``self._name`` that two of those files
+use is state no single file owns. This counts such names, read from the source with ``ast`` (nothing imported),
+and holds the count to a ceiling that only goes down: moving state into an owner object (``StepClock``,
+``StateAtS``) lowers it; a new shared name raises it and fails here. Run as a script to print the names.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HOOK = ROOT / "spotguard" / "hook"
+
+#: shared ``self._name`` count at the last measurement; lower it when a change lowers the count. 73: issue 28's
+#: owners brought it 87 -> 72, and the several-optimizer step copies added one owner object (``_step_copies``,
+#: ``stepcopy.StepCopies``, reached from core/boundary/stateat) — a new shared *owner* is the shape wanted;
+#: a new shared plain field is not
+CEILING = 73
+
+
+def _classes() -> dict[str, tuple[Path, list[str]]]:
+    """Class name -> (file, base names) for the classes defined at module level in spotguard/hook/*.py."""
+    out: dict[str, tuple[Path, list[str]]] = {}
+    for path in sorted(HOOK.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                bases = [b.id for b in node.bases if isinstance(b, ast.Name)]
+                out[node.name] = (path, bases)
+    return out
+
+
+def mixin_files() -> list[Path]:
+    """The files that define Hook or one of its (transitive) base classes."""
+    classes = _classes()
+    files: set[Path] = set()
+    todo = ["Hook"]
+    while todo:
+        name = todo.pop()
+        if name not in classes:
+            continue
+        path, bases = classes[name]
+        files.add(path)
+        todo.extend(bases)
+    return sorted(files)
+
+
+def self_names(path: Path) -> set[str]:
+    """The ``self._x`` attribute names a file reads or writes (dunders excluded)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            names.add(node.attr)
+    return names
+
+
+def methods() -> set[str]:
+    """The methods the mixin classes define (behaviour, not the per-instance state this count is about);
+    properties and class-level aliases (``ClockNames``' old clock names) count as state."""
+    out: set[str] = set()
+    for path in mixin_files():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                out.update(item.name for item in node.body
+                           if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+                           and not any(isinstance(d, ast.Name) and d.id == "property" for d in item.decorator_list))
+    return out
+
+
+def shared_names(state_only: bool = True) -> dict[str, list[str]]:
+    """``self._x`` names used in two or more of Hook's mixin files -> those files (``state_only``: leave out
+    the methods)."""
+    skip = methods() if state_only else set()
+    where: dict[str, list[str]] = defaultdict(list)
+    for path in mixin_files():
+        for name in self_names(path) - skip:
+            where[name].append(path.name)
+    return {n: sorted(f) for n, f in sorted(where.items()) if len(f) >= 2}
+
+
+def test_mixin_files_found() -> None:
+    names = {p.name for p in mixin_files()}
+    assert {"core.py", "agreement.py", "save.py", "exit.py", "notices.py"} <= names
+
+
+def test_shared_names_do_not_grow() -> None:
+    shared = shared_names()
+    assert len(shared) <= CEILING, f"{len(shared)} shared self._ names (ceiling {CEILING}): {sorted(shared)}"
+
+
+if __name__ == "__main__":
+    files = mixin_files()
+    total = set().union(*(self_names(p) for p in files))
+    shared = shared_names()
+    print(f"mixin files ({len(files)}): {' '.join(p.name for p in files)}")
+    print(f"self._ names: {len(total)}; used in two or more files: {len(shared_names(False))} "
+          f"(methods included), {len(shared)} state names (methods left out)")
+    if "-v" in sys.argv:
+        for name, fs in shared.items():
+            print(f"  {name}: {' '.join(fs)}")
