@@ -325,6 +325,10 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
                  "(accelerate fetches one batch ahead: the adapter replays the RNG of the resumed run's first "
                  "fetches, hf_fetch.py)",
             phases=("load", "fwd", "bwd", "prestep", "step", "after")),
+    Pattern("hf_trainer_augment_collate", "hf_trainer.py", steps=12, env=(("EXO_ACCUM", "1"), ("EXO_AUGMENT", "collate")),
+            what="hf_trainer_augment with the noise drawn in the data collator (after the dataset's fetch), as "
+                 "DataCollatorForLanguageModeling's masking draws", phases=("load", "fwd", "bwd", "prestep", "step",
+                                                                            "after")),
     Pattern("hf_trainer_augment_boundary", "hf_trainer.py", steps=12,
             env=(("EXO_ACCUM", "1"), ("EXO_AUGMENT", "1"), ("SPOTGUARD_BACKGROUND_AGREEMENT", "0")),
             what="hf_trainer_augment on the boundary path (the Trainer's own save at on_step_end: its rng_state is "

@@ -208,6 +208,13 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     "hf-trainer-augmenting-dataset-accum-micro-batch-boundary": ("hf_trainer_augment_accum_boundary",
                                                                  "phase:micro@2"),
     "hf-trainer-augmenting-dataset-accum-micro-batch": ("hf_trainer_augment_accum", "phase:micro@2"),
+    # review (obrev): the augmentation in the collator (DataCollatorForLanguageModeling's masking draws from the
+    # global torch RNG after the dataset's fetch): the replay set S+1's window RNG right after the dataset's fetch,
+    # before the collator ran, so both resumed batches got other noise
+    "hf-trainer-augmenting-collator-backward": ("hf_trainer_augment_collate", "phase:bwd@4"),
+    # review (obrev): an ordinary notice acted on at a micro-batch on the boundary path: the save rewound to S, then
+    # training must go on (the rewind's exit raised NameError: 'accelerator' in the forward pre-hook)
+    "rebalance-accelerate-accum-boundary-micro-batch": ("accelerate_accum_boundary", "phase:micro@4", "rebalance"),
     # review of issue 29: a rebalance whose DeepSpeed write outlasts its window (the any-moment path held the
     # step through the whole write, the hold ran out: exit 75 on an ordinary notice)
     "deepspeed-rebalance-write-longer-than-window": ("deepspeed_zero2_slow", "phase:bwd@4", "rebalance"),

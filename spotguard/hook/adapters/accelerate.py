@@ -208,7 +208,6 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
                 yield
         finally:
             self._rewinding = False
-        self._tops = TopSchedulers(accelerator, lambda: self._log)  # a scheduler stepped at the iteration's top
 
     # ------------------------------------------------------------- state <-> Accelerate
 
