@@ -203,6 +203,10 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("accelerate_accum", "accelerate_loop.py", env=(("EXO_ACCUM", "4"),), what="the accelerate pattern "
             "with gradient_accumulation_steps=4 (accelerator.accumulate; opt/sched.step() on every micro-batch)",
             phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
+    Pattern("accelerate_accum_schedfree", "accelerate_loop.py", env=(("EXO_ACCUM", "4"), ("EXO_ACC_SCHED_FREE", "1")),
+            what="the accelerate_accum pattern with step_scheduler_with_optimizer=False: the scheduler stepped after "
+                 "opt.step() on every micro-batch (the first one before the first real optimizer step)",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
     Pattern("accelerate_accum_synconly", "accelerate_loop.py", env=(("EXO_ACCUM", "4"), ("EXO_ACC_SYNC_ONLY", "1")),
             what="the accelerate_accum pattern stepping only if accelerator.sync_gradients",
             phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
@@ -295,6 +299,10 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             env=(("EXO_AAL_OWN", "3"), ("SPOTGUARD_BACKGROUND_AGREEMENT", "0")),
             what="accelerate_accum_loader_own on the boundary path (save_state at the next micro-batch's forward)",
             phases=("load", "fwd", "bwd", "micro", "prestep", "after", "ownsave")),
+    Pattern("accelerate_accum_loader_stream", "accelerate_accum_loader.py", env=(("EXO_AAL_STREAM", "1"),),
+            what="accelerate_accum_loader over an IterableDataset with its own generator (order and noise drawn from "
+                 "it: Accelerate's synchronized_generator, not a sampler's)",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
     Pattern("accelerate_accum_loader_default", "accelerate_accum_loader.py", env=(("EXO_AAL_SEEDABLE", "0"),),
             what="accelerate_accum_loader with Accelerate's default DataLoaderConfiguration (use_seedable_sampler=False:"
                  " the shuffle draws from the sampler's generator, which save_state does not save: the adapter saves "

@@ -224,12 +224,21 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     # the default shuffle's generator: S at an epoch's end (the resume starts the next epoch: the generator as it
     # is, drawn once more), and mid-epoch on the boundary path (save_state at the next micro-batch's forward)
     "accelerate-accum-default-sampler-epoch-end": ("accelerate_accum_loader_default", "phase:after@5"),
+    # review (obrev): an IterableDataset with its own generator (Accelerate's synchronized_generator, drawn at every
+    # sample, not once an epoch), resumed in its first epoch: exact before accelerate_sampler.py, which set it to
+    # the state "before the epoch's draw" (the previous step's) and the skipped batches drew from there
+    "accelerate-accum-iterable-dataset-generator-first-epoch": ("accelerate_accum_loader_stream", "phase:micro@2"),
     "accelerate-accum-default-sampler-second-epoch-boundary": ("accelerate_accum_loader_default_boundary",
                                                                "phase:micro@7"),
     # the scheduler at the iteration's top on the boundary path (save_state at the next optimizer step, after
     # that iteration's top step), and a notice between the optimizer step and the next top step
     "accelerate-scheduler-at-the-iteration-top-boundary": ("accelerate_sched_top_boundary", "phase:load@4"),
     "accelerate-scheduler-at-the-iteration-top-after-step": ("accelerate_sched_top", "phase:after@3"),
+    # review (obrev): step_scheduler_with_optimizer=False with accumulation 4, the scheduler stepped after opt.step() on
+    # every micro-batch (the usual order): the first micro-batch's step came before the first real optimizer step
+    # and was taken for the iteration-top order (accelerate_sched.py), so S's scheduler was saved without its last
+    # micro-batch's step
+    "accelerate-accum-scheduler-stepped-every-micro-batch": ("accelerate_accum_schedfree", "phase:micro@4"),
 }
 if os.environ.get("EXO_MORE", "") == "1":
     CASES.update(MORE_CASES)
