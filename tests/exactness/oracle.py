@@ -337,6 +337,14 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             what="hf_trainer_augment with the noise drawn in the data collator (after the dataset's fetch), as "
                  "DataCollatorForLanguageModeling's masking draws", phases=("load", "fwd", "bwd", "prestep", "step",
                                                                             "after")),
+    Pattern("hf_trainer_unseedable", "hf_trainer.py", env=(("EXO_HF_UNSEEDABLE", "1"),),
+            what="the hf_trainer pattern with accelerator_config use_seedable_sampler=False (each epoch's order drawn "
+                 "from the sampler's generator, which neither the Trainer's checkpoint nor the adapter saved)",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),
+    Pattern("hf_trainer_unseedable_boundary", "hf_trainer.py",
+            env=(("EXO_HF_UNSEEDABLE", "1"), ("SPOTGUARD_BACKGROUND_AGREEMENT", "0")),
+            what="hf_trainer_unseedable on the boundary path (a notice acted on at a micro-batch, rewound to S)",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),
     Pattern("hf_trainer_augment_boundary", "hf_trainer.py", steps=12,
             env=(("EXO_ACCUM", "1"), ("EXO_AUGMENT", "1"), ("SPOTGUARD_BACKGROUND_AGREEMENT", "0")),
             what="hf_trainer_augment on the boundary path (the Trainer's own save at on_step_end: its rng_state is "

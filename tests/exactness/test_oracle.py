@@ -212,6 +212,13 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     # global torch RNG after the dataset's fetch): the replay set S+1's window RNG right after the dataset's fetch,
     # before the collator ran, so both resumed batches got other noise
     "hf-trainer-augmenting-collator-backward": ("hf_trainer_augment_collate", "phase:bwd@4"),
+    # review (obrev): the Trainer with accelerator_config use_seedable_sampler=False (5 steps an epoch) resumed in its
+    # second epoch: each epoch's order is drawn from the sampler's generator, which no checkpoint held (another
+    # order after the resume); the HF adapter now saves it as the Accelerate adapter does (accelerate_sampler.py).
+    # And at an epoch's end (the resume draws the next epoch's order), and on the boundary path at a micro-batch
+    "hf-trainer-default-sampler-second-epoch": ("hf_trainer_unseedable", "phase:bwd@7"),
+    "hf-trainer-default-sampler-epoch-end": ("hf_trainer_unseedable", "phase:after@4"),
+    "hf-trainer-default-sampler-second-epoch-boundary": ("hf_trainer_unseedable_boundary", "phase:micro@7"),
     # review (obrev): an ordinary notice acted on at a micro-batch on the boundary path: the save rewound to S, then
     # training must go on (the rewind's exit raised NameError: 'accelerator' in the forward pre-hook)
     "rebalance-accelerate-accum-boundary-micro-batch": ("accelerate_accum_boundary", "phase:micro@4", "rebalance"),

@@ -191,6 +191,8 @@ targs = TrainingArguments(
     save_steps=2, max_grad_norm=0.05 if OWN_SAVES else 1.0,
     report_to=[], disable_tqdm=True, seed=0, use_cpu=True, ddp_backend="gloo",
     ddp_find_unused_parameters=False, dataloader_num_workers=0, restore_callback_states_from_checkpoint=METER,
+    # review (obrev): Accelerate's default shuffle (the sampler's own generator, not args.seed per epoch)
+    **({"accelerator_config": {"use_seedable_sampler": False}} if os.environ.get("EXO_HF_UNSEEDABLE") == "1" else {}),
 )
 trainer = PhaseTrainer(model=model, args=targs, train_dataset=Samples(), optimizers=(opt, sched),
                        data_collator=collate if COLLATE else None,
