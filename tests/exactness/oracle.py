@@ -204,6 +204,10 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("accelerate_accum", "accelerate_loop.py", env=(("EXO_ACCUM", "4"),), what="the accelerate pattern "
             "with gradient_accumulation_steps=4 (accelerator.accumulate; opt/sched.step() on every micro-batch)",
             phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
+    Pattern("accelerate_accum_schedfree", "accelerate_loop.py", env=(("EXO_ACCUM", "4"), ("EXO_ACC_SCHED_FREE", "1")),
+            what="the accelerate_accum pattern with step_scheduler_with_optimizer=False: the scheduler stepped after "
+                 "opt.step() on every micro-batch (the first one before the first real optimizer step)",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
     Pattern("accelerate_accum_synconly", "accelerate_loop.py", env=(("EXO_ACCUM", "4"), ("EXO_ACC_SYNC_ONLY", "1")),
             what="the accelerate_accum pattern stepping only if accelerator.sync_gradients",
             phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
@@ -296,6 +300,10 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
             env=(("EXO_AAL_OWN", "3"), ("SPOTGUARD_BACKGROUND_AGREEMENT", "0")),
             what="accelerate_accum_loader_own on the boundary path (save_state at the next micro-batch's forward)",
             phases=("load", "fwd", "bwd", "micro", "prestep", "after", "ownsave")),
+    Pattern("accelerate_accum_loader_stream", "accelerate_accum_loader.py", env=(("EXO_AAL_STREAM", "1"),),
+            what="accelerate_accum_loader over an IterableDataset with its own generator (order and noise drawn from "
+                 "it: Accelerate's synchronized_generator, not a sampler's)",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "after")),
     Pattern("accelerate_accum_loader_default", "accelerate_accum_loader.py", env=(("EXO_AAL_SEEDABLE", "0"),),
             what="accelerate_accum_loader with Accelerate's default DataLoaderConfiguration (use_seedable_sampler=False:"
                  " the shuffle draws from the sampler's generator, which save_state does not save: the adapter saves "
@@ -326,6 +334,18 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
                  "(accelerate fetches one batch ahead: the adapter replays the RNG of the resumed run's first "
                  "fetches, hf_fetch.py)",
             phases=("load", "fwd", "bwd", "prestep", "step", "after")),
+    Pattern("hf_trainer_augment_collate", "hf_trainer.py", steps=12, env=(("EXO_ACCUM", "1"), ("EXO_AUGMENT", "collate")),
+            what="hf_trainer_augment with the noise drawn in the data collator (after the dataset's fetch), as "
+                 "DataCollatorForLanguageModeling's masking draws", phases=("load", "fwd", "bwd", "prestep", "step",
+                                                                            "after")),
+    Pattern("hf_trainer_unseedable", "hf_trainer.py", env=(("EXO_HF_UNSEEDABLE", "1"),),
+            what="the hf_trainer pattern with accelerator_config use_seedable_sampler=False (each epoch's order drawn "
+                 "from the sampler's generator, which neither the Trainer's checkpoint nor the adapter saved)",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),
+    Pattern("hf_trainer_unseedable_boundary", "hf_trainer.py",
+            env=(("EXO_HF_UNSEEDABLE", "1"), ("SPOTGUARD_BACKGROUND_AGREEMENT", "0")),
+            what="hf_trainer_unseedable on the boundary path (a notice acted on at a micro-batch, rewound to S)",
+            phases=("load", "fwd", "bwd", "micro", "prestep", "step", "after")),
     Pattern("hf_trainer_augment_boundary", "hf_trainer.py", steps=12,
             env=(("EXO_ACCUM", "1"), ("EXO_AUGMENT", "1"), ("SPOTGUARD_BACKGROUND_AGREEMENT", "0")),
             what="hf_trainer_augment on the boundary path (the Trainer's own save at on_step_end: its rng_state is "

@@ -218,6 +218,20 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     "hf-trainer-augmenting-dataset-accum-micro-batch-boundary": ("hf_trainer_augment_accum_boundary",
                                                                  "phase:micro@2"),
     "hf-trainer-augmenting-dataset-accum-micro-batch": ("hf_trainer_augment_accum", "phase:micro@2"),
+    # review (obrev): the augmentation in the collator (DataCollatorForLanguageModeling's masking draws from the
+    # global torch RNG after the dataset's fetch): the replay set S+1's window RNG right after the dataset's fetch,
+    # before the collator ran, so both resumed batches got other noise
+    "hf-trainer-augmenting-collator-backward": ("hf_trainer_augment_collate", "phase:bwd@4"),
+    # review (obrev): the Trainer with accelerator_config use_seedable_sampler=False (5 steps an epoch) resumed in its
+    # second epoch: each epoch's order is drawn from the sampler's generator, which no checkpoint held (another
+    # order after the resume); the HF adapter now saves it as the Accelerate adapter does (accelerate_sampler.py).
+    # And at an epoch's end (the resume draws the next epoch's order), and on the boundary path at a micro-batch
+    "hf-trainer-default-sampler-second-epoch": ("hf_trainer_unseedable", "phase:bwd@7"),
+    "hf-trainer-default-sampler-epoch-end": ("hf_trainer_unseedable", "phase:after@4"),
+    "hf-trainer-default-sampler-second-epoch-boundary": ("hf_trainer_unseedable_boundary", "phase:micro@7"),
+    # review (obrev): an ordinary notice acted on at a micro-batch on the boundary path: the save rewound to S, then
+    # training must go on (the rewind's exit raised NameError: 'accelerator' in the forward pre-hook)
+    "rebalance-accelerate-accum-boundary-micro-batch": ("accelerate_accum_boundary", "phase:micro@4", "rebalance"),
     # review of issue 29: a rebalance whose DeepSpeed write outlasts its window (the any-moment path held the
     # step through the whole write, the hold ran out: exit 75 on an ordinary notice)
     "deepspeed-rebalance-write-longer-than-window": ("deepspeed_zero2_slow", "phase:bwd@4", "rebalance"),
@@ -227,12 +241,21 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     # the default shuffle's generator: S at an epoch's end (the resume starts the next epoch: the generator as it
     # is, drawn once more), and mid-epoch on the boundary path (save_state at the next micro-batch's forward)
     "accelerate-accum-default-sampler-epoch-end": ("accelerate_accum_loader_default", "phase:after@5"),
+    # review (obrev): an IterableDataset with its own generator (Accelerate's synchronized_generator, drawn at every
+    # sample, not once an epoch), resumed in its first epoch: exact before accelerate_sampler.py, which set it to
+    # the state "before the epoch's draw" (the previous step's) and the skipped batches drew from there
+    "accelerate-accum-iterable-dataset-generator-first-epoch": ("accelerate_accum_loader_stream", "phase:micro@2"),
     "accelerate-accum-default-sampler-second-epoch-boundary": ("accelerate_accum_loader_default_boundary",
                                                                "phase:micro@7"),
     # the scheduler at the iteration's top on the boundary path (save_state at the next optimizer step, after
     # that iteration's top step), and a notice between the optimizer step and the next top step
     "accelerate-scheduler-at-the-iteration-top-boundary": ("accelerate_sched_top_boundary", "phase:load@4"),
     "accelerate-scheduler-at-the-iteration-top-after-step": ("accelerate_sched_top", "phase:after@3"),
+    # review (obrev): step_scheduler_with_optimizer=False with accumulation 4, the scheduler stepped after opt.step() on
+    # every micro-batch (the usual order): the first micro-batch's step came before the first real optimizer step
+    # and was taken for the iteration-top order (accelerate_sched.py), so S's scheduler was saved without its last
+    # micro-batch's step
+    "accelerate-accum-scheduler-stepped-every-micro-batch": ("accelerate_accum_schedfree", "phase:micro@4"),
 }
 if os.environ.get("EXO_MORE", "") == "1":
     CASES.update(MORE_CASES)

@@ -6,10 +6,11 @@ user's own among them wrote ``checkpoint_<n>`` into the project folder. The resu
 ``project_configuration.iteration`` as of S (``spotguard_iteration.json``), n, recomputes those micro-batches and
 calls the same ``save_state()``: Accelerate raised ``ValueError: Checkpoint directory .../checkpoint_<n> already
 exists``. The folders ``checkpoint_<k>``, k >= n, found at the resume are that thrown-away work's (the
-uninterrupted run had none of them at S); the resumed run's first automatically named ``save_state`` removes them
-on every rank right before Accelerate's own check (no rank creates its folder before every rank has passed that
-check: Accelerate's ``wait_for_everyone``), then writes ``checkpoint_<n>`` again — logged once
-(``own_checkpoints_replaced``).
+uninterrupted run had none of them at S); each automatically named ``save_state`` of the resumed run removes the one
+it writes, ``checkpoint_<its iteration>``, on every rank right before Accelerate's own check (no rank creates its
+folder before every rank has passed that check: Accelerate's ``wait_for_everyone``), then writes it again — logged
+(``own_checkpoints_replaced``). Only that one (review obrev): resumed from a checkpoint after which the run went on
+(an ordinary or periodic one, then a crash), the later folders are that run's progress, kept until redone.
 """
 
 from __future__ import annotations
@@ -32,18 +33,21 @@ def replace_stale_own_checkpoints(accelerator: Any, iteration: int, log: Callabl
     base = Path(getattr(accelerator, "project_dir", None) or ".") / "checkpoints"
     if not getattr(cfg, "automatic_checkpoint_naming", False) or not base.is_dir():
         return
-    stale = sorted(p for p in base.iterdir() if (m := _NAME.match(p.name)) and int(m.group(1)) >= iteration)
+    stale = {int(m.group(1)): p for p in base.iterdir() if (m := _NAME.match(p.name)) and int(m.group(1)) >= iteration}
     if not stale:
         return
     orig = accelerator.save_state
 
     def save_state(*args: Any, **kwargs: Any) -> Any:
-        if accelerator.project_configuration.automatic_checkpoint_naming:  # not spotguard's own (explicit folder)
-            accelerator.__dict__.pop("save_state", None)
-            for p in stale:
+        cfg = accelerator.project_configuration
+        if cfg.automatic_checkpoint_naming:  # not spotguard's own (explicit folder)
+            p = stale.pop(int(cfg.iteration), None)  # only the folder this save writes: the others wait for theirs
+            if p is not None:
                 shutil.rmtree(p, ignore_errors=True)
-            log().info(ev.OWN_CHECKPOINTS_REPLACED, iteration=iteration, folders=[p.name for p in stale],
-                       why="written after the resumed step by the interrupted run's thrown-away micro-batches")
+                log().info(ev.OWN_CHECKPOINTS_REPLACED, iteration=int(cfg.iteration), folders=[p.name],
+                           why="written after the resumed step by the interrupted run")
+            if not stale:
+                accelerator.__dict__.pop("save_state", None)
         return orig(*args, **kwargs)
 
     accelerator.save_state = save_state

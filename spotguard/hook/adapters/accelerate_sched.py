@@ -5,8 +5,12 @@ scheduler is normally stepped after ``optimizer.step()``. A loop that steps it a
 stepped it for S+1 before that forward: the checkpoint held it (and the ``lr`` it wrote into the optimizer's
 ``param_groups``) one step ahead, and the resumed loop stepped it again at its top.
 
-Detected, not guessed: no scheduler steps before the first ``optimizer.step()`` of a run (or of a resume) in the
-usual order; one that did is stepped at the top (PyTorch warns about the same call). Then the schedulers' state
+Detected, not guessed: no scheduler steps before the first training forward of a run (or of a resume) in the
+usual order; one that did is stepped at the top (PyTorch warns about the same call). Decided at that forward, not
+at the first ``optimizer.step()``: with ``step_scheduler_with_optimizer=False`` and accumulation the usual order
+steps the scheduler after each micro-batch's (skipped) ``opt.step()``, before the first real one (review obrev:
+taken for the top order, S's scheduler was saved without its last micro-batch's step). Decided at the first
+``optimizer.step()`` only where no training forward was seen (an explicit ``hook.range()`` loop). Then the schedulers' state
 dicts and every ``param_group``'s values but ``params`` are copied at each optimizer post-hook (a few hundred bytes:
 nothing moves them between the top of an iteration and its optimizer step), and a checkpoint of S holds those
 copies — the background writer's (``_per_rank_state``, ``_capture_small``) and ``save_state``'s on the boundary path
@@ -45,19 +49,27 @@ class TopSchedulers:
         """After a resume's ``load_state``: the first optimizer step from here decides again."""
         self._base, self.top = self._counts(), None
 
+    def forward(self, count: int) -> None:
+        """The first training forward of the prepared model after install / a resume decides (module docstring)."""
+        if self.top is None:
+            self._decide(count)
+
     def step(self, count: int) -> None:
         """Each optimizer post-hook of step ``count``."""
         if self.top is None:
-            self.top = self._counts() != self._base
-            if self.top:
-                self._logger().warning(ev.SCHEDULER_AT_ITERATION_TOP, step=count,
-                                       why="a scheduler was stepped before the first optimizer.step(): stepped at the "
-                                           "top of each iteration, so its state (and lr) of step S is read at S's "
-                                           "optimizer step, not at the next forward",
-                                       fix="step the scheduler after optimizer.step() (the PyTorch >= 1.1 order), or "
-                                           "loop over hook.range(total)")
+            self._decide(count)
         if self.top:
             self._at = (count, [copy_state(s.state_dict()) for s in _inner(self.acc)], self._groups())
+
+    def _decide(self, count: int) -> None:
+        self.top = self._counts() != self._base
+        if self.top:
+            self._logger().warning(ev.SCHEDULER_AT_ITERATION_TOP, step=count,
+                                   why="a scheduler was stepped before the first training forward: stepped at the "
+                                       "top of each iteration, so its state (and lr) of step S is read at S's "
+                                       "optimizer step, not at the next forward",
+                                   fix="step the scheduler after optimizer.step() (the PyTorch >= 1.1 order), or "
+                                       "loop over hook.range(total)")
 
     def _groups(self) -> list[list[dict[str, Any]]]:
         return [[{n: copy_state(v) for n, v in g.items() if n != "params"} for g in getattr(o, "optimizer", o)

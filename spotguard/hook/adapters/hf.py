@@ -74,6 +74,7 @@ import re
 import shutil
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
@@ -85,12 +86,13 @@ from ..state import capture_rng, clone_buffers, rng_and_buffers_at
 from ..watch import model_snapshot_buffers
 from ._base import FrameworkHook
 from ._files import upload_dir
+from .accelerate_sampler import SAMPLER_GENERATORS, SamplerGenerators
 from .hf_anymoment import HFAnyMomentMixin
 from .hf_fetch import FetchRng
 
 __all__ = ["HFTrainerHook", "install"]
 
-_RANK_FILE = re.compile(r"^(?:rng_state_(\d+)\.pth|spotguard_fetch_rng_(\d+)\.pt)$")
+_RANK_FILE = re.compile(r"^(?:rng_state_(\d+)\.pth|spotguard_fetch_rng_(\d+)\.pt|" + SAMPLER_GENERATORS + r"_(\d+)\.pt)$")
 # deepspeed=: engine.save_checkpoint writes global_stepN/<bf16_>zero_pp_rank_<r>_mp_rank_00_{optim,model}_states.pt
 # on rank r only (its own output_dir on its own disk)
 _ZERO_FILE = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|model)_states\.pt$")
@@ -125,6 +127,8 @@ def _make_callback(hook: "HFTrainerHook") -> Any:
             hook._on_train_begin(int(state.global_step))
             hook._fetch.install(kwargs.get("train_dataloader"))
             hook._fetch.load(hook._resume_path, int(args.process_index), int(state.global_step))
+            if hook._resume_path:  # use_seedable_sampler=False: the shuffle's generator (accelerate_sampler.py)
+                hook._gens.load(Path(hook._resume_path), int(args.process_index))
             if hook._hf_any:
                 hook._enable_background()
             return control
@@ -155,6 +159,7 @@ def _make_callback(hook: "HFTrainerHook") -> Any:
             return control
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            hook._gens.step(int(state.global_step))  # the shuffle generator's state a save of this step sets
             hook._on_step_end(state, control)
             return control
 
@@ -208,6 +213,9 @@ class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
         self._rng_from: Optional[str] = None  # set during a rewound save whose RNG is that folder's files
         self._jit_disabled = self._disable_jit_checkpoint()
         self._fetch = FetchRng(trainer, lambda: self._log)  # a Dataset/collator drawing from the RNG (hf_fetch.py)
+        # accelerator_config use_seedable_sampler=False: each epoch's order from the sampler's own generator, which the
+        # Trainer's checkpoint does not hold (review obrev: resumed past the first epoch, another order)
+        self._gens = SamplerGenerators(getattr(trainer, "accelerator", None))
         self._rewinding: Optional[_AtStep] = None  # the capture a save inside _rewound stands for
         self.callback = _make_callback(self)
         trainer.add_callback(self.callback)
@@ -409,6 +417,7 @@ class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
         at = self._rewinding
         self._fetch.write(folder, int(self.trainer.args.process_index), self._steps.count,
                           at.fetch if at is not None else self._fetch.at_boundary())
+        self._gens.write(Path(folder), int(self.trainer.args.process_index), self._gens.of(self._count))
         self._upload(folder, key)
 
     def _upload(self, folder: str, key: str) -> None:
@@ -419,7 +428,7 @@ class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
         """Whether file ``rel`` of a ``checkpoint-N`` folder is this rank's to store: each rank its RNG file and
         (DeepSpeed ZeRO) its partition files, rank 0 the rest."""
         m = _RANK_FILE.match(rel) or _ZERO_FILE.search(rel)
-        return int(m.group(1) or m.group(2)) == self._rank if m else self._rank == 0
+        return int(next(g for g in m.groups() if g)) == self._rank if m else self._rank == 0
 
 
 def install(trainer: Any, storage: Any = None, *, socket: str | None = None, every: Any = None,

@@ -58,6 +58,7 @@ import shutil
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -290,6 +291,7 @@ class HFAnyMomentMixin:
         else:
             raise RuntimeError(f"the RNG of step {at.step} is not known (resumed from an unknown folder)")
         self._fetch.write(out, tr.args.process_index, at.step, at.fetch)  # type: ignore[attr-defined]
+        self._gens.write(Path(out), tr.args.process_index, self._gens.of(at.step))  # type: ignore[attr-defined]
         closed(os.path.join(out, f"{FETCH_RNG}_{tr.args.process_index}.pt"))
         parts["small"] = time.monotonic() - t
 

@@ -15,8 +15,8 @@ collator) is wrapped: the RNG (python, numpy, torch) before the last fetch and a
 ``spotguard_fetch_rng_<rank>.pt``: ``m``'s indices, the RNG before its fetch, and the RNG at the start of step S+1's
 ``get_batch_samples``. The resumed run sets the latter at the start of its first ``get_batch_samples``, the former
 right before the fetch of ``m`` (its indices checked: another order is not replayed, ``data_rng_replayed`` says so
-at warning level), then the latter again right after it, so that ``m+1``... are drawn as the uninterrupted run drew
-them; the RNG after that call is set back at the step's first callback (the Trainer's ``_load_rng_state`` in
+at warning level), then the latter again once ``m``'s collator has drawn too (at the next fetch, or the window's
+end), so that ``m+1``... are drawn as the uninterrupted run drew them; the RNG after that call is set back at the step's first callback (the Trainer's ``_load_rng_state`` in
 between loads the state of the boundary path's save, taken before those fetches). Costs: one RNG capture a fetch.
 """
 
@@ -70,11 +70,7 @@ class FetchRng:
         def getitems(indices: Any) -> Any:
             if self._in_window:
                 self._before_fetch(list(indices))
-            data = own(ds, indices) if own is not None else [ds[i] for i in indices]
-            if self._in_window and self._replay is not None and self._replay.get("_fetched"):
-                restore_rng(self._replay["window"])  # m+1 ... as the uninterrupted run's step S+1 drew them
-                self._replay = None
-            return data
+            return own(ds, indices) if own is not None else [ds[i] for i in indices]
 
         try:
             ds.__getitems__ = getitems
@@ -90,6 +86,8 @@ class FetchRng:
             return orig(*args, **kwargs)
         finally:
             self._in_window = False
+            if self._replay is not None and self._replay.get("_fetched"):  # m, then no other fetch (its epoch's last)
+                self._window_again()
             if self._replay is not None:  # m was not fetched here (another order, or resumed at an epoch start)
                 self._logger().warning(ev.DATA_RNG_REPLAYED, replayed=False,
                                   why="the resumed run's first fetch was not the batch the checkpoint's step "
@@ -99,9 +97,18 @@ class FetchRng:
             elif self._after is not None:
                 self._after = capture_rng()
 
+    def _window_again(self) -> None:
+        """After the replayed fetch of ``m`` and its collator: the RNG at S+1's window start again, as the
+        uninterrupted run had it at the fetch of ``m+1`` (set not before the collator of ``m`` has drawn)."""
+        assert self._replay is not None
+        restore_rng(self._replay["window"])
+        self._replay = None
+
     def _before_fetch(self, indices: list[int]) -> None:
         rep = self._replay
-        if rep is not None and not rep.get("_fetched"):
+        if rep is not None and rep.get("_fetched"):  # m+1 ... as the uninterrupted run's step S+1 drew them
+            self._window_again()
+        elif rep is not None:
             if indices == rep["indices"]:
                 restore_rng(rep["fetch"])
                 rep["_fetched"] = True

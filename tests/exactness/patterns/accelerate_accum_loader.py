@@ -17,6 +17,10 @@ where rank 0's is 2; DDP is fine: each rank syncs 3 times an epoch). ``EXO_AAL_O
 Accelerate's examples count ``checkpointing_steps``), with ``automatic_checkpoint_naming`` and ``total_limit=2`` into
 a project folder beside the hook's store (it outlives the process, as a persistent disk does): Accelerate's
 ``project_configuration.iteration`` (the next ``checkpoint_<n>``) is training state too (phase ``ownsave``).
+``EXO_AAL_STREAM=1`` (review obrev): an ``IterableDataset`` with its own ``generator``, ``dispatch_batches=False``
+(each rank iterates it; Accelerate synchronises the generator across ranks: its ``synchronized_generator``) that draws each epoch's order and each sample's noise; the resumed
+run's ``skip_first_batches`` iterates the skipped batches from the freshly seeded generator, as the first epoch
+drew them.
 """
 
 from __future__ import annotations
@@ -38,11 +42,13 @@ SEEDABLE = os.environ.get("EXO_AAL_SEEDABLE", "1") == "1"
 SPLIT = os.environ.get("EXO_AAL_SPLIT") == "1"
 EVEN = os.environ.get("EXO_AAL_EVEN", "1") == "1"
 OWN = int(os.environ.get("EXO_AAL_OWN", "0"))
+STREAM = os.environ.get("EXO_AAL_STREAM") == "1"
 project = ProjectConfiguration(project_dir=_rt.storage().removeprefix("file://").rstrip("/") + "-own",
                                automatic_checkpoint_naming=True, total_limit=2) if OWN else None
 accelerator = Accelerator(cpu=True, gradient_accumulation_steps=N, mixed_precision=os.environ.get("EXO_AAL_MP", "no"),
                           dataloader_config=DataLoaderConfiguration(use_seedable_sampler=SEEDABLE,
-                                                                    split_batches=SPLIT, even_batches=EVEN),
+                                                                    split_batches=SPLIT, even_batches=EVEN,
+                                                                    dispatch_batches=False if STREAM else None),
                           project_config=project)
 rank = accelerator.process_index
 torch.manual_seed(0)
@@ -51,7 +57,27 @@ opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 gd = torch.Generator().manual_seed(1234)
 xs = torch.randn(152, 16, generator=gd)
-loader = DataLoader(TensorDataset(xs, xs.sum(dim=1, keepdim=True) * 0.1), batch_size=16 if SPLIT else 8, shuffle=True)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """152 samples in an order and with noise drawn from the dataset's own generator (``EXO_AAL_STREAM``)."""
+
+    def __init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(4321)
+
+    def __len__(self) -> int:
+        return len(xs)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        for j in torch.randperm(len(xs), generator=self.generator).tolist():
+            yield xs[j] + 0.05 * torch.randn(16, generator=self.generator), xs[j].sum(dim=0, keepdim=True) * 0.1
+
+
+if STREAM:
+    loader = DataLoader(Stream(), batch_size=16 if SPLIT else 8)
+else:
+    loader = DataLoader(TensorDataset(xs, xs.sum(dim=1, keepdim=True) * 0.1), batch_size=16 if SPLIT else 8,
+                        shuffle=True)
 model, opt, sched, loader = accelerator.prepare(net, opt, sched, loader)
 torch.manual_seed(1 + rank)
 state = {"model": model, "optimizer": opt, "scheduler": sched, "accelerator_step": lambda: accelerator.step,

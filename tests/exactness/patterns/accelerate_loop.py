@@ -7,7 +7,9 @@ background for the last completed step, in ``save_state``'s files (``accelerate_
 an iteration inside ``accelerator.accumulate(model)``; ``opt.step()``/``sched.step()`` are called on every one
 (Accelerate skips them until the last); written from the background for the last completed optimizer step as
 well. Phase ``micro``: after the backward of a micro-batch that does not sync. ``EXO_ACC_SYNC_ONLY=1`` (pattern
-``accelerate_accum_synconly``): the loop steps only ``if accelerator.sync_gradients``.
+``accelerate_accum_synconly``): the loop steps only ``if accelerator.sync_gradients``. ``EXO_ACC_SCHED_FREE=1``
+(review obrev): ``step_scheduler_with_optimizer=False``: ``sched.step()`` after ``opt.step()`` steps the scheduler
+on every micro-batch (the usual order, a scheduler counted in micro-batches).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from spotguard import install_preemption_hook
 setup(distributed=False)  # Accelerator creates the process group itself
 ACCUM = int(os.environ.get("EXO_ACCUM", "1"))
 SYNC_ONLY = os.environ.get("EXO_ACC_SYNC_ONLY") == "1"
-accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM,
+                          step_scheduler_with_optimizer=os.environ.get("EXO_ACC_SCHED_FREE") != "1")
 rank = accelerator.process_index
 torch.manual_seed(0)
 net = Net()

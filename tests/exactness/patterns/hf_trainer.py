@@ -45,7 +45,9 @@ from _common import Net, _rt, setup  # noqa: E402
 from spotguard import install_preemption_hook  # noqa: E402
 
 rank = int(os.environ.get("RANK", "0"))
-AUGMENT = os.environ.get("EXO_AUGMENT") == "1"  # review of issue 23: random augmentation in __getitem__
+AUGMENT = os.environ.get("EXO_AUGMENT") in ("1", "collate")  # review of issue 23: random augmentation in __getitem__
+# review (obrev): the augmentation drawn in the collator instead (as DataCollatorForLanguageModeling's masking)
+COLLATE = os.environ.get("EXO_AUGMENT") == "collate"
 OWN_SAVES = os.environ.get("EXO_OWN_SAVES") == "1"  # review of issue 23: the Trainer's own logging + saves
 METER = os.environ.get("EXO_METER") == "1"  # review of issue 23: a stateful callback (ExportableState)
 setup(distributed=False)  # TrainingArguments creates the process group itself
@@ -84,9 +86,16 @@ class Samples(torch.utils.data.Dataset):
         return len(self.x)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        if AUGMENT:  # a user's augmentation in the main process (dataloader_num_workers=0): the global torch RNG
+        if AUGMENT and not COLLATE:  # a user's augmentation in the main process (dataloader_num_workers=0): the global torch RNG
             return {"x": self.x[i] + 0.05 * torch.randn(16), "labels": self.y[i]}
         return {"x": self.x[i], "labels": self.y[i]}
+
+
+def collate(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A collator drawing from the global torch RNG after the dataset's fetch (``EXO_AUGMENT=collate``)."""
+    batch = {k: torch.stack([f[k] for f in features]) for k in features[0]}
+    batch["x"] = batch["x"] + 0.05 * torch.randn_like(batch["x"])
+    return batch
 
 
 _resumed = False
@@ -182,8 +191,11 @@ targs = TrainingArguments(
     save_steps=2, max_grad_norm=0.05 if OWN_SAVES else 1.0,
     report_to=[], disable_tqdm=True, seed=0, use_cpu=True, ddp_backend="gloo",
     ddp_find_unused_parameters=False, dataloader_num_workers=0, restore_callback_states_from_checkpoint=METER,
+    # review (obrev): Accelerate's default shuffle (the sampler's own generator, not args.seed per epoch)
+    **({"accelerator_config": {"use_seedable_sampler": False}} if os.environ.get("EXO_HF_UNSEEDABLE") == "1" else {}),
 )
 trainer = PhaseTrainer(model=model, args=targs, train_dataset=Samples(), optimizers=(opt, sched),
+                       data_collator=collate if COLLATE else None,
                        callbacks=[Phases(), Meter()] if METER else [Phases()])
 # the Trainer seeded every rank alike (set_seed(args.seed)): per-rank streams, as a user's augmentation has
 random.seed(100 + rank)
