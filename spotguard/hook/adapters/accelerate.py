@@ -170,7 +170,7 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
         if module is not self._signal_model or self._internal or not module.training \
                 or not torch.is_grad_enabled() or self._explicit:
             return
-        self._tops.forward(self._count)  # the first one decides the scheduler's order (accelerate_sched.py)
+        self._tops.forward(self._steps.count)  # the first one decides the scheduler's order (accelerate_sched.py)
         if self._mb_seq != self._post_seq:
             self._mb_seq = self._post_seq  # the first forward after a step: the step itself was the boundary
             self._sched_at = (self._steps.count, self._sched_counts())

@@ -417,7 +417,7 @@ class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
         at = self._rewinding
         self._fetch.write(folder, int(self.trainer.args.process_index), self._steps.count,
                           at.fetch if at is not None else self._fetch.at_boundary())
-        self._gens.write(Path(folder), int(self.trainer.args.process_index), self._gens.of(self._count))
+        self._gens.write(Path(folder), int(self.trainer.args.process_index), self._gens.of(self._steps.count))
         self._upload(folder, key)
 
     def _upload(self, folder: str, key: str) -> None:
