@@ -88,6 +88,9 @@ def main() -> int:
     p.add_argument("--notice-after-d", type=int, default=0, metavar="K",
                    help="--gan: the notice and the slow part right after the K-th discriminator step of the "
                         "iteration (before the next critic step or G's), not before D's first step")
+    p.add_argument("--mix", action="store_true",
+                   help="--gan --single: a Linear shared by D and G (in both models and both optimizers), D with "
+                        "spectral_norm and SGD momentum, its scheduler stepped right after its step; G AdamW amsgrad")
     p.add_argument("--notice-late", action="store_true",
                    help="--gan: the notice at the iteration's end (after G's step and the scheduler), not in D's "
                         "first pass")
@@ -103,8 +106,13 @@ def main() -> int:
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                               torch.nn.Linear(32, 1))
+    shared = torch.nn.Linear(16, 16)  # --mix: a conditional GAN's shared layer (in D and in G)
+    if a.mix:
+        net = torch.nn.Sequential(shared, torch.nn.utils.spectral_norm(torch.nn.Linear(16, 32)), torch.nn.ReLU(),
+                                  torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
     model: Any = net if a.single else torch.nn.parallel.DistributedDataParallel(net)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if not a.mix else \
+        torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     loader = Loader(rank)
     torch.manual_seed(10 + rank)
@@ -114,8 +122,11 @@ def main() -> int:
     if a.gan:  # the generator and both optimizers (the discriminator is the model above)
         torch.manual_seed(1)
         gnet = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+        if a.mix:
+            gnet = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), shared)
         gmodel: Any = gnet if a.single else torch.nn.parallel.DistributedDataParallel(gnet)
-        opt_g = torch.optim.Adam(gmodel.parameters(), lr=2e-3, betas=(0.5, 0.999))
+        opt_g = torch.optim.Adam(gmodel.parameters(), lr=2e-3, betas=(0.5, 0.999)) if not a.mix else \
+            torch.optim.AdamW(gmodel.parameters(), lr=2e-3, amsgrad=True)
         state = {"model": model, "gen": gmodel, "opt_d": opt, "opt_g": opt_g, "scheduler": sched, "loader": loader}
         if a.scaler:
             state["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0**8)
@@ -170,13 +181,16 @@ def main() -> int:
             loss_d = bce(real_out, torch.ones(8, 1)) + bce(model(fake.detach()), torch.zeros(8, 1))
             opt.zero_grad(set_to_none=True)
             stepped(opt, loss_d)
+            if a.mix and c == 0:
+                sched.step()  # D's scheduler right after D's step, inside the iteration
             if c + 1 == a.notice_after_d:
                 notify(i)
                 if i >= a.slow_from:
                     time.sleep(a.iter_s)  # the workload, after this D step (not a synchronisation)
         if g_steps and not a.g_first:
             g_step(i, bce)
-        sched.step()
+        if not a.mix:
+            sched.step()
         if a.notice_late:
             notify(i)
         if rank == 0:

@@ -203,9 +203,17 @@ def test_gan_notice_after_the_discriminator_step_commits_the_last_boundary(tmp_p
     assert staged and all(e["tensors_from"] == "background" for e in staged), staged
 
 
-def _gan_mid_iteration(tmp_path: Path, single: bool, critic: int, loop: str, notice: list[str]) -> TorchRun:
+def test_gan_mixed_optimizers_and_a_shared_layer_after_the_discriminator_step(tmp_path: Path) -> None:
+    """Review ganrev: a Linear in both D and G (both optimizers step it), D with spectral_norm (its ``_u``/``_v``
+    move in G's forward through D) and SGD momentum, its scheduler stepped right after its step, G AdamW with
+    amsgrad; the notice right after D's step commits boundary 3 from the copies and the resume is bitwise."""
+    _gan_mid_iteration(tmp_path, True, 1, "range", ["--notice-after-d", "1"], ["--mix"])
+
+
+def _gan_mid_iteration(tmp_path: Path, single: bool, critic: int, loop: str, notice: list[str],
+                       more: Optional[list[str]] = None) -> TorchRun:
     ranks = {0} if single else {0, 1}
-    extra = ["--gan", str(critic)]
+    extra = ["--gan", str(critic), *(more or [])]
     ref = reference(tmp_path, single, extra)
     store = tmp_path / "ckpt"
     run = launch(tmp_path, "preempted", single, ["--loop", loop, "--storage", str(store), "--iter-s",
