@@ -91,6 +91,9 @@ def main() -> int:
     p.add_argument("--mix", action="store_true",
                    help="--gan --single: a Linear shared by D and G (in both models and both optimizers), D with "
                         "spectral_norm and SGD momentum, its scheduler stepped right after its step; G AdamW amsgrad")
+    p.add_argument("--late-head", type=int, default=-1, metavar="K",
+                   help="--gan --single: a D parameter used (given a gradient, so its optimizer state created) only "
+                        "from iteration K on")
     p.add_argument("--notice-late", action="store_true",
                    help="--gan: the notice at the iteration's end (after G's step and the scheduler), not in D's "
                         "first pass")
@@ -110,6 +113,8 @@ def main() -> int:
     if a.mix:
         net = torch.nn.Sequential(shared, torch.nn.utils.spectral_norm(torch.nn.Linear(16, 32)), torch.nn.ReLU(),
                                   torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
+    if a.late_head >= 0:
+        net.register_parameter("late", torch.nn.Parameter(torch.zeros(1)))
     model: Any = net if a.single else torch.nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if not a.mix else \
         torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
@@ -174,6 +179,8 @@ def main() -> int:
             x = x + 0.01 * float(np.random.randn())
             fake = gmodel(torch.randn(8, 16))
             real_out = model(x)
+            if 0 <= a.late_head <= i:
+                real_out = real_out + net.late
             if c == 0 and not a.notice_late and not a.notice_after_d:
                 notify(i)
                 if i >= a.slow_from:

@@ -210,6 +210,13 @@ def test_gan_mixed_optimizers_and_a_shared_layer_after_the_discriminator_step(tm
     _gan_mid_iteration(tmp_path, True, 1, "range", ["--notice-after-d", "1"], ["--mix"])
 
 
+def test_gan_optimizer_state_created_after_the_boundary_is_left_out(tmp_path: Path) -> None:
+    """Review ganrev: a D parameter gets its first gradient (so its AdamW state) in iteration 3; the notice right
+    after that D step commits boundary 3, where it had no state, and the resume (a fresh optimizer's template
+    has a slot for it) is bitwise."""
+    _gan_mid_iteration(tmp_path, True, 1, "range", ["--notice-after-d", "1"], ["--late-head", "3"])
+
+
 def _gan_mid_iteration(tmp_path: Path, single: bool, critic: int, loop: str, notice: list[str],
                        more: Optional[list[str]] = None) -> TorchRun:
     ranks = {0} if single else {0, 1}
