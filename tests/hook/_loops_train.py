@@ -94,6 +94,8 @@ def main() -> int:
     p.add_argument("--late-head", type=int, default=-1, metavar="K",
                    help="--gan --single: a D parameter used (given a gradient, so its optimizer state created) only "
                         "from iteration K on")
+    p.add_argument("--ema-d", action="store_true",
+                   help="--gan --single: an AveragedModel EMA of D in the dict, updated right after each D step")
     p.add_argument("--notice-late", action="store_true",
                    help="--gan: the notice at the iteration's end (after G's step and the scheduler), not in D's "
                         "first pass")
@@ -133,6 +135,9 @@ def main() -> int:
         opt_g = torch.optim.Adam(gmodel.parameters(), lr=2e-3, betas=(0.5, 0.999)) if not a.mix else \
             torch.optim.AdamW(gmodel.parameters(), lr=2e-3, amsgrad=True)
         state = {"model": model, "gen": gmodel, "opt_d": opt, "opt_g": opt_g, "scheduler": sched, "loader": loader}
+        if a.ema_d:
+            state["ema_d"] = torch.optim.swa_utils.AveragedModel(
+                net, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
         if a.scaler:
             state["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0**8)
         torch.manual_seed(10 + rank)  # the generator's init drew from seed 1: back to this rank's stream
@@ -188,6 +193,8 @@ def main() -> int:
             loss_d = bce(real_out, torch.ones(8, 1)) + bce(model(fake.detach()), torch.zeros(8, 1))
             opt.zero_grad(set_to_none=True)
             stepped(opt, loss_d)
+            if a.ema_d:
+                state["ema_d"].update_parameters(net)
             if a.mix and c == 0:
                 sched.step()  # D's scheduler right after D's step, inside the iteration
             if c + 1 == a.notice_after_d:
@@ -255,6 +262,8 @@ def main() -> int:
     if a.out and rank == 0:
         if a.gan:
             extra = {"gen": {k: v.clone() for k, v in gnet.state_dict().items()}, "opt_g": opt_g.state_dict()}
+            if a.ema_d:
+                extra["ema_d"] = {k: v.clone() for k, v in state["ema_d"].state_dict().items()}
         else:
             extra = {}
         torch.save({**extra, "model": {k: v.clone() for k, v in net.state_dict().items()}, "optimizer": opt.state_dict(),

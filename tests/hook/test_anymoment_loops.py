@@ -217,6 +217,21 @@ def test_gan_optimizer_state_created_after_the_boundary_is_left_out(tmp_path: Pa
     _gan_mid_iteration(tmp_path, True, 1, "range", ["--notice-after-d", "1"], ["--late-head", "3"])
 
 
+def test_gan_ema_of_the_discriminator_after_its_step(tmp_path: Path) -> None:
+    """Review ganrev: an EMA of D (``AveragedModel`` in the dict, a parameter no copy holds) updated right after
+    D's step: the round joining after it cannot stand at the last boundary (documented: a write no copy holds
+    sends it to the exact fallback), so it commits the iteration's end, 4, and the resume is bitwise."""
+    extra = ["--gan", "1", "--ema-d"]
+    ref = reference(tmp_path, True, extra)
+    store = tmp_path / "ckpt"
+    run = launch(tmp_path, "preempted", True, ["--loop", "range", "--storage", str(store), "--iter-s", str(GAN_ITER),
+                                               "--slow-from", "2", "--notice-at", "3", "--notice-after-d", "1",
+                                               "--deadline", "30", *extra])
+    assert run.wait(120) == 143, run.tail()
+    assert [e["step"] for e in run.events("checkpoint_committed")] == [4], run.tail()
+    resumed_equals(tmp_path, True, "range", store, 4, ref, extra)
+
+
 def _gan_mid_iteration(tmp_path: Path, single: bool, critic: int, loop: str, notice: list[str],
                        more: Optional[list[str]] = None) -> TorchRun:
     ranks = {0} if single else {0, 1}
