@@ -153,3 +153,24 @@ def test_a_module_shared_by_two_models_is_substituted_in_both() -> None:
     got = copies.substitute(_state(d, g, od, og), 1)
     assert torch.equal(got["g"]["0.weight"], at_s["g"]["0.weight"])
     assert _equal(got, at_s)
+
+
+def test_a_parameter_a_copied_optimizer_moved_is_not_copied_again() -> None:
+    """Three optimizers, A's and B's sharing a parameter (review ganrev): once A has stepped it, B's copy would
+    take A's post-step value as the boundary's, so ``untouched`` refuses B (its step then marks "inside the
+    iteration": a round stands at the iteration's end)."""
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(4, 4)
+    a, b = torch.nn.Sequential(shared, torch.nn.Linear(4, 1)), torch.nn.Sequential(shared, torch.nn.Linear(4, 2))
+    oa = torch.optim.Adam(a.parameters(), lr=0.1)
+    watch = StateWatch({"a": a, "b": b}, {})
+    try:
+        watch.mark()
+        assert watch.untouched(list(a.parameters())) and watch.untouched(list(b.parameters()))
+        watch.excuse(list(a.parameters()))
+        _step(a, oa)
+        assert watch.changed() is None  # A's writes are what its copies stand in for
+        assert not watch.untouched(list(b.parameters()))  # the shared layer moved: no copy of it for B
+        assert watch.untouched(list(b[1].parameters()))
+    finally:
+        watch.close()
