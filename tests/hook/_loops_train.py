@@ -90,12 +90,16 @@ def main() -> int:
                         "iteration (before the next critic step or G's), not before D's first step")
     p.add_argument("--mix", action="store_true",
                    help="--gan --single: a Linear shared by D and G (in both models and both optimizers), D with "
-                        "spectral_norm and SGD momentum, its scheduler stepped right after its step; G AdamW amsgrad")
+                        "spectral_norm and SGD momentum, its ExponentialLR stepped right after its step; G AdamW "
+                        "amsgrad")
     p.add_argument("--late-head", type=int, default=-1, metavar="K",
                    help="--gan --single: a D parameter used (given a gradient, so its optimizer state created) only "
                         "from iteration K on")
     p.add_argument("--ema-d", action="store_true",
                    help="--gan --single: an AveragedModel EMA of D in the dict, updated right after each D step")
+    p.add_argument("--add-group", type=int, default=-1, metavar="K",
+                   help="--gan --single --late-head K: the late parameter joins D's optimizer as a new param group "
+                        "(add_param_group) at the top of iteration K, not at its construction")
     p.add_argument("--notice-late", action="store_true",
                    help="--gan: the notice at the iteration's end (after G's step and the scheduler), not in D's "
                         "first pass")
@@ -118,9 +122,10 @@ def main() -> int:
     if a.late_head >= 0:
         net.register_parameter("late", torch.nn.Parameter(torch.zeros(1)))
     model: Any = net if a.single else torch.nn.parallel.DistributedDataParallel(net)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if not a.mix else \
-        torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    dparams = [p for n, p in model.named_parameters() if not (a.add_group >= 0 and n == "late")]
+    opt = torch.optim.AdamW(dparams, lr=1e-2) if not a.mix else torch.optim.SGD(dparams, lr=1e-2, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5) if not a.mix else \
+        torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)  # --mix: D's lr moves at every step
     loader = Loader(rank)
     torch.manual_seed(10 + rank)
     np.random.seed(10 + rank)
@@ -179,6 +184,8 @@ def main() -> int:
             g_step(i, bce)
         if i in d_skip and not a.notice_late:
             notify(i)
+        if i == a.add_group:
+            opt.add_param_group({"params": [net.late], "lr": 1e-3})
         for c in range(0 if i in d_skip else a.gan):
             x, _ = next(loader)
             x = x + 0.01 * float(np.random.randn())

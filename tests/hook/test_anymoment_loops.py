@@ -217,6 +217,13 @@ def test_gan_optimizer_state_created_after_the_boundary_is_left_out(tmp_path: Pa
     _gan_mid_iteration(tmp_path, True, 1, "range", ["--notice-after-d", "1"], ["--late-head", "3"])
 
 
+def test_gan_param_group_added_at_the_iteration_top(tmp_path: Path) -> None:
+    """Review ganrev: ``opt_d.add_param_group`` at the top of iteration 3 (a layer unfrozen), D's scheduler stepped
+    right after its step; the notice right after that D step: what is committed resumes bitwise."""
+    _gan_mid_iteration(tmp_path, True, 1, "range", ["--notice-after-d", "1"],
+                       ["--late-head", "3", "--add-group", "3", "--mix"])
+
+
 def test_gan_ema_of_the_discriminator_after_its_step(tmp_path: Path) -> None:
     """Review ganrev: an EMA of D (``AveragedModel`` in the dict, a parameter no copy holds) updated right after
     D's step: the round joining after it cannot stand at the last boundary (documented: a write no copy holds
