@@ -224,6 +224,22 @@ def test_gan_param_group_added_at_the_iteration_top(tmp_path: Path) -> None:
                        ["--late-head", "3", "--add-group", "3", "--mix"])
 
 
+def test_gan_second_notice_after_a_resume_from_the_copies(tmp_path: Path) -> None:
+    """Review ganrev: the run resumed from boundary 3 (written from D's copies) gets its own notice right after
+    iteration 5's D step (its first iteration after the resume learns the step pattern again, so the copies are
+    back from iteration 4): it commits boundary 5, and a resume from there ends bitwise."""
+    run = _gan_mid_iteration(tmp_path, True, 1, "range", ["--notice-after-d", "1"], ["--mix"])
+    assert run.events("checkpoint_committed")
+    extra = ["--gan", "1", "--mix"]
+    store = tmp_path / "ckpt"
+    again = launch(tmp_path, "again", True, ["--loop", "range", "--storage", str(store), "--iter-s", str(GAN_ITER),
+                                             "--slow-from", "5", "--notice-at", "5", "--notice-after-d", "1",
+                                             "--deadline", "4", *extra])
+    assert again.wait(120) == 143, again.tail()
+    assert [e["step"] for e in again.events("checkpoint_committed")] == [5], again.tail()
+    resumed_equals(tmp_path, True, "range", store, 5, reference(tmp_path, True, extra), extra)
+
+
 def test_gan_ema_of_the_discriminator_after_its_step(tmp_path: Path) -> None:
     """Review ganrev: an EMA of D (``AveragedModel`` in the dict, a parameter no copy holds) updated right after
     D's step: the round joining after it cannot stand at the last boundary (documented: a write no copy holds
