@@ -224,6 +224,8 @@ def test_gan_param_group_added_at_the_iteration_top(tmp_path: Path) -> None:
                        ["--late-head", "3", "--add-group", "3", "--mix"])
 
 
+@pytest.mark.long(reason="sibling in make test: test_gan_mixed_optimizers_and_a_shared_layer_after_the_discriminator_"
+                         "step (the same notice after D's step, from the copies, resumed bitwise)")
 def test_gan_second_notice_after_a_resume_from_the_copies(tmp_path: Path) -> None:
     """Review ganrev: the run resumed from boundary 3 (written from D's copies) gets its own notice right after
     iteration 5's D step (its first iteration after the resume learns the step pattern again, so the copies are
@@ -240,6 +242,8 @@ def test_gan_second_notice_after_a_resume_from_the_copies(tmp_path: Path) -> Non
     resumed_equals(tmp_path, True, "range", store, 5, reference(tmp_path, True, extra), extra)
 
 
+@pytest.mark.long(reason="sibling in make test: tests/hook/test_stepcopy.py::test_watch_excuses_only_the_copied_"
+                         "parameters (a write no copy holds is seen, in process)")
 def test_gan_ema_of_the_discriminator_after_its_step(tmp_path: Path) -> None:
     """Review ganrev: an EMA of D (``AveragedModel`` in the dict, a parameter no copy holds) updated right after
     D's step: the round joining after it cannot stand at the last boundary (documented: a write no copy holds
