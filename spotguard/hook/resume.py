@@ -272,15 +272,15 @@ def _state_from_metadata(osd: dict[str, Any], key: str, model: Any, meta: Any) -
             continue
         rest = name[len(prefix):]
         fqn = next((f for f in fqns if rest.startswith(f + ".")), None)
-        if fqn is not None:
-            held.add(fqn)
+        held.add(fqn if fqn is not None else "")  # "": a name this cannot map (then no slot is taken out)
         if fqn is None or "." in rest[len(fqn) + 1:] or not isinstance(md, TensorStorageMetadata):
             continue
         slot = state.setdefault(fqn, {})
         field_name = rest[len(fqn) + 1:]
         if isinstance(slot, dict) and field_name not in slot:
             slot[field_name] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    gone = [f for f in state if f not in held] if any(n.startswith(f"{key}.") for n in meta) else []
+    known = "" not in held and any(n.startswith(f"{key}.") for n in meta)
+    gone = [f for f in state if f not in held] if known else []
     for fqn in gone:  # (a checkpoint without this optimizer at all fails the load as before)
         del state[fqn]
     return bool(gone)
