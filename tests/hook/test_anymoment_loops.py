@@ -232,14 +232,7 @@ def test_gan_second_notice_after_a_resume_from_the_copies(tmp_path: Path) -> Non
     back from iteration 4): it commits boundary 5, and a resume from there ends bitwise."""
     run = _gan_mid_iteration(tmp_path, True, 1, "range", ["--notice-after-d", "1"], ["--mix"])
     assert run.events("checkpoint_committed")
-    extra = ["--gan", "1", "--mix"]
-    store = tmp_path / "ckpt"
-    again = launch(tmp_path, "again", True, ["--loop", "range", "--storage", str(store), "--iter-s", str(GAN_ITER),
-                                             "--slow-from", "5", "--notice-at", "5", "--notice-after-d", "1",
-                                             "--deadline", "4", *extra])
-    assert again.wait(120) == 143, again.tail()
-    assert [e["step"] for e in again.events("checkpoint_committed")] == [5], again.tail()
-    resumed_equals(tmp_path, True, "range", store, 5, reference(tmp_path, True, extra), extra)
+    _single_gan_after_d(tmp_path, "again", ["--gan", "1", "--mix"], at=5, deadline=4, committed=5)
 
 
 @pytest.mark.long(reason="sibling in make test: tests/hook/test_stepcopy.py::test_watch_excuses_only_the_copied_"
@@ -248,15 +241,20 @@ def test_gan_ema_of_the_discriminator_after_its_step(tmp_path: Path) -> None:
     """Review ganrev: an EMA of D (``AveragedModel`` in the dict, a parameter no copy holds) updated right after
     D's step: the round joining after it cannot stand at the last boundary (documented: a write no copy holds
     sends it to the exact fallback), so it commits the iteration's end, 4, and the resume is bitwise."""
-    extra = ["--gan", "1", "--ema-d"]
-    ref = reference(tmp_path, True, extra)
+    _single_gan_after_d(tmp_path, "preempted", ["--gan", "1", "--ema-d"], at=3, deadline=30, committed=4)
+
+
+def _single_gan_after_d(tmp_path: Path, name: str, extra: list[str], *, at: int, deadline: float,
+                        committed: int) -> None:
+    """One process, ``hook.range``, the notice right after iteration ``at``'s D step (the slow part after it, from
+    that iteration on): exits 143 having committed ``committed``, and a resume from there ends bitwise."""
     store = tmp_path / "ckpt"
-    run = launch(tmp_path, "preempted", True, ["--loop", "range", "--storage", str(store), "--iter-s", str(GAN_ITER),
-                                               "--slow-from", "2", "--notice-at", "3", "--notice-after-d", "1",
-                                               "--deadline", "30", *extra])
+    run = launch(tmp_path, name, True, ["--loop", "range", "--storage", str(store), "--iter-s", str(GAN_ITER),
+                                        "--slow-from", str(at), "--notice-at", str(at), "--notice-after-d", "1",
+                                        "--deadline", str(deadline), *extra])
     assert run.wait(120) == 143, run.tail()
-    assert [e["step"] for e in run.events("checkpoint_committed")] == [4], run.tail()
-    resumed_equals(tmp_path, True, "range", store, 4, ref, extra)
+    assert [e["step"] for e in run.events("checkpoint_committed")] == [committed], run.tail()
+    resumed_equals(tmp_path, True, "range", store, committed, reference(tmp_path, True, extra), extra)
 
 
 def _gan_mid_iteration(tmp_path: Path, single: bool, critic: int, loop: str, notice: list[str],
