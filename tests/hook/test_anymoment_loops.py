@@ -302,14 +302,15 @@ def test_gan_hook_range_with_an_irregular_iteration_goes_back_to_the_boundary_pa
 
 @pytest.mark.long(reason="sibling in make test: tests/hook/test_stepcopy.py::test_state_created_by_the_first_step_is_"
                          "left_out_and_the_bound_is_kept (the bound refuses the copy, in process)")
-def test_gan_copies_over_the_bound_wait_for_the_iteration_end_and_say_so(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bound", ["1", "0"])
+def test_gan_copies_over_the_bound_wait_for_the_iteration_end_and_say_so(tmp_path: Path, bound: str) -> None:
     """``SPOTGUARD_STEP_COPY_MAX_BYTES=1``: D's copy is refused, said once in ``notice_path`` (path
     ``iteration-end``), and a notice after D's step is acted on as before the copies existed: at the iteration's
-    end (step 4, exact there), not at the last boundary."""
+    end (step 4, exact there), not at the last boundary. ``0`` (the copies off): the same (review ganrev)."""
     store = tmp_path / "ckpt"
     run = Single(tmp_path / "bound.log", ["--steps", str(STEPS), "--loop", "range", "--gan", "1", "--storage",
                                           str(store), "--notice-at", "3", "--notice-after-d", "1", "--deadline", "30"],
-                 env={"SPOTGUARD_STEP_COPY_MAX_BYTES": "1"})
+                 env={"SPOTGUARD_STEP_COPY_MAX_BYTES": bound})
     assert run.wait(120) == 143, run.tail()
     paths = [(e["path"], e["loop"]) for e in run.events("notice_path")]
     assert paths == [("any-moment", "hook.range()"), ("iteration-end", "hook.range()")], paths
