@@ -133,6 +133,7 @@ class ResumeMixin:
         from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
             get_model_state_dict,
             get_optimizer_state_dict,
+            StateDictOptions,
             set_model_state_dict,
             set_optimizer_state_dict,
         )
@@ -149,11 +150,13 @@ class ResumeMixin:
         src = elastic.source_rank(saved, self._rank)
         rkey = self._rank_key(src) if src is not None else None
         sd: dict[str, Any] = {}
+        partial: set[str] = set()  # optimizers whose checkpoint holds no state for some parameter
         for k, m in o.models.items():
             sd[k] = get_model_state_dict(m)
         for k, opt in o.optimizers.items():
             sd[k] = get_optimizer_state_dict(o.models[o.owner[k]], opt)  # fake step() on a fresh optimizer
-            _state_from_metadata(sd[k], k, o.models[o.owner[k]], meta.state_dict_metadata)
+            if _state_from_metadata(sd[k], k, o.models[o.owner[k]], meta.state_dict_metadata):
+                partial.add(k)
         if rkey is not None:
             sd[rkey] = b""
         try:
@@ -174,7 +177,8 @@ class ResumeMixin:
         for k, m in o.models.items():
             set_model_state_dict(m, sd[k])
         for k, opt in o.optimizers.items():
-            set_optimizer_state_dict(o.models[o.owner[k]], opt, sd[k])
+            set_optimizer_state_dict(o.models[o.owner[k]], opt, sd[k],
+                                     options=StateDictOptions(strict=False) if k in partial else None)
         per: Any = None
         if rkey is not None:
             try:
@@ -245,30 +249,41 @@ class ResumeMixin:
                                   "or give this run its own storage prefix; its checkpoints are not this run's")
 
 
-def _state_from_metadata(osd: dict[str, Any], key: str, model: Any, meta: Any) -> None:
+def _state_from_metadata(osd: dict[str, Any], key: str, model: Any, meta: Any) -> bool:
     """Per-parameter optimizer tensors the checkpoint holds that a fresh optimizer has no slot for (DCP
     loads only what the template names): a wrapper whose ``step()`` cannot run the fake step that creates
     them (SAM keeps the weights before its perturbation as ``old_p``). Empty tensors of the saved shape and
-    dtype are added to the template so the load fills them."""
+    dtype are added to the template so the load fills them. And the other way round: a parameter the checkpoint
+    holds no state for (its first gradient came after the saved step: a layer used from a later iteration on)
+    has its slot taken out of the template (the fake step made one), so the load neither fails on the missing
+    key nor leaves the fake step's zeros as that parameter's state. True when it took a slot out (the optimizer is
+    then loaded with ``strict=False``: that parameter has no state, as at the saved step)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
     from torch.distributed.checkpoint.state_dict import _get_fqns  # noqa: PLC0415
 
     state = osd.get("state")
     if not isinstance(state, dict):
-        return
+        return False
     fqns = sorted({f for n, _ in model.named_parameters() for f in _get_fqns(model, n)}, key=len, reverse=True)
     prefix = f"{key}.state."
+    held: set[str] = set()
     for name, md in meta.items():
-        if not name.startswith(prefix) or not isinstance(md, TensorStorageMetadata):
+        if not name.startswith(prefix):
             continue
         rest = name[len(prefix):]
         fqn = next((f for f in fqns if rest.startswith(f + ".")), None)
-        if fqn is None or "." in rest[len(fqn) + 1:]:
+        held.add(fqn if fqn is not None else "")  # "": a name this cannot map (then no slot is taken out)
+        if fqn is None or "." in rest[len(fqn) + 1:] or not isinstance(md, TensorStorageMetadata):
             continue
         slot = state.setdefault(fqn, {})
         field_name = rest[len(fqn) + 1:]
         if isinstance(slot, dict) and field_name not in slot:
             slot[field_name] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    known = "" not in held and any(n.startswith(f"{key}.") for n in meta)
+    gone = [f for f in state if f not in held] if known else []
+    for fqn in gone:  # (a checkpoint without this optimizer at all fails the load as before)
+        del state[fqn]
+    return bool(gone)
 
 
 def _set_aside(storage: Any) -> Any:

@@ -90,8 +90,9 @@ def _with_small(sd: dict[str, Any], groups: dict[str, list[dict[str, Any]]], ran
     for k, pg in groups.items():
         osd = out.get(k)
         staged = osd.get("param_groups") if isinstance(osd, dict) else None
-        if isinstance(staged, list) and len(staged) == len(pg):
-            out[k] = {**osd, "param_groups": [{**dst, **src} for dst, src in zip(staged, pg)]}
+        if isinstance(staged, list) and len(staged) >= len(pg):
+            # more groups now: ``add_param_group`` since (it appends; the new ones did not exist at the step)
+            out[k] = {**osd, "param_groups": [{**dst, **src} for dst, src in zip(staged, pg)] + staged[len(pg):]}
     out[rank_key] = blob
     return out
 

@@ -37,9 +37,10 @@ class StepCopies:
     def __init__(self, max_bytes: int = STEP_COPY_MAX_BYTES) -> None:
         self.max_bytes = max_bytes
         self.step: Optional[int] = None  # the boundary the copies stand for
-        # model key -> (storage address, shape, dtype) of a live parameter -> its copy: a model state dict's every
-        # name for it (tied weights have several) is replaced, whatever name the optimizer's FQN gives
-        self._params: dict[str, dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor]] = {}
+        # (storage address, shape, dtype) of a live parameter -> its copy: every name for it in every model state
+        # dict is replaced (tied weights have several; a module shared by G and D is in both models' dicts),
+        # whatever name the optimizer's FQN gives
+        self._params: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
         self._state: dict[str, dict[str, Any]] = {}  # optimizer key -> FQN -> copy of its state (or _ABSENT)
         self._bufs: dict[tuple[str, int, str], torch.Tensor] = {}  # reused buffers
         self._fqns: dict[str, tuple[list[int], list[str]]] = {}  # optimizer key -> (parameter ids, their FQNs)
@@ -74,7 +75,7 @@ class StepCopies:
         if self.nbytes + need > self.max_bytes:
             return (f"copying optimizer {key}'s parameters and state ({need / 2**20:.0f} MiB) before its step would "
                     f"exceed SPOTGUARD_STEP_COPY_MAX_BYTES ({self.max_bytes / 2**20:.0f} MiB)")
-        pcopy = self._params.setdefault(model_key, {})
+        pcopy = self._params
         scopy: dict[str, Any] = {}
         with torch.no_grad():
             for i, (p, fqn) in enumerate(zip(params, fqns)):
@@ -93,9 +94,10 @@ class StepCopies:
         if not self.active(step):
             return sd
         out = dict(sd)
-        for mk, params in self._params.items():
-            if isinstance(out.get(mk), dict):
-                out[mk] = {k: params.get(_ident(v), v) if isinstance(v, torch.Tensor) else v for k, v in out[mk].items()}
+        params = self._params
+        for mk, msd in sd.items():  # every model's state dict (an optimizer's holds no tensor at its top level)
+            if isinstance(msd, dict) and any(isinstance(v, torch.Tensor) and _ident(v) in params for v in msd.values()):
+                out[mk] = {k: params.get(_ident(v), v) if isinstance(v, torch.Tensor) else v for k, v in msd.items()}
         for ok, states in self._state.items():
             osd = out.get(ok)
             if not isinstance(osd, dict) or not isinstance(osd.get("state"), dict):

@@ -124,6 +124,10 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
     Pattern("gan_ncritic", "gan.py", env=(("EXO_LOOP", "range"), ("EXO_NCRITIC", "3")),
             what="WGAN-style n_critic in hook.range: D 3 times (own batches), then G once",
             phases=("load", "fwd", "d_step", "critic_load", "g_step", "after")),
+    # review ganrev: D spectral_norm + SGD momentum with its scheduler right after its step, G AdamW amsgrad
+    Pattern("gan_mix", "gan.py", env=(("EXO_LOOP", "range"), ("EXO_GAN_MIX", "1")),
+            what="gan_range with D spectral_norm + SGD momentum (ExponentialLR right after D's step), G AdamW amsgrad",
+            phases=("load", "fwd", "d_step", "g_step", "after")),
     # issue 23 review: GAN loops as written in the wild (gan_wild.py: BatchNorm G, clipping, EMA, sampling, a
     # scheduler at the iteration's top), on the any-moment path or sent back to the boundary path mid-run
     Pattern("gan_wild", "gan_wild.py", what="WGAN in hook.range: D twice (clamp_ after each), G, EMA of G, "

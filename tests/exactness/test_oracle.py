@@ -155,6 +155,9 @@ MORE_CASES: dict[str, tuple[str, ...]] = {
     # taken before its first step, G and the EMA live (their .data untouched), G's BatchNorm from the boundary
     "wgan-wild-hook-range-between-clamped-critic-steps": ("gan_wild", "phase:critic_load@4"),
     "wgan-wild-hook-range-before-g-step": ("gan_wild", "phase:g_step@4"),
+    # review ganrev: the notice after D's step with D's lr moved right after it (ExponentialLR), spectral_norm's
+    # buffers moved by G's forward through D, SGD momentum / AdamW amsgrad state from the copies and live
+    "gan-mix-hook-range-between-d-and-g-step": ("gan_mix", "phase:g_step@4"),
     # review of issue 23 (lrev): the module's own on_save_checkpoint writes a batch counter that the micro-batches
     # after S moved (was wrong on the any-moment path: now refused, and not acted on mid-accumulation); its make-test
     # sibling: test_lightning_anymoment.py's refusal test. And the notice as the validation after step 2 starts,

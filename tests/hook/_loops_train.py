@@ -88,6 +88,18 @@ def main() -> int:
     p.add_argument("--notice-after-d", type=int, default=0, metavar="K",
                    help="--gan: the notice and the slow part right after the K-th discriminator step of the "
                         "iteration (before the next critic step or G's), not before D's first step")
+    p.add_argument("--mix", action="store_true",
+                   help="--gan --single: a Linear shared by D and G (in both models and both optimizers), D with "
+                        "spectral_norm and SGD momentum, its ExponentialLR stepped right after its step; G AdamW "
+                        "amsgrad")
+    p.add_argument("--late-head", type=int, default=-1, metavar="K",
+                   help="--gan --single: a D parameter used (given a gradient, so its optimizer state created) only "
+                        "from iteration K on")
+    p.add_argument("--ema-d", action="store_true",
+                   help="--gan --single: an AveragedModel EMA of D in the dict, updated right after each D step")
+    p.add_argument("--add-group", type=int, default=-1, metavar="K",
+                   help="--gan --single --late-head K: the late parameter joins D's optimizer as a new param group "
+                        "(add_param_group) at the top of iteration K, not at its construction")
     p.add_argument("--notice-late", action="store_true",
                    help="--gan: the notice at the iteration's end (after G's step and the scheduler), not in D's "
                         "first pass")
@@ -103,9 +115,17 @@ def main() -> int:
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                               torch.nn.Linear(32, 1))
+    shared = torch.nn.Linear(16, 16)  # --mix: a conditional GAN's shared layer (in D and in G)
+    if a.mix:
+        net = torch.nn.Sequential(shared, torch.nn.utils.spectral_norm(torch.nn.Linear(16, 32)), torch.nn.ReLU(),
+                                  torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
+    if a.late_head >= 0:
+        net.register_parameter("late", torch.nn.Parameter(torch.zeros(1)))
     model: Any = net if a.single else torch.nn.parallel.DistributedDataParallel(net)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    dparams = [p for n, p in model.named_parameters() if not (a.add_group >= 0 and n == "late")]
+    opt = torch.optim.AdamW(dparams, lr=1e-2) if not a.mix else torch.optim.SGD(dparams, lr=1e-2, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5) if not a.mix else \
+        torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)  # --mix: D's lr moves at every step
     loader = Loader(rank)
     torch.manual_seed(10 + rank)
     np.random.seed(10 + rank)
@@ -114,9 +134,15 @@ def main() -> int:
     if a.gan:  # the generator and both optimizers (the discriminator is the model above)
         torch.manual_seed(1)
         gnet = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+        if a.mix:
+            gnet = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), shared)
         gmodel: Any = gnet if a.single else torch.nn.parallel.DistributedDataParallel(gnet)
-        opt_g = torch.optim.Adam(gmodel.parameters(), lr=2e-3, betas=(0.5, 0.999))
+        opt_g = torch.optim.Adam(gmodel.parameters(), lr=2e-3, betas=(0.5, 0.999)) if not a.mix else \
+            torch.optim.AdamW(gmodel.parameters(), lr=2e-3, amsgrad=True)
         state = {"model": model, "gen": gmodel, "opt_d": opt, "opt_g": opt_g, "scheduler": sched, "loader": loader}
+        if a.ema_d:
+            state["ema_d"] = torch.optim.swa_utils.AveragedModel(
+                net, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
         if a.scaler:
             state["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0**8)
         torch.manual_seed(10 + rank)  # the generator's init drew from seed 1: back to this rank's stream
@@ -158,11 +184,15 @@ def main() -> int:
             g_step(i, bce)
         if i in d_skip and not a.notice_late:
             notify(i)
+        if i == a.add_group:
+            opt.add_param_group({"params": [net.late], "lr": 1e-3})
         for c in range(0 if i in d_skip else a.gan):
             x, _ = next(loader)
             x = x + 0.01 * float(np.random.randn())
             fake = gmodel(torch.randn(8, 16))
             real_out = model(x)
+            if 0 <= a.late_head <= i:
+                real_out = real_out + net.late
             if c == 0 and not a.notice_late and not a.notice_after_d:
                 notify(i)
                 if i >= a.slow_from:
@@ -170,13 +200,18 @@ def main() -> int:
             loss_d = bce(real_out, torch.ones(8, 1)) + bce(model(fake.detach()), torch.zeros(8, 1))
             opt.zero_grad(set_to_none=True)
             stepped(opt, loss_d)
+            if a.ema_d:
+                state["ema_d"].update_parameters(net)
+            if a.mix and c == 0:
+                sched.step()  # D's scheduler right after D's step, inside the iteration
             if c + 1 == a.notice_after_d:
                 notify(i)
                 if i >= a.slow_from:
                     time.sleep(a.iter_s)  # the workload, after this D step (not a synchronisation)
         if g_steps and not a.g_first:
             g_step(i, bce)
-        sched.step()
+        if not a.mix:
+            sched.step()
         if a.notice_late:
             notify(i)
         if rank == 0:
@@ -234,6 +269,8 @@ def main() -> int:
     if a.out and rank == 0:
         if a.gan:
             extra = {"gen": {k: v.clone() for k, v in gnet.state_dict().items()}, "opt_g": opt_g.state_dict()}
+            if a.ema_d:
+                extra["ema_d"] = {k: v.clone() for k, v in state["ema_d"].state_dict().items()}
         else:
             extra = {}
         torch.save({**extra, "model": {k: v.clone() for k, v in net.state_dict().items()}, "optimizer": opt.state_dict(),

@@ -203,9 +203,64 @@ def test_gan_notice_after_the_discriminator_step_commits_the_last_boundary(tmp_p
     assert staged and all(e["tensors_from"] == "background" for e in staged), staged
 
 
-def _gan_mid_iteration(tmp_path: Path, single: bool, critic: int, loop: str, notice: list[str]) -> TorchRun:
+def test_gan_mixed_optimizers_and_a_shared_layer_after_the_discriminator_step(tmp_path: Path) -> None:
+    """Review ganrev: a Linear in both D and G (both optimizers step it), D with spectral_norm (its ``_u``/``_v``
+    move in G's forward through D) and SGD momentum, its scheduler stepped right after its step, G AdamW with
+    amsgrad; the notice right after D's step commits boundary 3 from the copies and the resume is bitwise."""
+    _gan_mid_iteration(tmp_path, True, 1, "range", ["--notice-after-d", "1"], ["--mix"])
+
+
+def test_gan_optimizer_state_created_after_the_boundary_is_left_out(tmp_path: Path) -> None:
+    """Review ganrev: a D parameter gets its first gradient (so its AdamW state) in iteration 3; the notice right
+    after that D step commits boundary 3, where it had no state, and the resume (a fresh optimizer's template
+    has a slot for it) is bitwise."""
+    _gan_mid_iteration(tmp_path, True, 1, "range", ["--notice-after-d", "1"], ["--late-head", "3"])
+
+
+def test_gan_param_group_added_at_the_iteration_top(tmp_path: Path) -> None:
+    """Review ganrev: ``opt_d.add_param_group`` at the top of iteration 3 (a layer unfrozen), D's scheduler stepped
+    right after its step; the notice right after that D step: what is committed resumes bitwise."""
+    _gan_mid_iteration(tmp_path, True, 1, "range", ["--notice-after-d", "1"],
+                       ["--late-head", "3", "--add-group", "3", "--mix"])
+
+
+@pytest.mark.long(reason="sibling in make test: test_gan_mixed_optimizers_and_a_shared_layer_after_the_discriminator_"
+                         "step (the same notice after D's step, from the copies, resumed bitwise)")
+def test_gan_second_notice_after_a_resume_from_the_copies(tmp_path: Path) -> None:
+    """Review ganrev: the run resumed from boundary 3 (written from D's copies) gets its own notice right after
+    iteration 5's D step (its first iteration after the resume learns the step pattern again, so the copies are
+    back from iteration 4): it commits boundary 5, and a resume from there ends bitwise."""
+    run = _gan_mid_iteration(tmp_path, True, 1, "range", ["--notice-after-d", "1"], ["--mix"])
+    assert run.events("checkpoint_committed")
+    _single_gan_after_d(tmp_path, "again", ["--gan", "1", "--mix"], at=5, deadline=4, committed=5)
+
+
+@pytest.mark.long(reason="sibling in make test: tests/hook/test_stepcopy.py::test_watch_excuses_only_the_copied_"
+                         "parameters (a write no copy holds is seen, in process)")
+def test_gan_ema_of_the_discriminator_after_its_step(tmp_path: Path) -> None:
+    """Review ganrev: an EMA of D (``AveragedModel`` in the dict, a parameter no copy holds) updated right after
+    D's step: the round joining after it cannot stand at the last boundary (documented: a write no copy holds
+    sends it to the exact fallback), so it commits the iteration's end, 4, and the resume is bitwise."""
+    _single_gan_after_d(tmp_path, "preempted", ["--gan", "1", "--ema-d"], at=3, deadline=30, committed=4)
+
+
+def _single_gan_after_d(tmp_path: Path, name: str, extra: list[str], *, at: int, deadline: float,
+                        committed: int) -> None:
+    """One process, ``hook.range``, the notice right after iteration ``at``'s D step (the slow part after it, from
+    that iteration on): exits 143 having committed ``committed``, and a resume from there ends bitwise."""
+    store = tmp_path / "ckpt"
+    run = launch(tmp_path, name, True, ["--loop", "range", "--storage", str(store), "--iter-s", str(GAN_ITER),
+                                        "--slow-from", str(at), "--notice-at", str(at), "--notice-after-d", "1",
+                                        "--deadline", str(deadline), *extra])
+    assert run.wait(120) == 143, run.tail()
+    assert [e["step"] for e in run.events("checkpoint_committed")] == [committed], run.tail()
+    resumed_equals(tmp_path, True, "range", store, committed, reference(tmp_path, True, extra), extra)
+
+
+def _gan_mid_iteration(tmp_path: Path, single: bool, critic: int, loop: str, notice: list[str],
+                       more: Optional[list[str]] = None) -> TorchRun:
     ranks = {0} if single else {0, 1}
-    extra = ["--gan", str(critic)]
+    extra = ["--gan", str(critic), *(more or [])]
     ref = reference(tmp_path, single, extra)
     store = tmp_path / "ckpt"
     run = launch(tmp_path, "preempted", single, ["--loop", loop, "--storage", str(store), "--iter-s",
@@ -247,14 +302,15 @@ def test_gan_hook_range_with_an_irregular_iteration_goes_back_to_the_boundary_pa
 
 @pytest.mark.long(reason="sibling in make test: tests/hook/test_stepcopy.py::test_state_created_by_the_first_step_is_"
                          "left_out_and_the_bound_is_kept (the bound refuses the copy, in process)")
-def test_gan_copies_over_the_bound_wait_for_the_iteration_end_and_say_so(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bound", ["1", "0"])
+def test_gan_copies_over_the_bound_wait_for_the_iteration_end_and_say_so(tmp_path: Path, bound: str) -> None:
     """``SPOTGUARD_STEP_COPY_MAX_BYTES=1``: D's copy is refused, said once in ``notice_path`` (path
     ``iteration-end``), and a notice after D's step is acted on as before the copies existed: at the iteration's
-    end (step 4, exact there), not at the last boundary."""
+    end (step 4, exact there), not at the last boundary. ``0`` (the copies off): the same (review ganrev)."""
     store = tmp_path / "ckpt"
     run = Single(tmp_path / "bound.log", ["--steps", str(STEPS), "--loop", "range", "--gan", "1", "--storage",
                                           str(store), "--notice-at", "3", "--notice-after-d", "1", "--deadline", "30"],
-                 env={"SPOTGUARD_STEP_COPY_MAX_BYTES": "1"})
+                 env={"SPOTGUARD_STEP_COPY_MAX_BYTES": bound})
     assert run.wait(120) == 143, run.tail()
     paths = [(e["path"], e["loop"]) for e in run.events("notice_path")]
     assert paths == [("any-moment", "hook.range()"), ("iteration-end", "hook.range()")], paths

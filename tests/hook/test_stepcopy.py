@@ -127,3 +127,50 @@ def test_watch_excuses_only_the_copied_parameters() -> None:
         assert watch.changed() == "a parameter was written outside optimizer.step()"  # excused no more
     finally:
         watch.close()
+
+
+def test_a_module_shared_by_two_models_is_substituted_in_both() -> None:
+    """A conditional GAN's class embedding registered in G and in D (both optimizers step it): once D has
+    stepped, G's model state dict names the same parameter and must hold its copy too (review ganrev: G's
+    entry held D's post-step value, and the resume loads whichever model comes last)."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(3, 4)
+    d, g = torch.nn.Sequential(emb, torch.nn.Linear(4, 1)), torch.nn.Sequential(emb, torch.nn.Linear(4, 4))
+    od, og = torch.optim.Adam(d.parameters(), lr=0.1), torch.optim.SGD(g.parameters(), lr=0.1, momentum=0.9)
+
+    def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        opt.zero_grad()
+        model(torch.tensor([0, 2])).square().sum().backward()
+        opt.step()
+
+    step(d, od)
+    step(g, og)  # boundary S = 1
+    at_s = _clone(_state(d, g, od, og))
+    copies = StepCopies(max_bytes=1 << 20)
+    copies.reset(1)
+    assert copies.before_first_step("opt_d", od, "d", d) is None
+    step(d, od)  # D moves the shared embedding; G has not stepped
+    got = copies.substitute(_state(d, g, od, og), 1)
+    assert torch.equal(got["g"]["0.weight"], at_s["g"]["0.weight"])
+    assert _equal(got, at_s)
+
+
+def test_a_parameter_a_copied_optimizer_moved_is_not_copied_again() -> None:
+    """Three optimizers, A's and B's sharing a parameter (review ganrev): once A has stepped it, B's copy would
+    take A's post-step value as the boundary's, so ``untouched`` refuses B (its step then marks "inside the
+    iteration": a round stands at the iteration's end)."""
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(4, 4)
+    a, b = torch.nn.Sequential(shared, torch.nn.Linear(4, 1)), torch.nn.Sequential(shared, torch.nn.Linear(4, 2))
+    oa = torch.optim.Adam(a.parameters(), lr=0.1)
+    watch = StateWatch({"a": a, "b": b}, {})
+    try:
+        watch.mark()
+        assert watch.untouched(list(a.parameters())) and watch.untouched(list(b.parameters()))
+        watch.excuse(list(a.parameters()))
+        _step(a, oa)
+        assert watch.changed() is None  # A's writes are what its copies stand in for
+        assert not watch.untouched(list(b.parameters()))  # the shared layer moved: no copy of it for B
+        assert watch.untouched(list(b[1].parameters()))
+    finally:
+        watch.close()
