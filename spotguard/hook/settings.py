@@ -12,7 +12,8 @@ from typing import Any, Callable, Optional
 
 __all__ = [
     "EXIT_GRACE", "EXIT_CALLBACK_TIMEOUT", "HOLD_SLACK",
-    "SAVE_MARGIN", "QUIESCE_AGREEMENT_TIMEOUT", "QUIESCE_PERIODIC_TIMEOUT", "SIGNAL_GRACE", "EMERGENCY_LEAD",
+    "SAVE_MARGIN", "env_seconds", "env_bytes", "QUIESCE_AGREEMENT_TIMEOUT", "QUIESCE_PERIODIC_TIMEOUT",
+    "SIGNAL_GRACE", "EMERGENCY_LEAD",
     "PERIODIC_NOTICE_PREFIX", "PERIODIC_SYNC_TIMEOUT", "EXIT_SAVE_FAILED",
     "LEVEL_NONE", "LEVEL_CHECKPOINT", "LEVEL_EMERGENCY", "LEVEL_REPLAY",
 ]
@@ -42,6 +43,36 @@ def env_seconds(name: str, default: float, report: "Callable[[str], Any] | None"
             report(message)
         return default
     return value
+
+
+_UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+
+
+def env_bytes(name: str, default: int, report: "Callable[[str], Any] | None" = None) -> int:
+    """A byte count (0 or more) from the environment, a plain integer or one with a unit (``512M``, ``1GiB``;
+    binary units); a bad value is reported naming the variable and the default is used. These are read
+    when the hook's modules are imported: a typo must not make ``import spotguard`` fail."""
+    raw = os.environ.get(name, "")
+    text = raw.strip().lower().replace(" ", "")
+    if not text:
+        return default
+    digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(digits):]
+    try:
+        if unit not in _UNITS:
+            raise ValueError(f"unknown unit {unit!r} (use a plain number of bytes, or K, M, G, T)")
+        value = float(digits) * _UNITS[unit]
+        if not (0 <= value < float("inf")):
+            raise ValueError("must be 0 or more bytes")
+    except ValueError as exc:
+        message = f"{name}={raw!r} ignored ({exc}); using {default} bytes"
+        if report is None:
+            warnings.warn(message, stacklevel=2)
+        else:
+            report(message)
+        return default
+    return int(value)
 
 
 QUIESCE_PERIODIC_TIMEOUT = env_seconds("SPOTGUARD_PERIODIC_DRAIN", 60.0)

@@ -17,15 +17,16 @@ none (a notice after it waits for the boundary right after it: the post-step wor
 from __future__ import annotations
 
 import copy
-import os
 from typing import Any, Optional
 
 import torch
 
+from .settings import env_bytes
+
 __all__ = ["StepCopies", "STEP_COPY_MAX_BYTES"]
 
 #: the most bytes the copies of one iteration may hold (all optimizers together); over it: no copies
-STEP_COPY_MAX_BYTES = int(os.environ.get("SPOTGUARD_STEP_COPY_MAX_BYTES", str(1 << 30)) or 0)
+STEP_COPY_MAX_BYTES = env_bytes("SPOTGUARD_STEP_COPY_MAX_BYTES", 1 << 30)
 
 _ABSENT = object()  # an optimizer state entry that did not exist at the boundary (created by the first step)
 

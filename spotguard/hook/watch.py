@@ -38,13 +38,14 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from .settings import env_bytes
 from .state import tracked_buffers
 
 __all__ = ["StateWatch", "data_accesses", "watch_param_data", "unwatch_param_data", "SNAPSHOT_ALL_BUFFERS",
            "snapshot_buffers", "model_snapshot_buffers"]
 
 #: persistent buffers up to this many bytes (all models together) are all copied at every mark
-SNAPSHOT_ALL_BUFFERS = int(os.environ.get("SPOTGUARD_SNAPSHOT_BUFFER_BYTES", str(16 << 20)) or 0)
+SNAPSHOT_ALL_BUFFERS = env_bytes("SPOTGUARD_SNAPSHOT_BUFFER_BYTES", 16 << 20)
 
 _lock = threading.Lock()
 _users = 0
