@@ -36,13 +36,17 @@ def env_seconds(name: str, default: float, report: "Callable[[str], Any] | None"
         if not (0 < value < float("inf")):
             raise ValueError("must be a positive, finite number of seconds")
     except ValueError as exc:
-        message = f"{name}={raw!r} ignored ({exc}); using {default:g} s"
-        if report is None:
-            warnings.warn(message, stacklevel=2)
-        else:
-            report(message)
+        _ignored(f"{name}={raw!r} ignored ({exc}); using {default:g} s", report)
         return default
     return value
+
+
+def _ignored(message: str, report: "Callable[[str], Any] | None") -> None:
+    """Say that a bad setting was ignored: to ``report`` (a logger's method), else as a warning."""
+    if report is None:
+        warnings.warn(message, stacklevel=3)
+    else:
+        report(message)
 
 
 _UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
@@ -66,11 +70,7 @@ def env_bytes(name: str, default: int, report: "Callable[[str], Any] | None" = N
         if not (0 <= value < float("inf")):
             raise ValueError("must be 0 or more bytes")
     except ValueError as exc:
-        message = f"{name}={raw!r} ignored ({exc}); using {default} bytes"
-        if report is None:
-            warnings.warn(message, stacklevel=2)
-        else:
-            report(message)
+        _ignored(f"{name}={raw!r} ignored ({exc}); using {default} bytes", report)
         return default
     return int(value)
 
