@@ -61,7 +61,8 @@ def self_names(path: Path) -> set[str]:
 
 def methods() -> set[str]:
     """The methods the mixin classes define (behaviour, not the per-instance state this count is about);
-    properties and class-level aliases (``ClockNames``' old clock names) count as state."""
+    properties and class-level aliases (such as the old clock names that ``ClockNames`` once held) count as
+    state."""
     out: set[str] = set()
     for path in mixin_files():
         for node in ast.parse(path.read_text()).body:

@@ -1,27 +1,31 @@
 """The step clock: how far the training thread has got, and the hold a background round puts on it.
 
-Why an object of its own (issue 28, part 2): the training thread (the optimizer step hooks in ``core.py``, the
-adapters' step callbacks) moves the count and enters/leaves a step; the agreement thread (``agreement.py``,
-``save.py``'s staged save, ``handoff.py``) reads where it stands, holds it at a step and releases it; the exit
-path (``exit.py``) waits on it. Before, that was six names in Hook's one namespace (``_count``, ``_in_step``,
+Why an object of its own (issue 28, part 2): the training thread (the optimizer step hooks in ``stephooks.py``,
+the boundaries in ``boundary.py``, the adapters' step callbacks) moves the count and enters/leaves a step; the
+agreement thread (``agreement.py``, ``staged.py``'s staged save, ``handoff.py``) reads where it stands, holds it
+at a step and releases it; the exit path (``exit.py``) waits on it. Before, that was six names in Hook's one namespace (``_count``, ``_in_step``,
 ``_freeze``, ``_target``, ``_hold_until``, ``_cv``) written from five files. Here they have one owner, and the
 moves the two threads make on them are named methods. Every part (the mixins, the adapters, the torchft engine)
 reaches it as ``hook._steps`` (``_steps.count``, ``_steps.cv``, ...); the old names are gone.
 
 Who does what (the map, read from the code):
 
-- ``count``: written by the training thread (``core.py``: ``_step_end``, ``_decide``, ``step()``/``range()``,
-  ``_clocked_boundary``; ``resume.py``; ``exit.py``; the adapters' boundaries); read by the agreement
-  (``join_round``), the staged save (``wait_reached``), periodic, notices.
-- ``in_step``: the training thread between a step's begin (``_step_begin``) and its end (``_step_end``), or an
-  adapter's own hold point; read by the agreement (``join_round``), the save and the exit.
+- ``count``: a plain field, written by the training thread (``stephooks.py``: ``end_step`` from ``_step_end``;
+  ``boundary.py``: ``_decide``, ``_begin_explicit``, ``_clocked_boundary``, ``_leave_clock``; ``core.py``:
+  ``step()``/``range()``; ``resume.py``; ``exit.py``: ``emergency_exit``; the adapters' boundaries; the torchft
+  engine); read by the agreement (``join_round``), the staged save (``wait_reached``), periodic, notices.
+- ``in_step``: a plain field, the training thread between a step's begin (``_step_begin``) and its end
+  (``_step_end``), an explicit loop's boundary (``boundary.py``) or an adapter's own hold point; read by the
+  agreement (``join_round``), the save and the exit.
 - ``freeze`` / ``target`` / ``hold_until``: the agreement thread only — a round joins (``join_round``: no step
   may start at or past the count it stands at), agrees on S (``agree``), bounds or extends the hold
   (``bound_hold``, ``shorten_hold`` from ``notices.py``, ``extend_hold`` from ``handoff.py``) and lets go
-  (``unhold``, from ``save.py``'s ``_release_hold`` and the staged save); the training thread only reads
-  them (``held_at`` in ``_step_begin``, ``hold_left``).
+  (``unhold``, from ``stateat.py``'s ``_release_hold`` and the staged save); the exact fallback
+  (``staged.py``: ``_save_next_iteration``) sets ``freeze`` and ``target`` directly. The training thread only
+  reads them (``held_at`` in ``_step_begin``, ``hold_left``).
 - ``cv``: guards all of the above and the "state at S" the two threads hand each other (``Hook._state_at``:
-  ``handover.py``), which is why it is shared.
+  ``handover.py``), which is why it is shared; the writes of ``count`` on the boundary path, at resume and in
+  torchft take no lock (no round runs beside them; docs/architecture.md lists them).
 """
 
 from __future__ import annotations

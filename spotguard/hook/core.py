@@ -2,8 +2,9 @@
 
 Where the code lives (docs/architecture.md, "spotguard/hook/"): the state has
 owners — ``clock.py`` (``StepClock``: count, in-step, a round's hold; every part
-reaches it as ``self._steps``), ``cycle.py`` (``ImplicitCycle``),
-``stateat.py`` (the state at S) — and the rest is one mixin per seam, each
+reaches it as ``self._steps``), ``handover.py`` (``StateAtS``: what the two
+threads hand each other, as ``self._state_at``), ``cycle.py`` (``ImplicitCycle``),
+``stepcopy.py`` (``StepCopies``) — with ``stateat.py`` (the state at S) — and the rest is one mixin per seam, each
 readable alone: ``stephooks.py`` (optimizer/forward hooks), ``boundary.py``
 (iteration boundaries), ``notices.py`` (intake, signals, the local level),
 ``agreement.py`` (a round's decision, acting on it) with ``rounds.py`` (the

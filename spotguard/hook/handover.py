@@ -4,8 +4,11 @@ Why an object of its own (issue 28, part 2, as ``clock.py`` did for the step cou
 records what it saw at each iteration's moments (the post-hook's snapshot, the first forward's buffers and RNG,
 an explicit loop's boundary copy) and answers the agreement thread's requests (the small state, the fallback
 read of the tensors); before, that was fifteen names in Hook's one namespace written from six files. Here
-they have one owner, ``Hook._state_at``, guarded by the clock's ``cv`` (``StepClock.cv``: a round's hold and
-this hand-over change together), and the checks both sides make on them are named methods.
+they live in one object, ``Hook._state_at``, guarded by the clock's ``cv`` (``StepClock.cv``: a round's hold
+and this hand-over change together). It is a record, not an interface: the fields are assigned directly by the
+files below, the taking and clearing are methods, and so are some of the checks (others compare fields).
+Outside ``cv``: the first forward's records (``stephooks._on_forward`` writes them before it takes ``cv``,
+``fwd_count`` last) and ``snap`` on the boundary path and at resume (no round beside them).
 
 Who does what (the map, read from the code):
 
@@ -34,7 +37,8 @@ __all__ = ["StateAtS"]
 
 
 class StateAtS:
-    """What the two threads hand each other about the state at S (every field under ``cv``, the clock's)."""
+    """What the two threads hand each other about the state at S (under ``cv``, the clock's; the exceptions are
+    in the module docstring)."""
 
     def __init__(self, cv: threading.Condition) -> None:
         self.cv = cv

@@ -3,8 +3,10 @@ hook side (``every=``; the upload itself is ``periodic.py``).
 
 Why a module of its own (issue 28, part 2): the staged save is a sequence over the clock (``clock.py``: wait
 until this rank ended S, release or keep the hold) and the state at S (``stateat.py``: the tensors, the small
-state); ``SaveMixin._save`` (save.py) writes and commits what it hands over. It reads the clock only through
-``StepClock.wait_reached``/``unhold`` and the hook's ``_release_hold``.
+state); ``SaveMixin._save`` (save.py) writes and commits what it hands over. It moves the clock through
+``StepClock.wait_reached``/``unhold`` and the hook's ``_release_hold``, except the exact fallback
+(``_save_next_iteration``), which sets ``freeze``/``target`` and clears ``_state_at.small``/``want_small``
+itself, under ``_steps.cv``.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ Who writes what (the map): this module writes ``_post_seq``, ``_fwd_train_count`
 clock's post-hook; read by the saves), ``_step_event`` (read by stateat.py's background read),
 ``_bwd_since_step``, ``_train_fwd_seq``,
 ``_last_fwd_training``, ``_skip_warned``, ``_handles``/``_unwrap``/``_scaler_orig`` (its own), ``_clock``
-(the one optimizer that is the clock) and ``_bg_on`` (``_turn_on_background``; also cleared by exit,
-agreement and the adapters).
+(the one optimizer that is the clock) and ``_bg_on`` (``_turn_on_background``; also cleared by boundary,
+exit, agreement, ``close()`` and the DeepSpeed/Lightning any-moment adapters).
 """
 
 from __future__ import annotations
