@@ -19,8 +19,9 @@ HOOK = ROOT / "spotguard" / "hook"
 #: shared ``self._name`` count at the last measurement; lower it when a change lowers the count. 73: issue 28's
 #: owners brought it 87 -> 72, and the several-optimizer step copies added one owner object (``_step_copies``,
 #: ``stepcopy.StepCopies``, reached from core/boundary/stateat) — a new shared *owner* is the shape wanted;
-#: a new shared plain field is not
-CEILING = 73
+#: a new shared plain field is not. 48: the loop's shape and the step hooks' bookkeeping (27 names) went into two
+#: owners, ``_loop`` (``loopshape.LoopShape``) and ``_book`` (``stepbook.StepBook``)
+CEILING = 48
 
 
 def _classes() -> dict[str, tuple[Path, list[str]]]:
@@ -82,6 +83,34 @@ def shared_names(state_only: bool = True) -> dict[str, list[str]]:
         for name in self_names(path) - skip:
             where[name].append(path.name)
     return {n: sorted(f) for n, f in sorted(where.items()) if len(f) >= 2}
+
+
+#: the loop's shape and the step hooks' bookkeeping: owned by ``loopshape.LoopShape`` (``hook._loop``) and
+#: ``stepbook.StepBook`` (``hook._book``); no part of the hook reaches them as names of its own any more
+OWNED_BY_LOOP = (
+    "_many_opts", "_range_clock", "_range_broken", "_cycle", "_explicit", "_explicit_intent", "_implicit_counted",
+    "_iter_steps", "_opt_key", "_confirmed", "_step_pattern", "_boundary_why", "_path_logged", "_fresh_checked",
+    "_loop_kind", "_realign", "_cuda_params", "_post_seq", "_step_event", "_bwd_since_step", "_fwd_train_count",
+    "_last_fwd_training", "_train_fwd_seq", "_handles", "_scaler", "_scaler_orig", "_unwrap", "_clock",
+    "_skip_warned",
+)
+
+
+def _hook_parts() -> list[Path]:
+    """Every file that reaches a Hook's own names: the mixins, the adapters, the agreement thread, torchft."""
+    pkg = ROOT / "spotguard"
+    return [*mixin_files(), HOOK / "rounds.py", *sorted((HOOK / "adapters").glob("*.py")),
+            *sorted((pkg / "torchft").glob("*.py"))]
+
+
+def test_loop_names_have_an_owner() -> None:
+    """``x._name`` for a name ``LoopShape``/``StepBook`` own (any ``x``: ``self``, ``hook``, ``h``) is gone."""
+    left = []
+    for path in _hook_parts():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in OWNED_BY_LOOP:
+                left.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    assert not left, left
 
 
 def test_mixin_files_found() -> None:

@@ -210,7 +210,7 @@ class AgreementMixin:
         stand = self._steps.join_round(t_end)  # from here the training thread starts no step past `stand`
         level, deadline_ms = self._local_level()
         try:
-            allv = bg.gather((level, deadline_ms, stand, self._best_local(), self._range_broken, self._doomed_here()),
+            allv = bg.gather((level, deadline_ms, stand, self._best_local(), self._loop.range_broken, self._doomed_here()),
                              max(0.5, t_end - time.monotonic()))
         except RoundFailed as exc:
             if self._peers_finished(t_end):
@@ -266,7 +266,7 @@ class AgreementMixin:
             self._round_action = None
             self._doomed = None  # this round's: a later save (torchft's, an adapter's) learns its own
         if result.error == HANDED_OVER:  # every rank alike: no rank entered the save's collectives
-            self._hand_over(step, self._range_broken or "")
+            self._hand_over(step, self._loop.range_broken or "")
             return
         if result.step is not None:  # the exact fallback committed the next iteration's end
             step = result.step

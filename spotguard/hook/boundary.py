@@ -6,18 +6,17 @@ the snapshot of the iteration's end for the state at S (``stateat.py``: ``_copy_
 ``_serve_anchor_read``) and launches or collects the flag reduction (``dist.py:Agreement``); acting on an agreed
 notice is ``agreement.py`` (``_act``), the periodic save ``staged.py``.
 
-Who writes what (the map): this module writes ``_confirmed``, ``_range_clock``, ``_range_broken`` (also the
-Lightning adapter), ``_state_at.range_small``, ``_iter_steps``/``_step_pattern``, ``_explicit``, ``_implicit_counted``,
-``_loop_kind``, ``_boundary_at``/``_iteration_seconds``; the round (agreement.py) reads ``_range_broken``, the
-state at S reads ``_confirmed`` and ``_state_at.range_small``.
+Who writes what (the map): this module writes the loop's shape (``_loop``, ``loopshape.py``: ``confirmed``,
+``range_clock``, ``range_broken`` through ``break_clock`` (also the Lightning adapter), ``iter_steps`` through
+``new_iteration``, ``step_pattern``, ``explicit``, ``implicit_counted``, ``kind``), ``_state_at.range_small``,
+``_book.step_event`` (``record_step_event``), ``_boundary_at``/``_iteration_seconds``; the round (agreement.py)
+reads ``_loop.range_broken``, the state at S reads ``_loop.confirmed`` and ``_state_at.range_small``.
 """
 
 from __future__ import annotations
 
 import time
 from typing import Any, Optional
-
-import torch
 
 from .dist import NO_DEADLINE_MS
 from .settings import HOLD_SLACK, LEVEL_NONE
@@ -40,7 +39,7 @@ class BoundaryMixin:
     def _decide(self) -> None:
         """End of an iteration as the hook sees it: count, snapshot, launch the flag reduction."""
         self._tick()
-        if not self._fresh_checked:
+        if not self._loop.fresh_checked:
             self._warn_unresumed()
         if self._torn_down:  # the process group is gone: count, but launch nothing
             self._steps.count += 1
@@ -53,10 +52,11 @@ class BoundaryMixin:
             if res is not None and res[0] > 0:
                 self._act(res[0], res[1], snap=None, final=False)
         self._steps.count += 1
-        self._implicit_counted = True
-        if self._many_opts and not self._explicit_intent and ("boundary", "implicit") not in self._path_logged:
-            clock = self._opt_key.get(id(self._cycle.clock))
-            if any(n > 0 for k, n in self._iter_steps.items() if k != clock):
+        self._loop.count_implicit()
+        if self._loop.many_opts and not self._loop.explicit_intent and \
+                ("boundary", "implicit") not in self._loop.path_logged:
+            clock = self._loop.key_of(self._loop.cycle.clock)
+            if any(n > 0 for k, n in self._loop.iter_steps.items() if k != clock):
                 # the clock steps again after another optimizer did: past the first iteration, where a
                 # hook.step() loop would have declared itself
                 self._log_path("boundary", "implicit", self._implicit_why() or "")
@@ -66,12 +66,12 @@ class BoundaryMixin:
 
     def _unconfirmed_cycle(self) -> None:
         """Before a commit at an implicit loop's boundary with several optimizers: ImplicitCycle.before_commit."""
-        if self._many_opts and not self._explicit and not self._range_clock:
-            self._cycle.before_commit()
+        if self._loop.many_opts and not self._loop.explicit and not self._loop.range_clock:
+            self._loop.cycle.before_commit()
 
     def _boundary(self) -> None:
         res = self._agree.collect()
-        self._implicit_counted = False
+        self._loop.take_implicit()
         if res is not None and (res[0] > 0 or self._periodic_due()):  # a commit comes
             self._unconfirmed_cycle()
         if res is not None and res[0] > 0:
@@ -81,12 +81,12 @@ class BoundaryMixin:
 
     def _explicit_boundary(self, *, final: bool) -> None:
         self._tick()
-        if not self._fresh_checked:
+        if not self._loop.fresh_checked:
             self._warn_unresumed()
         if self._torn_down:  # after destroy_process_group(): no collective any more
             return
         res = self._agree.collect()
-        self._implicit_counted = False
+        self._loop.take_implicit()
         if res is not None and res[0] > 0:
             self._act(res[0], res[1], snap=None, final=final)
         elif res is not None and not final:
@@ -96,10 +96,10 @@ class BoundaryMixin:
             self._agree.launch(level, deadline_ms, self._periodic_flags())
 
     def _enter_explicit(self) -> None:
-        if self._explicit:
+        if self._loop.explicit:
             return
-        self._explicit = True
-        self._range_clock = False
+        self._loop.explicit = True
+        self._loop.range_clock = False
         self._bg_on = False  # the explicit boundary decides (the hook cannot see optimizer steps any more)
         self._remove_step_hooks()
 
@@ -113,27 +113,27 @@ class BoundaryMixin:
         checks that exactly one clock step ran since the previous one (``_clocked_boundary``); a round may
         only save a step that such a check has proven (``_confirmed``).
         """
-        if self._explicit or self._range_clock:
+        if self._loop.explicit or self._loop.range_clock:
             return
         bg = self._bg
-        if bg is None or not bg.ok or bg.closed or self._torn_down or self._range_broken is not None:
-            self._log_path("boundary", loop, self._range_broken or self._boundary_why or
+        if bg is None or not bg.ok or bg.closed or self._torn_down or self._loop.range_broken is not None:
+            self._log_path("boundary", loop, self._loop.range_broken or self._loop.boundary_why or
                            "the background agreement is not available")
             self._enter_explicit()
             return
-        if self._many_opts and self._agree.pending:
+        if self._loop.many_opts and self._agree.pending:
             self._agree.collect()  # a hook.step() loop's first iteration ran on the implicit (boundary) path:
             # every rank launched this reduction; a notice it carries is still pending and is armed below
         with self._steps.cv:
-            self._confirmed = start
-            self._range_clock = True
-            if self._many_opts:  # the count moves at boundaries; steps already in this iteration: inside it
+            self._loop.confirmed = start
+            self._loop.range_clock = True
+            if self._loop.many_opts:  # the count moves at boundaries; steps already in this iteration: inside it
                 self._steps.count = start
-                self._steps.in_step = bool(self._iter_steps)
+                self._steps.in_step = bool(self._loop.iter_steps)
                 self._step_copies.reset(start)
-        self._loop_kind = loop
+        self._loop.kind = loop
         self._enable_background(clocked=True)
-        if self._many_opts:
+        if self._loop.many_opts:
             self._log_path("any-moment", loop, f"{len(self._objs.optimizers)} optimizers: each boundary ends an "
                            "iteration and checks that every optimizer stepped as often as in the first one; "
                            "every optimizer's step waits while a round reads the state of the last boundary")
@@ -145,14 +145,14 @@ class BoundaryMixin:
         """The loop's boundary on the any-moment path: prove "one clock step in this iteration", then record
         what the end of the iteration is (RNG, loader, buffers, the watch's mark) and serve a round that waits
         for this step's small state. Any other count hands the loop to the boundary path (``_leave_clock``)."""
-        if not self._fresh_checked:
+        if not self._loop.fresh_checked:
             self._warn_unresumed()
-        expected = self._confirmed + 1
-        why = self._range_broken
-        if why is None and self._many_opts:
+        expected = self._loop.confirmed + 1
+        why = self._loop.range_broken
+        if why is None and self._loop.many_opts:
             why = self._multi_boundary_why(expected)
         elif why is None and (self._steps.count != expected or self._steps.in_step):
-            why = (f"{self._steps.count - self._confirmed} optimizer steps in the iteration that ended at boundary "
+            why = (f"{self._steps.count - self._loop.confirmed} optimizer steps in the iteration that ended at boundary "
                    f"{expected} (gradient accumulation, a skipped or an extra optimizer.step()): optimizer steps "
                    "do not map one to one onto iterations")
         if why is not None:
@@ -161,17 +161,16 @@ class BoundaryMixin:
         snap = Snapshot.take(self._objs.loaders)
         bufs = clone_buffers(self._buffers)
         self._watch.mark()  # the loop's post-step writes (AveragedModel, clipping) belong to this iteration
-        if self._many_opts and self._cuda_params:
-            self._step_event = torch.cuda.Event()
-            self._step_event.record()  # the background read waits on it: this iteration's kernels are done
+        if self._loop.many_opts:
+            self._book.record_step_event()  # the background read waits on it: this iteration's kernels are done
         with self._steps.cv:
-            if self._many_opts:  # the iteration ends here (``_multi_step_begin``): count it, leave "inside"
+            if self._loop.many_opts:  # the iteration ends here (``_multi_step_begin``): count it, leave "inside"
                 self._steps.count, self._steps.in_step = expected, False
-                self._iter_steps = {}
+                self._loop.new_iteration()
                 self._step_copies.reset(expected)  # (the watch's mark above excused none of the new copies)
             self._state_at.snap, self._state_at.snap_count = snap, expected
-            self._state_at.fwd_bufs, self._state_at.fwd_seq = (expected, bufs), self._post_seq
-            self._confirmed = expected
+            self._state_at.fwd_bufs, self._state_at.fwd_seq = (expected, bufs), self._book.post_seq
+            self._loop.confirmed = expected
             # The small state of this iteration's end, copied here and kept until the next boundary: the one
             # moment it is known exactly (the loop may change a stateful object before its next forward or
             # step). A round for this step takes it whenever it comes — no wait for an anchor. Copied, not
@@ -183,7 +182,7 @@ class BoundaryMixin:
             self._steps.cv.notify_all()
         if give_up is not None:
             self._give_up_hold(give_up)
-        if self._many_opts and self._periodic is not None and not final:
+        if self._loop.many_opts and self._periodic is not None and not final:
             # the periodic vote launched at the last boundary is settled here, where the state is this
             # iteration's end: at the next optimizer step, the loop's work before it (a scheduler stepped at
             # the iteration's top, a meter, weights clipped before the critic's forward) would be saved as
@@ -197,18 +196,18 @@ class BoundaryMixin:
         """Several optimizers: None when every optimizer stepped in the iteration ending at boundary
         ``expected`` as often as in the first iteration of the loop (learned there), else why not — an
         optimizer that did not step carries gradients into the next iteration that no checkpoint holds."""
-        steps = dict(self._iter_steps)
+        steps = dict(self._loop.iter_steps)
         idle = [k for k in self._objs.optimizers if steps.get(k, 0) < 1]
         if idle:
             return (f"optimizer(s) {', '.join(idle)} did not step in the iteration that ended at boundary "
                     f"{expected} (gradient accumulation, a skipped step): the state at that boundary is not an "
                     "iteration's end every optimizer agrees on")
-        if self._step_pattern is None:
-            self._step_pattern = steps
+        if self._loop.step_pattern is None:
+            self._loop.step_pattern = steps
             return None
-        if steps != self._step_pattern:
+        if steps != self._loop.step_pattern:
             return (f"optimizer steps {steps} in the iteration that ended at boundary {expected}, "
-                    f"{self._step_pattern} in the first: the iteration's optimizer steps are not regular")
+                    f"{self._loop.step_pattern} in the first: the iteration's optimizer steps are not regular")
         return None
 
     def _multi_step_begin(self, optimizer: Any) -> None:
@@ -235,13 +234,13 @@ class BoundaryMixin:
         right after it is where a round stands: the post-step work only), nor before the first iteration
         showed the pattern; an optimizer written since the boundary (weight clipping at the iteration's top)
         cannot be copied as it was there."""
-        key = self._opt_key.get(id(optimizer))
+        key = self._loop.key_of(optimizer)
         copies = self._step_copies
-        pattern = self._step_pattern
+        pattern = self._loop.step_pattern
         if key is None or pattern is None or copies.step != self._steps.count or self._watch.sharded is not None or \
                 self._watch.fsdp:
             return False
-        if {**self._iter_steps, key: self._iter_steps.get(key, 0) + 1} == pattern:
+        if {**self._loop.iter_steps, key: self._loop.iter_steps.get(key, 0) + 1} == pattern:
             # the iteration's last optimizer step (also a later step of a copied optimizer: D, G, D): from here
             # a round stands at the boundary, and none can stand at the last one while the boundary moves on
             return False
@@ -253,20 +252,17 @@ class BoundaryMixin:
         owner = self._objs.owner.get(key, "")
         why = copies.before_first_step(key, optimizer, owner, self._objs.models.get(owner))
         if why is not None:
-            self._log_path("iteration-end", getattr(self, "_loop_kind", "hook.range()"),
+            self._log_path("iteration-end", self._loop.kind,
                            f"a notice after optimizer {key}'s step waits for the iteration's end: {why}")
             return False
         self._watch.excuse(params)
-        if self._cuda_params:
-            self._step_event = torch.cuda.Event()
-            self._step_event.record()  # the background read waits on it: the copies' kernels are done
+        self._book.record_step_event()  # the background read waits on it: the copies' kernels are done
         return True
 
     def _break_clock(self, why: str) -> None:
         """(under ``_steps.cv``) The mapping iteration -> optimizer step is disproven: a round waiting for a step
         no boundary proved hands its notice to the boundary path."""
-        if self._range_broken is None:
-            self._range_broken = why
+        self._loop.break_clock(why)
         self._steps.cv.notify_all()
 
     def _leave_clock(self, expected: int, why: str, *, final: bool) -> None:
@@ -276,9 +272,9 @@ class BoundaryMixin:
         here) or hands its notice over (it stays pending, and the boundary reduction carries it)."""
         with self._steps.cv:
             self._break_clock(why)
-            if self._many_opts:
+            if self._loop.many_opts:
                 self._steps.in_step = False  # the boundary path counts from here (its steps are not watched)
-        self._log_path("boundary", getattr(self, "_loop_kind", "hook.range()"), why)
+        self._log_path("boundary", self._loop.kind, why)
         bg = self._bg
         if bg is not None and bg.busy.is_set():
             end = max(self._steps.hold_until, time.monotonic()) + HOLD_SLACK

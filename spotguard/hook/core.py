@@ -4,7 +4,9 @@ Where the code lives (docs/architecture.md, "spotguard/hook/"): the state has
 owners — ``clock.py`` (``StepClock``: count, in-step, a round's hold; every part
 reaches it as ``self._steps``), ``handover.py`` (``StateAtS``: what the two
 threads hand each other, as ``self._state_at``), ``cycle.py`` (``ImplicitCycle``),
-``stepcopy.py`` (``StepCopies``) — with ``stateat.py`` (the state at S) — and the rest is one mixin per seam, each
+``stepcopy.py`` (``StepCopies``), ``loopshape.py`` (``LoopShape``: the loop's shape, as ``self._loop``),
+``stepbook.py`` (``StepBook``: the step hooks' bookkeeping, as ``self._book``) — with ``stateat.py`` (the
+state at S) — and the rest is one mixin per seam, each
 readable alone: ``stephooks.py`` (optimizer/forward hooks), ``boundary.py``
 (iteration boundaries), ``notices.py`` (intake, signals, the local level),
 ``agreement.py`` (a round's decision, acting on it) with ``rounds.py`` (the
@@ -103,7 +105,6 @@ from . import events as ev
 from .agreement import AgreementMixin, BackgroundAgreement, LocalAgreement
 from .boundary import BoundaryMixin
 from .clock import StepClock, step_of
-from .cycle import ImplicitCycle
 from .dist import (
     Agreement,
     guard_destroy,
@@ -113,6 +114,7 @@ from .dist import (
 )
 from .exit import ExitMixin, Preempted
 from .handover import StateAtS
+from .loopshape import LoopShape
 from .notices import NoticesMixin
 from .periodic import PeriodicSaver
 from .preflight import check_launcher, probe_writable, unwritable_message
@@ -136,6 +138,7 @@ from .settings import (  # noqa: F401 - re-exported: adapters, torchft and tests
     _env_float,
 )
 from .state import Objects, Snapshot, classify, tracked_buffers
+from .stepbook import StepBook
 from .stepcopy import StepCopies
 from .stephooks import StepHooksMixin
 from .watch import StateWatch
@@ -220,13 +223,9 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
         # Which run wrote a checkpoint (COMMIT.json extra "lineage"): inherited on resume, so a second run
         # on the same storage that never resumed cannot pass another run's checkpoint off as its own.
         self._lineage = uuid.uuid4().hex
-        self._fresh_checked = False
-        self._explicit = False
-        self._implicit_counted = False
         self._internal = False
         self._closed = False
         self._exiting = False
-        self._clock: Optional[torch.optim.Optimizer] = None  # one optimizer: its steps (several: cycle.py)
         self._buffers = {k: tracked_buffers(m) for k, m in self._objs.models.items()}
         self._buffers = {k: b for k, b in self._buffers.items() if b}
         # Version marks behind the exact any-moment path (watch.py); its ``tracked`` buffers are the snapshot's.
@@ -234,25 +233,9 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
         self._watch = StateWatch(self._objs.models, self._buffers)
         self._buffers = self._watch.tracked
         self._baseline = self._watch.baseline()  # "did anything train?" when no optimizer step was ever seen
-        self._scaler = next(iter(self._objs.scalers.values()), None)
-        self._many_opts = len(self._objs.optimizers) > 1
-        # Several optimizers in an explicit loop: each one's steps since the last boundary, by its dict name (a
-        # SAM wrapper's base counts for the wrapper), and the per-iteration counts the first boundary saw.
-        self._opt_key: dict[int, str] = {}
-        for name, opt in self._objs.optimizers.items():
-            self._opt_key[id(opt)] = name
-            base = getattr(opt, "base_optimizer", None)
-            if isinstance(base, torch.optim.Optimizer):
-                self._opt_key.setdefault(id(base), name)
-        self._iter_steps: dict[str, int] = {}
-        self._step_pattern: Optional[dict[str, int]] = None
+        self._book = StepBook(self._objs.scalers, self._objs.models)  # the step hooks' bookkeeping (stepbook.py)
+        self._loop = LoopShape(self._objs.optimizers, self._iterations_unproven)  # the loop seen (loopshape.py)
         self._step_copies = StepCopies()  # what an optimizer's first step of an iteration overwrites (stepcopy.py)
-        # several optimizers in an implicit loop (no hook.range()/hook.step()): where an iteration starts (cycle.py)
-        self._cycle = ImplicitCycle(lambda o: self._opt_key.get(id(o), "?"), self._iterations_unproven)
-        self._bwd_since_step = False  # a backward reached the clock's parameters since the last step
-        self._train_fwd_seq = 0  # training forwards (train mode, grad enabled) so far
-        self._last_fwd_training = False
-        self._skip_warned = False
 
         self._lock = threading.Lock()
         self._pending: dict[str, Notice] = {}
@@ -270,35 +253,20 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
         # The background agreement (agreement.py): its thread and gloo group exist on every rank of an
         # eligible hook; ``_bg_on`` (notices wake it) once training is seen in implicit mode.
         self._exit_request: Optional[tuple[Notice, Any, Optional[int]]] = None
-        self._post_seq = 0  # optimizer post-hooks so far (any optimizer of the dict; the scaler's update)
-        self._fwd_train_count = -1
-        self._realign: Optional[torch.Tensor] = None  # after a resume: the RNG the first training forward must see
-        self._step_event: Any = None  # CUDA: recorded on the training stream at each step's end
         self._exit_callbacks: list[Callable[[int, bool], Any]] = getattr(self, "_exit_callbacks", [])  # on_exit
         self._ordinary_cancel = threading.Event()  # set: the ordinary background save in flight gives up
         self._round_action: Optional[str] = None  # what the running background round does ("checkpoint"...)
         self._notice_saving: Optional[int] = None  # the step a notice's save is writing (save.py; periodic waits)
-        self._cuda_params = any(p.is_cuda for m in self._objs.models.values() for p in m.parameters())
-        self._explicit_intent = False
         self._bg_on = False
         self._bg_ready = threading.Event()  # resume() is over (or training started without it)
         self._bg: Optional[BackgroundAgreement] = None
-        # An explicit loop (hook.range()/hook.step()) on the any-moment path: the optimizer clock counts, each
-        # explicit boundary proves that it ended exactly one clock step (``_clocked_boundary``).
-        self._range_clock = False
-        self._confirmed = 0  # the count at the last boundary that proved "one clock step per iteration"
-        self._range_broken: Optional[str] = None  # why that proof failed (the loop goes back to the boundary path)
-        self._path_logged: set[tuple[str, str]] = set()
-        self._boundary_why = self._why_not_background()
-        if self._boundary_why is None:
+        self._loop.boundary_why = self._why_not_background()
+        if self._loop.boundary_why is None:
             # Under torch.distributed: a thread + gloo group + the c10d store; a single process: the same rounds
             # with no collective at all (never an init_process_group on the user's behalf).
             self._bg = BackgroundAgreement(self) if self._dist else LocalAgreement(self)
             self._bg.start()
 
-        self._handles: list[Any] = []
-        self._unwrap: list[tuple[Any, str]] = []  # instance attributes the hook set over methods
-        self._scaler_orig: Optional[tuple[Any, Any]] = None
         self._install_step_hooks()
         self._prev_handlers: dict[int, Any] = {}
         if signals:
@@ -312,8 +280,8 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
             ev.HOOK_INSTALLED, world_size=self._world, storage=self._storage.uri, pid=os.getpid(),
             objects=self._objs.roles(), socket=getattr(self._intake, "socket_path", None),
         )
-        if self._boundary_why is not None:
-            self._log_path("boundary", "any", self._boundary_why)
+        if self._loop.boundary_why is not None:
+            self._log_path("boundary", "any", self._loop.boundary_why)
 
     def _why_not_background(self) -> Optional[str]:
         """None when notices can be acted on at any moment (one optimizer: its step hooks are the clock);
@@ -325,7 +293,7 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
         n = len(self._objs.optimizers)
         if n == 0:
             return "no optimizer in the dict: no optimizer step shows where an iteration ends"
-        if n > 1 and self._scaler is not None:
+        if n > 1 and self._book.scaler is not None:
             return (f"{n} optimizers and a GradScaler: the scaler's update() is no iteration's end the step "
                     "hooks can prove, so the state of an iteration's end is known only at the boundary")
         return None
@@ -342,9 +310,9 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
 
     def _log_path(self, path: str, loop: str, why: str) -> None:
         """Once per (path, loop): which way this process acts on a notice, and why (``notice_path``)."""
-        if (path, loop) in self._path_logged:
+        if (path, loop) in self._loop.path_logged:
             return
-        self._path_logged.add((path, loop))
+        self._loop.path_logged.add((path, loop))
         log = self._log.info if path == "any-moment" or loop == "any" else self._log.warning
         log(ev.NOTICE_PATH, path=path, loop=loop, why=why, world_size=self._world)
 
@@ -376,13 +344,13 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
         """``for step in hook.range(total):`` resumes, then yields steps; each iteration's end is a boundary."""
         if isinstance(total, bool) or not isinstance(total, int) or total < 0:
             raise ValueError(f"total must be a non-negative integer, got {total!r}")
-        self._explicit_intent = True  # resume() must not arm the background agreement (hook.range does, below)
+        self._loop.explicit_intent = True  # resume() must not arm the background agreement (hook.range does, below)
         if not self._resumed:
             self.resume()
         self._begin_explicit("hook.range()", self._steps.count)
         for i in builtins.range(self._steps.count, total):
             yield i
-            if self._range_clock:
+            if self._loop.range_clock:
                 self._clocked_boundary(final=(i == total - 1))
             else:
                 self._steps.count += 1
@@ -390,17 +358,15 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
 
     def step(self) -> int:
         """An explicit iteration boundary (call once at the end of each iteration); returns completed iterations."""
-        if not self._explicit and not self._range_clock:
-            self._explicit_intent = True
+        if not self._loop.explicit and not self._loop.range_clock:
+            self._loop.explicit_intent = True
             # the loop started at the resumed step (0 without a resume): one optimizer step since then proves
             # the first boundary; anything else hands this loop to the boundary path
             self._begin_explicit("hook.step()", self._resumed_step)
-        if self._range_clock:
+        if self._loop.range_clock:
             self._clocked_boundary(final=False)
             return self._steps.count
-        skip = self._implicit_counted  # this iteration was already counted by the optimizer post-hook
-        self._implicit_counted = False
-        if not skip:
+        if not self._loop.take_implicit():  # else this iteration was already counted by the optimizer post-hook
             self._steps.count += 1
         self._explicit_boundary(final=False)
         return self._steps.count

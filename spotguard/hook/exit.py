@@ -344,7 +344,7 @@ class ExitMixin:
         with self._steps.cv:
             while bg is not None and bg.busy.is_set() and time.monotonic() < end and self._exit_request is None:
                 if (not self._steps.in_step and not self._anchor_ok(self._steps.count)) or \
-                        (self._steps.in_step and self._range_clock and self._many_opts):
+                        (self._steps.in_step and self._loop.range_clock and self._loop.many_opts):
                     # an explicit loop left inside an iteration (a `break` after its optimizer step): that
                     # step is no iteration's end; the round hands its notice over (logged at exit)
                     self._break_clock("training ended inside an iteration of an explicit loop (no boundary after "

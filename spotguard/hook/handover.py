@@ -48,7 +48,7 @@ class StateAtS:
         # The model's first forward after step S (training or evaluation): the loop's work after the step
         # (scheduler, EMA update, scaler) is over, so the small state of S can be read (stateat.py).
         self.fwd_count = -1
-        self.fwd_seq = 0  # Hook._post_seq at the last forward that snapshotted the buffers
+        self.fwd_seq = 0  # Hook._book.post_seq at the last forward that snapshotted the buffers
         self.fwd_bufs: Optional[tuple[int, dict[str, dict[str, torch.Tensor]]]] = None
         self.fwd_rng: Optional[tuple[int, torch.Tensor]] = None  # (count, torch RNG) at the first training forward
         self.range_small: Any = None  # the small state read at the last proven boundary (``_copy_small``)

@@ -96,7 +96,7 @@ class ResumeMixin:
         self._resumed = True
         self._damaged_dirs = set(damaged)  # a save at one of these steps must never count it as committed
         self._baseline = self._watch.baseline()  # the loaded state: "trained since?" is measured from here
-        self._fresh_checked = True
+        self._loop.check_fresh()
         self._agree_at_start()
         self._enable_background()  # implicit mode (hook.range() set its intent first): agree off the training thread
         return step
@@ -204,7 +204,7 @@ class ResumeMixin:
             if callable(note):
                 note(torch.get_rng_state())
         fwd = per.get("rng_at_forward") if own else None  # see stephooks._realign_rng
-        self._realign = fwd if isinstance(fwd, torch.Tensor) else None
+        self._book.realign_to(fwd if isinstance(fwd, torch.Tensor) else None)
         if old_world != self._world or not own:
             self._log.info(ev.ELASTIC_RESUME, dir=dirkey, old_world_size=old_world, world_size=self._world,
                            resharded=[*o.models, *o.optimizers],
@@ -234,7 +234,7 @@ class ResumeMixin:
 
     def _warn_unresumed(self) -> None:
         """First step without ``hook.resume()`` (rank 0, once): say so if the storage already holds a checkpoint."""
-        self._fresh_checked = True
+        self._loop.check_fresh()
         if self._rank != 0:
             return
         try:

@@ -173,7 +173,7 @@ class BackgroundAgreement:
             g = self.gen
             try:
                 level, deadline_ms = h._local_level()
-                if level > 0 and h._bg_on and h._range_broken is None:  # came while the previous round ran
+                if level > 0 and h._bg_on and h._loop.range_broken is None:  # came while the previous round ran
                     if self._fails and level < LEVEL_EMERGENCY and \
                             self._closed.wait(min(30.0, 0.5 * 2 ** (self._fails - 1))):
                         return

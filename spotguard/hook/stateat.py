@@ -131,14 +131,14 @@ class StateAtMixin:
         ``_u``/``_v``) — the copy the first forward after the step took, or, when no forward ran since the last
         optimizer step, the buffers as they are now."""
         got = self._state_at.fwd_bufs
-        if got is not None and got[0] == step and self._state_at.fwd_seq == self._post_seq:
+        if got is not None and got[0] == step and self._state_at.fwd_seq == self._book.post_seq:
             return got[1]
         return clone_buffers(self._buffers)
 
     def _handing_over(self, step: int) -> bool:
         """An explicit loop left the any-moment path before ``step`` was proven to end an iteration: the
         round hands its notice to the loop's boundary path instead of failing it."""
-        return self._range_broken is not None and getattr(self, "_confirmed", None) != step
+        return self._loop.range_broken is not None and self._loop.confirmed != step
 
     def _background_read(self, step: int, *, copy: bool) -> Any:
         """(state dict, bytes, "background") read off the training thread, or why it cannot be proven exact."""
@@ -146,7 +146,7 @@ class StateAtMixin:
         why = self._watch.changed(mark)
         if why is not None:
             return why
-        ev_ = self._step_event
+        ev_ = self._book.step_event
         if ev_ is not None:
             ev_.synchronize()  # CUDA: step S's kernels (recorded on the training stream) are done
         _BG.on = True

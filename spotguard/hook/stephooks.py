@@ -6,13 +6,15 @@ of the hook through two owners only — the clock (``clock.py``: ``held_at``, ``
 ``wait_step_end``) and the state at S (``stateat.py``: ``_copy_at_anchor``, ``_capture_small_for``,
 ``_serve_anchor_read``, ``_read_for_round``). Iteration boundaries (``hook.range()``/``hook.step()``, the
 boundary path's decide/boundary) are ``boundary.py``; the several-optimizer implicit cycle is ``cycle.py``.
+Their own counters and what they installed are ``_book`` (``stepbook.py``); the loop's shape they read and feed
+(``_loop.explicit``, ``range_clock``, ``many_opts``, ``opt_stepped``, ``count_implicit``) is ``loopshape.py``.
 
-Who writes what (the map): this module writes ``_post_seq``, ``_fwd_train_count``, ``_state_at``'s
+Who writes what (the map): this module writes ``_book``'s counters (``post_seq``, ``fwd_train_count``,
+``bwd_since_step``, ``train_fwd_seq``, ``last_fwd_training``, ``skip_warned``, ``clock``: the one optimizer
+that is the clock; ``step_event`` through ``record_step_event``, read by stateat.py's background read; the
+handles, shadows and scaler patch through ``keep``/``shadow``/``patch_scaler``/``remove``), ``_state_at``'s
 ``fwd_seq``/``fwd_bufs``, ``fwd_rng``, ``fwd_count`` (read by stateat.py) and ``snap``/``snap_count`` (the
-clock's post-hook; read by the saves), ``_step_event`` (read by stateat.py's background read),
-``_bwd_since_step``, ``_train_fwd_seq``,
-``_last_fwd_training``, ``_skip_warned``, ``_handles``/``_unwrap``/``_scaler_orig`` (its own), ``_clock``
-(the one optimizer that is the clock) and ``_bg_on`` (``_turn_on_background``; also cleared by boundary,
+clock's post-hook; read by the saves), and ``_bg_on`` (``_turn_on_background``; also cleared by boundary,
 exit, agreement, ``close()`` and the DeepSpeed/Lightning any-moment adapters).
 """
 
@@ -48,7 +50,7 @@ class StepHooksMixin:
         for m in self._objs.models.values():  # and the module a wrapper holds (DDP .module, compile's _orig_mod)
             # (not a compiled module's _orig_mod: dynamo would trace the hook and guard on the hook's counters)
             for mod in {id(x): x for x in (m, getattr(m, "module", None)) if isinstance(x, torch.nn.Module)}.values():
-                self._handles.append(mod.register_forward_pre_hook(_eager(self._on_forward)))
+                self._book.keep(mod.register_forward_pre_hook(_eager(self._on_forward)))
         opts = list(self._objs.optimizers.values())
         for opt in list(opts):  # SAM-style wrappers step their base optimizer from first/second_step()
             base = getattr(opt, "base_optimizer", None)
@@ -57,11 +59,11 @@ class StepHooksMixin:
                 if callable(getattr(opt, "first_step", None)):
                     self._wrap_first_step(opt, base)
         for opt in opts:
-            self._handles.append(opt.register_step_pre_hook(self._pre_hook))
-            self._handles.append(opt.register_step_post_hook(self._post_hook))
+            self._book.keep(opt.register_step_pre_hook(self._pre_hook))
+            self._book.keep(opt.register_step_post_hook(self._post_hook))
         if len(opts) == 1 and self._warn_skipped_steps:
             self._watch_skipped_steps(opts[0])
-        sc = self._scaler
+        sc = self._book.scaler
         if sc is not None:
             orig_step, orig_update = sc.step, sc.update
             hook = self
@@ -69,10 +71,10 @@ class StepHooksMixin:
             stepped: list[Any] = []  # the optimizers given to step() since the last update(), in order
 
             def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-                if not (hook._internal or hook._explicit or hook._closed):
-                    if hook._many_opts:
+                if not (hook._internal or hook._loop.explicit or hook._closed):
+                    if hook._loop.many_opts:
                         stepped.append(optimizer)
-                        if not hook._cycle.begins(optimizer, hook._steps.count):
+                        if not hook._loop.cycle.begins(optimizer, hook._steps.count):
                             return orig_step(optimizer, *args, **kwargs)  # inside an iteration (n_critic, G)
                     if hook._bg_on:
                         hook._step_begin()
@@ -82,20 +84,19 @@ class StepHooksMixin:
 
             def update(*args: Any, **kwargs: Any) -> Any:
                 out = orig_update(*args, **kwargs)
-                if not (hook._internal or hook._explicit or hook._closed):
-                    hook._post_seq += 1
+                if not (hook._internal or hook._loop.explicit or hook._closed):
+                    hook._book.post_seq += 1
                     done = stepped[:]
                     stepped.clear()
                     # several optimizers: the implicit cycle rule over the steps this update() closes (an AMP
                     # WGAN must update() after each D step: a second step(opt_d) before it raises), so each
                     # update() is no iteration of its own
-                    ends = [hook._cycle_end(o) for o in done] if hook._many_opts else [True]
+                    ends = [hook._cycle_end(o) for o in done] if hook._loop.many_opts else [True]
                     if any(ends):
                         hook._decide()
                 return out
 
-            sc.step, sc.update = step, update
-            self._scaler_orig = (orig_step, orig_update)
+            self._book.patch_scaler(step, update, (orig_step, orig_update))
 
     def _watch_skipped_steps(self, opt: torch.optim.Optimizer) -> None:
         """Say so when the loop skips ``optimizer.step()`` (a NaN guard: backward, no step, ``zero_grad()``):
@@ -107,7 +108,7 @@ class StepHooksMixin:
                       if isinstance(p, torch.Tensor) and p.requires_grad), None)
         if first is None:
             return
-        hook = self
+        hook, book = self, self._book
         was_none = [False]
         # (training forwards counted at the last backward, was that backward's forward a training one): a
         # backward counts only when a training forward came since the last one and that one was training too —
@@ -122,12 +123,12 @@ class StepHooksMixin:
             # a backward's accumulation into ``.grad`` only (register_post_accumulate_grad_hook): an
             # ``autograd.grad`` over the parameters (a gradient-norm penalty) is no backward whose gradients a
             # zero_grad could discard; explicit loops (hook.range()/hook.step()) count iterations themselves
-            fresh, prev_training = hook._train_fwd_seq != last[0], last[1]
-            last[0], last[1] = hook._train_fwd_seq, hook._last_fwd_training
-            if hook._bwd_since_step and was_none[0] and fresh and prev_training and not hook._skip_warned \
-                    and not hook._explicit and not hook._range_clock and not hook._explicit_intent \
-                    and not hook._internal and hook._scaler is None:
-                hook._skip_warned = True
+            fresh, prev_training = book.train_fwd_seq != last[0], last[1]
+            last[0], last[1] = book.train_fwd_seq, book.last_fwd_training
+            if book.bwd_since_step and was_none[0] and fresh and prev_training and not book.skip_warned \
+                    and not hook._loop.explicit and not hook._loop.range_clock and not hook._loop.explicit_intent \
+                    and not hook._internal and book.scaler is None:
+                book.skip_warned = True
                 hook._log.warning(ev.OPTIMIZER_STEP_SKIPPED, step=hook._steps.count,
                                   why="gradients of a backward were discarded (zero_grad) without an "
                                       "optimizer.step(): hook.resume() counts optimizer steps, not your loop's "
@@ -136,10 +137,10 @@ class StepHooksMixin:
                                   fix="for step in hook.range(total): ... (or call hook.step() at the end of "
                                       "each iteration): the loop's own iterations become the clock; if a "
                                       "GradScaler skips the steps (fp16), pass it in the hook's dict")
-            hook._bwd_since_step = True
+            book.bwd_since_step = True
 
-        self._handles.append(first.register_hook(before_grad))
-        self._handles.append(first.register_post_accumulate_grad_hook(on_grad))
+        book.keep(first.register_hook(before_grad))
+        book.keep(first.register_post_accumulate_grad_hook(on_grad))
 
     def _wrap_first_step(self, opt: Any, base: torch.optim.Optimizer) -> None:
         """SAM: the update spans ``first_step()`` (perturb the weights, keep the old ones in the wrapper's
@@ -154,25 +155,10 @@ class StepHooksMixin:
             return orig(*args, **kwargs)
 
         opt.first_step = first_step
-        self._unwrap.append((opt, "first_step"))
+        self._book.shadow(opt, "first_step")
 
     def _remove_step_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        for obj, name in getattr(self, "_unwrap", []):
-            try:
-                delattr(obj, name)  # the instance attribute shadowing the method
-            except AttributeError:
-                pass
-        self._unwrap = []
-        if self._scaler is not None and self._scaler_orig is not None:
-            for name in ("step", "update"):
-                try:
-                    delattr(self._scaler, name)  # the instance attribute shadowing the method
-                except AttributeError:
-                    pass
-            self._scaler_orig = None
+        self._book.remove()
 
     def _on_forward(self, module: Any, args: Any) -> None:
         """Model forward pre-hook: the first *training* forward after step S — one that builds a graph (grad
@@ -184,34 +170,35 @@ class StepHooksMixin:
         if self._internal:
             return
         grad = torch.is_grad_enabled()
-        self._last_fwd_training = module.training and grad
-        if self._last_fwd_training:
-            self._train_fwd_seq += 1
+        book = self._book
+        book.last_fwd_training = module.training and grad
+        if book.last_fwd_training:
+            book.train_fwd_seq += 1
         if not module.training and not grad:
             return  # an evaluation's forward (eval mode, no grad): the iteration's post-step work goes on
-        if self._state_at.fwd_seq != self._post_seq:  # the first forward after an optimizer step: buffers of the end
-            self._state_at.fwd_seq = self._post_seq  # of the iteration (post-step updates in, this forward's not yet)
+        if self._state_at.fwd_seq != book.post_seq:  # the first forward after an optimizer step: buffers of the end
+            self._state_at.fwd_seq = book.post_seq  # of the iteration (post-step updates in, this forward's not yet)
             self._state_at.fwd_bufs = (self._steps.count, clone_buffers(self._buffers))
-        if self._fwd_train_count != self._steps.count and module.training:
-            self._fwd_train_count = self._steps.count
-            if self._realign is not None:
+        if book.fwd_train_count != self._steps.count and module.training:
+            book.fwd_train_count = self._steps.count
+            if book.realign is not None:
                 self._realign_rng()
             if self._bg_on:  # one optimizer: its step ends the iteration (not so with a GAN's two)
                 self._state_at.fwd_rng = (self._steps.count, torch.get_rng_state())  # ~1 us: see _realign_rng
-            if self._bg_on and self._steps.count > 0 and not self._range_clock:
+            if self._bg_on and self._steps.count > 0 and not self._loop.range_clock:
                 self._watch.mark()  # the post-step writes (AveragedModel, clipping) are part of iteration S
         if self._state_at.fwd_count == self._steps.count or not self._bg_on or not grad:
             return
         self._state_at.fwd_count = self._steps.count
         give_up = None
         with self._steps.cv:
-            if not self._range_clock:
+            if not self._loop.range_clock:
                 # What the loop may still change before the next step (a running-loss meter), copied here
                 # every iteration: a round that starts later must not read that change into S.
                 self._copy_at_anchor(self._steps.count)
             if self._state_at.want_small == self._steps.count and self._anchor_ok(self._steps.count):  # a round waits: read it here
                 self._capture_small_for(self._steps.count, "forward")
-            if not self._range_clock:
+            if not self._loop.range_clock:
                 # the exact fallback's read (_save_next_iteration)
                 give_up = self._serve_anchor_read(self._steps.count, "forward")
         if give_up is not None:
@@ -223,7 +210,7 @@ class StepHooksMixin:
         first training forward after step S (saved as ``rng_at_forward``). Anything that drew from the global
         RNG between the resume and here and did not draw in the uninterrupted run — typically a DataLoader
         iterator built without its own ``generator=`` — would shift every dropout mask after it."""
-        saved, self._realign = self._realign, None
+        saved = self._book.take_realign()
         if saved is None or torch.equal(torch.get_rng_state(), saved):
             return
         torch.set_rng_state(saved)
@@ -236,41 +223,39 @@ class StepHooksMixin:
                               "loader / spotguard.data.ElasticDistributedSampler in the hook's dict")
 
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._internal or self._explicit or self._closed or self._torn_down:
+        if self._internal or self._loop.explicit or self._closed or self._torn_down:
             return  # DCP's fake step() on a fresh optimizer lands here: never count it
-        if self._range_clock and self._many_opts:
+        if self._loop.range_clock and self._loop.many_opts:
             self._multi_step_begin(optimizer)
             return
-        if self._many_opts:
-            if self._scaler is not None or not self._cycle.begins(optimizer, self._steps.count):
+        if self._loop.many_opts:
+            if self._book.scaler is not None or not self._loop.cycle.begins(optimizer, self._steps.count):
                 return  # the scaler's step() wrapper counts (it sees steps the scaler skips); inside the iteration
         else:
-            if self._clock is None:
-                self._clock = optimizer
-            if optimizer is not self._clock:
+            if self._book.clock is None:
+                self._book.clock = optimizer
+            if optimizer is not self._book.clock:
                 return
-        if not self._bg_on and self._bg is not None and not self._explicit_intent and not self._many_opts:
+        if not self._bg_on and self._bg is not None and not self._loop.explicit_intent and not self._loop.many_opts:
             self._enable_background()  # no hook.resume(): the first step is where training shows itself
-        if self._bg_on and self._scaler is None:  # with a scaler, its step() wrapper is the begin
+        if self._bg_on and self._book.scaler is None:  # with a scaler, its step() wrapper is the begin
             self._step_begin()
         if self._agree.pending:
             self._boundary()
 
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._internal or self._explicit or self._closed or self._torn_down:
+        if self._internal or self._loop.explicit or self._closed or self._torn_down:
             return
-        self._post_seq += 1
-        self._bwd_since_step = False
-        if self._many_opts:  # each optimizer's steps since the last explicit boundary (_multi_boundary_why)
-            name = self._opt_key.get(id(optimizer))
-            if name is not None:
-                self._iter_steps[name] = self._iter_steps.get(name, 0) + 1
-            if self._range_clock:
+        self._book.post_seq += 1
+        self._book.bwd_since_step = False
+        if self._loop.many_opts:  # each optimizer's steps since the last explicit boundary (_multi_boundary_why)
+            self._loop.opt_stepped(optimizer)
+            if self._loop.range_clock:
                 return  # the explicit loop's boundary ends the iteration
-        if self._scaler is not None:
+        if self._book.scaler is not None:
             return  # GradScaler.update() is the clock
-        if not self._many_opts:
-            if optimizer is self._clock:
+        if not self._loop.many_opts:
+            if optimizer is self._book.clock:
                 self._decide()
         elif self._cycle_end(optimizer):
             self._decide()
@@ -278,7 +263,7 @@ class StepHooksMixin:
     def _cycle_end(self, optimizer: Any) -> bool:
         """Several optimizers, implicit loop: a step ended; True at the iteration's first clock step (decide),
         else the snapshot follows the iteration's end so far."""
-        if self._cycle.ends(optimizer):
+        if self._loop.cycle.ends(optimizer):
             return True
         self._state_at.snap = Snapshot.take(self._objs.loaders)
         return False
@@ -296,8 +281,8 @@ class StepHooksMixin:
         """From now on notices are agreed off the training thread (see agreement.py): implicit loops, and
         explicit ones whose boundaries are checked against the optimizer clock (``clocked``)."""
         self._bg_ready.set()  # training starts here: a round may read this rank's count and resume state
-        if self._bg is None or not self._bg.ok or self._explicit or self._bg_on or \
-                (self._explicit_intent and not clocked):
+        if self._bg is None or not self._bg.ok or self._loop.explicit or self._bg_on or \
+                (self._loop.explicit_intent and not clocked):
             return
         if not clocked and self._implicit_why() is not None:
             return  # said in the second iteration (a hook.step() loop declares itself at the first's end)
@@ -371,21 +356,19 @@ class StepHooksMixin:
     def _anchor_ok(self, step: int) -> bool:
         """May the small state of ``step`` be read now? Always in an implicit loop; in an explicit one only
         once the loop's boundary has proven that ``step`` ends an iteration (``_clocked_boundary``)."""
-        return not self._range_clock or self._confirmed == step
+        return not self._loop.range_clock or self._loop.confirmed == step
 
     def _step_end(self) -> None:
         """Clock post-hook (background mode): count, snapshot, leave "inside optimizer.step"."""
         self._watch.mark()  # after step S: what a background read must still see (may track more buffers)
         # before the count: a round may read it at once (an explicit loop: taken at its boundary instead)
-        snap = None if self._range_clock else Snapshot.take(self._objs.loaders)
-        if self._cuda_params:
-            self._step_event = torch.cuda.Event()
-            self._step_event.record()  # the background read waits on it: step S's kernels are done
+        snap = None if self._loop.range_clock else Snapshot.take(self._objs.loaders)
+        self._book.record_step_event()  # the background read waits on it: step S's kernels are done
         with self._steps.cv:
             count = self._steps.end_step()
             if snap is not None:
                 self._state_at.snap, self._state_at.snap_count = snap, count
-        self._implicit_counted = True
+        self._loop.count_implicit()
         if self._periodic is not None:  # the step-path reduction only carries periodic votes now
             if self._agree.pending:
                 self._agree.collect()

@@ -63,7 +63,7 @@ def test_range_with_one_step_per_iteration_stays_any_moment(hook_of: Any) -> Non
         for _ in h.range(5):
             _iteration(s, step=True)
     assert _paths(logs) == [("any-moment", "hook.range()")]
-    assert h._range_clock and h._bg_on and h.iteration == 5 and h._confirmed == 5
+    assert h._loop.range_clock and h._bg_on and h.iteration == 5 and h._loop.confirmed == 5
     assert h._state_at.range_small is not None and h._state_at.range_small[0] == 5  # the end of the last iteration, as read there
 
 
@@ -76,7 +76,7 @@ def test_range_with_accumulation_leaves_the_clock_once_and_counts_iterations(hoo
     assert _paths(logs) == [("any-moment", "hook.range()"), ("boundary", "hook.range()")]
     [line] = [e for e in logs if e["event"] == events.NOTICE_PATH and e["path"] == "boundary"]
     assert line["log_level"] == "warning" and "one to one" in line["why"], line
-    assert not h._range_clock and not h._bg_on and h.iteration == 6
+    assert not h._loop.range_clock and not h._bg_on and h.iteration == 6
 
 
 def test_two_steps_in_one_iteration_leave_the_clock(hook_of: Any) -> None:
@@ -87,7 +87,7 @@ def test_two_steps_in_one_iteration_leave_the_clock(hook_of: Any) -> None:
     _iteration(s, step=True)
     _iteration(s, step=True)  # a second optimizer step in iteration 0
     next(it)  # boundary 1: two clock steps
-    assert not h._range_clock and h.iteration == 1 and h._range_broken is not None
+    assert not h._loop.range_clock and h.iteration == 1 and h._loop.range_broken is not None
 
 
 def test_hook_step_counts_iterations_on_the_clock(hook_of: Any) -> None:
@@ -99,7 +99,7 @@ def test_hook_step_counts_iterations_on_the_clock(hook_of: Any) -> None:
         for _ in range(3):
             _iteration(s, step=True)
             got.append(h.step())
-    assert got == [1, 2, 3] and h._range_clock
+    assert got == [1, 2, 3] and h._loop.range_clock
     assert _paths(logs) == [("any-moment", "implicit"), ("any-moment", "hook.step()")]
 
 
@@ -111,8 +111,8 @@ def test_several_optimizers_in_range_stay_any_moment(hook_of: Any) -> None:
         for _ in h.range(4):
             _iteration(s, step=True)
     assert _paths(logs) == [("any-moment", "hook.range()")]
-    assert h._range_clock and h._bg_on and h.iteration == 4 and h._confirmed == 4 and not h._steps.in_step
-    assert h._step_pattern == {"opt0": 1, "opt1": 1} and h._state_at.range_small[0] == 4
+    assert h._loop.range_clock and h._bg_on and h.iteration == 4 and h._loop.confirmed == 4 and not h._steps.in_step
+    assert h._loop.step_pattern == {"opt0": 1, "opt1": 1} and h._state_at.range_small[0] == 4
 
 
 def test_several_optimizers_leave_the_clock_at_an_irregular_iteration(hook_of: Any) -> None:
@@ -127,7 +127,7 @@ def test_several_optimizers_leave_the_clock_at_an_irregular_iteration(hook_of: A
     assert _paths(logs) == [("any-moment", "hook.range()"), ("boundary", "hook.range()")]
     [line] = [e for e in logs if e["event"] == events.NOTICE_PATH and e["path"] == "boundary"]
     assert "not regular" in line["why"] and "'opt1': 2" in line["why"], line
-    assert not h._range_clock and h.iteration == 5
+    assert not h._loop.range_clock and h.iteration == 5
 
 
 def test_several_optimizers_with_hook_step_stay_any_moment(hook_of: Any) -> None:
@@ -144,7 +144,7 @@ def test_several_optimizers_with_hook_step_stay_any_moment(hook_of: Any) -> None
             s["opt0"].zero_grad()
             _iteration(s, step=True)
             got.append(h.step())
-    assert got == [1, 2, 3] and h._range_clock and h._bg_on and h._step_pattern == {"opt0": 2, "opt1": 1}
+    assert got == [1, 2, 3] and h._loop.range_clock and h._bg_on and h._loop.step_pattern == {"opt0": 2, "opt1": 1}
     assert _paths(logs) == [("any-moment", "hook.step()")]
 
 

@@ -220,7 +220,7 @@ class FrameworkHook(Hook):
         self._resumed = True
         if resumed_from is None:
             self._warn_unresumed()
-        self._fresh_checked = True
+        self._loop.check_fresh()
         self._log.info(ev.RESUMED, step=step if resumed_from else 0, uri=uri, from_notice_id=from_notice,
                        seconds=0.0, framework=self.framework)
         self._agree_at_start()

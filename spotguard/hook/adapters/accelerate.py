@@ -123,7 +123,7 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
         # Gradient accumulation: Accelerate's micro-batch counter (``accelerator.step``, saved by save_state,
         # deciding which micro-batch syncs) as it was at the last optimizer step, for a save between micro-batches
         self._acc_step: Optional[tuple[int, int]] = None
-        self._mb_seq = -1  # _post_seq at the last training forward of the prepared model
+        self._mb_seq = -1  # _book.post_seq at the last training forward of the prepared model
         # ... and each scheduler's _step_count, which Accelerate bumps on every micro-batch that does not sync
         # when its gradient state says adjust_scheduler (never in 1.15: the plugin drops the default True from its
         # kwargs): as at the end of the step (the first forward after it)
@@ -168,11 +168,11 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
         took CPU and the GIL from the background write), and an agreed exit leaves from here."""
         super()._on_forward(module, args)
         if module is not self._signal_model or self._internal or not module.training \
-                or not torch.is_grad_enabled() or self._explicit:
+                or not torch.is_grad_enabled() or self._loop.explicit:
             return
         self._tops.forward(self._steps.count)  # the first one decides the scheduler's order (accelerate_sched.py)
-        if self._mb_seq != self._post_seq:
-            self._mb_seq = self._post_seq  # the first forward after a step: the step itself was the boundary
+        if self._mb_seq != self._book.post_seq:
+            self._mb_seq = self._book.post_seq  # the first forward after a step: the step itself was the boundary
             self._sched_at = (self._steps.count, self._sched_counts())
             self._acc_fwd_rng = (self._steps.count, torch.get_rng_state())  # the boundary path's rng_at_forward
             self._iter_at = (self._steps.count, _iteration(self.accelerator))

@@ -150,8 +150,8 @@ class AccelerateAnyMoment:
     _watch: Any
     _every: Optional[float]
     _write_into: Callable[..., None]
-    _explicit: bool
-    _range_clock: bool
+    _loop: Any  # loopshape.LoopShape
+    _book: Any  # stepbook.StepBook
     _log_path: Callable[[str, str, str], None]
     _enter_explicit: Callable[[], None]
     _gens: Any  # accelerate_sampler.SamplerGenerators
@@ -175,7 +175,7 @@ class AccelerateAnyMoment:
     def _begin_explicit(self, loop: str, start: int) -> None:  # core: hook.range() / the first hook.step()
         """An explicit loop keeps the boundary path (said once): this writer is not proven on the core's clocked
         path, whose boundaries read the small state."""
-        if self._explicit or self._range_clock:
+        if self._loop.explicit or self._loop.range_clock:
             return
         self._log_path("boundary", loop, f"{loop} with Accelerate: the any-moment writer is proven for the "
                                          "implicit loop only; the loop's boundary acts")
@@ -265,7 +265,7 @@ class AccelerateAnyMoment:
         seed from the global torch RNG, which the uninterrupted run drew at the epoch's start, before S."""
         f = Path(folder) / f"{RNG_AT_FORWARD}_{self._rank}.pt"
         saved = torch.load(f, weights_only=True) if f.is_file() else None
-        self._realign = saved if isinstance(saved, torch.Tensor) else None  # type: ignore[attr-defined]
+        self._book.realign_to(saved if isinstance(saved, torch.Tensor) else None)
         f, cfg = Path(folder) / ITERATION, getattr(self.accelerator, "project_configuration", None)
         if f.is_file() and cfg is not None:  # after load_state (and _explicit_dirs, which puts the old one back)
             cfg.iteration = int(json.loads(f.read_text())["iteration"])

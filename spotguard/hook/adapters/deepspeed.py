@@ -248,7 +248,7 @@ class DeepSpeedHook(AnyMomentMixin, FrameworkHook):
             return out
 
         engine.step = step
-        self._unwrap.append((engine, "step"))
+        self._book.shadow(engine, "step")
 
     def follow_schedulers(self, schedulers: list[Any]) -> None:
         """Schedulers the loop steps itself after ``engine.step()`` (Accelerate's wrapper around a torch scheduler
@@ -267,14 +267,14 @@ class DeepSpeedHook(AnyMomentMixin, FrameworkHook):
         self._ds_leave("a scheduler the loop steps after engine.step() (follow_schedulers, add_state): the step's "
                        "end is where the last of them stepped")
         self._outside.append(sched)
-        self._handles.append(_Followed(sched, self._sched_stepped))
+        self._book.keep(_Followed(sched, self._sched_stepped))
         self._watch_anchor()
 
     def _watch_anchor(self) -> None:
         """The engine's training forwards serve a deferred boundary (registered once)."""
         if not self._anchor_hook:
             self._anchor_hook = True
-            self._handles.append(self.engine.register_forward_pre_hook(
+            self._book.keep(self.engine.register_forward_pre_hook(
                 lambda *_: self._pending_boundary() if torch.is_grad_enabled() else None))
 
     def _sched_stepped(self, sched: Any) -> None:

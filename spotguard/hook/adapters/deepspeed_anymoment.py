@@ -189,7 +189,7 @@ class AnyMomentMixin:
         if self._ds_any and self._bg is not None and self._bg.ok:
             self._log_path("any-moment", "deepspeed", "the engine's partitions change only inside engine.step(): "
                                                       "the step after S is held until they are written")
-            self._handles.append(self.engine.register_forward_pre_hook(lambda *_: self._ds_forward_hold()))
+            self._book.keep(self.engine.register_forward_pre_hook(lambda *_: self._ds_forward_hold()))
         elif self._ds_any:
             self._ds_leave("the background agreement is not available")
 
@@ -271,7 +271,7 @@ class AnyMomentMixin:
             self._steps.cv.notify_all()
         if small is not None:
             self._tick()
-            if not self._fresh_checked:
+            if not self._loop.fresh_checked:
                 self._warn_unresumed()  # the first step without hook.resume() over a committed checkpoint: say so
         if self._every is not None:  # every=: the boundary reduction carries the periodic votes only
             try:

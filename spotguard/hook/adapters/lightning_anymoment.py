@@ -206,7 +206,7 @@ class AnyMomentMixin:
             self._log_path("boundary", "lightning", why)
             return
         with self._steps.cv:  # no step of this run has ended: a notice before it waits for the boundary path
-            self._range_broken = "no optimizer step of this run has ended yet"
+            self._loop.break_clock("no optimizer step of this run has ended yet", first=False)
         self._log_path("any-moment", "lightning", "weights, optimizer and schedulers change only between "
                                                   "on_before_optimizer_step and on_train_batch_end: the step "
                                                   "after S is held there until S is written")
@@ -270,26 +270,24 @@ class AnyMomentMixin:
             self._steps.count = self._last_boundary = step
             self._lt_at = at
             self._steps.in_step = False
-            if self._range_broken is not None:
-                self._range_broken = None  # S's state is known again
+            self._loop.mend_clock()  # S's state is known again
             self._steps.cv.notify_all()
         self._finished = final
         self._tick()
-        if not self._fresh_checked:
+        if not self._loop.fresh_checked:
             self._warn_unresumed()
         self._exit_if_requested()
         return True
 
     def _lt_unsafe(self, why: str, *, hold: bool) -> None:
         """Validation start / epoch end: from here until the next step's end the state is not S's end, which a
-        round learns from ``_range_broken`` (set atomically with passing the hold: a round joining later hands
+        round learns from ``_loop.range_broken`` (set atomically with passing the hold: a round joining later hands
         over). ``hold``: first wait while a round writes S, as at a step's start (core's ``_step_begin``)."""
         if not (self._lt_any and self._bg_on):
             return
 
         def dirty() -> None:  # under _steps.cv
-            if self._range_broken is None:
-                self._range_broken = why
+            self._loop.break_clock(why)
 
         if hold:
             self._step_begin(enter=dirty)
@@ -300,7 +298,7 @@ class AnyMomentMixin:
     def _eval_level(self) -> tuple[int, int]:
         """A validation batch inside fit on this path runs the boundary path's per-batch reduction
         (``_framework_eval_batch``: every rank the same batches), because a round during validation hands its
-        notice over (``_range_broken``: validation ran since S) and the validation's next batches are where it is
+        notice over (``_loop.range_broken``: validation ran since S) and the validation's next batches are where it is
         acted on — not the next training batch after a validation of minutes. Only handed-over notices ride on it:
         a round that writes S itself (it began before the validation) is never raced by a second save on the
         training thread."""

@@ -53,7 +53,7 @@ class LightningDeepSpeedHook(LightningHook):
     def _arm(self, state: Any = None) -> None:
         first = not self._armed
         super()._arm(state)
-        if first:  # the core exists now (its _unwrap list); Lightning loads the checkpoint after setup
+        if first:  # the core exists now (its _book of shadowed methods); Lightning loads the checkpoint after setup
             self._wrap_load()
 
     # ------------------------------------------------------------- resume
@@ -87,7 +87,7 @@ class LightningDeepSpeedHook(LightningHook):
             return out
 
         strategy.load_checkpoint = load_checkpoint
-        self._unwrap.append((strategy, "load_checkpoint"))
+        self._book.shadow(strategy, "load_checkpoint")
 
     def _check_world_of(self, checkpoint_path: Any) -> None:
         """Whatever path Lightning loads (the automatic resume's, the user's own ``ckpt_path``, another run's):
