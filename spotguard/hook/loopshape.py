@@ -2,9 +2,9 @@
 
 Why an object of its own (issue 28, part 2, as ``clock.py`` did for the step count): the loop's shape — one
 optimizer or several, an implicit loop or an explicit one (``hook.range()``/``hook.step()``), proven against
-the optimizer clock or handed to the boundary path, and why — was sixteen names in Hook's one namespace,
+the optimizer clock or handed to the boundary path, and why — was fifteen names in Hook's one namespace,
 initialised in ``core.py`` and read or written by ``boundary.py``, ``stephooks.py``, ``stateat.py``,
-``exit.py``, ``agreement.py``, ``resume.py``, ``rounds.py`` and four adapters. Here they have one owner,
+``exit.py``, ``agreement.py``, ``resume.py``, ``rounds.py`` and five adapter modules. Here they have one owner,
 ``Hook._loop``; a field that two files move is moved by a named method, a field one file writes is assigned
 there. It holds no lock: the fields are the training thread's, except ``range_broken``, which the agreement
 thread reads (``agreement.py``'s round, ``rounds.py``, ``stateat.py:_handing_over``) and the training thread

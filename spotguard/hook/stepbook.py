@@ -4,10 +4,10 @@ Why an object of its own (issue 28, part 2, as ``clock.py`` did for the step cou
 hooks (``stephooks.py``) keep counters and marks between calls — the post-hooks seen, the training forwards and
 backwards, the CUDA event of a step's end, the RNG a resumed run realigns to — and the handles, method shadows
 and ``GradScaler`` patch they must undo. That was fourteen names in Hook's one namespace, initialised in
-``core.py`` and used from ``stephooks.py``, ``boundary.py``, ``stateat.py``, ``resume.py`` and four adapters.
-Here they have one owner, ``Hook._book``; a field that two files move is moved by a named method, a field one
-file writes is assigned there. No lock: every field is the training thread's, except ``step_event``, which the
-agreement thread's background read (``stateat.py:_background_read``) only reads.
+``core.py`` and used from ``stephooks.py``, ``boundary.py``, ``stateat.py``, ``resume.py`` and five adapter
+modules. Here they have one owner, ``Hook._book``; a field that two files move is moved by a named method, a
+field one file writes is assigned there. No lock: every field is the training thread's, except ``step_event``,
+which the agreement thread's background read (``stateat.py:_background_read``) only reads.
 
 Who does what (the map, read from the code):
 
