@@ -198,7 +198,7 @@ class AgreementMixin:
     def _background_round(self, gen: int, wake_deadline_ms: int) -> None:
         """The agreement thread, every rank, round ``gen`` (see the module docstring). Never raises."""
         bg = self._bg
-        if self._torn_down or self._exiting or self._closed or self._exit_request is not None:
+        if self._life.stopping():
             return
         # Bounded by the earliest deadline known here (this rank's own notices and the waker's), then by the
         # agreed earliest one: a short preemption joining a round woken by a far-off notice is never held

@@ -41,7 +41,7 @@ class BoundaryMixin:
         self._tick()
         if not self._loop.fresh_checked:
             self._warn_unresumed()
-        if self._torn_down:  # the process group is gone: count, but launch nothing
+        if self._life.torn_down:  # the process group is gone: count, but launch nothing
             self._steps.count += 1
             return
         if self._bg_on:
@@ -83,7 +83,7 @@ class BoundaryMixin:
         self._tick()
         if not self._loop.fresh_checked:
             self._warn_unresumed()
-        if self._torn_down:  # after destroy_process_group(): no collective any more
+        if self._life.torn_down:  # after destroy_process_group(): no collective any more
             return
         res = self._agree.collect()
         self._loop.take_implicit()
@@ -116,7 +116,7 @@ class BoundaryMixin:
         if self._loop.explicit or self._loop.range_clock:
             return
         bg = self._bg
-        if bg is None or not bg.ok or bg.closed or self._torn_down or self._loop.range_broken is not None:
+        if bg is None or not bg.ok or bg.closed or self._life.torn_down or self._loop.range_broken is not None:
             self._log_path("boundary", loop, self._loop.range_broken or self._loop.boundary_why or
                            "the background agreement is not available")
             self._enter_explicit()
@@ -279,7 +279,7 @@ class BoundaryMixin:
         if bg is not None and bg.busy.is_set():
             end = max(self._steps.hold_until, time.monotonic()) + HOLD_SLACK
             with self._steps.cv:
-                while bg.busy.is_set() and self._exit_request is None and time.monotonic() < end:
+                while bg.busy.is_set() and not self._life.exit_requested and time.monotonic() < end:
                     self._steps.cv.wait(0.05)  # `busy` clears without a notify: look again shortly
         self._exit_if_requested()
         self._step_copies.reset(-1)  # the boundary path reads live state at boundaries: no copies any more

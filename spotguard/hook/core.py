@@ -3,7 +3,8 @@
 Where the code lives (docs/architecture.md, "spotguard/hook/"): the state has
 owners — ``clock.py`` (``StepClock``: count, in-step, a round's hold; every part
 reaches it as ``self._steps``), ``handover.py`` (``StateAtS``: what the two
-threads hand each other, as ``self._state_at``), ``cycle.py`` (``ImplicitCycle``),
+threads hand each other, as ``self._state_at``), ``lifecycle.py`` (``Lifecycle``:
+closed, torn down, leaving, the exit's code and decision, as ``self._life``), ``cycle.py`` (``ImplicitCycle``),
 ``stepcopy.py`` (``StepCopies``), ``loopshape.py`` (``LoopShape``: the loop's shape, as ``self._loop``),
 ``stepbook.py`` (``StepBook``: the step hooks' bookkeeping, as ``self._book``) — with ``stateat.py`` (the
 state at S) — and the rest is one mixin per seam, each
@@ -115,6 +116,7 @@ from .dist import (
 from .exit import ExitMixin, Preempted
 from .handover import StateAtS
 from .loopshape import LoopShape
+from .lifecycle import Lifecycle
 from .notices import NoticesMixin
 from .periodic import PeriodicSaver
 from .preflight import check_launcher, probe_writable, unwritable_message
@@ -192,7 +194,7 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
         self._objs: Objects = classify(state, scope)
         self._storage: Storage = storage if isinstance(storage, Storage) else open_storage(storage)
         self._keep = keep
-        self._exit_code = exit_code
+        self._life = Lifecycle(exit_code, self.__dict__.get("_life"))  # closed, torn down, leaving (lifecycle.py)
         self._on_notice_cb = on_notice
         self._dist = is_dist()
         self._rank = dist.get_rank() if self._dist else 0
@@ -206,8 +208,6 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
         self._log = history_tap(get_logger("spotguard.hook", component="hook", rank=self._rank), self._history)
         if not getattr(self, "_probed", False):
             self._probe_storage()
-        self._torn_down = False  # the user destroyed the process group (or the hook quiesced for exit)
-        self._late: Optional[tuple[int, int]] = None  # the last flag reduction, settled at teardown
         # periodic safety-net checkpoints: their own gloo group, created here (collective, every rank)
         self._periodic: Optional[PeriodicSaver] = PeriodicSaver(self, float(every)) if every is not None else None
         if self._dist:
@@ -224,8 +224,6 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
         # on the same storage that never resumed cannot pass another run's checkpoint off as its own.
         self._lineage = uuid.uuid4().hex
         self._internal = False
-        self._closed = False
-        self._exiting = False
         self._buffers = {k: tracked_buffers(m) for k, m in self._objs.models.items()}
         self._buffers = {k: b for k, b in self._buffers.items() if b}
         # Version marks behind the exact any-moment path (watch.py); its ``tracked`` buffers are the snapshot's.
@@ -252,8 +250,6 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
 
         # The background agreement (agreement.py): its thread and gloo group exist on every rank of an
         # eligible hook; ``_bg_on`` (notices wake it) once training is seen in implicit mode.
-        self._exit_request: Optional[tuple[Notice, Any, Optional[int]]] = None
-        self._exit_callbacks: list[Callable[[int, bool], Any]] = getattr(self, "_exit_callbacks", [])  # on_exit
         self._ordinary_cancel = threading.Event()  # set: the ordinary background save in flight gives up
         self._round_action: Optional[str] = None  # what the running background round does ("checkpoint"...)
         self._notice_saving: Optional[int] = None  # the step a notice's save is writing (save.py; periodic waits)
@@ -268,7 +264,6 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
             self._bg.start()
 
         self._install_step_hooks()
-        self._prev_handlers: dict[int, Any] = {}
         if signals:
             self._install_signals()
         self._intake: Any = None
@@ -377,9 +372,8 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
 
     def close(self) -> None:
         """Remove the optimizer hooks, restore signal handlers, stop the intake (idempotent)."""
-        if self._closed:
+        if not self._life.close():
             return
-        self._closed = True
         stop_watch(getattr(self, "_peers", None))  # bye to the peers before anything goes
         if getattr(self, "_watch", None) is not None:
             self._watch.close()  # Parameter.data back to torch's own (when no other hook watches)
@@ -387,16 +381,16 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
         if self._bg is not None:
             self._bg.close(0.0)
         unguard_destroy(self._quiesce)
-        if self._periodic is not None and not self._exiting:
+        if self._periodic is not None and not self._life.exiting:
             self._periodic.quiesce(QUIESCE_PERIODIC_TIMEOUT)  # let an in-flight upload finish (bounded)
         self._remove_step_hooks()
-        for sig, prev in self._prev_handlers.items():
+        for sig, prev in self._life.signal_handlers().items():
             try:
                 if signal.getsignal(sig) == self._on_signal:
                     signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
             except (ValueError, OSError):
                 pass
-        self._prev_handlers.clear()
+        self._life.forget_handlers()
         if self._intake is not None:
             self._intake.close()
         try:

@@ -22,6 +22,7 @@ from .dist import (
     run_bounded,
     teardown,
 )
+from .lifecycle import Lifecycle
 from .peers import stop_watch
 from .save import _Result
 from .state import Snapshot
@@ -118,7 +119,7 @@ class ExitMixin:
         committed = bool(result.committed) if result is not None else already
         if committed and result is not None and result.late_seconds > 0:
             return committed, nothing, EXIT_SAVE_FAILED  # committed, but after the deadline: never "nothing lost"
-        return committed, nothing, self._exit_code if committed or nothing else EXIT_SAVE_FAILED
+        return committed, nothing, self._life.exit_code if committed or nothing else EXIT_SAVE_FAILED
 
     def _standing(self, step: int) -> tuple[bool, bool]:
         """(nothing, already) at completed iteration ``step``: nothing trained and nothing resumed (so nothing
@@ -140,7 +141,7 @@ class ExitMixin:
         ``step``: the completed iteration the checkpoint stands for when it is not the
         current count (the background save: training went on while it uploaded).
         """
-        self._exiting = True
+        self._life.begin_exit()
         step = self._steps.count if step is None else step
         peers_ok = result.peers_ok if result is not None else True
         method, secs = teardown(self._group, peers_ok=peers_ok, timeout=self._teardown_timeout(notice))
@@ -148,7 +149,7 @@ class ExitMixin:
         committed, nothing, code = self._outcome(result, step)
         self._flush_intake()
         _ignore_late_signals()
-        self._prev_handlers.clear()
+        self._life.forget_handlers()
         self._log.info(ev.EXIT, notice_id=notice.id, code=code, step=step, committed=committed,
                        nothing_to_save=nothing, by="training-thread", late=_late(result), **self._timing(notice))
         self._run_exit_callbacks(notice, code, committed)
@@ -187,15 +188,15 @@ class ExitMixin:
         if result is not None and not result.peers_ok:
             self._log.error(ev.PEERS_LOST, where=lost_where, notice_id=notice.id, error=result.error[:300])
         with self._steps.cv:
-            self._exit_request = (notice, result, step)
+            self._life.request_exit(notice, result, step)
             self._steps.cv.notify_all()
         self._install_excepthook(notice, time.monotonic())
         grace = max(0.1, min(EXIT_GRACE, notice.seconds_left() - 0.5))
         end = time.monotonic() + grace
         with self._steps.cv:
-            while not self._exiting and time.monotonic() < end:
+            while not self._life.exiting and time.monotonic() < end:
                 self._steps.cv.wait(max(0.0, end - time.monotonic()))
-        if self._exiting:  # the training thread took over; stand by in case its own exit hangs
+        if self._life.exiting:  # the training thread took over; stand by in case its own exit hangs
             backstop = time.monotonic() + max(1.0, notice.seconds_left() - 0.3)
             while time.monotonic() < backstop:
                 time.sleep(0.2)  # the process is expected to be gone long before: nothing to await
@@ -206,7 +207,7 @@ class ExitMixin:
                    late: bool = False) -> NoReturn:
         """Leave now from a non-training thread: log, report, flush, ``os._exit`` (no teardown needed: the
         commit barrier already held every rank until the record was durable)."""
-        self._exiting = True
+        self._life.begin_exit()
         self._log.info(ev.EXIT, notice_id=notice.id, code=code, step=step, committed=committed,
                        nothing_to_save=nothing, by=by, late=late, **self._timing(notice))
         self._run_exit_callbacks(notice, code, committed)
@@ -231,12 +232,11 @@ class ExitMixin:
         """
         if not callable(callback):
             raise TypeError(f"on_exit takes a callable, got {type(callback).__name__}")
-        self.__dict__.setdefault("_exit_callbacks", []).append(callback)  # framework hooks arm later
+        self.__dict__.setdefault("_life", Lifecycle()).add_exit_callback(callback)  # framework hooks arm later
         return callback
 
     def _run_exit_callbacks(self, notice: Notice, code: int, committed: bool) -> None:
-        callbacks, self._exit_callbacks = list(getattr(self, "_exit_callbacks", [])), []
-        for cb in callbacks:
+        for cb in self._life.take_exit_callbacks():
             bound = max(0.1, min(EXIT_CALLBACK_TIMEOUT, notice.seconds_left() - 0.5))
             box: dict[str, Any] = {}
 
@@ -255,8 +255,8 @@ class ExitMixin:
 
     def _exit_if_requested(self) -> None:
         """Training thread, at a hook point: leave if the agreement thread asked for it."""
-        req = self._exit_request
-        if req is not None and not self._exiting:
+        req = self._life.exit_request
+        if req is not None and not self._life.exiting:
             notice, result, step = req
             self._exit(notice, result, step)
 
@@ -275,10 +275,10 @@ class ExitMixin:
                 prev(tp, value, tb)
                 return
             with hook._steps.cv:  # the round's hold may outlast t_end: survivors committing alone (handoff.py)
-                while hook._exit_request is None and \
+                while not hook._life.exit_requested and \
                         time.monotonic() < max(t_end, hook._steps.hold_until) + 1.0:
                     hook._steps.cv.wait(max(0.0, max(t_end, hook._steps.hold_until) + 1.0 - time.monotonic()))
-                req = hook._exit_request
+                req = hook._life.exit_request
             if req is not None:
                 n, result, step = req
                 committed, nothing, code = hook._outcome(result, step if step is not None else hook._steps.count)
@@ -304,21 +304,20 @@ class ExitMixin:
         A round still in flight (a single process has no ``destroy_process_group()`` to serve it) gets the
         state of the last step here — the loop's work is over — and its decided code ends the process."""
         bg = self._bg
-        if bg is not None and bg.busy.is_set() and not (self._torn_down or self._exiting or self._closed) and \
-                self._exit_request is None:
+        if bg is not None and bg.busy.is_set() and not self._life.stopping():
             self._serve_last_round(QUIESCE_AGREEMENT_TIMEOUT)
-        req = self._exit_request
-        if req is not None and not self._exiting:  # the decision was taken: leave with its code, not the user's
+        req = self._life.exit_request
+        if req is not None and not self._life.exiting:  # the decision was taken: leave with its code, not the user's
             notice, result, step = req
             committed, nothing, code = self._outcome(result, step)
             self._log.warning("interpreter exiting after the checkpoint decision; exiting with the decided code",
                               notice_id=notice.id, code=code)
             self._hard_exit(notice, code, step, committed, nothing, "atexit", late=_late(result))
-        if self._closed or self._exiting:
+        if self._life.closing():
             return
         res = None
-        if self._torn_down:  # the user destroyed the process group: no collective is possible any more
-            res = self._late
+        if self._life.torn_down:  # the user destroyed the process group: no collective is possible any more
+            res = self._life.last_reduction
         elif self._agree.pending:
             if self._group is None:
                 res = self._agree.collect()
@@ -342,7 +341,7 @@ class ExitMixin:
         bg = self._bg
         end = time.monotonic() + timeout
         with self._steps.cv:
-            while bg is not None and bg.busy.is_set() and time.monotonic() < end and self._exit_request is None:
+            while bg is not None and bg.busy.is_set() and time.monotonic() < end and not self._life.exit_requested:
                 if (not self._steps.in_step and not self._anchor_ok(self._steps.count)) or \
                         (self._steps.in_step and self._loop.range_clock and self._loop.many_opts):
                     # an explicit loop left inside an iteration (a `break` after its optimizer step): that
@@ -370,16 +369,15 @@ class ExitMixin:
         From then on the hook is "after teardown": no collective is launched, and
         a notice only logs ``notice_after_last_step`` at exit.
         """
-        if self._torn_down:
+        if not self._life.mark_torn_down():
             return
-        self._torn_down = True
         stop_watch(getattr(self, "_peers", None))  # before any group is destroyed
         self._bg_on = False
         if self._bg is not None:  # wait (bounded) for a round in flight, unless we are leaving
-            leaving = self._exiting or self._exit_request is not None
+            leaving = self._life.leaving()
             if not leaving:
                 self._serve_last_round(QUIESCE_AGREEMENT_TIMEOUT / 2)
-                if self._exit_request is not None and not self._exiting:
+                if self._life.exit_pending():
                     # the round it served committed: leave now, from this thread (teardown, Preempted out of
                     # destroy_process_group(); its own destroy finds this hook torn down), not after the agreement
                     # thread's EXIT_GRACE (~1 s later)
@@ -388,9 +386,9 @@ class ExitMixin:
             if not self._bg.busy.is_set():
                 destroy_group(self._bg.group)
                 self._bg.group = None
-        self._late = self._agree.drop(QUIESCE_AGREEMENT_TIMEOUT) if self._agree.pending else None
+        self._life.note_last_reduction(self._agree.drop(QUIESCE_AGREEMENT_TIMEOUT) if self._agree.pending else None)
         if self._periodic is not None:  # leaving after a notice: never wait out an upload
-            self._periodic.quiesce(5.0 if self._exiting else QUIESCE_PERIODIC_TIMEOUT, cancel=self._exiting)
+            self._periodic.quiesce(5.0 if self._life.exiting else QUIESCE_PERIODIC_TIMEOUT, cancel=self._life.exiting)
         destroy_group(self._group)
         # Drop our last references so the C++ group is destroyed now (torch releases the GIL
         # there and joins gloo's worker threads) rather than during interpreter shutdown,

@@ -57,14 +57,14 @@ class NoticesMixin:
             return
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             try:
-                self._prev_handlers[sig] = signal.getsignal(sig)
+                self._life.keep_handler(sig, signal.getsignal(sig))
                 signal.signal(sig, self._on_signal)
             except (ValueError, OSError) as exc:
                 self._log.warning("cannot install signal handler", signal=int(sig), error=str(exc))
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         """Runs in the main thread between bytecodes: only hand off (no locks, no I/O here)."""
-        if not self._exiting and not self._closed:
+        if not self._life.closing():
             name = signal.Signals(signum).name
             now = utcnow()
             notice = Notice(
@@ -77,7 +77,7 @@ class NoticesMixin:
             )
             threading.Thread(target=self._receive, args=(notice, "signal"), name="spotguard-signal",
                              daemon=True).start()
-        prev = self._prev_handlers.get(signum)
+        prev = self._life.prev_handler(signum)
         if callable(prev):
             prev(signum, frame)
 
@@ -92,8 +92,8 @@ class NoticesMixin:
             return
         self._log.info(ev.NOTICE_SEEN, notice_id=notice.id, kind=notice.kind, source=notice.source, via=via,
                        deadline=to_rfc3339(notice.deadline), seconds_left=round(notice.seconds_left(), 3))
-        if (getattr(self, "_torn_down", False) or getattr(self, "_closed", False)) \
-                and not getattr(self, "_exiting", False):
+        life = getattr(self, "_life", None)
+        if life is not None and life.detached() and not life.exiting:
             # the loop is over (destroy_process_group() or close() came first): nothing is left to agree on or
             # to save, and no exit hook will look at this notice again — say so now (the oracle found a notice
             # 65 ms after the last step that left no line at all)
@@ -170,7 +170,7 @@ class NoticesMixin:
         gen = bg.gen
 
         def overdue() -> None:
-            if bg.gen != gen or not bg.busy.is_set() or self._exit_request is not None or self._exiting:
+            if bg.gen != gen or not bg.busy.is_set() or self._life.leaving():
                 return  # that round is over: the next one acts on this notice
             from .save import _Result  # noqa: PLC0415
 

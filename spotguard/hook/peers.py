@@ -66,6 +66,7 @@ from ..logs import get_logger
 from . import events as ev
 from .clock import step_of
 from .dist import destroy_group, is_dist, run_bounded
+from .lifecycle import exit_code_of
 from .settings import env_seconds
 
 __all__ = [
@@ -334,7 +335,7 @@ def exit_on_lost(hook: Any) -> Callable[[PeerWatch, Lost], None]:
         # This run's state at the current step is in a committed checkpoint (B froze right after the
         # commit, whichever node had the notice): nothing is lost, the hook's own code.
         done = watch.committed_step is not None and watch.committed_step == step_of(hook)
-        code = int(getattr(hook, "_exit_code", 143)) if done else EXIT_PEERS_LOST
+        code = exit_code_of(hook) if done else EXIT_PEERS_LOST
         watch._log.error(
             ev.PEERS_LOST, lost_ranks=lost.ranks, hosts=[lost.hosts[r] for r in lost.ranks],
             silent_seconds=[lost.silent[r] for r in lost.ranks], left_ranks=lost.left, timeout=watch.timeout,

@@ -169,7 +169,7 @@ class BackgroundAgreement:
 
     def _run(self) -> None:
         h = self.hook
-        while not self._closed.is_set() and h._exit_request is None and not h._exiting:
+        while not self._closed.is_set() and not h._life.leaving():
             g = self.gen
             try:
                 level, deadline_ms = h._local_level()

@@ -66,7 +66,7 @@ class StagedSaveMixin:
         """
         t0 = time.monotonic()
         reached = self._steps.wait_reached(step, t_end,
-                                           lambda: self._exit_request is not None or self._handing_over(step))
+                                           lambda: self._life.exit_requested or self._handing_over(step))
         if self._handing_over(step):
             return _Result(committed=False, peers_ok=True, error=HANDED_OVER)
         if not reached:
@@ -179,13 +179,13 @@ class StagedSaveMixin:
 
     def _periodic_flags(self) -> tuple[int, int]:
         p = self._periodic
-        if p is None or self._torn_down or self._closed:
+        if p is None or self._life.detached():
             return 0, 0
         return p.flags()
 
     def _periodic_due(self) -> bool:
         """The boundary reduction just collected agreed on a periodic save (every rank sees the same flags)."""
-        if self._periodic is None or self._torn_down or self._closed:
+        if self._periodic is None or self._life.detached():
             return False
         due, busy = self._agree.flags[:2]
         return bool(due) and not busy

@@ -175,7 +175,7 @@ class StateAtMixin:
         with self._steps.cv:
             if not armed:
                 self._state_at.arm_read(step, copy=copy)
-            while not self._state_at.handed(step) and self._exit_request is None and not self._handing_over(step):
+            while not self._state_at.handed(step) and not self._life.exit_requested and not self._handing_over(step):
                 left = t_end - time.monotonic()
                 if left <= 0:
                     break
@@ -214,7 +214,7 @@ class StateAtMixin:
         self._read_for_round(step, where)
         if self._state_at.want_copy:
             return None
-        while self._exit_request is None and self._steps.target == step:
+        while not self._life.exit_requested and self._steps.target == step:
             left = self._steps.hold_left()
             if left <= 0:  # the write from these live tensors may still run: never train on under it
                 return step
@@ -248,7 +248,7 @@ class StateAtMixin:
                     self._steps.cv.notify_all()
                     while not self._state_at.has_small(step) and \
                             not (self._state_at.fwd_count == step and self._anchor_ok(step)) and \
-                            not self._handing_over(step) and self._exit_request is None and time.monotonic() < latest:
+                            not self._handing_over(step) and not self._life.exit_requested and time.monotonic() < latest:
                         self._steps.cv.wait(min(0.1, max(0.0, latest - time.monotonic())))
                     self._state_at.want_small = None
                     if not self._state_at.has_small(step) and self._state_at.fwd_count == step and \

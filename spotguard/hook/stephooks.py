@@ -71,7 +71,7 @@ class StepHooksMixin:
             stepped: list[Any] = []  # the optimizers given to step() since the last update(), in order
 
             def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-                if not (hook._internal or hook._loop.explicit or hook._closed):
+                if not (hook._internal or hook._loop.explicit or hook._life.closed):
                     if hook._loop.many_opts:
                         stepped.append(optimizer)
                         if not hook._loop.cycle.begins(optimizer, hook._steps.count):
@@ -84,7 +84,7 @@ class StepHooksMixin:
 
             def update(*args: Any, **kwargs: Any) -> Any:
                 out = orig_update(*args, **kwargs)
-                if not (hook._internal or hook._loop.explicit or hook._closed):
+                if not (hook._internal or hook._loop.explicit or hook._life.closed):
                     hook._book.post_seq += 1
                     done = stepped[:]
                     stepped.clear()
@@ -223,7 +223,7 @@ class StepHooksMixin:
                               "loader / spotguard.data.ElasticDistributedSampler in the hook's dict")
 
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._internal or self._loop.explicit or self._closed or self._torn_down:
+        if self._internal or self._loop.explicit or self._life.detached():
             return  # DCP's fake step() on a fresh optimizer lands here: never count it
         if self._loop.range_clock and self._loop.many_opts:
             self._multi_step_begin(optimizer)
@@ -244,7 +244,7 @@ class StepHooksMixin:
             self._boundary()
 
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._internal or self._loop.explicit or self._closed or self._torn_down:
+        if self._internal or self._loop.explicit or self._life.detached():
             return
         self._book.post_seq += 1
         self._book.bwd_since_step = False
@@ -312,7 +312,7 @@ class StepHooksMixin:
         """
         give_up = None
         with self._steps.cv:
-            while self._exit_request is None:
+            while not self._life.exit_requested:
                 key = self._steps.held_at()
                 if key is None or self._steps.count < key:
                     if enter is None:
@@ -342,11 +342,11 @@ class StepHooksMixin:
     def _wait_step_end(self, step: int, t_end: float) -> bool:
         """(agreement thread) Wait, bounded by ``t_end``, until this rank has ended ``step`` and is outside a
         step (held before the next); True when it has."""
-        return self._steps.wait_step_end(step, t_end, lambda: self._exit_request is not None)
+        return self._steps.wait_step_end(step, t_end, lambda: self._life.exit_requested)
 
     def _give_up_hold(self, step: int) -> None:
         """Training thread, held past the round's bound (outside ``_steps.cv``): leave with 75 rather than train on."""
-        if self._exit_request is not None:
+        if self._life.exit_requested:
             return
         self._log.error(ev.PEERS_LOST, where="hold", step=step,
                         error="the agreement or the copy did not finish within the notice deadline")

@@ -254,7 +254,7 @@ class ReplicaGuard:
         theirs = sorted(getattr(self.manager, "_user_state_dicts", None) or {})
         earlier = getattr((getattr(self.manager, "_user_state_dicts", None) or {}).get("spotguard"),
                           "__spotguard_guard__", None)
-        replace = earlier is not None and earlier.hook._closed  # a closed guard's objects are not this one's
+        replace = earlier is not None and earlier.hook._life.closed  # a closed guard's objects are not this one's
         if "spotguard" in theirs and not replace:  # a guard built before on this Manager registered (torchft asserts
             self._log.info(HEAL_STATE, by="earlier-guard", keys=theirs, guard_keys=sorted(items),  # on a 2nd)
                            why="an earlier ReplicaGuard on this Manager registered its items; heals use those")
@@ -503,7 +503,7 @@ class ReplicaGuard:
     def _any_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Global optimizer step pre-hook (every optimizer of the process, before its own hooks): LocalSGD/
         DiLoCo on this manager, on whatever optimizer, is refused at its first inner step."""
-        if self.hook._closed or threading.current_thread() is self._watchdog:
+        if self.hook._life.closed or threading.current_thread() is self._watchdog:
             return
         found = self._step_check(optimizer)
         if found is not None:
@@ -516,7 +516,7 @@ class ReplicaGuard:
     def _deadline_watch(self, notice: Notice) -> None:
         """Watchdog (one per noticed group): leave by ``deadline - fallback_lead``, or write here."""
         lead = fallback_lead(notice.seconds_left())
-        if self._done.wait(max(0.0, notice.seconds_left() - lead)) or self.hook._closed or self.hook._exiting:
+        if self._done.wait(max(0.0, notice.seconds_left() - lead)) or self.hook._life.closing():
             return  # left, written, or the hook is over (a process that caught Preempted goes on: a test, a REPL)
         try:
             self._fallback(notice)
@@ -525,7 +525,7 @@ class ReplicaGuard:
 
     def _fallback(self, notice: Notice) -> None:
         with self._lock:
-            if self._done.is_set() or self._over.is_set() or self.hook._closed or self.hook._exiting:
+            if self._done.is_set() or self._over.is_set() or self.hook._life.closing():
                 return
             single = self.hook._group is None
             direct = self._phase == "iter" and single

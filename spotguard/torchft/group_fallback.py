@@ -95,7 +95,7 @@ class GroupFallback:
 
     def _listen(self) -> None:
         g = self.guard
-        while not g._done.is_set() and not g.hook._closed:
+        while not g._done.is_set() and not g.hook._life.closed:
             t0 = time.monotonic()
             try:
                 self.store.wait([self.key], _WAIT)
@@ -124,7 +124,7 @@ class GroupFallback:
         """Every rank, on its listener thread: hold, agree, write the last committed step together, leave."""
         g, hook = self.guard, self.guard.hook
         with g._lock:
-            ready = g._phase == "iter" and not g._over.is_set() and not hook._closed and not hook._exiting
+            ready = g._phase == "iter" and not g._over.is_set() and not hook._life.closing()
             if ready:
                 g._fallback_on = True  # from here every optimizer step of this process is held
         step = hook._steps.count

@@ -44,7 +44,7 @@ def await_agreement(hook: Any, timeout: float = 60.0) -> None:
     gather needs every rank's join, so rank 0's ``_steps.target`` means every rank has joined.
     """
     with hook._steps.cv:
-        done = hook._steps.cv.wait_for(lambda: hook._steps.target is not None or hook._exit_request is not None, timeout)
+        done = hook._steps.cv.wait_for(lambda: hook._steps.target is not None or hook._life.exit_requested, timeout)
     if not done:
         raise SystemExit(f"the hook did not agree on the notice within {timeout} s")
 

@@ -57,7 +57,7 @@ def main() -> int:
         if barrier:
             dist.barrier()
         dist.destroy_process_group()
-        assert h._torn_down and not group_alive(group), "the hook did not quiesce before destroy"
+        assert h._life.torn_down and not group_alive(group), "the hook did not quiesce before destroy"
         del group
         # The hook's own group must be gone with its worker threads, not left for interpreter
         # shutdown (where a worker still freeing a finished work aborts the process with -6).

@@ -44,7 +44,7 @@ def test_destroy_quiesces_the_hook_in_process(tmp_path: Path) -> None:
         assert getattr(dist.destroy_process_group, "__spotguard__", False)
         with structlog.testing.capture_logs() as logs:
             dist.destroy_process_group()
-            assert h._torn_down and not h._agree.pending
+            assert h._life.torn_down and not h._agree.pending
             assert not group_alive(group) and not group_alive(pgroup) and not dist.is_initialized()
             h.notify(notice())
             one_iteration(s)  # a step after teardown launches nothing

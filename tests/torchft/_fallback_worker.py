@@ -178,7 +178,7 @@ def main() -> None:
         if mode == "sgdstall" and i > notice_at and guard._over.wait(deadline_s):  # gradients None: fallback
             p0 = next(model.parameters())
             v0, t_wait = p0._version, time.monotonic() + 10
-            while p0._version == v0 and guard.hook._exit_request is None and time.monotonic() < t_wait:
+            while p0._version == v0 and not guard.hook._life.exit_requested and time.monotonic() < t_wait:
                 time.sleep(0.01)
         loss.backward()
         if i == notice_at and mode == "allleave" and mgr.mirror:  # the groups take their notice together

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from spotguard.hook.lifecycle import Lifecycle
 from spotguard.notice import Notice
 from spotguard.timefmt import utcnow
 from spotguard.torchft import group_fallback
@@ -35,7 +36,7 @@ def test_a_key_left_by_a_previous_attempt_does_not_wake_a_restarted_group(monkey
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     guard = SimpleNamespace(_log=SimpleNamespace(warning=print, error=print), _done=threading.Event(),
-                            hook=SimpleNamespace(_closed=False))
+                            hook=SimpleNamespace(_life=Lifecycle()))
     fbs: list[GroupFallback] = []
     try:
         old = GroupFallback(guard)  # type: ignore[arg-type]  # the previous attempt: its watchdog set the key
@@ -82,7 +83,7 @@ def test_a_failed_agreement_releases_the_optimizer_it_held(monkeypatch: pytest.M
     guard = SimpleNamespace(_log=SimpleNamespace(warning=print, error=print), _done=threading.Event(),
                             _lock=threading.Lock(), _phase="iter", _over=threading.Event(), _halt=threading.Event(),
                             _fallback_on=False,
-                            hook=SimpleNamespace(_closed=False, _exiting=False, _steps=SimpleNamespace(count=5)))
+                            hook=SimpleNamespace(_life=Lifecycle(), _steps=SimpleNamespace(count=5)))
     fb = GroupFallback(guard)  # type: ignore[arg-type]
     try:
         def peer_gone(*a: Any, **k: Any) -> None:

@@ -169,13 +169,13 @@ class FrameworkHook(Hook):
 
     def _periodic_flags(self) -> tuple[int, int]:
         """(due, busy) for the flag reduction: due once ``every`` seconds passed since the last commit."""
-        if self._every is None or self._torn_down or self._closed:
+        if self._every is None or self._life.detached():
             return 0, 0
         return (1 if time.monotonic() >= self._every_due else 0), 0
 
     def _maybe_periodic(self, snap: Any) -> None:
         """At a boundary with no notice and some rank due: every rank writes the framework's checkpoint now."""
-        if self._every is None or self._torn_down or self._closed or not self._agree.flags[0]:
+        if self._every is None or self._life.detached() or not self._agree.flags[0]:
             return
         self._internal = True
         try:
@@ -234,7 +234,7 @@ class FrameworkHook(Hook):
         accumulation micro-batches) are skipped, so a checkpoint is never taken
         with half-accumulated gradients.
         """
-        if self._closed or self._exiting:
+        if self._life.closing():
             return
         if self._last_boundary is not None and step == self._last_boundary and not final:
             return
@@ -252,7 +252,7 @@ class FrameworkHook(Hook):
         it together and a blocking MAX of three integers costs one small round trip, against a whole step
         (seconds on a fine-tuning job) that a notice otherwise waits for the reduction to be read at the next
         boundary. Every rank reads it at the same boundary, so they still act at the same step."""
-        if self._closed or self._exiting or self._torn_down or not self._agree.pending:
+        if self._life.over() or not self._agree.pending:
             return
         res = self._agree.collect()
         if res is not None and res[0] > 0:
@@ -271,7 +271,7 @@ class FrameworkHook(Hook):
         reduction is launched, carrying notices only: a periodic ``every=`` checkpoint waits for the
         next training boundary. Not before training started (sanity checks) nor after its last step.
         """
-        if self._closed or self._exiting or self._torn_down or self._last_boundary is None or self._finished:
+        if self._life.over() or self._last_boundary is None or self._finished:
             return
         res = self._agree.collect()
         if res is not None and res[0] > 0:
@@ -300,7 +300,7 @@ class FrameworkHook(Hook):
         micro-batch); periodic ``every=`` saves wait for the next optimizer step (their votes are
         carried to it).
         """
-        if self._closed or self._exiting or self._torn_down or self._last_boundary is None or self._finished:
+        if self._life.over() or self._last_boundary is None or self._finished:
             return
         self._tick()  # the deadline_at_risk estimate: the next point to act at is a micro-batch away, not a step
         res = self._agree.collect()

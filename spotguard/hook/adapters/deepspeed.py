@@ -236,10 +236,10 @@ class DeepSpeedHook(AnyMomentMixin, FrameworkHook):
         engine, orig, hook = self.engine, self.engine.step, self
 
         def step(*args: Any, **kwargs: Any) -> Any:
-            if hook._ds_any and not (hook._closed or hook._internal or hook._torn_down):
+            if hook._ds_any and not (hook._life.closed or hook._internal or hook._life.torn_down):
                 return hook._ds_step(orig, args, kwargs)
             out = orig(*args, **kwargs)
-            if not (hook._closed or hook._internal):
+            if not (hook._life.closed or hook._internal):
                 if hook._outside or hook._anchored():  # the boundary waits: a scheduler's step, the next anchor
                     hook._after_sched = (int(engine.global_steps), capture_rng(), hook._loader_copies())
                     hook._stepped = set()
@@ -287,7 +287,7 @@ class DeepSpeedHook(AnyMomentMixin, FrameworkHook):
 
     def _pending_boundary(self) -> None:
         pending, self._after_sched = self._after_sched, None
-        if pending is None or self._closed or self._internal:
+        if pending is None or self._life.closed or self._internal:
             return
         self._rng_at, self._loaders_at = pending[1], pending[2]
         try:
@@ -297,7 +297,7 @@ class DeepSpeedHook(AnyMomentMixin, FrameworkHook):
 
     def _quiesce(self) -> None:  # exit.py, in destroy_process_group() (every rank)
         """The loop is over: a boundary still waiting for an anchor that will not come is taken here."""
-        if not (self._torn_down or self._exiting):
+        if not (self._life.torn_down or self._life.exiting):
             self._pending_boundary()
         super()._quiesce()
 

@@ -157,7 +157,7 @@ class AnyMomentMixin:
         latest = max(now + min(1.0, max(0.0, t_end - now) / 3),
                      t_end - max(0.5, getattr(self, "_last_save_seconds", 1.0) * 1.5))
         with self._steps.cv:
-            while self._ds_fwd != step and not self._ds_ended and self._exit_request is None and \
+            while self._ds_fwd != step and not self._ds_ended and not self._life.exit_requested and \
                     time.monotonic() < latest:
                 self._steps.cv.wait(min(0.1, max(0.0, latest - time.monotonic())))
             if self._ds_fwd != step and not self._ds_ended:
@@ -208,7 +208,7 @@ class AnyMomentMixin:
 
     def _enable_background(self, clocked: bool = False) -> None:  # core: resume() and the first step call it
         self._bg_ready.set()
-        if not self._ds_any or self._bg is None or not self._bg.ok or self._bg_on or self._torn_down:
+        if not self._ds_any or self._bg is None or not self._bg.ok or self._bg_on or self._life.torn_down:
             return
         self._turn_on_background()
 
@@ -249,7 +249,7 @@ class AnyMomentMixin:
             return
         with self._steps.cv:
             # an emergency keeps its target until the exit (a failed save exits too): wait for that exit
-            while self._steps.target is not None and self._exit_request is None and \
+            while self._steps.target is not None and not self._life.exit_requested and \
                     time.monotonic() < self._steps.hold_until + HOLD_SLACK:
                 self._steps.cv.wait(0.5)
         self._exit_if_requested()
@@ -285,7 +285,7 @@ class AnyMomentMixin:
     def _ds_periodic(self) -> None:
         """A periodic checkpoint at this boundary when a rank is due, written by the training thread (still "in the
         step": a round that starts meanwhile stands at the next step, never at this one's folder)."""
-        if self._torn_down or self._closed or self._exiting:
+        if self._life.over():
             return
         if self._agree.pending:
             self._agree.collect()

@@ -144,12 +144,12 @@ def _make_callback(hook: "HFTrainerHook") -> Any:
             return control
 
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-            if hook._hf_any and hook._armed and not (hook._closed or hook._internal or hook._torn_down):
+            if hook._hf_any and hook._armed and not (hook._life.closed or hook._internal or hook._life.torn_down):
                 hook._hf_pre_optimizer()
             return control
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-            if hook._hf_any and hook._armed and not (hook._closed or hook._torn_down):
+            if hook._hf_any and hook._armed and not hook._life.detached():
                 hook._hf_train_end(int(state.global_step))
             return control
 
@@ -281,7 +281,7 @@ class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
                            None if epoch_start or not window else self._fetch.at_window())
 
     def _on_step_end(self, state: Any, control: Any) -> None:
-        if self._closed or self._exiting:
+        if self._life.closing():
             return
         if self._hf_any:  # the any-moment path (hf_anymoment.py): the background rounds act, not this boundary
             self._tick()

@@ -124,7 +124,7 @@ class HFAnyMomentMixin:
 
     def _enable_background(self, clocked: bool = False) -> None:  # on_train_begin
         self._bg_ready.set()
-        if not self._hf_any or self._bg is None or not self._bg.ok or self._bg_on or self._torn_down:
+        if not self._hf_any or self._bg is None or not self._bg.ok or self._bg_on or self._life.torn_down:
             return
         if self.trainer.args.should_save:
             _warm_save_pretrained(self.trainer.model, self._log)
@@ -184,7 +184,7 @@ class HFAnyMomentMixin:
             return _Result(committed=False, peers_ok=True, error=HANDED_OVER)
         t0 = time.monotonic()
         with self._steps.cv:
-            while (self._steps.count != step or self._steps.in_step) and self._exit_request is None and not self._hf_ended:
+            while (self._steps.count != step or self._steps.in_step) and not self._life.exit_requested and not self._hf_ended:
                 left = t_end - time.monotonic()
                 if left <= 0:
                     break

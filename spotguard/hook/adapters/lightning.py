@@ -270,9 +270,9 @@ class LightningHook(AnyMomentMixin, FrameworkHook):
 
     def _reclaim_signals(self) -> None:
         """Put spotguard's handler back over Lightning's (see the module docstring); predecessors unchanged."""
-        if threading.current_thread() is not threading.main_thread() or self._closed:
+        if threading.current_thread() is not threading.main_thread() or self._life.closed:
             return
-        for sig in list(self._prev_handlers):
+        for sig in list(self._life.signal_handlers()):
             try:
                 if signal.getsignal(sig) != self._on_signal:
                     signal.signal(sig, self._on_signal)

@@ -228,7 +228,7 @@ class AnyMomentMixin:
 
     def _enable_background(self, clocked: bool = False) -> None:  # core: resume() and the first step call it
         self._bg_ready.set()
-        if not self._lt_any or self._bg is None or not self._bg.ok or self._bg_on or self._torn_down:
+        if not self._lt_any or self._bg is None or not self._bg.ok or self._bg_on or self._life.torn_down:
             return
         self._turn_on_background()
 
@@ -309,7 +309,7 @@ class AnyMomentMixin:
     def _lt_eval_end(self) -> None:
         """``on_validation_end`` (every rank): the reduction launched at the validation's last batch is settled
         here — acted on if it carries a handed-over notice — so no reduction is left over for the next one."""
-        if not self._lt_any or self._closed or self._exiting or self._torn_down or not self._agree.pending:
+        if not self._lt_any or self._life.over() or not self._agree.pending:
             return
         res = self._agree.collect()
         if res is not None and res[0] > 0:
