@@ -385,7 +385,7 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
             if self._range_clock:
                 self._clocked_boundary(final=(i == total - 1))
             else:
-                self._steps.count += 1
+                self._steps.advance()
                 self._explicit_boundary(final=(i == total - 1))
 
     def step(self) -> int:
@@ -401,7 +401,7 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
         skip = self._implicit_counted  # this iteration was already counted by the optimizer post-hook
         self._implicit_counted = False
         if not skip:
-            self._steps.count += 1
+            self._steps.advance()
         self._explicit_boundary(final=False)
         return self._steps.count
 

@@ -7,9 +7,9 @@ of the hook through two owners only — the clock (``clock.py``: ``held_at``, ``
 ``_serve_anchor_read``, ``_read_for_round``). Iteration boundaries (``hook.range()``/``hook.step()``, the
 boundary path's decide/boundary) are ``boundary.py``; the several-optimizer implicit cycle is ``cycle.py``.
 
-Who writes what (the map): this module writes ``_post_seq``, ``_fwd_train_count``, ``_state_at``'s
-``fwd_seq``/``fwd_bufs``, ``fwd_rng``, ``fwd_count`` (read by stateat.py) and ``snap``/``snap_count`` (the
-clock's post-hook; read by the saves), ``_step_event`` (read by stateat.py's background read),
+Who writes what (the map): this module writes ``_post_seq``, ``_fwd_train_count``, records in ``_state_at``
+the first forward's buffers, RNG and count (``record_forward_*``; read by stateat.py) and the post-hook's
+snapshot (``record_snap``, ``record_boundary_snap``; read by the saves), ``_step_event`` (read by stateat.py's background read),
 ``_bwd_since_step``, ``_train_fwd_seq``,
 ``_last_fwd_training``, ``_skip_warned``, ``_handles``/``_unwrap``/``_scaler_orig`` (its own), ``_clock``
 (the one optimizer that is the clock) and ``_bg_on`` (``_turn_on_background``; also cleared by boundary,
@@ -190,19 +190,19 @@ class StepHooksMixin:
         if not module.training and not grad:
             return  # an evaluation's forward (eval mode, no grad): the iteration's post-step work goes on
         if self._state_at.fwd_seq != self._post_seq:  # the first forward after an optimizer step: buffers of the end
-            self._state_at.fwd_seq = self._post_seq  # of the iteration (post-step updates in, this forward's not yet)
-            self._state_at.fwd_bufs = (self._steps.count, clone_buffers(self._buffers))
+            # of the iteration (post-step updates in, this forward's not yet)
+            self._state_at.record_forward_bufs(self._post_seq, self._steps.count, clone_buffers(self._buffers))
         if self._fwd_train_count != self._steps.count and module.training:
             self._fwd_train_count = self._steps.count
             if self._realign is not None:
                 self._realign_rng()
             if self._bg_on:  # one optimizer: its step ends the iteration (not so with a GAN's two)
-                self._state_at.fwd_rng = (self._steps.count, torch.get_rng_state())  # ~1 us: see _realign_rng
+                self._state_at.record_forward_rng(self._steps.count, torch.get_rng_state())  # ~1 us: see _realign_rng
             if self._bg_on and self._steps.count > 0 and not self._range_clock:
                 self._watch.mark()  # the post-step writes (AveragedModel, clipping) are part of iteration S
         if self._state_at.fwd_count == self._steps.count or not self._bg_on or not grad:
             return
-        self._state_at.fwd_count = self._steps.count
+        self._state_at.record_forward_count(self._steps.count)
         give_up = None
         with self._steps.cv:
             if not self._range_clock:
@@ -280,7 +280,7 @@ class StepHooksMixin:
         else the snapshot follows the iteration's end so far."""
         if self._cycle.ends(optimizer):
             return True
-        self._state_at.snap = Snapshot.take(self._objs.loaders)
+        self._state_at.record_boundary_snap(Snapshot.take(self._objs.loaders))
         return False
 
     def _iterations_unproven(self, steps: dict[str, int], first: dict[str, int], clock_steps: int,
@@ -331,7 +331,7 @@ class StepHooksMixin:
                 key = self._steps.held_at()
                 if key is None or self._steps.count < key:
                     if enter is None:
-                        self._steps.in_step = True
+                        self._steps.enter_step()
                     else:
                         enter()
                     return
@@ -384,7 +384,7 @@ class StepHooksMixin:
         with self._steps.cv:
             count = self._steps.end_step()
             if snap is not None:
-                self._state_at.snap, self._state_at.snap_count = snap, count
+                self._state_at.record_snap(snap, count)
         self._implicit_counted = True
         if self._periodic is not None:  # the step-path reduction only carries periodic votes now
             if self._agree.pending:
