@@ -42,7 +42,7 @@ class BoundaryMixin:
         if not self._loop.fresh_checked:
             self._warn_unresumed()
         if self._life.torn_down:  # the process group is gone: count, but launch nothing
-            self._steps.count += 1
+            self._steps.advance()
             return
         if self._bg_on:
             self._step_end()
@@ -51,7 +51,7 @@ class BoundaryMixin:
             res = self._agree.collect()
             if res is not None and res[0] > 0:
                 self._act(res[0], res[1], snap=None, final=False)
-        self._steps.count += 1
+        self._steps.advance()
         self._loop.count_implicit()
         if self._loop.many_opts and not self._loop.explicit_intent and \
                 ("boundary", "implicit") not in self._loop.path_logged:
@@ -60,7 +60,7 @@ class BoundaryMixin:
                 # the clock steps again after another optimizer did: past the first iteration, where a
                 # hook.step() loop would have declared itself
                 self._log_path("boundary", "implicit", self._implicit_why() or "")
-        self._state_at.snap = Snapshot.take(self._objs.loaders)
+        self._state_at.record_boundary_snap(Snapshot.take(self._objs.loaders))
         level, deadline_ms = self._local_level()
         self._agree.launch(level, deadline_ms, self._periodic_flags())
 
@@ -128,8 +128,7 @@ class BoundaryMixin:
             self._loop.confirmed = start
             self._loop.range_clock = True
             if self._loop.many_opts:  # the count moves at boundaries; steps already in this iteration: inside it
-                self._steps.count = start
-                self._steps.in_step = bool(self._loop.iter_steps)
+                self._steps.reach(start, inside=bool(self._loop.iter_steps))
                 self._step_copies.reset(start)
         self._loop.kind = loop
         self._enable_background(clocked=True)
@@ -165,17 +164,17 @@ class BoundaryMixin:
             self._book.record_step_event()  # the background read waits on it: this iteration's kernels are done
         with self._steps.cv:
             if self._loop.many_opts:  # the iteration ends here (``_multi_step_begin``): count it, leave "inside"
-                self._steps.count, self._steps.in_step = expected, False
+                self._steps.reach(expected)
                 self._loop.new_iteration()
                 self._step_copies.reset(expected)  # (the watch's mark above excused none of the new copies)
-            self._state_at.snap, self._state_at.snap_count = snap, expected
-            self._state_at.fwd_bufs, self._state_at.fwd_seq = (expected, bufs), self._book.post_seq
+            self._state_at.record_snap(snap, expected)
+            self._state_at.record_forward_bufs(self._book.post_seq, expected, bufs)
             self._loop.confirmed = expected
             # The small state of this iteration's end, copied here and kept until the next boundary: the one
             # moment it is known exactly (the loop may change a stateful object before its next forward or
             # step). A round for this step takes it whenever it comes — no wait for an anchor. Copied, not
             # packed: packing (torch.save) costs ms, and only a round needs it (``_capture_small_for``).
-            self._state_at.range_small = self._copy_small(expected, "iteration-boundary")
+            self._state_at.record_range_small(self._copy_small(expected, "iteration-boundary"))
             if self._state_at.want_small == expected:
                 self._capture_small_for(expected, "iteration-boundary")
             give_up = self._serve_anchor_read(expected, "iteration-boundary")  # the exact fallback's read
@@ -226,7 +225,7 @@ class BoundaryMixin:
         """(under ``_steps.cv``, not held) ``optimizer`` steps now: keep the last boundary readable, or mark "inside"."""
         if not self._steps.in_step and self._copy_before_step(optimizer):
             return
-        self._steps.in_step = True
+        self._steps.enter_step()
 
     def _copy_before_step(self, optimizer: Any) -> bool:
         """True when the state of the last boundary stays readable through ``optimizer``'s step: it already has
@@ -273,7 +272,7 @@ class BoundaryMixin:
         with self._steps.cv:
             self._break_clock(why)
             if self._loop.many_opts:
-                self._steps.in_step = False  # the boundary path counts from here (its steps are not watched)
+                self._steps.leave_step()  # the boundary path counts from here (its steps are not watched)
         self._log_path("boundary", self._loop.kind, why)
         bg = self._bg
         if bg is not None and bg.busy.is_set():
@@ -283,6 +282,6 @@ class BoundaryMixin:
                     self._steps.cv.wait(0.05)  # `busy` clears without a notify: look again shortly
         self._exit_if_requested()
         self._step_copies.reset(-1)  # the boundary path reads live state at boundaries: no copies any more
-        self._steps.count = expected
+        self._steps.set_count(expected)
         self._enter_explicit()
         self._explicit_boundary(final=final)

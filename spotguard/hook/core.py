@@ -348,7 +348,7 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
             if self._loop.range_clock:
                 self._clocked_boundary(final=(i == total - 1))
             else:
-                self._steps.count += 1
+                self._steps.advance()
                 self._explicit_boundary(final=(i == total - 1))
 
     def step(self) -> int:
@@ -362,7 +362,7 @@ class Hook(StepHooksMixin, BoundaryMixin, NoticesMixin, AgreementMixin, SaveMixi
             self._clocked_boundary(final=False)
             return self._steps.count
         if not self._loop.take_implicit():  # else this iteration was already counted by the optimizer post-hook
-            self._steps.count += 1
+            self._steps.advance()
         self._explicit_boundary(final=False)
         return self._steps.count
 

@@ -102,7 +102,7 @@ class ExitMixin:
         every rank of this process group calls it at the same boundary. ``snap``:
         loaders and RNG taken at step ``step`` when the write comes later.
         """
-        self._steps.count = step
+        self._steps.set_count(step)
         self._internal = True
         self._exit(notice, self._save(notice, "emergency", snap))
 

@@ -92,7 +92,8 @@ class ResumeMixin:
                 self._log.info(ev.RESUMED, step=0, uri=None, from_notice_id=None, seconds=0.0)
         finally:
             self._internal = False
-        self._steps.count = self._resumed_step = step
+        self._steps.set_count(step)
+        self._resumed_step = step
         self._resumed = True
         self._damaged_dirs = set(damaged)  # a save at one of these steps must never count it as committed
         self._baseline = self._watch.baseline()  # the loaded state: "trained since?" is measured from here

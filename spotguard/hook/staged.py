@@ -4,9 +4,9 @@ hook side (``every=``; the upload itself is ``periodic.py``).
 Why a module of its own (issue 28, part 2): the staged save is a sequence over the clock (``clock.py``: wait
 until this rank ended S, release or keep the hold) and the state at S (``stateat.py``: the tensors, the small
 state); ``SaveMixin._save`` (save.py) writes and commits what it hands over. It moves the clock through
-``StepClock.wait_reached``/``unhold`` and the hook's ``_release_hold``, except the exact fallback
-(``_save_next_iteration``), which sets ``freeze``/``target`` and clears ``_state_at.small``/``want_small``
-itself, under ``_steps.cv``.
+``StepClock.wait_reached``/``unhold`` and the hook's ``_release_hold``; the exact fallback
+(``_save_next_iteration``) moves the hold to the next iteration (``StepClock.retarget``) and asks for that
+step's read (``StateAtS.drop_small``, ``arm_read``), under ``_steps.cv``.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class StagedSaveMixin:
         copied = time.monotonic() - t0
         self._live_moved = None
         with self._steps.cv:
-            self._state_at.staged_step = step
+            self._state_at.hold_staged(step)
             self._steps.unhold(keep_target=hold)
             self._state_at.clear_wants()
             self._steps.cv.notify_all()
@@ -147,10 +147,8 @@ class StagedSaveMixin:
                        waits_for=f"the end of the next iteration (its first training forward after step {nxt}): "
                                  f"the checkpoint stands for step {nxt}")
         with self._steps.cv:  # armed together: the training thread must find the request at its very next anchor
-            self._steps.freeze = None
-            self._steps.target = nxt  # the training thread steps once more, then is held (an emergency) or read
-            self._state_at.small = None
-            self._state_at.want_small = None
+            self._steps.retarget(nxt)  # the training thread steps once more, then is held (an emergency) or read
+            self._state_at.drop_small()
             self._state_at.arm_read(nxt, copy=not hold)
         got = self._prehook_read(nxt, t_end, copy=not hold, armed=True)
         if isinstance(got, str) and self._handing_over(nxt):

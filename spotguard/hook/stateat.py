@@ -197,9 +197,10 @@ class StateAtMixin:
             sd = self._tensor_state() if self._watch.sharded is None else self._sharded_tensor_state()
             sd = self._step_copies.substitute(sd, step)  # an optimizer that stepped since S: its copies of S
             sd, nbytes = stage_state_dict(sd) if self._state_at.want_copy else (sd, _tensor_bytes(sd))
-            self._state_at.handoff = (step, sd, nbytes, "", where)
+            self._state_at.answer_read((step, sd, nbytes, "", where))
         except Exception as exc:  # noqa: BLE001 - reported by the round, never raised into the training loop
-            self._state_at.handoff = (step, None, 0, f"reading the state at step {step}: {type(exc).__name__}: {exc}", where)
+            self._state_at.answer_read((step, None, 0, f"reading the state at step {step}: {type(exc).__name__}: {exc}",
+                                        where))
         finally:
             self._internal = False
         self._steps.cv.notify_all()
@@ -244,13 +245,12 @@ class StateAtMixin:
                 if self._state_at.fwd_count == step and self._anchor_ok(step):
                     self._capture_small_for(step, "after-forward")
                 else:
-                    self._state_at.want_small = step
-                    self._steps.cv.notify_all()
+                    self._state_at.ask_small(step)
                     while not self._state_at.has_small(step) and \
                             not (self._state_at.fwd_count == step and self._anchor_ok(step)) and \
                             not self._handing_over(step) and not self._life.exit_requested and time.monotonic() < latest:
                         self._steps.cv.wait(min(0.1, max(0.0, latest - time.monotonic())))
-                    self._state_at.want_small = None
+                    self._state_at.cancel_small()
                     if not self._state_at.has_small(step) and self._state_at.fwd_count == step and \
                             self._anchor_ok(step):
                         self._capture_small_for(step, "after-forward")
@@ -270,20 +270,20 @@ class StateAtMixin:
         rs = self._state_at.range_small
         if rs is not None and rs[0] == step:
             if rs[1] is None:  # its state_dict() raised at the boundary
-                self._state_at.small = rs
+                self._state_at.answer_small(rs)
             else:
                 try:
-                    self._state_at.small = (step, pack(rs[1]), rs[2], rs[3])
+                    self._state_at.answer_small((step, pack(rs[1]), rs[2], rs[3]))
                 except Exception as exc:  # noqa: BLE001 - recorded for the round, never raised into the loop
-                    self._state_at.small = (step, None, None, f"packing the small state of step {step}: "  # type: ignore[assignment]
-                                                     f"{type(exc).__name__}: {exc}")
+                    self._state_at.answer_small((step, None, None, f"packing the small state of step {step}: "
+                                                 f"{type(exc).__name__}: {exc}"))
             self._steps.cv.notify_all()
             return
         try:
-            self._state_at.small = self._capture_small(step, where)
+            self._state_at.answer_small(self._capture_small(step, where))
         except Exception as exc:  # noqa: BLE001 - the user's object: the round fails with this, training goes on
-            self._state_at.small = (step, None, None, f"state_dict() of the small state raised at step {step}: "  # type: ignore[assignment]
-                                             f"{type(exc).__name__}: {exc}")
+            self._state_at.answer_small((step, None, None, f"state_dict() of the small state raised at step {step}: "
+                                         f"{type(exc).__name__}: {exc}"))
         self._steps.cv.notify_all()
 
     def _sharded_tensor_state(self) -> dict[str, Any]:

@@ -12,9 +12,10 @@ Their own counters and what they installed are ``_book`` (``stepbook.py``); the 
 Who writes what (the map): this module writes ``_book``'s counters (``post_seq``, ``fwd_train_count``,
 ``bwd_since_step``, ``train_fwd_seq``, ``last_fwd_training``, ``skip_warned``, ``clock``: the one optimizer
 that is the clock; ``step_event`` through ``record_step_event``, read by stateat.py's background read; the
-handles, shadows and scaler patch through ``keep``/``shadow``/``patch_scaler``/``remove``), ``_state_at``'s
-``fwd_seq``/``fwd_bufs``, ``fwd_rng``, ``fwd_count`` (read by stateat.py) and ``snap``/``snap_count`` (the
-clock's post-hook; read by the saves), and ``_bg_on`` (``_turn_on_background``; also cleared by boundary,
+handles, shadows and scaler patch through ``keep``/``shadow``/``patch_scaler``/``remove``), records in
+``_state_at`` the first forward's buffers, RNG and count (``record_forward_*``; read by stateat.py) and the
+post-hook's snapshot (``record_snap``, ``record_boundary_snap``; read by the saves), and ``_bg_on``
+(``_turn_on_background``; also cleared by boundary,
 exit, agreement, ``close()`` and the DeepSpeed/Lightning any-moment adapters).
 """
 
@@ -177,19 +178,19 @@ class StepHooksMixin:
         if not module.training and not grad:
             return  # an evaluation's forward (eval mode, no grad): the iteration's post-step work goes on
         if self._state_at.fwd_seq != book.post_seq:  # the first forward after an optimizer step: buffers of the end
-            self._state_at.fwd_seq = book.post_seq  # of the iteration (post-step updates in, this forward's not yet)
-            self._state_at.fwd_bufs = (self._steps.count, clone_buffers(self._buffers))
+            # of the iteration (post-step updates in, this forward's not yet)
+            self._state_at.record_forward_bufs(book.post_seq, self._steps.count, clone_buffers(self._buffers))
         if book.fwd_train_count != self._steps.count and module.training:
             book.fwd_train_count = self._steps.count
             if book.realign is not None:
                 self._realign_rng()
             if self._bg_on:  # one optimizer: its step ends the iteration (not so with a GAN's two)
-                self._state_at.fwd_rng = (self._steps.count, torch.get_rng_state())  # ~1 us: see _realign_rng
+                self._state_at.record_forward_rng(self._steps.count, torch.get_rng_state())  # ~1 us: see _realign_rng
             if self._bg_on and self._steps.count > 0 and not self._loop.range_clock:
                 self._watch.mark()  # the post-step writes (AveragedModel, clipping) are part of iteration S
         if self._state_at.fwd_count == self._steps.count or not self._bg_on or not grad:
             return
-        self._state_at.fwd_count = self._steps.count
+        self._state_at.record_forward_count(self._steps.count)
         give_up = None
         with self._steps.cv:
             if not self._loop.range_clock:
@@ -265,7 +266,7 @@ class StepHooksMixin:
         else the snapshot follows the iteration's end so far."""
         if self._loop.cycle.ends(optimizer):
             return True
-        self._state_at.snap = Snapshot.take(self._objs.loaders)
+        self._state_at.record_boundary_snap(Snapshot.take(self._objs.loaders))
         return False
 
     def _iterations_unproven(self, steps: dict[str, int], first: dict[str, int], clock_steps: int,
@@ -316,7 +317,7 @@ class StepHooksMixin:
                 key = self._steps.held_at()
                 if key is None or self._steps.count < key:
                     if enter is None:
-                        self._steps.in_step = True
+                        self._steps.enter_step()
                     else:
                         enter()
                     return
@@ -367,7 +368,7 @@ class StepHooksMixin:
         with self._steps.cv:
             count = self._steps.end_step()
             if snap is not None:
-                self._state_at.snap, self._state_at.snap_count = snap, count
+                self._state_at.record_snap(snap, count)
         self._loop.count_implicit()
         if self._periodic is not None:  # the step-path reduction only carries periodic votes now
             if self._agree.pending:

@@ -274,7 +274,7 @@ class ReplicaGuard:
                 raise KeyError(f"heal state lacks {missing}: the survivor's ReplicaGuard holds other items")
             for k, v in items.items():
                 v.load_state_dict(sd[k])
-            self.hook._steps.count = self.manager.current_step()  # the state is now that step's (a deadline fallback)
+            self.hook._steps.set_count(self.manager.current_step())  # the state is that step's (a deadline fallback)
 
         state_dict.__spotguard_guard__ = self  # type: ignore[attr-defined]
         if replace:  # torchft has no unregister: a closed guard's callbacks are overwritten in place
@@ -399,7 +399,7 @@ class ReplicaGuard:
         if committed:
             # the hook counts this step too (its post-hook): keep its count on the manager's step, which a heal
             # moves, so that what it took at the next forward (buffers, RNG) is found for this step's label
-            self.hook._steps.count = step
+            self.hook._steps.set_count(step)
             with self._lock:
                 self._phase = "post"  # the loop's post-step work of this step (scheduler, EMA) comes next
         if not committed or tally is None:

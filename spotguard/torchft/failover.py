@@ -198,7 +198,7 @@ def write_step(guard: "ReplicaGuard", notice: Notice, step: int, snap: Any) -> N
     another run": the groups have lineages of their own) although the state is in storage. Looked at before
     and after the save: the group leaves committed (143) instead of claiming a failure (75)."""
     hook = guard.hook
-    hook._steps.count = step
+    hook._steps.set_count(step)
     hook._internal = True
     if _peer_committed(guard, notice, step, hook._group):
         result = _Result(committed=True, uri=f"{hook._storage.uri}/{step_dir(step)}")

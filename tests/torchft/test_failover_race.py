@@ -48,7 +48,7 @@ def _group(tmp: Path, name: str, rank: int, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("REPLICA_RANK", str(rank))
     (tmp / name).mkdir()
     guard = w.build(str(tmp / "ckpt"), str(tmp / name / "none.sock"))[4]
-    guard.hook._steps.count = STEP
+    guard.hook._steps.set_count(STEP)
     guard._replica_rank = rank
     return guard
 

@@ -202,7 +202,8 @@ class FrameworkHook(Hook):
         remembered, so that the daemon replaying it to the restarted process makes
         every rank exit at once instead of training and saving again.
         """
-        self._steps.count = self._resumed_step = step
+        self._steps.set_count(step)
+        self._resumed_step = step
         self._last_boundary = step
         from_notice = None
         uri = None
@@ -240,7 +241,7 @@ class FrameworkHook(Hook):
             return
         self._last_boundary = step
         self._finished = final
-        self._steps.count = step
+        self._steps.set_count(step)
         self._explicit_boundary(final=final)
         if self._read_at_boundary and not final:
             self._read_now()

@@ -148,7 +148,7 @@ class AccelerateHook(AccelerateAnyMoment, FrameworkHook):
         first accumulation after the resume is acted on between micro-batches as well)."""
         step = Hook.resume(self)
         if self._steps.count > 0:
-            self._state_at.snap, self._state_at.snap_count = Snapshot.take(self._objs.loaders), self._steps.count
+            self._state_at.record_snap(Snapshot.take(self._objs.loaders), self._steps.count)
             self._acc_step = (self._steps.count, int(self.accelerator.step))
         return step
 

@@ -228,7 +228,7 @@ class AnyMomentMixin:
             out = orig(*args, **kwargs)
         except BaseException:
             with self._steps.cv:
-                self._steps.in_step = False
+                self._steps.leave_step()
                 self._steps.cv.notify_all()
             raise
         self._ds_step_end()
@@ -264,10 +264,11 @@ class AnyMomentMixin:
         small = self._ds_capture(step) if step != self._steps.count else None
         with self._steps.cv:
             if small is not None:
-                self._steps.count = self._last_boundary = step
+                self._steps.set_count(step)
+                self._last_boundary = step
                 self._ds_small = small
             if self._every is None:
-                self._steps.in_step = False
+                self._steps.leave_step()
             self._steps.cv.notify_all()
         if small is not None:
             self._tick()
@@ -278,7 +279,7 @@ class AnyMomentMixin:
                 self._ds_periodic()
             finally:
                 with self._steps.cv:
-                    self._steps.in_step = False
+                    self._steps.leave_step()
                     self._steps.cv.notify_all()
         self._exit_if_requested()
 

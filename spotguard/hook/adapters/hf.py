@@ -289,7 +289,7 @@ class HFTrainerHook(HFAnyMomentMixin, FrameworkHook):
             return
         step = int(state.global_step)
         final = bool(state.max_steps) and state.max_steps > 0 and step >= state.max_steps
-        self._steps.count = step
+        self._steps.set_count(step)
         res = self._agree.collect()
         if res is not None and res[0] == 0 and not final and self._every is not None and self._agree.flags[0]:
             # every=: some rank is due: every rank has the Trainer write checkpoint-<step> now (on_save uploads)

@@ -144,8 +144,8 @@ class HFAnyMomentMixin:
     def _hf_step_begin(self, step: int) -> None:
         """``on_step_begin`` (after ``_capture``): step ``step`` is complete, its end state known."""
         with self._steps.cv:
-            self._steps.count = self._last_boundary = step
-            self._steps.in_step = False
+            self._steps.reach(step)
+            self._last_boundary = step
             self._steps.cv.notify_all()
         self._exit_if_requested()
 
@@ -165,7 +165,7 @@ class HFAnyMomentMixin:
         self._step_begin()
         with self._steps.cv:
             self._hf_ended = True
-            self._steps.in_step = False
+            self._steps.leave_step()
             self._steps.cv.notify_all()
         self._exit_if_requested()
 

@@ -260,16 +260,16 @@ class AnyMomentMixin:
         if self._lt_leave:  # a round handed over: every rank switches at the same batch end
             self._lt_any = self._bg_on = False
             with self._steps.cv:
-                self._steps.in_step = False
+                self._steps.leave_step()
                 self._steps.cv.notify_all()
             self._log_path("boundary", "lightning", "a notice came after validation or an epoch end since the "
                                                     "last optimizer step: the boundary path from here on")
             return False
         at = snapshot(step)
         with self._steps.cv:
-            self._steps.count = self._last_boundary = step
+            self._steps.reach(step)
+            self._last_boundary = step
             self._lt_at = at
-            self._steps.in_step = False
             self._loop.mend_clock()  # S's state is known again
             self._steps.cv.notify_all()
         self._finished = final
