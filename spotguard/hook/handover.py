@@ -91,7 +91,7 @@ class StateAtS:
 
     @property
     def fwd_seq(self) -> int:
-        """``Hook._post_seq`` at the last forward that copied the buffers."""
+        """``Hook._book.post_seq`` at the last forward that copied the buffers."""
         return self._fwd_seq
 
     @property
