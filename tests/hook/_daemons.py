@@ -48,8 +48,10 @@ def subscribers(sock: str) -> list[dict[str, Any]]:
     return list(query_status(sock)["subscribers"])
 
 
-def wait_subscribed(sock: str, ranks: set[int], run: Optional[TorchRun] = None, timeout: float = 30.0) -> None:
-    """Until the daemon on ``sock`` lists exactly these ranks as subscribers."""
+def wait_subscribed(sock: str, ranks: set[int], run: Optional[TorchRun] = None, timeout: float = 120.0) -> None:
+    """Until the daemon on ``sock`` lists exactly these ranks as subscribers (a readiness wait: it returns as soon
+    as they are, fails at once if torchrun exits; 120 s covers a two-rank start on two loaded cores, measured
+    24-33 s to ``hook_installed`` at load 12)."""
     wait_until(lambda: {s.get("rank") for s in subscribers(sock)} == ranks, timeout,
                f"ranks {sorted(ranks)} subscribed to {sock}", run)
 
