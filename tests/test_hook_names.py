@@ -21,8 +21,8 @@ HOOK = ROOT / "spotguard" / "hook"
 #: ``stepcopy.StepCopies``, reached from core/boundary/stateat) — a new shared *owner* is the shape wanted;
 #: a new shared plain field is not. 48: the loop's shape and the step hooks' bookkeeping (29 names, 27 of them
 #: shared) went into two owners, ``_loop`` (``loopshape.LoopShape``) and ``_book`` (``stepbook.StepBook``). 41:
-#: the lifecycle owner (``_life``, ``lifecycle.Lifecycle``) took eight (``_closed``, ``_torn_down``, ``_exiting``, ``_exit_request``,
-#: ``_exit_code``, ``_late``, ``_exit_callbacks``, ``_prev_handlers``) and is one itself
+#: the lifecycle owner (``_life``, ``lifecycle.Lifecycle``) took eight (``_closed``, ``_torn_down``, ``_exiting``,
+#: ``_exit_request``, ``_exit_code``, ``_late``, ``_exit_callbacks``, ``_prev_handlers``) and is one itself
 CEILING = 41
 
 
