@@ -19,10 +19,10 @@ HOOK = ROOT / "spotguard" / "hook"
 #: shared ``self._name`` count at the last measurement; lower it when a change lowers the count. 73: issue 28's
 #: owners brought it 87 -> 72, and the several-optimizer step copies added one owner object (``_step_copies``,
 #: ``stepcopy.StepCopies``, reached from core/boundary/stateat) — a new shared *owner* is the shape wanted;
-#: a new shared plain field is not. 48: the loop's shape and the step hooks' bookkeeping (27 names) went into two
-#: owners, ``_loop`` (``loopshape.LoopShape``) and ``_book`` (``stepbook.StepBook``). 41: the lifecycle owner
-#: (``_life``, ``lifecycle.Lifecycle``) took eight (``_closed``, ``_torn_down``, ``_exiting``, ``_exit_request``,
-#: ``_exit_code``, ``_late``, ``_exit_callbacks``, ``_prev_handlers``) and is one itself
+#: a new shared plain field is not. 48: the loop's shape and the step hooks' bookkeeping (29 names, 27 of them
+#: shared) went into two owners, ``_loop`` (``loopshape.LoopShape``) and ``_book`` (``stepbook.StepBook``). 41:
+#: the lifecycle owner (``_life``, ``lifecycle.Lifecycle``) took eight (``_closed``, ``_torn_down``, ``_exiting``,
+#: ``_exit_request``, ``_exit_code``, ``_late``, ``_exit_callbacks``, ``_prev_handlers``) and is one itself
 CEILING = 41
 
 

@@ -111,7 +111,7 @@ class BoundaryMixin:
         optimizer step S *is* the end of iteration S-1 as far as model and optimizer go, and the loop's
         boundary right after it is where the rest (scheduler, RNG, loader, buffers) is read. Each boundary
         checks that exactly one clock step ran since the previous one (``_clocked_boundary``); a round may
-        only save a step that such a check has proven (``_confirmed``).
+        only save a step that such a check has proven (``_loop.confirmed``).
         """
         if self._loop.explicit or self._loop.range_clock:
             return

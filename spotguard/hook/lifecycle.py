@@ -13,8 +13,9 @@ Who does what (the map, read from the code; the locks are as they were before th
   ``mark_torn_down()`` (``exit.py``: ``_quiesce``, the thread in ``destroy_process_group()``, no lock) marks
   ``torn_down`` once and ``note_last_reduction`` keeps the flag reduction it settled there (read at process
   exit, ``_at_exit``);
-- ``request_exit(notice, result, step)`` (``exit.py``: ``_exit_from_background``, the agreement thread or a
-  deadline timer) records the exit decision (under ``cv``, the clock's: every wait on the clock stops on it);
+- ``request_exit(notice, result, step)`` (``exit.py``: ``_exit_from_background``, the agreement thread, a
+  deadline timer, the torchft watchdog or group-fallback listener) records the exit decision (under ``cv``,
+  the clock's: every wait on the clock stops on it);
 - ``begin_exit()`` (``exit.py``: ``_exit``, the training thread; ``_hard_exit``, whichever thread leaves; no
   lock) marks ``exiting``: from here the process is leaving;
 - ``keep_handler`` (``notices.py``: ``_install_signals``, the main thread at install) remembers the signal

@@ -6,9 +6,10 @@ the optimizer clock or handed to the boundary path, and why — was fifteen name
 initialised in ``core.py`` and read or written by ``boundary.py``, ``stephooks.py``, ``stateat.py``,
 ``exit.py``, ``agreement.py``, ``resume.py``, ``rounds.py`` and five adapter modules. Here they have one owner,
 ``Hook._loop``; a field that two files move is moved by a named method, a field one file writes is assigned
-there. It holds no lock: the fields are the training thread's, except ``range_broken``, which the agreement
-thread reads (``agreement.py``'s round, ``rounds.py``, ``stateat.py:_handing_over``) and the training thread
-writes under the clock's ``cv`` (``break_clock``, ``mend_clock``: the caller holds it).
+there (a record: no property guards a field; ``tests/hook/test_owners.py`` checks that rule). It holds no
+lock: the fields are the training thread's, except ``range_broken``, which the agreement thread reads
+(``agreement.py``'s round, ``rounds.py``, ``stateat.py:_handing_over``) and the training thread writes under
+the clock's ``cv`` (``break_clock``, ``mend_clock``: the caller holds it).
 
 Who does what (the map, read from the code):
 
@@ -21,8 +22,8 @@ Who does what (the map, read from the code):
   loop starts, is proven at each boundary, or leaves the clock); read by ``core.py``, ``stephooks.py``,
   ``stateat.py``, ``exit.py``, the Accelerate adapters;
 - ``range_broken`` (why an explicit loop's proof failed): ``break_clock`` (``boundary.py:_break_clock``, which
-  ``agreement.py`` and ``exit.py`` call; the Lightning any-moment adapter), ``mend_clock`` (the Lightning
-  adapter at a step's end);
+  ``agreement.py``, ``exit.py`` and ``stephooks.py:_step_begin`` call; the Lightning any-moment adapter),
+  ``mend_clock`` (the Lightning adapter at a step's end);
 - ``iter_steps`` (each optimizer's steps since the last explicit boundary): ``opt_stepped``
   (``stephooks.py``'s post-hook), ``new_iteration`` (``boundary.py``'s boundary);
 - ``implicit_counted`` (the optimizer post-hook already counted the iteration a boundary ends):

@@ -6,7 +6,8 @@ backwards, the CUDA event of a step's end, the RNG a resumed run realigns to —
 and ``GradScaler`` patch they must undo. That was fourteen names in Hook's one namespace, initialised in
 ``core.py`` and used from ``stephooks.py``, ``boundary.py``, ``stateat.py``, ``resume.py`` and five adapter
 modules. Here they have one owner, ``Hook._book``; a field that two files move is moved by a named method, a
-field one file writes is assigned there. No lock: every field is the training thread's, except ``step_event``,
+field one file writes is assigned there (a record: no property guards a field; ``tests/hook/test_owners.py``
+checks that rule). No lock: every field is the training thread's, except ``step_event``,
 which the agreement thread's background read (``stateat.py:_background_read``) only reads.
 
 Who does what (the map, read from the code):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import pytest
 import torch
@@ -20,6 +20,8 @@ import torch
 from spotguard.hook import Hook
 from spotguard.hook.clock import StepClock
 from spotguard.hook.handover import StateAtS
+from spotguard.hook.loopshape import LoopShape
+from spotguard.hook.stepbook import StepBook
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "spotguard"
@@ -64,25 +66,69 @@ def _targets(node: ast.AST) -> Iterator[ast.expr]:
             yield t
 
 
-def foreign_writes(root: Path = PACKAGE) -> list[str]:
-    """``file:line: expression`` for every write of an owner's field outside the owner's own file: an assignment
-    (plain, augmented, annotated, a tuple's element, a ``for``/``with``/walrus target), a ``del``, or a
-    ``setattr(<...>._steps, "count", ...)`` with the name spelled out."""
+#: methods that change a container in place (a dict, list or set a property hands out is still the owner's)
+MUTATORS = frozenset({"append", "extend", "insert", "remove", "pop", "popitem", "clear", "update", "setdefault",
+                      "add", "discard", "sort", "reverse", "__setitem__", "__delitem__"})
+
+
+def _attribute_under(node: ast.expr) -> Optional[ast.Attribute]:
+    """``x.f`` for ``x.f``, ``x.f[k]``, ``x.f[k][j]`` (the field an item write changes), else None."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    return node if isinstance(node, ast.Attribute) else None
+
+
+def _aliases(tree: ast.AST, owners: Iterable[str]) -> dict[str, str]:
+    """Local names bound to an owner (``book = self._book``; ``hook, book = self, self._book``) -> its attribute:
+    a write through the alias is a write of the owner's field (read per file, any function)."""
+    found: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assign):
+            continue
+        for t in node.targets:
+            pairs = zip(t.elts, node.value.elts) if isinstance(t, ast.Tuple) and isinstance(node.value, ast.Tuple) \
+                else [(t, node.value)]
+            for name, value in pairs:
+                if isinstance(name, ast.Name) and isinstance(value, ast.Attribute) and value.attr in owners:
+                    found[name.id] = value.attr
+    return found
+
+
+def writes_of(root: Path, owners: Mapping[str, tuple[str, tuple[str, ...]]]) -> list[tuple[str, int, str, str]]:
+    """(file, line, owner expression, field) for every write of a field of ``owners`` (owner attribute -> (its
+    file, its fields)) outside the owner's own file: an assignment (plain, augmented, annotated, a tuple's
+    element, a ``for``/``with``/walrus target, an item of it), a ``del``, an in-place change (``.append``,
+    ``.clear``, ... on the field or an item of it), or a ``setattr(<...>._steps, "count", ...)`` with the name
+    spelled out; the private field behind a property (``_steps._count``) counts as the field, and so does a write
+    through a local alias of the owner."""
     found = []
     for path in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            hits: list[tuple[ast.expr, str]] = [(t.value, t.attr) for t in _targets(node)
-                                                if isinstance(t, ast.Attribute)]
+        tree = ast.parse(path.read_text(), str(path))
+        alias = _aliases(tree, owners)
+        for node in ast.walk(tree):
+            hits: list[tuple[ast.expr, str]] = [(a.value, a.attr) for a in map(_attribute_under, _targets(node))
+                                                if a is not None]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+                a = _attribute_under(node.func.value)
+                if a is not None:
+                    hits.append((a.value, a.attr))
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
                     node.func.id in ("setattr", "delattr") and len(node.args) >= 2 and \
                     isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
                 hits.append((node.args[0], node.args[1].value))
             for owner_expr, field in hits:
-                owner = OWNERS.get(_last_name(owner_expr))
-                if owner is not None and field in owner[1] and path.name != owner[0]:
-                    found.append(f"{path.relative_to(root.parent)}:{owner_expr.lineno}: "
-                                 f"{ast.unparse(owner_expr)}.{field}")
+                name = _last_name(owner_expr)
+                owner = owners.get(alias.get(name, name) if isinstance(owner_expr, ast.Name) else name)
+                if owner is not None and field.removeprefix("_") in owner[1] and path.name != owner[0]:
+                    found.append((str(path.relative_to(root.parent)), owner_expr.lineno, ast.unparse(owner_expr),
+                                  field))
     return found
+
+
+def foreign_writes(root: Path = PACKAGE) -> list[str]:
+    """``file:line: expression`` for every write of a field of StepClock/StateAtS outside clock.py/handover.py
+    (``writes_of``)."""
+    return [f"{path}:{line}: {expr}.{field}" for path, line, expr, field in writes_of(root, OWNERS)]
 
 
 def test_only_the_owners_write_their_fields() -> None:
@@ -109,6 +155,57 @@ def test_the_source_check_sees_each_kind_of_write(tmp_path: Path) -> None:
     assert sorted(found) == sorted(["self._steps.count", "hook._steps.in_step", "self.hook._steps.freeze",
                                     "self._state_at.snap", "self._state_at.small", "self._steps.hold_until",
                                     "self._state_at.handoff"])
+
+
+def test_the_source_check_sees_writes_past_the_properties(tmp_path: Path) -> None:
+    """The read-only properties stop ``hook._steps.count = 1`` at run time, but not a write of the private field
+    behind one (``hook._steps._count = 1``: no error, the map bypassed) nor an in-place change of a container a
+    property hands out (``fwd_bufs[1][...] = ``, ``.clear()``): the source check must see those."""
+    (tmp_path / "spotguard").mkdir()
+    (tmp_path / "spotguard" / "x.py").write_text(
+        "def f(self, hook, b):\n"
+        "    self._steps._count = 1\n"
+        "    hook._state_at._want_small += 1\n"
+        "    self._state_at.fwd_bufs[1]['m'] = b\n"
+        "    hook._state_at.fwd_bufs[1].clear()\n"
+        "    del self._state_at._small\n"
+        "    self._steps.cv.notify_all()\n"  # a call on a field that changes no field of the owner: left alone
+        "    x = self._state_at.fwd_bufs[1]['m']\n")  # a read: left alone
+    found = [f.split(": ", 1)[1] for f in foreign_writes(tmp_path / "spotguard")]
+    assert sorted(found) == sorted(["self._steps._count", "hook._state_at._want_small", "self._state_at.fwd_bufs",
+                                    "hook._state_at.fwd_bufs", "self._state_at._small"])
+
+
+#: the two records (``loopshape.py``, ``stepbook.py``): plain fields, no property guards them, so any file may
+#: assign one; their rule (each module's docstring) is that a field one file writes is assigned there and a field
+#: two files move goes through a named method of the owner
+RECORDS = {"_loop": ("loopshape.py", tuple(vars(LoopShape({}, print)))),
+           "_book": ("stepbook.py", tuple(vars(StepBook({}, {}))))}
+
+
+def shared_record_writes(root: Path = PACKAGE) -> dict[str, list[str]]:
+    """A field of LoopShape/StepBook -> the files (two or more) that write it directly, outside its owner."""
+    files: dict[str, set[str]] = {}
+    for path, _line, _expr, field in writes_of(root, RECORDS):
+        files.setdefault(field, set()).add(path)
+    return {f: sorted(p) for f, p in files.items() if len(p) > 1}
+
+
+def test_record_fields_are_written_by_one_file_each() -> None:
+    assert shared_record_writes() == {}, "a record's field written directly from two files: give it a named move"
+
+
+def test_the_record_check_sees_a_second_writer(tmp_path: Path) -> None:
+    (tmp_path / "spotguard").mkdir()
+    (tmp_path / "spotguard" / "a.py").write_text("def f(self):\n    self._loop.range_broken = 'x'\n"
+                                                 "    self._loop.path_logged.add(('a', 'b'))\n")
+    (tmp_path / "spotguard" / "b.py").write_text("def g(self):\n    hook, book = self, self._book\n"
+                                                 "    book.post_seq += 1\n    self._loop.explicit = True\n")
+    (tmp_path / "spotguard" / "c.py").write_text("def h(hook):\n    hook._book.post_seq = 0\n"
+                                                 "    hook._loop.range_broken = None\n")
+    (tmp_path / "spotguard" / "loopshape.py").write_text("def k(self):\n    self._loop.explicit = False\n")
+    assert shared_record_writes(tmp_path / "spotguard") == {
+        "range_broken": ["spotguard/a.py", "spotguard/c.py"], "post_seq": ["spotguard/b.py", "spotguard/c.py"]}
 
 
 @pytest.mark.parametrize("owner,fields", [(StepClock(), CLOCK_FIELDS),
