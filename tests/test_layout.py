@@ -31,9 +31,6 @@ LONG_ALLOWED: dict[str, str] = {
                                             "after a daemon kill); the per-action modules are apart already",
     "spotguard/daemon/server.py": "the Unix socket server: accept, SO_PEERCRED, the bounded reader and the "
                                   "per-client writer share one Client object and its locking",
-    "spotguard/daemon/app.py": "Daemon: wiring (start, shutdown, signals) and the notice loop (ingest, fan-out, "
-                               "the server's handler); state file, supervision, status, reports and drills are "
-                               "apart; splitting the class further would share its attributes across files",
     "spotguard/daemon/watchers/aws.py": "one watcher: IMDSv2 token, hop-limit detection and four polled paths "
                                         "(spot, rebalance, scheduled events, ASG lifecycle) that share the token",
     "spotguard/storage/commit.py": "the commit protocol of one folder layout: folder states (scan, newest "

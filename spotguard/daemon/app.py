@@ -13,6 +13,11 @@ file kept). With ``--sigterm-notice`` (for set-ups where the trainer gets no
 signal of its own) the SIGTERM becomes a ``termination`` notice and the daemon
 keeps serving until every subscriber reported its checkpoint (or left) or the
 grace deadline passed, then exits 0.
+
+Why apart from ``noticeloop.py``: this module is the wiring (build the parts, start them in order, signals,
+housekeeping, the systemd watchdog, a bounded shutdown, the CLI); what happens to each notice and subscriber
+once it runs is ``NoticeLoop``'s, which is given its parts here and asks back only for what its ``Wiring``
+names. A change to start-up or shutdown order is read here alone.
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ import asyncio
 # asyncio.to_thread's executor (the state file writer), loaded at import: a daemon started as root that then
 # drops privileges may not be able to read the standard library any more.
 import concurrent.futures.thread  # noqa: F401
-import dataclasses
 import os
 import signal
 import socket
@@ -31,32 +35,19 @@ import time
 from typing import Any, Optional, Sequence
 
 from ..logs import configure_logging, get_logger
-from ..notice import Cancel, Notice
-from ..protocol import (
-    VERSION,
-    CancelMsg,
-    Drill,
-    DrillCancel,
-    ErrorReply,
-    Hello,
-    Message,
-    NoticeMsg,
-    ProtocolError,
-    StatusReply,
-    encode,
-)
 from ..timefmt import to_rfc3339, utcnow
 from ..version import __version__
-from . import drills, status as status_mod
+from . import status as status_mod
 from .actions import ActionError, ActionRunner
 from .book import Entry, NoticeBook
 from .config import ConfigError, DaemonConfig, add_arguments as _add_config_arguments
 from .logsink import LogSink
 from .metrics import Metrics, MetricsServer
+from .noticeloop import NoticeLoop
 from .persist import state_path_for
 from .reports import Reports
 from .sdnotify import SdNotifier
-from .server import Client, Server, ServerStartError, SocketInUse
+from .server import Server, ServerStartError, SocketInUse
 from .statefile import StateKeeper
 from .supervise import WatchersUnbuildable, WatcherSupervisor, build_watchers, resolve_cloud
 from .watchers.base import Watcher
@@ -70,34 +61,8 @@ log = get_logger("spotguard.daemon")
 TAKEOVER_WAIT = 5.0
 
 
-def _fits(msg: Message) -> bool:
-    try:
-        encode(msg)
-    except ProtocolError:
-        return False
-    return True
-
-
-def _fit_line(notice: Notice) -> Notice:
-    """A provider's raw ``detail`` may be huge: cut it so the notice fits one protocol line."""
-    if _fits(NoticeMsg(notice=notice)):
-        return notice
-    return dataclasses.replace(notice, detail=notice.detail[:4096] + " [truncated]")
-
-
 class StartupError(RuntimeError):
     """The daemon cannot start; ``str()`` is one line naming the fix (exit 2)."""
-
-
-def _disconnect_label(reason: str) -> str:
-    """Low-cardinality label for the disconnect counter."""
-    r = reason.lower()
-    for key, label in (("overflow", "slow_reader"), ("stalled", "slow_reader"), ("malformed", "malformed"),
-                       ("too many", "limit"), ("evicted", "limit"), ("idle", "idle"),
-                       ("shutting down", "shutdown")):
-        if key in r:
-            return label
-    return "closed"
 
 
 class Daemon:
@@ -124,7 +89,6 @@ class Daemon:
         self.housekeeping_interval = housekeeping_interval
         self.write_timeout = write_timeout
         self.takeover_wait = takeover_wait
-        self.server: Optional[Server] = None
         self.metrics_server: Optional[MetricsServer] = None
         self.uid = os.getuid()
         self.started_monotonic = time.monotonic()
@@ -133,12 +97,11 @@ class Daemon:
         self.ready = asyncio.Event()
         self.stopped = asyncio.Event()
         self._stop = asyncio.Event()
-        self._progress = asyncio.Event()  # a subscriber reported or left: re-check the shutdown condition
+        progress = asyncio.Event()  # a subscriber reported or left: re-check the shutdown condition
         # ``ingest`` looked up per event (not bound now), as before the supervisor was its own object
         self.supervisor = WatcherSupervisor(lambda event, w: self.ingest(event, w), self.metrics, self._stop,
                                             restart_backoff)
         self._tasks: list[asyncio.Task[Any]] = []
-        self._termination_task: Optional[asyncio.Task[None]] = None
         self._side_tasks: set[asyncio.Task[Any]] = set()
         self._signals: list[int] = []
         self._shut = False
@@ -147,7 +110,16 @@ class Daemon:
                                     reconnect_grace=config.reconnect_grace, on_change=self.keeper.save,
                                     persist=self.keeper.persist)
         self.keeper.attach(self.actions)
-        self.reports = Reports(self.book, self.actions, self.metrics, config, self._progress, self._spawn)
+        self.reports = Reports(self.book, self.actions, self.metrics, config, progress, self._spawn)
+        # What happens to a notice and a subscriber once everything runs (noticeloop.py); the server's handler.
+        self.notices = NoticeLoop(self, book=self.book, keeper=self.keeper, actions=self.actions,
+                                  reports=self.reports, metrics=self.metrics, sd=self.sd, progress=progress,
+                                  uid=self.uid)
+
+    @property
+    def server(self) -> Optional[Server]:
+        """The socket server, once built (``start``); the notice loop holds it, the wiring starts and closes it."""
+        return self.notices.server
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -179,13 +151,13 @@ class Daemon:
         for w in self.watchers:
             w.health.stale_after = cfg.health_stale_after
         self.metrics.set_watchers(self.watchers)
-        self.server = Server(cfg.socket, self, max_subscribers=cfg.max_subscribers, queue_size=cfg.send_queue,
-                             ping_interval=cfg.ping_interval, write_timeout=self.write_timeout,
-                             socket_gid=cfg.socket_gid)
+        server = self.notices.server = Server(
+            cfg.socket, self.notices, max_subscribers=cfg.max_subscribers, queue_size=cfg.send_queue,
+            ping_interval=cfg.ping_interval, write_timeout=self.write_timeout, socket_gid=cfg.socket_gid)
         try:
-            await self._start_server(self.server)
+            await self._start_server(server)
         except ServerStartError as exc:
-            self.server = None
+            self.notices.server = None
             raise StartupError(str(exc)) from None
         await self._start_actions()
         await asyncio.to_thread(lambda: None)  # the state writer's thread exists before the first notice
@@ -211,7 +183,7 @@ class Daemon:
             self._tasks.append(asyncio.create_task(self._watchdog(self.sd.watchdog_interval), name="sd-watchdog"))
         log.info("daemon.ready", socket=cfg.socket, cloud=self.cloud, sources=self.sources(), node=self.node(),
                  pid=os.getpid(), uid=self.uid, metrics_port=cfg.metrics_port or None, version=__version__)
-        self.sd.ready(self._sd_status())
+        self.sd.ready(self.sd_status())
         self.ready.set()
 
     async def _start_server(self, server: Server) -> None:
@@ -243,8 +215,9 @@ class Daemon:
             for sig in self._signals:
                 loop.remove_signal_handler(sig)
         tasks = [*self.supervisor.tasks(), *self._tasks, *self._side_tasks]
-        if self._termination_task is not None and self._termination_task is not asyncio.current_task():
-            tasks.append(self._termination_task)
+        term = self.notices.termination_task
+        if term is not None and term is not asyncio.current_task():
+            tasks.append(term)
         for t in tasks:
             t.cancel()
         # Bounded all along (a successor is waiting for the socket path): <= ~1.5 s in all.
@@ -281,48 +254,8 @@ class Daemon:
             log.warning("watcher.close_failed", source=w.source, error=repr(exc))
 
     def ingest(self, event: Any, watcher: Optional[Watcher] = None) -> Optional[Entry]:
-        """One event from a source: de-dup, record, fan out. Returns the new entry, if any."""
-        assert self.server is not None
-        if isinstance(event, Cancel):
-            notice_id = self.keeper.cancelled_id(event.id)
-            entry = self.book.cancel(notice_id)
-            if entry is None:
-                return None
-            self.server.broadcast(CancelMsg(id=notice_id))
-            log.info("notice.cancelled", notice_id=notice_id, source=event.source, detail=event.detail[:500])
-            self.metrics.cancels.labels(event.source).inc()
-            self.actions.cancelled(notice_id)
-            self.keeper.save()
-            self._progress.set()
-            return None
-        if not isinstance(event, Notice):
-            log.warning("watcher.bad_event", source=getattr(watcher, "source", None), event_type=type(event).__name__)
-            return None
-        notice = self.keeper.restored(_fit_line(event))
-        entry = self.book.add(notice, watcher)
-        if entry is None:
-            return None
-        # Delivery first: nothing (a log line, a state file, a metric) may stand between a notice and its
-        # subscribers.
-        sent = self.server.broadcast(NoticeMsg(notice=notice), notice.id, notice.received_at.timestamp())
-        for c in sent:
-            self.book.queued(notice.id, c.id, live=True)
-        entry.broadcast_to = len(sent)
-        self.reports.sent(entry, sent)
-        if notice.key:
-            self.keeper.save()
-        self.metrics.notices.labels(notice.source, notice.kind).inc()
-        log.info("notice.seen", notice_id=notice.id, source=notice.source, kind=notice.kind,
-                 deadline=to_rfc3339(notice.deadline), received_at=to_rfc3339(notice.received_at),
-                 seconds_left=round(notice.seconds_left(), 3), detail=notice.detail[:500], subscribers=len(sent))
-        if not sent:
-            log.info("notice.delivered", notice_id=notice.id, subscribers=0,
-                     detail="no subscriber yet; replayed to each one that subscribes before it expires")
-        self.sd.status(self._sd_status())
-        self.actions.notice(entry)  # after the fan-out was queued: an action never delays it
-        if notice.source == "signal" and notice.kind == "termination" and self._termination_task is None:
-            self._termination_task = asyncio.create_task(self._terminate(notice), name="spotguard-termination")
-        return entry
+        """One event from a source (the notice loop's one entry, kept here for the callers of ``Daemon``)."""
+        return self.notices.ingest(event, watcher)
 
     def _restore_action_state(self) -> None:
         """Hand the action state of the notices an earlier life persisted to the action runner."""
@@ -362,35 +295,7 @@ class Daemon:
         self.shutting_down = self.shutting_down or "SIGINT"
         self.request_stop(0)
 
-    def _unfinished(self) -> list[Client]:
-        assert self.server is not None
-        return [c for c in self.server.subscribers() if not self.book.client_finished(c.id)]
-
-    async def _terminate(self, notice: Notice) -> None:
-        """Serve until every subscriber reported checkpoint_done/failed (or left), or the deadline."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + max(0.0, notice.seconds_left())
-        log.info("shutdown.waiting", notice_id=notice.id, subscribers=len(self._unfinished()),
-                 deadline=to_rfc3339(notice.deadline))
-        while True:
-            pending = self._unfinished()
-            if not pending:
-                reason = "every subscriber reported its checkpoint or left"
-                break
-            left = end - loop.time()
-            if left <= 0:
-                reason = "grace deadline reached"
-                break
-            self._progress.clear()
-            try:
-                await asyncio.wait_for(self._progress.wait(), left)
-            except asyncio.TimeoutError:
-                pass
-        log.info("shutdown.ready", notice_id=notice.id, reason=reason,
-                 still_waiting_for=[c.describe() for c in pending])
-        self.request_stop(0)
-
-    # --- server handler ---------------------------------------------------------
+    # --- who this VM is (the hello, status) -------------------------------------------
 
     def node(self) -> str:
         if self.config.node:
@@ -408,84 +313,11 @@ class Daemon:
                 out.append(s)
         return out
 
-    def hello(self) -> Hello:
-        return Hello(version=VERSION, node=self.node(), cloud=self.cloud, sources=self.sources())
-
-    def on_connect(self, client: Client) -> None:
-        pass
-
-    def on_subscribe(self, client: Client) -> None:
-        assert self.server is not None
-        self.metrics.subscribers.set(len(self.server.subscribers()))
-        for entry in list(self.book.active.values()):
-            if entry.id in client.sent_ids:
-                continue
-            if self.server.send(client, NoticeMsg(notice=entry.notice), entry.id, None):
-                self.book.queued(entry.id, client.id, live=False)
-                log.info("notice.replayed", notice_id=entry.id, **client.log_fields())
-        self.actions.remember(client)
-        self._progress.set()
-        self.sd.status(self._sd_status())
-
-    def on_report(self, client: Client, msg: Message) -> None:
-        self.reports.on_report(client, msg)
-
     def _spawn(self, coro: Any) -> None:
+        """A side task (Azure approval, a cluster reconcile): kept so that shutdown cancels it."""
         task = asyncio.create_task(coro)
         self._side_tasks.add(task)
         task.add_done_callback(self._side_tasks.discard)
-
-    def on_status(self, client: Client) -> Message:
-        reply = StatusReply(state=self.status())
-        if _fits(reply):
-            return reply
-        # Hundreds of subscribers x notices can outgrow one 64 KiB line: summarise.
-        reply = StatusReply(state=self.status(compact=True))
-        return reply if _fits(reply) else ErrorReply(error="status too large for one line")
-
-    def on_drill_cancel(self, client: Client, msg: DrillCancel) -> Message:
-        """Withdraw an active drill: subscribers get ``cancel`` and it is no longer replayed."""
-        reply, cancel = drills.cancel(client, msg, self.uid, self.book)
-        if cancel is not None:
-            self.ingest(cancel)
-        return reply
-
-    def on_drill(self, client: Client, msg: Drill) -> Message:
-        reply, notice = drills.drill(client, msg, self.uid)
-        if notice is not None:
-            self.ingest(notice, None)
-        return reply
-
-    def on_delivered(self, client: Client, notice_id: str, latency: Optional[float]) -> None:
-        entry = self.book.get(notice_id)
-        live = entry is not None and client.id in entry.pending
-        finished = self.book.delivered(notice_id, client.id, latency)
-        if live and latency is not None:
-            self.metrics.delivery_latency.observe(latency)
-            log.debug("notice.delivered_to", notice_id=notice_id, latency_ms=round(latency * 1e3, 3),
-                      **client.log_fields())
-        if finished is not None:
-            self._log_delivered(finished)
-
-    def on_disconnect(self, client: Client, reason: str) -> None:
-        assert self.server is not None
-        self.metrics.subscribers.set(len(self.server.subscribers()))
-        self.metrics.disconnects.labels(_disconnect_label(reason)).inc()
-        for entry in self.book.client_gone(client.id):
-            self._log_delivered(entry)
-        self.reports.forget(client)
-        self.actions.forget(client)
-        self.actions.progress(self.book.active.values())
-        self._progress.set()
-        if client.subscribed:
-            self.sd.status(self._sd_status())
-
-    def _log_delivered(self, entry: Entry) -> None:
-        lat = sorted(entry.latencies)
-        fields: dict[str, Any] = {"subscribers": len(lat), "of": entry.broadcast_to}
-        if lat:
-            fields.update(latency_ms_p50=round(lat[len(lat) // 2] * 1e3, 3), latency_ms_max=round(lat[-1] * 1e3, 3))
-        log.info("notice.delivered", notice_id=entry.id, source=entry.notice.source, kind=entry.notice.kind, **fields)
 
     # --- operations (status.py) ------------------------------------------------------
 
@@ -506,7 +338,7 @@ class Daemon:
     def _health(self) -> tuple[bool, dict[str, Any]]:
         return status_mod.health_doc(self)
 
-    def _sd_status(self) -> str:
+    def sd_status(self) -> str:
         return status_mod.sd_status(self)
 
     async def _housekeeping(self) -> None:

@@ -3,7 +3,7 @@ logged, counted, handed to the cluster actions; with the two rules that make one
 several notices (the same report for sibling emergency notices; a final report for an id an earlier,
 killed daemon life delivered) and Azure's approval once every subscriber reported.
 
-Why apart from ``app.py``: this is what the daemon learns back from the trainers, after the fan-out; it owns
+Why apart from ``noticeloop.py``: this is what the daemon learns back from the trainers, after the fan-out; it owns
 the one piece of state it needs (the earlier-life reports per client) and is told the rest.
 """
 

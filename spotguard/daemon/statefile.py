@@ -1,7 +1,7 @@
 """The daemon's state file and what it restores: one owner for the notices an earlier daemon life left, the
 ids a re-seen notice keeps, and the writes, which run off the delivery path.
 
-Why its own object: the notice loop (``app.py``) only says "the active notices changed" (``save``) or
+Why its own object: the notice loop (``noticeloop.py``) only says "the active notices changed" (``save``) or
 "write it before the outcome goes out" (``persist``); when and from which thread the file is written, and
 what an earlier life's notice turns a fresh one into (``restored``), are decided here alone.
 """

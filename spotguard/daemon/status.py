@@ -37,11 +37,13 @@ class Observed(Protocol):
     metrics: Metrics
     supervisor: WatcherSupervisor
     watchers: list[Watcher]
-    server: Optional[Server]
     cloud: str
     uid: int
     started_monotonic: float
     shutting_down: Optional[str]
+
+    @property
+    def server(self) -> Optional[Server]: ...
 
     @property
     def stop_requested(self) -> bool: ...

@@ -268,3 +268,33 @@ def test_second_daemon_on_same_socket_exits_2(spawn_daemon) -> None:
     lines = second.stderr_now().strip().splitlines()
     assert len(lines) == 1 and "already serving" in lines[0], lines
     assert first.proc.poll() is None and os.path.exists(first.sock)
+
+
+async def test_the_notice_loop_is_the_servers_handler_and_daemon_ingest_delegates(sock_path: str) -> None:
+    """Wiring vs the notice loop (noticeloop.py): the server calls the loop, and ``Daemon.ingest`` (the name
+    callers know) still delivers and books."""
+    async with running_daemon(sock_path) as d:
+        assert d.server is not None and d.server.handler is d.notices and d.notices.server is d.server
+        sub = await Subscription(sock_path).open()
+        entry = d.ingest(make_notice("direct-ingest"))
+        assert entry is not None and d.book.get("direct-ingest") is entry and entry.broadcast_to == 1
+        assert (await sub.next_notice(timeout=5)).id == "direct-ingest"
+        await sub.close()
+
+
+def test_the_notice_loop_asks_the_wiring_only_what_wiring_names() -> None:
+    """The loop's one way back to ``Daemon`` is its ``Wiring`` protocol: a new ``self.wiring.x`` must be named
+    there (so the two modules never share attributes silently)."""
+    import ast
+    from pathlib import Path
+
+    import spotguard.daemon.noticeloop as nl
+
+    tree = ast.parse(Path(nl.__file__).read_text(encoding="utf-8"))
+    wiring = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Wiring")
+    named = {n.target.id for n in wiring.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    named |= {n.name for n in wiring.body if isinstance(n, ast.FunctionDef)}
+    asked = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
+             and n.value.attr == "wiring"}
+    assert asked and asked <= named, sorted(asked - named)
+    assert named == {"cloud", "node", "sources", "status", "sd_status", "request_stop"}

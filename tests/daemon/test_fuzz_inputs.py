@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spotguard.daemon.app import _fit_line
+from spotguard.daemon.noticeloop import _fit_line
 from spotguard.daemon.config import _OPTIONS, ConfigError, DaemonConfig
 from spotguard.daemon.persist import parse_state
 from spotguard.daemon.watchers import aws as aws_mod
