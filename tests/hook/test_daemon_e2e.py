@@ -73,7 +73,9 @@ def drill_when_running(run: TorchRun, sock: str, ranks: set[int], at: int) -> st
     try:
         wait_subscribed(sock, ranks, run)
         run.wait_step(at)
-        return drill(sock, deadline_in=60)
+        # 180 s: the notice must still be active when the module's later test restarts the job (the replay);
+        # at load 7 that restart subscribed 69-70 s after the drill and a 60 s notice had expired
+        return drill(sock, deadline_in=180)
     except BaseException:
         run.kill()
         raise
@@ -130,7 +132,7 @@ def test_replay_on_same_vm_exits_at_once_without_second_checkpoint(drilled: _Dri
 
     run = TorchRun(tmp_path / "replay.log", ["--steps", str(STEPS), "--step-time", STEP_TIME,
                                              "--storage", str(drilled.store)], env={"SPOTGUARD_SOCKET": drilled.sock})
-    rc = run.wait(60)
+    rc = run.wait(120)
     assert rc == 1, run.tail()
     assert "exitcode  : 143" in run.log.read_text()
     assert run.steps() == [], "the replayed job trained before exiting"
