@@ -27,6 +27,26 @@ def job_tmpdir(log: Path) -> Path:
     return tmpdir
 
 
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (read from /proc: the ranks and their loader workers)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
 class TorchRun:
     """One ``torchrun --standalone`` job; stdout+stderr of agent and workers go to one log file."""
 
@@ -94,10 +114,18 @@ class TorchRun:
 
     def kill(self) -> None:
         if self.proc.poll() is None:
+            # torchrun starts each worker in a session of its own: killing torchrun's group alone would leave
+            # the ranks orphaned, blocked on the agent's dead c10d store (seen: 33 min after a timed-out leg)
+            workers = _descendants(self.proc.pid)
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            for pid in workers:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             self.proc.wait()
 
     def tail(self, n: int = 40) -> str:
