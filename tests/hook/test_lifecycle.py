@@ -11,7 +11,9 @@ import pytest
 
 from spotguard.hook.lifecycle import Lifecycle, exit_code_of
 
-from .test_owners import MUTATORS, _attribute_under  # an item write or an .append/.clear changes the field too
+# the one reading of what a statement writes (its targets, tuples and starred unpacked, for/with/walrus, del) and
+# of an in-place change (an item write or an .append/.clear changes the field too)
+from .test_owners import MUTATORS, _attribute_under, _targets
 
 PKG = Path(__file__).resolve().parents[2] / "spotguard"
 OWNED = {"_closed", "_torn_down", "_exiting", "_exit_request", "_exit_code", "_late", "_exit_callbacks",
@@ -43,19 +45,6 @@ def hook_family(root: Path = PKG) -> set[str]:
                 family.add(name)
         grew = len(family) > before
     return family
-
-
-def _targets(node: ast.AST) -> list[ast.expr]:
-    if isinstance(node, ast.Assign):
-        out: list[ast.expr] = []
-        for t in node.targets:
-            out.extend(t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])
-        return out
-    if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-        return [node.target]
-    if isinstance(node, ast.Delete):
-        return list(node.targets)
-    return []
 
 
 def writes_outside_owner(root: Path = PKG) -> list[str]:
