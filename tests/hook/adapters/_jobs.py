@@ -200,7 +200,7 @@ def drill_beside_reference(ref: Job, run: Job, socket: str, fired: Callable[[], 
     from .._daemons import wait_subscribed  # noqa: PLC0415 - the daemon tests' helpers
 
     try:
-        wait_subscribed(socket, {0, 1}, run, timeout=120)
+        wait_subscribed(socket, {0, 1}, run)
         run.wait_for(fired, 120, "the moment of the notice")
         notice_id = drill(socket, deadline_in=deadline)
         run.wait(60)

@@ -80,7 +80,7 @@ def _zero2_drill(ref: Reference, tmp_path: Path, daemon: DaemonProc) -> None:
               ["--zero", "2", "--steps", str(STEPS), "--step-time", "0.2", "--storage", str(store), "--every", "1"],
               env={"SPOTGUARD_SOCKET": daemon.socket})
     try:
-        wait_subscribed(daemon.socket, {0, 1}, run, timeout=120)
+        wait_subscribed(daemon.socket, {0, 1}, run)
         # two periodic commits: the notice's step may be the newest of them (the any-moment path saves the last
         # completed step, already committed when the notice follows a periodic save), with an older one left
         run.wait_for(lambda: len({e.get("notice_id") for e in run.events("checkpoint_committed")

@@ -56,7 +56,7 @@ def _preempt_during_eval_and_resume(script: str, key: str, reference: tuple[dict
                ["--steps", str(STEPS), "--storage", str(store), "--eval-every", str(EVAL_EVERY),
                 "--eval-batches", str(EVAL_BATCHES), "--eval-step-time", EVAL_BATCH_TIME], daemon.socket)
     try:
-        wait_subscribed(daemon.socket, {0, 1}, run, timeout=120)
+        wait_subscribed(daemon.socket, {0, 1}, run)
         run.wait_for(lambda: any(e[key] >= 1 for e in _eval_lines(run, key)), 120, "the evaluation under way")
         notice_id = drill(daemon.socket, deadline_in=DEADLINE)
         run.wait(60)
